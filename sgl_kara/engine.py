@@ -1,0 +1,46 @@
+"""``sgl_kara.Engine``: ``sglang.Engine`` plus ``kara_*`` keyword options.
+
+    engine = sgl_kara.Engine(model_path=..., kara_policy="kara", kara_retention=0.25)
+
+Without ``model_path`` the embedded default model is served; without CUDA the CPU defaults
+(device cpu, torch_native attention, page size 1) apply. ``kara_policy="none"`` is plain SGLang.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from sgl_kara._sglang import SGLangEngine
+from sgl_kara.config import KaraConfig
+from sgl_kara.default_model import default_model_path
+from sgl_kara.plugin import register
+from sgl_kara.support import cpu_defaults, prepare_server_args
+
+
+def build_server_args(kwargs: dict):
+    """Split ``kara_*`` options off ``kwargs``; returns (KaraConfig, ServerArgs)."""
+    from sgl_kara._sglang import ServerArgs
+
+    cfg, rest = KaraConfig.from_prefixed(kwargs)
+    rest.setdefault("model_path", default_model_path())
+    for key, value in cpu_defaults().items():
+        rest.setdefault(key, value)
+    rest.setdefault("log_level", "error")
+    server_args = ServerArgs(**rest)
+    prepare_server_args(server_args, cfg)
+    return cfg, server_args
+
+
+class Engine(SGLangEngine):
+    def __init__(self, **kwargs):
+        register()  # hooks + radix backend before ServerArgs validates --radix-cache-backend
+        if "server_args" in kwargs:
+            raise TypeError("sgl_kara.Engine takes keyword options, not server_args=")
+        self.kara_config, server_args = build_server_args(kwargs)
+        if self.kara_config.enabled:
+            from sgl_kara.scheduler.kara_scheduler import run_kara_scheduler_process
+
+            self.run_scheduler_process_func = functools.partial(
+                run_kara_scheduler_process, kara_config=self.kara_config.to_dict()
+            )
+        super().__init__(server_args=server_args)

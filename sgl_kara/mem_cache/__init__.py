@@ -1,0 +1,1 @@
+"""KV-slot glue: row compaction and the radix-cache insertion cap."""

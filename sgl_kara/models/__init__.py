@@ -1,0 +1,1 @@
+"""Small models sgl_kara makes itself: random-weight fixtures and the embedded default."""

@@ -1,0 +1,91 @@
+"""SGLang general plugin (entry point ``sglang.srt.plugins``: ``sgl_kara``).
+
+SGLang calls ``register()`` early in every process it starts. Each hook stands in for one
+upstream change (see patches/) and is inert unless a Kara scheduler runs in this process
+(``sgl_kara.scheduler.runtime.ACTIVE``), so plain ``sglang.Engine`` in the same environment
+behaves exactly like SGLang.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+logger = logging.getLogger(__name__)
+_registered = False
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    apply_cpu_shim()
+    from sgl_kara import _sglang as sg
+    from sgl_kara.mem_cache.radix import BACKEND_NAME, kara_radix_cache_factory
+
+    if BACKEND_NAME not in sg.registered_radix_cache_backends():
+        sg.register_radix_cache_backend(BACKEND_NAME, kara_radix_cache_factory)
+    sg.HookRegistry.register(sg.TARGET_INIT_NEW, _init_new_hook, sg.HookType.AROUND)
+    sg.HookRegistry.register(sg.TARGET_ATTENTION, _attention_hook, sg.HookType.AROUND)
+    sg.HookRegistry.register(sg.TARGET_RESET_FOR_RETRACT, _reset_for_retract_hook, sg.HookType.AFTER)
+    sg.HookRegistry.register(sg.TARGET_RETRACTION_ORDER, _retraction_order_hook, sg.HookType.AROUND)
+    from sgl_kara.scheduler.output import unwrap_meta_hook
+
+    sg.HookRegistry.register(sg.TARGET_META_INFO, unwrap_meta_hook, sg.HookType.AROUND)
+
+
+def apply_cpu_shim() -> None:
+    """On a machine without CUDA, SGLang's RoPE must take its CPU path (else it imports vllm)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    from sgl_kara._sglang import ROTARY_BASE_MODULE
+
+    importlib.import_module(ROTARY_BASE_MODULE)._is_cpu = True
+
+
+def _active():
+    from sgl_kara.scheduler import runtime
+
+    return runtime.ACTIVE
+
+
+def _init_new_hook(original, cls, batch, model_runner, *args, **kwargs):
+    fb = original(cls, batch, model_runner, *args, **kwargs)
+    rt = _active()
+    if rt is not None and batch is not None and hasattr(batch, "reqs"):
+        rt.on_forward_batch(batch, fb)
+    return fb
+
+
+def _attention_hook(original, layer, q, k, v, forward_batch, save_kv_cache=True, *args, **kwargs):
+    rt = _active()
+    if rt is not None:
+        scoring = rt.scoring_pass
+        if scoring is not None:
+            out = original(layer, q, k, v, forward_batch, False, *args, **kwargs)
+            T = q.shape[0]
+            qv = q.reshape(scoring.B, T // scoring.B, layer.tp_q_head_num, layer.qk_head_dim)
+            scoring.score_layer(layer.layer_id, qv)
+            return out
+        rt.on_attention(layer, q, forward_batch)
+    return original(layer, q, k, v, forward_batch, save_kv_cache, *args, **kwargs)
+
+
+def _reset_for_retract_hook(result, req, *args, **kwargs):
+    rt = _active()
+    if rt is not None:
+        rt.on_retract(req)
+    return result
+
+
+def _retraction_order_hook(original, reqs, *args, **kwargs):
+    """Retract uncompressed requests first (Zipage §4.4): the loop pops from the end."""
+    order = original(reqs, *args, **kwargs)
+    if _active() is None:
+        return order
+    compressed = [i for i in order if getattr(getattr(reqs[i], "kara", None), "compressions", 0) > 0]
+    plain = [i for i in order if i not in set(compressed)]
+    return compressed + plain

@@ -1,0 +1,47 @@
+"""SnapKV scoring, used by the threshold-triggered baseline.
+
+Idea
+    The last w queries (the observation window) vote for the keys before them:
+    per query head, softmax over the M keys, summed over the w queries, query
+    heads summed into their kv head, then a 1-D max pool over positions so that
+    neighbours of a strong key survive with it (clustering). The top-`budget`
+    positions are kept.
+
+Paper
+    Li et al. 2024, "SnapKV: LLM Knows What You are Looking for Before Generation".
+
+Parameters
+    kernel_size  odd pooling width (padding kernel_size // 2, stride 1, same
+                 length); 1 disables pooling.
+    budget       number of positions kept per kv head.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .kara import window_scores
+
+
+def snapkv_scores(q_obs: torch.Tensor, k: torch.Tensor, kernel_size: int = 7) -> torch.Tensor:
+    """q_obs: [B, w, H_q, D] last w queries; k: [B, M, H_kv, D] keys to compress
+    (all before the observation window, so no mask). Returns [B, H_kv, M] float32."""
+    if kernel_size < 1 or kernel_size % 2 == 0:
+        raise ValueError(f"kernel_size must be odd and >= 1, got {kernel_size}")
+    s = window_scores(q_obs, k)  # softmax over M, summed over queries and group heads
+    if kernel_size == 1 or s.shape[-1] == 0:
+        return s
+    b, h, m = s.shape
+    pooled = F.max_pool1d(s.reshape(b * h, 1, m), kernel_size, stride=1, padding=kernel_size // 2)
+    return pooled.reshape(b, h, m)
+
+
+def snapkv_select(scores: torch.Tensor, budget: int) -> torch.Tensor:
+    """scores: [..., M] -> sorted top-`budget` indices, int64 [..., budget].
+    Ties: higher score first, then lower index."""
+    m = scores.shape[-1]
+    if not 0 <= budget <= m:
+        raise ValueError(f"budget must be in [0, M={m}], got {budget}")
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    return torch.sort(order[..., :budget], dim=-1).values

@@ -1,0 +1,1 @@
+"""Kara's scheduler glue: the periodic policy, request state, scoring and admission."""

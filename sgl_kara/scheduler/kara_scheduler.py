@@ -1,0 +1,54 @@
+"""KaraScheduler: SGLang's Scheduler plus periodic compression events.
+
+``run_kara_scheduler_process`` is the module-level process function handed to SGLang's
+Engine / HTTP server (processes are spawned, so it must be importable by name). It installs
+KaraScheduler as the Scheduler class of that scheduler process only, then runs SGLang's own
+process function.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sgl_kara._sglang import Scheduler
+from sgl_kara.config import KaraConfig
+from sgl_kara.scheduler import runtime as rt
+from sgl_kara.scheduler.admission import make_prefill_adder
+from sgl_kara.scheduler.output import make_output_streamer
+from sgl_kara.support import check_runtime_supported
+
+logger = logging.getLogger(__name__)
+
+
+class KaraScheduler(Scheduler):
+    kara_config: KaraConfig = KaraConfig()
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        check_runtime_supported(self)
+        self.kara = rt.KaraRuntime(self.kara_config, self)
+        rt.ACTIVE = self.kara
+        logger.info("sgl_kara: compression active, %s", self.kara_config)
+
+    def update_running_batch(self, batch):
+        # Compress before SGLang's decode memory check so freed slots avoid retractions.
+        if batch is not None and not batch.is_empty():
+            self.kara.on_decode_step(batch)
+        return super().update_running_batch(batch)
+
+    def get_output_streamer_class(self):
+        return make_output_streamer(super().get_output_streamer_class())
+
+    def get_prefill_adder_class(self):
+        return make_prefill_adder(super().get_prefill_adder_class(), self.kara)
+
+
+def run_kara_scheduler_process(*args, kara_config: dict, **kwargs):
+    import sglang.srt.managers.scheduler as scheduler_module
+
+    KaraScheduler.kara_config = KaraConfig(**kara_config)
+    scheduler_module.Scheduler = KaraScheduler  # this spawned scheduler process only
+    return scheduler_module.run_scheduler_process(*args, **kwargs)
+
+
+__all__ = ["KaraScheduler", "run_kara_scheduler_process"]

@@ -1,0 +1,48 @@
+"""Per-request Kara stats in every response's ``meta_info["kara"]``.
+
+SGLang's supported extension point: a SchedulerOutputStreamer subclass adds request-level
+``customized_info``; the tokenizer side (plugin hook on ``update_request_meta_info``) unwraps
+the one-element list so clients read ``meta_info["kara"]["compressions"]`` directly.
+"""
+
+from __future__ import annotations
+
+from sgl_kara._sglang import SchedulerOutputStreamer
+from sgl_kara.scheduler import runtime as rt
+
+KEY = "kara"
+
+
+def make_output_streamer(base):
+    """Built while SGLang's Scheduler.__init__ runs, so the runtime is looked up per call."""
+
+    class KaraOutputStreamer(base):
+        has_additional_customized_info = True
+
+        def build_additional_customized_info(self, reqs):
+            out = super().build_additional_customized_info(reqs)
+            runtime = rt.ACTIVE
+            metas = [runtime.meta(r) if runtime is not None and r.finished() else None for r in reqs]
+            out[KEY] = [[m] if m else [] for m in metas]
+            return out
+
+        def is_request_level_customized_info_key(self, key: str) -> bool:
+            return key == KEY or super().is_request_level_customized_info_key(key)
+
+    KaraOutputStreamer.__name__ = f"Kara{base.__name__}"
+    return KaraOutputStreamer
+
+
+def unwrap_meta_hook(original, self, meta_info, state, customized_info, index, finish_reason):
+    """TokenizerManager.update_request_meta_info: meta_info["kara"] is a dict, not a list."""
+    result = original(self, meta_info, state, customized_info, index, finish_reason)
+    value = meta_info.get(KEY)
+    if isinstance(value, list):
+        if value:
+            meta_info[KEY] = value[-1]
+        else:
+            del meta_info[KEY]
+    return result
+
+
+assert SchedulerOutputStreamer is not None

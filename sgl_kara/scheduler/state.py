@@ -1,0 +1,52 @@
+"""Per-request Kara state, stored on SGLang's ``Req`` as ``req.kara``.
+
+Row layout of one request in ``req_to_token`` (see ARCHITECTURE.md):
+
+    row pos: 0 ............ P ........... f .................. L
+            [ tree-owned   |  compressed   | uncompressed tail        ]
+              prefix slots    windows         (next window + new tokens)
+
+    logical position of row pos p >= P  =  p + pos_offset  (for p >= f; kept entries below f
+    keep the RoPE they were written with, so only new tokens need the offset)
+
+The scheduler's KaraRuntime is the one owner of this state; lengths stay physical in SGLang.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class KaraReqState:
+    enabled: bool = True
+    retention: float | None = None  # per-request override of KaraConfig.retention
+    protected: int = -1  # P: rows [0, P) are never written or freed; -1 until the first event
+    frontier: int = 0  # f: first uncompressed row (>= P once fixed)
+    pos_offset: int = 0  # tokens dropped so far: logical = physical + pos_offset past f
+    compressions: int = 0
+    capture_from: int = 0  # first logical position whose query sits in the capture ring
+
+    def exact_len(self) -> int | None:
+        """Rows whose KV matches the token ids 1:1 (None = the whole row is exact)."""
+        return self.protected if self.compressions > 0 else None
+
+    def meta(self, physical_len: int) -> dict:
+        return {
+            "compressions": self.compressions,
+            "kv_physical_len": physical_len,
+            "kv_logical_len": physical_len + self.pos_offset,
+            "enabled": self.enabled,
+        }
+
+
+def get_state(req) -> KaraReqState | None:
+    return getattr(req, "kara", None)
+
+
+def ensure_state(req, default_enabled: bool = True) -> KaraReqState:
+    state = getattr(req, "kara", None)
+    if state is None:
+        state = KaraReqState(enabled=default_enabled)
+        req.kara = state
+    return state

@@ -1,0 +1,229 @@
+"""Triton kernels vs their torch references.
+
+Without a GPU the kernels run in Triton's CPU interpreter. Triton reads TRITON_INTERPRET
+when it is first imported (triton.language's helpers are jitted then), so it is set here
+before anything imports triton; if triton was already imported without it in this
+process, the guard below fails loudly instead of skipping.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+_TRITON_PREIMPORTED = "triton" in sys.modules
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from sgl_kara.kernels import (  # noqa: E402
+    compact_kv,
+    compact_kv_ref,
+    copy_slots,
+    copy_slots_ref,
+    select_batched,
+    window_scores_paged,
+    window_scores_paged_ref,
+)
+import triton.language as tl  # noqa: E402
+from sgl_kara.policies import select, window_scores  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Scores are sums of up to W * G probabilities; tolerance per input dtype. Low-precision
+# inputs are exact when widened to fp32 (both paths accumulate in fp32), so only the
+# summation order and exp() differ: ~3e-6 measured under the interpreter; the margin is
+# for GPU MMA ordering and exp2 approximations.
+TOL = {
+    torch.float32: dict(rtol=1e-4, atol=1e-5),
+    torch.bfloat16: dict(rtol=5e-4, atol=5e-5),
+    torch.float16: dict(rtol=5e-4, atol=5e-5),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_guard():
+    # tl.zeros is itself @triton.jit'd when triton is imported; it must be interpreted too.
+    if DEV == "cpu" and type(tl.zeros).__name__ != "InterpretedFunction":
+        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set "
+                    f"(pre-imported: {_TRITON_PREIMPORTED}); run with TRITON_INTERPRET=1")
+
+
+# --------------------------------------------------------------------------- window scores
+
+# (B, W, M, H_q, H_kv, D, dtype): every GQA combo over {1, 2, 4, 8} x D x dtype, with W
+# and M not powers of two; a few edge cases first.
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SCORE_CASES = [
+    (1, 37, 37, 1, 1, 64, torch.float32),  # U = 0: M == W
+    (1, 16, 1, 4, 1, 64, torch.bfloat16),  # M = 1
+    (1, 1, 33, 2, 2, 64, torch.float16),  # W = 1
+    (2, 50, 100, 4, 2, 128, torch.float32),  # M > W, several key blocks
+] + [
+    (1 + i % 2, (37, 50)[(i // 2) % 2], (29, 45, 18)[i % 3], hq, hkv, d, DTYPES[i % 3])
+    for i, (hq, hkv, d) in enumerate(
+        (hq, hkv, d)
+        for hq in (1, 2, 4, 8)
+        for hkv in (1, 2, 4, 8)
+        if hkv <= hq
+        for d in (64, 128)
+    )
+]
+
+
+@pytest.mark.parametrize("b,w,m,hq,hkv,d,dtype", SCORE_CASES)
+def test_window_scores_paged(b, w, m, hq, hkv, d, dtype):
+    gen = torch.Generator().manual_seed(w * m + hq + d)
+    s = 3 * m + 5
+    q = (torch.randn(b, w, hq, d, generator=gen) * 2).to(dtype).to(DEV)
+    kb = (torch.randn(s, hkv, d, generator=gen) * 2).to(dtype).to(DEV)
+    slots = torch.stack([torch.randperm(s, generator=gen)[:m] for _ in range(b)]).to(DEV)
+    slots = slots.to(torch.int32 if b == 2 else torch.int64)
+    out = window_scores_paged(q, kb, slots, use_triton=True)
+    ref = window_scores_paged_ref(q, kb, slots)
+    assert out.shape == (b, hkv, m) and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    torch.testing.assert_close(ref, window_scores(q, kb[slots.long()]))
+
+
+def test_window_scores_paged_scale_and_default_dispatch():
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 20, 2, 64, generator=gen).to(DEV)
+    kb = torch.randn(40, 2, 64, generator=gen).to(DEV)
+    slots = torch.arange(5, 25, device=DEV).view(1, 20)
+    out = window_scores_paged(q, kb, slots, scale=0.05)  # None -> Triton (interpreter / CUDA)
+    torch.testing.assert_close(out, window_scores_paged_ref(q, kb, slots, 0.05), **TOL[torch.float32])
+    torch.testing.assert_close(
+        window_scores_paged(q, kb, slots, use_triton=False), window_scores_paged_ref(q, kb, slots))
+
+
+def test_window_scores_paged_validation():
+    q = torch.randn(1, 8, 4, 64)
+    kb = torch.randn(16, 2, 64)
+    slots = torch.arange(8).view(1, 8)
+    with pytest.raises(ValueError, match="dtype"):
+        window_scores_paged(q, kb.half(), slots)
+    with pytest.raises(ValueError, match="head dim"):
+        window_scores_paged(q, torch.randn(16, 2, 32), slots)
+    with pytest.raises(ValueError, match="multiple"):
+        window_scores_paged(q, torch.randn(16, 3, 64), slots)
+    with pytest.raises(ValueError, match="slots"):
+        window_scores_paged(q, kb, slots.float())
+    with pytest.raises(ValueError, match="batch"):
+        window_scores_paged(q, kb, torch.arange(8).view(2, 4))
+
+
+# --------------------------------------------------------------------------- selection
+
+
+def test_select_batched_matches_policy():
+    gen = torch.Generator().manual_seed(2)
+    a = torch.rand(12, 50, generator=gen).to(DEV)
+    torch.testing.assert_close(select_batched(a, 0.3, 6, 5), select(a, 0.3, 6, 5))
+    with pytest.raises(ValueError, match=r"\[N, M\]"):
+        select_batched(a[0], 0.3, 6, 5)
+
+
+# --------------------------------------------------------------------------- compaction
+
+
+def _pools(n_layers, s, h, d, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32}[torch.empty(0, dtype=dtype).element_size()]
+    info = torch.iinfo(bits)
+
+    def one():  # arbitrary bit patterns, NaN payloads included
+        raw = torch.randint(info.min, info.max, (s, h, d), generator=gen, dtype=torch.int64)
+        return raw.to(bits).view(dtype).to(DEV)
+
+    return [one() for _ in range(n_layers)], [one() for _ in range(n_layers)]
+
+
+def _bits_equal(xs, ys):
+    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(xs, ys))
+
+
+COMPACT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+if hasattr(torch, "float8_e4m3fn"):
+    COMPACT_DTYPES.append(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("dtype", COMPACT_DTYPES)
+@pytest.mark.parametrize("b,n_layers,h,d,k", [(2, 3, 2, 64, 37), (1, 2, 1, 128, 5), (3, 1, 8, 64, 70)])
+def test_compact_kv_bit_exact(dtype, b, n_layers, h, d, k):
+    old = 2 * k + 3  # slots [0, old) hold the window, fresh slots come after
+    s = old + b * k + 7
+    kb, vb = _pools(n_layers, s, h, d, dtype, seed=k + h)
+    gen = torch.Generator().manual_seed(k)
+    src = torch.stack([torch.sort(torch.randperm(old, generator=gen)[:k]).values
+                       for _ in range(b * n_layers * h)]).view(b, n_layers, h, k).to(DEV)
+    dst = (old + torch.randperm(b * k, generator=gen)).view(b, k).to(DEV)
+    kr, vr = [t.clone() for t in kb], [t.clone() for t in vb]
+    compact_kv(kb, vb, src, dst, use_triton=True)
+    compact_kv_ref(kr, vr, src, dst)
+    assert _bits_equal(kb + vb, kr + vr)
+    # and the reference does what the docstring says
+    kb0, _ = _pools(n_layers, s, h, d, dtype, seed=k + h)
+    for l in range(n_layers):
+        for bi in range(b):
+            for hi in range(h):
+                assert torch.equal(kr[l][dst[bi], hi].view(torch.uint8),
+                                   kb0[l][src[bi, l, hi], hi].view(torch.uint8))
+
+
+def test_compact_kv_preconditions():
+    kb, vb = _pools(2, 32, 2, 64, torch.float16, seed=0)
+    src = torch.arange(8, device=DEV).view(1, 1, 1, 8).expand(1, 2, 2, 8).contiguous()
+    if DEV == "cpu":
+        with pytest.raises(ValueError, match="overlap"):
+            compact_kv(kb, vb, src, torch.arange(4, 12).view(1, 8))
+        with pytest.raises(ValueError, match="unique"):
+            compact_kv(kb, vb, src, torch.full((1, 8), 20))
+        with pytest.raises(ValueError, match="outside"):
+            compact_kv(kb, vb, src, torch.arange(30, 38).view(1, 8))
+    with pytest.raises(ValueError, match="src_slots"):
+        compact_kv(kb, vb, src[:, :1], torch.arange(16, 24, device=DEV).view(1, 8))
+    with pytest.raises(ValueError, match="int64"):
+        compact_kv(kb, vb, src.int(), torch.arange(16, 24, device=DEV).view(1, 8))
+    with pytest.raises(ValueError, match="layers"):
+        compact_kv(kb, vb[:1], src, torch.arange(16, 24, device=DEV).view(1, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("h,d", [(2, 64), (8, 128), (3, 64)])
+def test_copy_slots_bit_exact(dtype, h, d):
+    kb, vb = _pools(3, 40, h, d, dtype, seed=h * d)
+    kr, vr = [t.clone() for t in kb], [t.clone() for t in vb]
+    src = torch.tensor([10, 11, 12, 13, 14], device=DEV)
+    dst = torch.tensor([8, 9, 10, 11, 12], device=DEV)  # page-tail shift: overlaps src
+    copy_slots(kb, vb, src, dst, use_triton=True)
+    copy_slots_ref(kr, vr, src, dst)
+    assert _bits_equal(kb + vb, kr + vr)
+    kb0, _ = _pools(3, 40, h, d, dtype, seed=h * d)
+    assert torch.equal(kr[1][8:13].view(torch.uint8), kb0[1][10:15].view(torch.uint8))
+
+
+# --------------------------------------------------------------------------- pipeline
+
+
+def test_score_select_compact_pipeline():
+    """Paged scores -> select per (layer, kv head) -> compact, vs a dense torch path."""
+    gen = torch.Generator().manual_seed(11)
+    b, w, u, hq, hkv, d, n_layers = 2, 40, 8, 4, 2, 64, 2
+    m = w - u
+    s = b * w + b * 16 + 4
+    kb, vb = _pools(n_layers, s, hkv, d, torch.float32, seed=5)
+    kb = [torch.randn(s, hkv, d, generator=gen).to(DEV) for _ in range(n_layers)]
+    qs = [torch.randn(b, w, hq, d, generator=gen).to(DEV) for _ in range(n_layers)]
+    slots = torch.arange(b * w, device=DEV).view(b, w)[:, :m]
+    idx = torch.stack([select_batched(window_scores_paged(qs[l], kb[l], slots).reshape(-1, m),
+                                      0.4, 4, 5).view(b, hkv, -1) for l in range(n_layers)], dim=1)
+    ref_idx = torch.stack([select(window_scores(qs[l], kb[l][slots]), 0.4, 4, 5)
+                           for l in range(n_layers)], dim=1)
+    assert torch.equal(idx, ref_idx)  # scores agree closely enough to pick the same set
+    src = slots[:, None, None, :].expand(b, n_layers, hkv, m).gather(3, idx)
+    dst = (b * w + torch.arange(b * idx.shape[-1], device=DEV)).view(b, -1)
+    expect = [kb[l][src[:, l].transpose(1, 2), torch.arange(hkv, device=DEV)] for l in range(n_layers)]
+    compact_kv(kb, vb, src, dst)
+    for l in range(n_layers):
+        assert torch.equal(kb[l][dst], expect[l])
