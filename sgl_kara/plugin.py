@@ -33,6 +33,7 @@ def register() -> None:
     from sgl_kara.scheduler.output import unwrap_meta_hook
 
     sg.HookRegistry.register(sg.TARGET_META_INFO, unwrap_meta_hook, sg.HookType.AROUND)
+    sg.HookRegistry.register(sg.TARGET_SAMPLING_VERIFY, _verify_hook, sg.HookType.AFTER)
 
 
 def apply_cpu_shim() -> None:
@@ -72,6 +73,14 @@ def _attention_hook(original, layer, q, k, v, forward_batch, save_kv_cache=True,
             return out
         rt.on_attention(layer, q, forward_batch)
     return original(layer, q, k, v, forward_batch, save_kv_cache, *args, **kwargs)
+
+
+def _verify_hook(result, sampling_params, *args, **kwargs):
+    """SamplingParams.verify: reject invalid ``custom_params["kara"]`` with a 400 naming the field."""
+    from sgl_kara.request_options import validate
+
+    validate(getattr(sampling_params, "custom_params", None))
+    return result
 
 
 def _reset_for_retract_hook(result, req, *args, **kwargs):

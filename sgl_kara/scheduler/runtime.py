@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -20,12 +21,18 @@ from sgl_kara.mem_cache.compaction import CompactionPlan, OutOfSlots, compact_ro
 from sgl_kara.policies.kara import select
 from sgl_kara.policies.snapkv import snapkv_select
 from sgl_kara.policies.streaming import streaming_select
+from sgl_kara.request_options import validate
 from sgl_kara.scheduler.scoring import QueryRing, ScoringPass
 from sgl_kara.scheduler.state import KaraReqState, ensure_state, get_state
 
 logger = logging.getLogger(__name__)
 
 ACTIVE: "KaraRuntime | None" = None
+
+# Test/diagnostic switches (off in production): verify ownership and the protected prefix at
+# every event; compare capture vs recompute scores on each request's first window.
+CHECK_INTEGRITY = os.environ.get("SGL_KARA_CHECK_INTEGRITY", "0") == "1"
+CROSSCHECK_QUERIES = os.environ.get("SGL_KARA_CROSSCHECK_QUERIES", "0") == "1"
 
 
 @dataclass
@@ -97,7 +104,12 @@ class KaraRuntime:
         state = get_state(req)
         if state is None:
             return None
-        return state.meta(int(req.kv.kv_committed_len))
+        meta = state.meta(int(req.kv.kv_committed_len))
+        if CHECK_INTEGRITY:
+            meta["integrity_checks"] = state.integrity_checks
+        if CROSSCHECK_QUERIES and state.crosscheck_err is not None:
+            meta["query_crosscheck_max_rel_err"] = state.crosscheck_err
+        return meta
 
     # ---------------------------------------------------------------- forward hooks
     def on_forward_batch(self, batch, fb) -> None:
@@ -147,6 +159,8 @@ class KaraRuntime:
         jobs = self._select_jobs(batch)
         if jobs:
             self._run_event(batch, jobs)
+            if CHECK_INTEGRITY:
+                self.check_integrity(batch)
 
     def _fix_protected(self, req, state: KaraReqState) -> None:
         if state.protected >= 0:
@@ -156,7 +170,42 @@ class KaraRuntime:
             p = -(-p // self.page_size) * self.page_size
         state.protected = p
         state.frontier = p
+        if CHECK_INTEGRITY:
+            self._snapshot_prefix(req, state)
 
+    def _prefix_view(self, req, state):
+        slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : state.protected].to(torch.int64).clone()
+        first, last = self.layer_ids[0], self.layer_ids[-1]
+        kv = [self.kv_pool.get_key_buffer(l)[slots].clone() for l in (first, last)]
+        kv += [self.kv_pool.get_value_buffer(l)[slots].clone() for l in (first, last)]
+        return slots, kv
+
+    def _snapshot_prefix(self, req, state):
+        state.prefix_snapshot = self._prefix_view(req, state)
+
+    def check_integrity(self, batch) -> None:
+        """Every running row: protected prefix unchanged (slots and K/V bytes); the rows' own
+        slots [P, L) are referenced by exactly one row and none of them is free."""
+        req_to_token = self.req_to_token_pool.req_to_token
+        owned = []
+        for req in batch.reqs:
+            state = get_state(req)
+            if state is None or state.protected < 0 or state.prefix_snapshot is None:
+                continue
+            slots, kv = self._prefix_view(req, state)
+            ref_slots, ref_kv = state.prefix_snapshot
+            if not torch.equal(slots, ref_slots) or not all(torch.equal(a, b) for a, b in zip(kv, ref_kv)):
+                raise AssertionError(f"Kara integrity: protected prefix of {req.rid} changed")
+            length = int(req.kv.kv_committed_len)
+            owned.append(req_to_token[req.kv.req_pool_idx, state.protected : length].to(torch.int64))
+            state.integrity_checks += 1
+        if owned:
+            own = torch.cat(owned)
+            if torch.unique(own).numel() != own.numel():
+                raise AssertionError("Kara integrity: a request-owned slot appears in two rows")
+            free = self.allocator.get_all_free_pages()
+            if torch.isin(own, free).any():
+                raise AssertionError("Kara integrity: a request-owned slot is in the free list")
     def _select_jobs(self, batch) -> list[_Job]:
         cfg = self.cfg
         cands = []
@@ -184,8 +233,7 @@ class KaraRuntime:
                 return None
             m = cfg.window - cfg.buffer
             retention = state.retention if state.retention is not None else cfg.retention
-            keep = kept_count(m, retention)
-            keep = max(keep, min(m, cfg.chunk_budget + 1))
+            keep = kept_count(m, retention)  # Token2Chunk budget is capped at keep - 1 below
             return _Job(i, req, state, state.frontier, m, keep, state.frontier, cfg.window)
         # snapkv / streaming: threshold on generated KV, compress [P, L - w) back to budget.
         generated = length - state.protected
@@ -295,11 +343,29 @@ class KaraRuntime:
             starts = torch.tensor(q_starts_logical, dtype=torch.int64, device=rows.device)
             for lid in self.layer_ids:
                 scoring.score_layer(lid, self.ring.read(lid, rows, starts, q_len))
-            return scoring.result()
+            captured = scoring.result()
+            if CROSSCHECK_QUERIES:
+                self._crosscheck(batch, jobs, rows, region_slots, captured)
+            return captured
         if self.ring is not None:
             self.stats.recompute_fallbacks += len(jobs)
         self._recompute(batch, jobs, rows, scoring)
         return scoring.result()
+
+    def _crosscheck(self, batch, jobs, rows, region_slots, captured) -> None:
+        """On a request's first window both query sources must agree (the prefix is exact)."""
+        first = [i for i, j in enumerate(jobs) if j.state.compressions == 0]
+        if not first:
+            return
+        sub = [jobs[i] for i in first]
+        idx = torch.tensor(first, device=rows.device)
+        ref = ScoringPass(self.kv_pool, self.layer_ids, region_slots[idx], self._query_rows())
+        self._recompute(batch, sub, rows[idx], ref)
+        recomputed = ref.result()
+        for n, i in enumerate(first):
+            a, b = captured[i], recomputed[n]
+            err = float(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item())
+            jobs[i].state.crosscheck_err = err
 
     def _recompute(self, batch, jobs, rows, scoring: ScoringPass) -> None:
         """Extra forward over the query window tokens, reusing cached KV and writing none.
@@ -360,7 +426,5 @@ class KaraRuntime:
 
 
 def request_options(req) -> dict:
-    """``custom_params={"kara": {...}}`` of a request (validated in the tokenizer process)."""
-    params = getattr(req.sampling_params, "custom_params", None) or {}
-    opts = params.get("kara") if isinstance(params, dict) else None
-    return opts if isinstance(opts, dict) else {}
+    """``custom_params={"kara": {...}}`` of a request (already validated by the tokenizer)."""
+    return validate(getattr(req.sampling_params, "custom_params", None))

@@ -14,7 +14,7 @@ The scheduler's KaraRuntime is the one owner of this state; lengths stay physica
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -26,6 +26,10 @@ class KaraReqState:
     pos_offset: int = 0  # tokens dropped so far: logical = physical + pos_offset past f
     compressions: int = 0
     capture_from: int = 0  # first logical position whose query sits in the capture ring
+    # Diagnostics (SGL_KARA_CHECK_INTEGRITY / SGL_KARA_CROSSCHECK_QUERIES only).
+    prefix_snapshot: object = field(default=None, repr=False, compare=False)
+    integrity_checks: int = 0
+    crosscheck_err: float | None = None
 
     def exact_len(self) -> int | None:
         """Rows whose KV matches the token ids 1:1 (None = the whole row is exact)."""

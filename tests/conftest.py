@@ -1,0 +1,131 @@
+"""Shared fixtures: tiny seeded models, engines and servers shared per session.
+
+An engine takes ~30 s to start on this CPU, so engines are session-scoped and reused.
+SGLang's strict memory checks are on for every engine the tests start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+# Kernel tests need Triton's interpreter on CPU, and Triton reads this when first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+STRICT_ENV = {
+    "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",
+    "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1",
+    "SGLANG_CHECK_KV_PAGE_INVARIANTS": "1",
+}
+os.environ.update(STRICT_ENV)
+
+# Small engines: a bounded KV pool, few requests, no overlap (Kara requires it; vanilla matches).
+ENGINE_COMMON = dict(
+    max_total_tokens=16384,
+    max_running_requests=16,
+    disable_overlap_schedule=True,
+    log_level="error",
+    random_seed=0,
+)
+
+
+@contextlib.contextmanager
+def engine_env(**extra):
+    """Environment for spawning SGLang processes: no Triton interpreter unless asked."""
+    saved = dict(os.environ)
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    from sgl_kara.models.tiny import write_tiny_model
+
+    return str(write_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama", seed=1))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory):
+    from sgl_kara.models.tiny import write_tiny_model
+
+    return str(write_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", seed=2))
+
+
+def start_engine(kind: str, model_path: str, **kwargs):
+    """kind: 'sglang' (vanilla) or 'kara'."""
+    opts = {**ENGINE_COMMON, **kwargs}
+    with engine_env():
+        if kind == "sglang":
+            import sglang
+
+            from sgl_kara.support import cpu_defaults
+
+            return sglang.Engine(model_path=model_path, **cpu_defaults(), **opts)
+        import sgl_kara
+
+        return sgl_kara.Engine(model_path=model_path, **opts)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, args: list[str], timeout: float = 240, env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        full_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        full_env.update(env or {})
+        self.log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"sgl_kara_server_{self.port}.log"), "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sgl_kara.launch_server", "--port", str(self.port), *args],
+            stdout=self.log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
+        )
+        self.wait_ready(timeout)
+
+    def wait_ready(self, timeout):
+        import requests
+
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"server not ready in {timeout}s; see {self.log.name}")
+
+    def stop(self):
+        import signal
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+    def log_text(self) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()
