@@ -62,10 +62,6 @@ def prepare_server_args(server_args, cfg: KaraConfig) -> None:
             f"--radix-cache-backend {backend} is not supported with --kara-policy {cfg.policy}: "
             "Kara needs its own backend ('kara') so compressed KV never enters the tree"
         )
-    if (getattr(server_args, "page_size", None) or 1) > 1:
-        raise UnsupportedFeature(
-            "--page-size > 1 is not supported yet with Kara compression (page size 1 only)"
-        )
     server_args.radix_cache_backend = "kara"
     # Compression edits rows the overlapped forward would still read: run without overlap.
     server_args.disable_overlap_schedule = True
@@ -84,5 +80,3 @@ def check_runtime_supported(scheduler) -> None:
             f"Kara supports standard multi-head/GQA attention KV pools only; this model uses "
             f"{type(pool).__name__} (MLA, hybrid, sliding-window or quantized pools are not supported yet)"
         )
-    if scheduler.token_to_kv_pool_allocator.page_size != 1:
-        raise UnsupportedFeature("Kara compression needs --page-size 1 for now")

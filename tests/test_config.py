@@ -73,7 +73,6 @@ def test_prefixed_split_and_unknown_option():
         (["--dp-size", "2"], "--dp-size"),
         (["--pp-size", "2"], "--pp-size"),
         (["--enable-hierarchical-cache"], "--enable-hierarchical-cache"),
-        (["--page-size", "16"], "--page-size"),
     ],
 )
 def test_launcher_rejects_bad_flags_in_process(argv, needle, capsys):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_kara.kernels.compact import compact_kv
+from sgl_kara.kernels.compact import compact_kv, copy_slots
 
 
 @dataclass
@@ -43,12 +43,14 @@ class OutOfSlots(RuntimeError):
     pass
 
 
-def compact_rows(plan: CompactionPlan, req_to_token: torch.Tensor, k_buffers, v_buffers, alloc, free):
+def compact_rows(plan: CompactionPlan, req_to_token: torch.Tensor, k_buffers, v_buffers, alloc, free, page_size: int = 1):
     """Apply ``plan``; returns the per-request drop count d (same for every request).
 
     ``alloc(n) -> LongTensor[n] | None`` and ``free(slots)`` are the token allocator's.
-    Raises OutOfSlots (nothing changed) when the K * B fresh slots cannot be allocated.
+    Raises OutOfSlots (nothing changed) when the fresh slots cannot be allocated.
     """
+    if page_size > 1:
+        return _compact_rows_paged(plan, req_to_token, k_buffers, v_buffers, alloc, free, page_size)
     B, K, M = len(plan.starts), plan.keep, plan.region
     if B == 0:
         return 0
@@ -76,4 +78,58 @@ def compact_rows(plan: CompactionPlan, req_to_token: torch.Tensor, k_buffers, v_
         req_to_token[row, a : a + K] = dst[b].to(req_to_token.dtype)
         req_to_token[row, a + K : length - d] = tail
     free(region_slots.reshape(-1))
+    return d
+
+
+def _compact_rows_paged(plan, req_to_token, k_buffers, v_buffers, alloc, free, page: int):
+    """Page size > 1: a slot's offset in its page must equal its row position mod page, so the
+    rewritten part of each row goes to fresh, page-aligned pages:
+
+        old row:  [ s ... a | region (M) | a+M ........ L )      s = a rounded down to a page
+        new row:  [ s ... a | kept (K)   | a+K .. L-d )           all rows >= s on fresh pages
+                    copied    gathered     copied (tail shifted down by d)
+
+    and every old page of rows [s, L) is freed (they hold only this request's KV: s >= P).
+    """
+    B, K, M = len(plan.starts), plan.keep, plan.region
+    if B == 0:
+        return 0
+    d = M - K
+    device = req_to_token.device
+    rows = plan.rows.to(device=device, dtype=torch.int64)
+    spans = []  # (s, a, L, n_new, n_pages)
+    for a, length in zip(plan.starts, plan.lengths):
+        s = a - a % page
+        n_new = length - d - s
+        spans.append((s, a, length, n_new, -(-n_new // page)))
+    total = sum(sp[4] for sp in spans) * page
+    fresh = alloc(total)
+    if fresh is None:
+        raise OutOfSlots(f"need {total} free KV slots (page-aligned) for compaction")
+    fresh = fresh.to(device=device, dtype=torch.int64)
+
+    offs = torch.arange(M, device=device)
+    starts = torch.tensor(plan.starts, device=device, dtype=torch.int64)
+    region_slots = req_to_token[rows[:, None], starts[:, None] + offs[None, :]].to(torch.int64)
+    Bk, L, H, _ = plan.kept.shape
+    src = torch.gather(region_slots[:, None, None, :].expand(B, L, H, M), 3, plan.kept.to(device))
+
+    new_rows, kept_dst, copy_src, copy_dst, old = [], [], [], [], []
+    cursor = 0
+    for b, (s, a, length, n_new, n_pages) in enumerate(spans):
+        row = int(rows[b])
+        new = fresh[cursor : cursor + n_pages * page][:n_new]
+        cursor += n_pages * page
+        old_row = req_to_token[row, s:length].to(torch.int64)
+        head = a - s
+        kept_dst.append(new[head : head + K])
+        copy_src += [old_row[:head], old_row[head + M :]]
+        copy_dst += [new[:head], new[head + K :]]
+        new_rows.append((row, s, new))
+        old.append(old_row)
+    compact_kv(k_buffers, v_buffers, src, torch.stack(kept_dst))
+    copy_slots(k_buffers, v_buffers, torch.cat(copy_src), torch.cat(copy_dst))
+    for row, s, new in new_rows:
+        req_to_token[row, s : s + new.numel()] = new.to(req_to_token.dtype)
+    free(torch.cat(old))
     return d

@@ -72,6 +72,11 @@ class KaraRuntime:
         self.layer_ids = list(range(self.kv_pool.start_layer, self.kv_pool.start_layer + self.kv_pool.layer_num))
         self.decode_steps = 0
         self.stats = KaraStats()
+        self.metrics = None
+        if getattr(scheduler, "enable_metrics", False) or getattr(scheduler.server_args, "enable_metrics", False):
+            from sgl_kara.scheduler.metrics import KaraMetrics
+
+            self.metrics = KaraMetrics()
         self.ring = None
         self.capture_now = None  # (rows, logical positions) of the decode forward being built
         self.scoring_pass: ScoringPass | None = None  # set only during a recompute forward
@@ -162,16 +167,20 @@ class KaraRuntime:
             if CHECK_INTEGRITY:
                 self.check_integrity(batch)
 
-    def _fix_protected(self, req, state: KaraReqState) -> None:
+    def _fix_protected(self, req, state: KaraReqState, length: int) -> bool:
+        """Fix P once the row reaches it; False while the row is still shorter than P."""
         if state.protected >= 0:
-            return
+            return True
         p = max(int(req.kv.cache_protected_len), len(req.origin_input_ids))
         if self.page_size > 1:
             p = -(-p // self.page_size) * self.page_size
+        if length < p:
+            return False
         state.protected = p
         state.frontier = p
         if CHECK_INTEGRITY:
             self._snapshot_prefix(req, state)
+        return True
 
     def _prefix_view(self, req, state):
         slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : state.protected].to(torch.int64).clone()
@@ -194,8 +203,12 @@ class KaraRuntime:
                 continue
             slots, kv = self._prefix_view(req, state)
             ref_slots, ref_kv = state.prefix_snapshot
-            if not torch.equal(slots, ref_slots) or not all(torch.equal(a, b) for a, b in zip(kv, ref_kv)):
-                raise AssertionError(f"Kara integrity: protected prefix of {req.rid} changed")
+            if not torch.equal(slots, ref_slots):
+                raise AssertionError(f"Kara integrity: protected prefix slots of {req.rid} changed: {slots.tolist()} vs {ref_slots.tolist()}")
+            if not all(torch.equal(a, b) for a, b in zip(kv, ref_kv)):
+                bad = [i for i, (a, b) in enumerate(zip(kv, ref_kv)) if not torch.equal(a, b)]
+                rows_bad = [(a != b).flatten(1).any(1).nonzero().flatten().tolist() for a, b in zip(kv, ref_kv)]
+                raise AssertionError(f"Kara integrity: protected prefix K/V bytes of {req.rid} changed (tensors {bad}, rows {rows_bad}, P={state.protected}, slots {slots.tolist()})")
             length = int(req.kv.kv_committed_len)
             owned.append(req_to_token[req.kv.req_pool_idx, state.protected : length].to(torch.int64))
             state.integrity_checks += 1
@@ -203,8 +216,8 @@ class KaraRuntime:
             own = torch.cat(owned)
             if torch.unique(own).numel() != own.numel():
                 raise AssertionError("Kara integrity: a request-owned slot appears in two rows")
-            free = self.allocator.get_all_free_pages()
-            if torch.isin(own, free).any():
+            free_pages = self.allocator.get_all_free_pages()
+            if torch.isin(own // self.page_size, free_pages).any():
                 raise AssertionError("Kara integrity: a request-owned slot is in the free list")
     def _select_jobs(self, batch) -> list[_Job]:
         cfg = self.cfg
@@ -219,7 +232,8 @@ class KaraRuntime:
             remaining = req.sampling_params.max_new_tokens - len(req.output_ids)
             if remaining <= 1:
                 continue  # about to finish: its slots are freed anyway
-            self._fix_protected(req, state)
+            if not self._fix_protected(req, state, length):
+                continue
             job = self._job_for(i, req, state, length)
             if job is not None:
                 cands.append((length - state.frontier, job))
@@ -247,14 +261,15 @@ class KaraRuntime:
 
     def _run_event(self, batch, jobs: list[_Job]) -> None:
         tic = time.perf_counter()
-        done = 0
+        done = dropped = 0
         # Group by (region, keep, query window) so each group has one shape.
         groups: dict[tuple, list[_Job]] = {}
         for job in jobs:
             groups.setdefault((job.region, job.keep, job.query_len), []).append(job)
         for group in groups.values():
             try:
-                done += self._compress_group(batch, group)
+                n, d = self._compress_group(batch, group)
+                done, dropped = done + n, dropped + n * d
             except OutOfSlots as e:
                 self.stats.skipped_no_memory += len(group)
                 logger.info("Kara event skipped %d requests: %s", len(group), e)
@@ -262,9 +277,11 @@ class KaraRuntime:
         if done:
             self.stats.events += 1
             self.stats.compression_seconds += seconds
+            if self.metrics is not None:
+                self.metrics.record_event(done, dropped, seconds)
             logger.info(
                 "Kara event #%d: %d requests compressed, %d KV entries freed, %.1f ms, %d free slots",
-                self.stats.events, done, sum(j.region - j.keep for j in jobs), seconds * 1e3,
+                self.stats.events, done, dropped, seconds * 1e3,
                 self.allocator.available_size(),
             )
 
@@ -292,11 +309,11 @@ class KaraRuntime:
         )
         k_bufs = [self.kv_pool.get_key_buffer(l) for l in self.layer_ids]
         v_bufs = [self.kv_pool.get_value_buffer(l) for l in self.layer_ids]
-        d = compact_rows(plan, req_to_token, k_bufs, v_bufs, self._alloc, self.allocator.free)
+        d = compact_rows(plan, req_to_token, k_bufs, v_bufs, self._alloc, self.allocator.free, self.page_size)
         self._shrink(batch, jobs, d, K)
         self.stats.requests_compressed += len(jobs)
         self.stats.tokens_dropped += d * len(jobs)
-        return len(jobs)
+        return len(jobs), d
 
     def _alloc(self, n: int):
         slots = self.allocator.alloc(n)
@@ -349,6 +366,8 @@ class KaraRuntime:
             return captured
         if self.ring is not None:
             self.stats.recompute_fallbacks += len(jobs)
+            if self.metrics is not None:
+                self.metrics.fallbacks.inc(len(jobs))
         self._recompute(batch, jobs, rows, scoring)
         return scoring.result()
 

@@ -1,0 +1,231 @@
+"""Train the reasoning proxy: a small Llama on the variable-tracking task (task.py), on CPU.
+
+    nice -n 19 env OMP_WAIT_POLICY=PASSIVE python bench/quality/train.py \
+        --out bench/quality/proxy_model --steps 2400 --seed 0 --log bench/quality/train.log
+
+Deterministic from --seed (one thread, seeded data stream, seeded init). Loss only on solution
+tokens (+ EOS). Curriculum: the largest problem size grows linearly from --size-start to
+--size-max over the first --ramp fraction of steps; each batch draws a size band below the
+current maximum and fills a fixed token budget, so short problems come in large batches. AdamW
+with linear warm-up and cosine decay. Every --eval-every steps it logs greedy exact-answer
+accuracy on a small held-out set (different seed) and saves the model, tokenizer and config to
+--out (config.json, model.safetensors, generation_config.json, tokenizer files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from task import MAX_NAMES, check, make_problem  # noqa: E402
+from tokenizer import build_tokenizer  # noqa: E402
+
+EVAL_SEED = 10_000_019  # held-out problems (train.py's periodic eval); eval_hf.py uses its own
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="output model directory")
+    p.add_argument("--steps", type=int, default=2400)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log", default=None, help="log file (default: <out>/train.log)")
+    p.add_argument("--threads", type=int, default=1)
+    # model
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--intermediate", type=int, default=512)
+    # optimisation
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--min-lr-frac", type=float, default=0.05)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--batch-tokens", type=int, default=6144, help="token budget per batch (incl. prompt)")
+    # curriculum (size = number of assignment steps; ~23 solution tokens per step)
+    p.add_argument("--size-start", type=int, default=5)
+    p.add_argument("--size-max", type=int, default=48)
+    p.add_argument("--ramp", type=float, default=0.6, help="fraction of steps over which the max size grows")
+    p.add_argument("--band", type=int, default=4, help="sizes in one batch span [h-band+1, h]")
+    # logging / eval
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-n", type=int, default=24)
+    return p.parse_args(argv)
+
+
+def model_config(args, vocab_size: int, tok):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.hidden // args.heads,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        torch_dtype="float32",
+    )
+
+
+def max_size_at(step: int, args) -> int:
+    frac = min(1.0, step / max(1, args.ramp * args.steps))
+    return round(args.size_start + frac * (args.size_max - args.size_start))
+
+
+def encode_example(tok, prompt: str, solution: str) -> tuple[list[int], int]:
+    """(ids, n_prompt): <bos> prompt solution <eos>; loss on ids[n_prompt:]."""
+    p = tok(prompt)["input_ids"]  # with <bos>
+    s = tok(solution, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    return p + s, len(p)
+
+
+def make_batch(rng: random.Random, tok, step: int, args):
+    hi = max_size_at(step, args)
+    h = rng.randint(2, hi)  # band top, uniform: each size gets a similar token share
+    lo = max(2, h - args.band + 1)
+    rows, starts = [], []
+    est = 29 * h + 30  # tokens per example at size h
+    n = max(1, args.batch_tokens // est)
+    for _ in range(n):
+        prompt, solution, _ = make_problem(rng, rng.randint(lo, h))
+        ids, n_prompt = encode_example(tok, prompt, solution)
+        rows.append(ids)
+        starts.append(n_prompt)
+    T = max(len(r) for r in rows)
+    x = torch.full((len(rows), T), tok.pad_token_id, dtype=torch.long)
+    y = torch.full((len(rows), T), -100, dtype=torch.long)
+    for i, (r, s0) in enumerate(zip(rows, starts)):
+        x[i, : len(r)] = torch.tensor(r)
+        y[i, s0 - 1 : len(r) - 1] = torch.tensor(r[s0:])  # predict token t+1 at position t
+    return x, y, h
+
+
+def lr_at(step: int, args) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    t = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tok, problems, batch_size: int = 12) -> float:
+    """Exact-answer accuracy of greedy decoding (HF generate, KV cache, left padding)."""
+    model.eval()
+    tok.padding_side = "left"
+    ok = 0
+    for i in range(0, len(problems), batch_size):
+        chunk = problems[i : i + batch_size]
+        enc = tok([p for p, _, _ in chunk], return_tensors="pt", padding=True)
+        max_new = max(len(s.split()) for _, s, _ in chunk) + 40
+        out = model.generate(
+            **enc, max_new_tokens=max_new, do_sample=False, eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+        for (_, _, ans), row in zip(chunk, out[:, enc["input_ids"].shape[1] :]):
+            ok += check(tok.decode(row, skip_special_tokens=True), ans)
+    model.train()
+    return ok / len(problems)
+
+
+def save(model, tok, out: Path, meta: dict):
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    tok.save_pretrained(str(out))
+    (out / "training_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    torch.use_deterministic_algorithms(True)
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = Path(args.log) if args.log else out / "train.log"
+    log = open(log_path, "a")
+
+    def emit(msg: str):
+        line = f"{time.strftime('%H:%M:%S')} {msg}"
+        print(line, flush=True)
+        log.write(line + "\n")
+        log.flush()
+
+    tok = build_tokenizer()
+    config = model_config(args, len(tok), tok)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        do_sample=False, max_new_tokens=2048,
+    )
+    n_params = sum(p.numel() for p in model.parameters())
+    emit(f"start args={vars(args)} params={n_params}")
+
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.98), eps=1e-8,
+    )
+    rng = random.Random(args.seed)
+    eval_rng = random.Random(EVAL_SEED)
+    model.train()
+    t0 = time.time()
+    acc_loss = acc_tok = acc_n = 0.0
+    for step in range(args.steps):
+        x, y, h = make_batch(rng, tok, step, args)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, args)
+        logits = model(input_ids=x).logits
+        mask = y != -100
+        loss = torch.nn.functional.cross_entropy(logits[mask], y[mask])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        with torch.no_grad():
+            acc_tok += (logits[mask].argmax(-1) == y[mask]).float().mean().item()
+        acc_loss += loss.item()
+        acc_n += 1
+        if (step + 1) % args.log_every == 0:
+            emit(
+                f"step {step + 1} loss {acc_loss / acc_n:.4f} tok_acc {acc_tok / acc_n:.4f} "
+                f"max_size {max_size_at(step, args)} lr {lr_at(step, args):.2e} "
+                f"batch {tuple(x.shape)} elapsed {time.time() - t0:.0f}s"
+            )
+            acc_loss = acc_tok = acc_n = 0.0
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            size_now = max_size_at(step, args)
+            sizes = [min(MAX_NAMES, max(2, size_now - 4 * i)) for i in range(3)]
+            probs = [make_problem(eval_rng, sizes[i % 3]) for i in range(args.eval_n)]
+            te = time.time()
+            acc = greedy_accuracy(model, tok, probs)
+            emit(f"eval step {step + 1} sizes {sizes} exact {acc:.3f} ({round(acc * len(probs))}/{len(probs)}) "
+                 f"eval_time {time.time() - te:.0f}s")
+            save(model, tok, out, {"args": vars(args), "step": step + 1, "params": n_params,
+                                   "train_seconds": round(time.time() - t0), "last_eval": acc})
+    emit(f"done steps {args.steps} elapsed {time.time() - t0:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""Prometheus metrics for compression events, served on SGLang's /metrics (--enable-metrics).
+
+Created in the scheduler process after SGLang has set up prometheus_client's multiprocess
+directory, like SGLang's own scheduler metrics.
+"""
+
+from __future__ import annotations
+
+
+class KaraMetrics:
+    def __init__(self):
+        from prometheus_client import Counter
+
+        self.events = Counter("sglang:kara_events_total", "Kara compression events run.")
+        self.requests = Counter("sglang:kara_requests_compressed_total", "Request windows compressed.")
+        self.dropped = Counter("sglang:kara_tokens_dropped_total", "KV entries dropped by compression.")
+        self.seconds = Counter("sglang:kara_compression_seconds_total", "Wall time spent in compression events.")
+        self.fallbacks = Counter(
+            "sglang:kara_recompute_fallbacks_total", "Windows scored by recompute because captured queries were gone."
+        )
+
+    def record_event(self, requests: int, dropped: int, seconds: float) -> None:
+        self.events.inc()
+        self.requests.inc(requests)
+        self.dropped.inc(dropped)
+        self.seconds.inc(seconds)
