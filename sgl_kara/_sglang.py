@@ -8,7 +8,7 @@ sgl_kara.policies / sgl_kara.kernels / sgl_kara.config.
 from sglang.srt.entrypoints.engine import Engine as SGLangEngine  # noqa: F401
 from sglang.srt.entrypoints.http_server import launch_server as sglang_launch_server  # noqa: F401
 from sglang.srt.layers.radix_attention import RadixAttention  # noqa: F401
-from sglang.srt.managers.schedule_batch import Req, ScheduleBatch  # noqa: F401
+from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch  # noqa: F401
 from sglang.srt.managers.scheduler import Scheduler, run_scheduler_process  # noqa: F401
 from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer  # noqa: F401
 from sglang.srt.mem_cache.common import evict_from_tree_cache  # noqa: F401
@@ -31,4 +31,5 @@ TARGET_RESET_FOR_RETRACT = "sglang.srt.managers.schedule_batch.Req.reset_for_ret
 TARGET_RETRACTION_ORDER = "sglang.srt.managers.schedule_batch.ScheduleBatch._get_decode_retraction_order"
 TARGET_META_INFO = "sglang.srt.managers.tokenizer_manager.TokenizerManager.update_request_meta_info"
 TARGET_SAMPLING_VERIFY = "sglang.srt.sampling.sampling_params.SamplingParams.verify"
+TARGET_UPDATE_RUNNING_BATCH = "sglang.srt.managers.scheduler.Scheduler.update_running_batch"
 ROTARY_BASE_MODULE = "sglang.srt.layers.rotary_embedding.base"

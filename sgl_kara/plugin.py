@@ -9,7 +9,10 @@ behaves exactly like SGLang.
 from __future__ import annotations
 
 import importlib
+import json
 import logging
+import os
+import time
 
 logger = logging.getLogger(__name__)
 _registered = False
@@ -34,6 +37,9 @@ def register() -> None:
 
     sg.HookRegistry.register(sg.TARGET_META_INFO, unwrap_meta_hook, sg.HookType.AROUND)
     sg.HookRegistry.register(sg.TARGET_SAMPLING_VERIFY, _verify_hook, sg.HookType.AFTER)
+    if os.environ.get("SGL_KARA_TRACE"):
+        # Benchmark instrument (vanilla and Kara alike): one line per decode scheduling step.
+        sg.HookRegistry.register(sg.TARGET_UPDATE_RUNNING_BATCH, _trace_hook, sg.HookType.AFTER)
 
 
 def apply_cpu_shim() -> None:
@@ -73,6 +79,28 @@ def _attention_hook(original, layer, q, k, v, forward_batch, save_kv_cache=True,
             return out
         rt.on_attention(layer, q, forward_batch)
     return original(layer, q, k, v, forward_batch, save_kv_cache, *args, **kwargs)
+
+
+_trace_file = None
+
+
+def _trace_hook(result, scheduler, batch, *args, **kwargs):
+    """SGL_KARA_TRACE=path: append {t, running, free, retracted} per decode step (JSON lines)."""
+    global _trace_file
+    if _trace_file is None:
+        _trace_file = open(os.environ["SGL_KARA_TRACE"], "a", buffering=1)
+    running = 0 if result is None or result.is_empty() else len(result.reqs)
+    rt = _active()
+    record = {
+        "t": time.perf_counter(),
+        "running": running,
+        "free": int(scheduler.token_to_kv_pool_allocator.available_size()),
+        "retracted": int(getattr(scheduler.metrics_reporter, "num_retracted_reqs", 0) or 0),
+        "kara_seconds": rt.stats.compression_seconds if rt is not None else 0.0,
+        "kara_events": rt.stats.events if rt is not None else 0,
+    }
+    _trace_file.write(json.dumps(record) + "\n")
+    return result
 
 
 def _verify_hook(result, sampling_params, *args, **kwargs):

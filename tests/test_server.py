@@ -39,3 +39,102 @@ def test_native_generate_reports_kara_meta(server):
     assert meta["compressions"] >= 2
     assert meta["kv_logical_len"] == r.json()["meta_info"]["prompt_tokens"] + 200 - 1
     assert meta["kv_physical_len"] < meta["kv_logical_len"]
+
+
+def _generate(server, text, params, custom=None, timeout=300):
+    import requests
+
+    body = {"text": text, "sampling_params": dict(params)}
+    if custom is not None:
+        body["sampling_params"]["custom_params"] = custom
+    return requests.post(server.url + "/generate", json=body, timeout=timeout)
+
+
+def test_per_request_options(server):
+    params = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+    off = _generate(server, "Let x = 3.", params, {"kara": {"enable": False}}).json()["meta_info"]["kara"]
+    assert off["compressions"] == 0 and off["kv_physical_len"] == off["kv_logical_len"]
+    half = _generate(server, "Let x = 3.", params, {"kara": {"retention": 0.5}}).json()["meta_info"]["kara"]
+    default = _generate(server, "Let x = 3.", params).json()["meta_info"]["kara"]
+    assert half["compressions"] == default["compressions"] >= 2
+    assert default["kv_physical_len"] < half["kv_physical_len"] < half["kv_logical_len"]
+
+
+@pytest.mark.parametrize(
+    "custom, field",
+    [
+        ({"kara": {"retention": 1.5}}, "retention"),
+        ({"kara": {"retention": "high"}}, "retention"),
+        ({"kara": {"enable": "yes"}}, "enable"),
+        ({"kara": {"windowz": 3}}, "windowz"),
+        ({"kara": 7}, "custom_params.kara"),
+    ],
+)
+def test_invalid_request_options_get_400(server, custom, field):
+    r = _generate(server, "Hi", {"max_new_tokens": 4}, custom)
+    assert r.status_code == 400, r.text
+    assert field in r.text
+    ok = _generate(server, "Hi", {"max_new_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_32_concurrent_openai_requests_with_mixed_options(server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    model = client.models.list().data[0].id
+    options = [None, {"kara": {"enable": False}}, {"kara": {"retention": 0.5}}, {"kara": {"retention": 0.1}}]
+
+    def one(i):
+        extra = {"ignore_eos": True}
+        if options[i % 4] is not None:
+            extra["custom_params"] = options[i % 4]
+        n = 80 + 10 * (i % 5)
+        if i % 2:
+            r = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": f"Question {i}"}], max_tokens=n,
+                temperature=0.7, extra_body=extra)
+        else:
+            r = client.completions.create(model=model, prompt=f"Question {i}:", max_tokens=n,
+                                          temperature=0.7, extra_body=extra)
+        return n, r.usage.completion_tokens
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(one, range(32)))
+    assert all(n == got for n, got in results), results
+
+
+def test_metrics_report_compression(server):
+    import requests
+
+    text = requests.get(server.url + "/metrics", timeout=30).text
+    events = [line for line in text.splitlines() if line.startswith("sglang:kara_events_total")]
+    assert events and float(events[0].split()[-1]) > 0, events
+    assert "sglang:kara_tokens_dropped_total" in text
+
+
+def test_frontend_fork_shares_prompt(server):
+    import sglang as sgl
+
+    metas = []
+
+    @sgl.function
+    def parallel_reasoning(s, question):
+        s += "Question: " + question + " Let us think step by step about every value we know. "
+        forks = s.fork(4)
+        for f in forks:
+            f += sgl.gen("steps", max_tokens=150, temperature=0.8, ignore_eos=True)
+        metas.extend(f.get_meta_info("steps") for f in forks)
+        s += "Done."
+
+    backend = sgl.RuntimeEndpoint(server.url)
+    state = parallel_reasoning.run(question="what is x if x = 3 + 4?", backend=backend)
+    assert state.text().endswith("Done.")
+    assert len(metas) == 4
+    for meta in metas:
+        assert meta["completion_tokens"] == 150
+        assert meta["kara"]["compressions"] >= 1
+        # the prompt was cached by the fork's prefix request and every sample hit it
+        assert meta["cached_tokens"] >= meta["prompt_tokens"] - 2, meta

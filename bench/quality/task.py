@@ -1,16 +1,19 @@
 """Variable-tracking chain task: the reasoning proxy's training and evaluation data (pure Python).
 
-A problem is a set of N assignments ``v_k := a op b`` (op in {+, -}, arithmetic mod 10), each
-operand a digit or a name ``v_j`` with j < k, listed in the prompt in **shuffled** order, then a
-query of three names. Every name is assigned exactly once (no reassignment), and every name except
-the last is used by a later one, so the last value depends on all of them. The solution evaluates
-the names in index order, one step per name, writing each fetched value next to its name:
+A problem is a set of N assignments ``name := a op b`` (op in {+, -}, arithmetic mod 10), each
+operand a digit or an earlier-assigned name, listed in the prompt in **shuffled** order, then a
+query of three names and the start name. Names are consecutive, ``v{s}, v{s+1}, ...`` (mod 64)
+from a random start s, so "which name comes next" is a fixed successor rule while the formulas
+must be looked up in the shuffled prompt by name. Every name is assigned exactly once (no
+reassignment), and every name except the last is used by a later one, so the last value depends
+on all of them. The solution evaluates the names in order, one step per name, writing each
+fetched value next to its name:
 
-    prompt   : v2 := v0 - v1 ; v0 := 3 + 5 ; v1 := v0 + 7 ; query v2 v0 v1 solve
-    solution : v0 := 3 + 5 ; 3 + 5 = 8 ; v0 = 8 .
-               v1 := v0 + 7 ; v0 = 8 ; 8 + 7 = 5 ; v1 = 5 .
-               v2 := v0 - v1 ; v0 = 8 ; v1 = 5 ; 8 - 5 = 3 ; v2 = 3 .
-               answer v2 = 3 ; v0 = 8 ; v1 = 5
+    prompt   : v42 := v40 - v41 ; v40 := 3 + 5 ; v41 := v40 + 7 ; query v42 v40 v41 ; start v40 solve
+    solution : v40 := 3 + 5 ; 3 + 5 = 8 ; v40 = 8 .
+               v41 := v40 + 7 ; v40 = 8 ; 8 + 7 = 5 ; v41 = 5 .
+               v42 := v40 - v41 ; v40 = 8 ; v41 = 5 ; 8 - 5 = 3 ; v42 = 3 .
+               answer v42 = 3 ; v40 = 8 ; v41 = 5
 
 (the solution is one line; breaks added here). Every ``name = digit`` pair in the whole sequence
 states that name's value, so a value is fetched by its name (content-addressed), never by
@@ -33,7 +36,7 @@ import re
 MAX_NAMES = 64
 NAMES = [f"v{i}" for i in range(MAX_NAMES)]
 DIGITS = [str(d) for d in range(10)]
-SYMBOLS = [":=", "=", "+", "-", ";", ".", "query", "solve", "answer"]
+SYMBOLS = [":=", "=", "+", "-", ";", ".", "query", "start", "solve", "answer"]
 WORDS = SYMBOLS + DIGITS + NAMES  # the task vocabulary (special tokens are added by tokenizer.py)
 
 N_QUERY = 3
@@ -44,8 +47,11 @@ def _apply(a: int, op: str, b: int) -> int:
     return (a + b) % 10 if op == "+" else (a - b) % 10
 
 
-def make_assignments(rng: random.Random, size: int) -> list[tuple[str, str, str, str]]:
+def make_assignments(rng: random.Random, size: int, start: int = 0) -> list[tuple[str, str, str, str]]:
     """N assignments (target, operand1, op, operand2) in evaluation order; operands are names or digits.
+
+    Step i assigns name ``v{(start + i) % 64}`` (names wrap around, so every name is common in
+    training whatever the problem size).
 
     Step 0 adds two digits. Step k >= 1 takes one operand from the not-yet-used names (a random one;
     this keeps every name used once and the pool of unused names small, hence mostly recent) and
@@ -54,7 +60,8 @@ def make_assignments(rng: random.Random, size: int) -> list[tuple[str, str, str,
     """
     if not 2 <= size <= MAX_NAMES:
         raise ValueError(f"size must be in [2, {MAX_NAMES}], got {size}")
-    out = [(NAMES[0], str(rng.randrange(10)), rng.choice("+-"), str(rng.randrange(10)))]
+    names = [NAMES[(start + i) % MAX_NAMES] for i in range(size)]
+    out = [(names[0], str(rng.randrange(10)), rng.choice("+-"), str(rng.randrange(10)))]
     unused = [0]
     for k in range(1, size):
         a = unused.pop(rng.randrange(len(unused)))
@@ -63,12 +70,12 @@ def make_assignments(rng: random.Random, size: int) -> list[tuple[str, str, str,
             b = rng.choice(others)
             if b in unused:
                 unused.remove(b)
-            second = NAMES[b]
+            second = names[b]
         else:
             second = str(rng.randrange(10))
-        ops = [NAMES[a], second]
+        ops = [names[a], second]
         rng.shuffle(ops)
-        out.append((NAMES[k], ops[0], rng.choice("+-"), ops[1]))
+        out.append((names[k], ops[0], rng.choice("+-"), ops[1]))
         unused.append(k)
     return out
 
@@ -96,15 +103,16 @@ def make_problem(rng: random.Random, size: int) -> tuple[str, str, str]:
 
     ``answer`` is the queried values as a space-separated digit string, e.g. "3 8 5".
     """
-    steps = make_assignments(rng, size)
+    start = rng.randrange(MAX_NAMES)
+    steps = make_assignments(rng, size, start)
     env = evaluate(steps)
-    last = size - 1
-    extra = rng.sample(range(max(1, (size + 1) // 2)), min(N_QUERY - 1, max(1, (size + 1) // 2)))
-    query = [NAMES[last]] + [NAMES[j] for j in extra]
+    half = (size + 1) // 2
+    extra = rng.sample(range(half), min(N_QUERY - 1, half))
+    query = [steps[-1][0]] + [steps[j][0] for j in extra]
     shuffled = list(steps)
     rng.shuffle(shuffled)
     prompt = " ; ".join(f"{t} := {x} {op} {y}" for t, x, op, y in shuffled)
-    prompt += " ; query " + " ".join(query) + " solve"
+    prompt += " ; query " + " ".join(query) + " ; start " + steps[0][0] + " solve"
     parts = []
     for t, x, op, y in steps:
         words = [t, ":=", x, op, y, ";"]
@@ -122,7 +130,7 @@ def make_problem(rng: random.Random, size: int) -> tuple[str, str, str]:
 def parse_prompt(prompt_text: str) -> tuple[list[tuple[str, str, str, str]], list[str]]:
     """Inverse of the prompt format: (assignments in prompt order, query names)."""
     body, _, tail = prompt_text.partition(" ; query ")
-    query = tail.replace("solve", "").split()
+    query = tail.split(" ; start ")[0].split()
     steps = []
     for stmt in body.split(" ; "):
         t, assign, x, op, y = stmt.split()

@@ -43,14 +43,15 @@ class OutOfSlots(RuntimeError):
     pass
 
 
-def compact_rows(plan: CompactionPlan, req_to_token: torch.Tensor, k_buffers, v_buffers, alloc, free, page_size: int = 1):
+def compact_rows(plan: CompactionPlan, req_to_token: torch.Tensor, k_buffers, v_buffers, alloc, free, page_size: int = 1,
+                 use_triton: bool | None = None):
     """Apply ``plan``; returns the per-request drop count d (same for every request).
 
     ``alloc(n) -> LongTensor[n] | None`` and ``free(slots)`` are the token allocator's.
     Raises OutOfSlots (nothing changed) when the fresh slots cannot be allocated.
     """
     if page_size > 1:
-        return _compact_rows_paged(plan, req_to_token, k_buffers, v_buffers, alloc, free, page_size)
+        return _compact_rows_paged(plan, req_to_token, k_buffers, v_buffers, alloc, free, page_size, use_triton)
     B, K, M = len(plan.starts), plan.keep, plan.region
     if B == 0:
         return 0
@@ -66,10 +67,12 @@ def compact_rows(plan: CompactionPlan, req_to_token: torch.Tensor, k_buffers, v_
     region_slots = req_to_token[rows[:, None], starts[:, None] + offs[None, :]].to(torch.int64)  # [B, M]
     # src[b, l, h, t] = region_slots[b, kept[b, l, h, t]]
     Bk, L, H, _ = plan.kept.shape
-    src = torch.gather(
-        region_slots[:, None, None, :].expand(B, L, H, M), 3, plan.kept.to(device)
-    )
-    compact_kv(k_buffers, v_buffers, src, dst)
+    try:
+        src = torch.gather(region_slots[:, None, None, :].expand(B, L, H, M), 3, plan.kept.to(device))
+        compact_kv(k_buffers, v_buffers, src, dst, use_triton=use_triton)
+    except BaseException:
+        free(dst.reshape(-1))  # rows untouched: give the fresh slots back
+        raise
 
     d = M - K
     for b in range(B):
@@ -81,7 +84,7 @@ def compact_rows(plan: CompactionPlan, req_to_token: torch.Tensor, k_buffers, v_
     return d
 
 
-def _compact_rows_paged(plan, req_to_token, k_buffers, v_buffers, alloc, free, page: int):
+def _compact_rows_paged(plan, req_to_token, k_buffers, v_buffers, alloc, free, page: int, use_triton=None):
     """Page size > 1: a slot's offset in its page must equal its row position mod page, so the
     rewritten part of each row goes to fresh, page-aligned pages:
 
@@ -127,8 +130,12 @@ def _compact_rows_paged(plan, req_to_token, k_buffers, v_buffers, alloc, free, p
         copy_dst += [new[:head], new[head + K :]]
         new_rows.append((row, s, new))
         old.append(old_row)
-    compact_kv(k_buffers, v_buffers, src, torch.stack(kept_dst))
-    copy_slots(k_buffers, v_buffers, torch.cat(copy_src), torch.cat(copy_dst))
+    try:
+        compact_kv(k_buffers, v_buffers, src, torch.stack(kept_dst), use_triton=use_triton)
+        copy_slots(k_buffers, v_buffers, torch.cat(copy_src), torch.cat(copy_dst), use_triton=use_triton)
+    except BaseException:
+        free(fresh)  # rows untouched: give the fresh pages back
+        raise
     for row, s, new in new_rows:
         req_to_token[row, s : s + new.numel()] = new.to(req_to_token.dtype)
     free(torch.cat(old))

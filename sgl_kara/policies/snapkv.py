@@ -29,12 +29,18 @@ def snapkv_scores(q_obs: torch.Tensor, k: torch.Tensor, kernel_size: int = 7) ->
     (all before the observation window, so no mask). Returns [B, H_kv, M] float32."""
     if kernel_size < 1 or kernel_size % 2 == 0:
         raise ValueError(f"kernel_size must be odd and >= 1, got {kernel_size}")
-    s = window_scores(q_obs, k)  # softmax over M, summed over queries and group heads
-    if kernel_size == 1 or s.shape[-1] == 0:
-        return s
-    b, h, m = s.shape
-    pooled = F.max_pool1d(s.reshape(b * h, 1, m), kernel_size, stride=1, padding=kernel_size // 2)
-    return pooled.reshape(b, h, m)
+    return snapkv_pool(window_scores(q_obs, k), kernel_size)  # softmax over M, summed over queries/heads
+
+
+def snapkv_pool(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:
+    """1-D max pooling over the last dim of ``[..., M]`` scores (same length; 1 = identity)."""
+    if kernel_size < 1 or kernel_size % 2 == 0:
+        raise ValueError(f"kernel_size must be odd and >= 1, got {kernel_size}")
+    if kernel_size == 1 or scores.shape[-1] == 0:
+        return scores
+    shape = scores.shape
+    pooled = F.max_pool1d(scores.reshape(-1, 1, shape[-1]), kernel_size, stride=1, padding=kernel_size // 2)
+    return pooled.reshape(shape)
 
 
 def snapkv_select(scores: torch.Tensor, budget: int) -> torch.Tensor:

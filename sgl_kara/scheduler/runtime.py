@@ -19,7 +19,7 @@ import torch
 from sgl_kara.config import KaraConfig, kept_count
 from sgl_kara.mem_cache.compaction import CompactionPlan, OutOfSlots, compact_rows
 from sgl_kara.policies.kara import select
-from sgl_kara.policies.snapkv import snapkv_select
+from sgl_kara.policies.snapkv import snapkv_pool, snapkv_select
 from sgl_kara.policies.streaming import streaming_select
 from sgl_kara.request_options import validate
 from sgl_kara.scheduler.scoring import QueryRing, ScoringPass
@@ -33,6 +33,8 @@ ACTIVE: "KaraRuntime | None" = None
 # every event; compare capture vs recompute scores on each request's first window.
 CHECK_INTEGRITY = os.environ.get("SGL_KARA_CHECK_INTEGRITY", "0") == "1"
 CROSSCHECK_QUERIES = os.environ.get("SGL_KARA_CROSSCHECK_QUERIES", "0") == "1"
+# Fault injection for reliability tests: scoring raises for requests whose rid has this prefix.
+FAULT_RID_PREFIX = os.environ.get("SGL_KARA_INJECT_FAULT_RID_PREFIX", "")
 
 
 @dataclass
@@ -43,6 +45,7 @@ class KaraStats:
     compression_seconds: float = 0.0
     recompute_fallbacks: int = 0
     skipped_no_memory: int = 0
+    failed_requests: int = 0
     per_event: list = field(default_factory=list)
 
 
@@ -266,13 +269,20 @@ class KaraRuntime:
         groups: dict[tuple, list[_Job]] = {}
         for job in jobs:
             groups.setdefault((job.region, job.keep, job.query_len), []).append(job)
-        for group in groups.values():
+        pending = list(groups.values())
+        while pending:
+            group = pending.pop()
             try:
                 n, d = self._compress_group(batch, group)
                 done, dropped = done + n, dropped + n * d
             except OutOfSlots as e:
                 self.stats.skipped_no_memory += len(group)
                 logger.info("Kara event skipped %d requests: %s", len(group), e)
+            except Exception as e:  # noqa: BLE001 - isolate the failing request, keep serving
+                if len(group) > 1:
+                    pending.extend([job] for job in group)  # retry one by one to find the culprit
+                else:
+                    self._fail(group[0], e)
         seconds = time.perf_counter() - tic
         if done:
             self.stats.events += 1
@@ -285,7 +295,16 @@ class KaraRuntime:
                 self.allocator.available_size(),
             )
 
-    def _compress_group(self, batch, jobs: list[_Job]) -> int:
+    def _fail(self, job: _Job, error: Exception) -> None:
+        """Finish one request with an error; its row is untouched, so SGLang frees it as usual."""
+        from sgl_kara._sglang import FINISH_ABORT
+
+        logger.error("Kara compression failed for request %s: %s", job.req.rid, error)
+        job.state.enabled = False
+        self.stats.failed_requests += 1
+        job.req.to_finish = FINISH_ABORT(f"KV compression failed: {error}", status_code=500)
+
+    def _compress_group(self, batch, jobs: list[_Job]) -> tuple[int, int]:
         cfg = self.cfg
         req_to_token = self.req_to_token_pool.req_to_token
         device = req_to_token.device
@@ -302,7 +321,7 @@ class KaraRuntime:
                 # K / M reproduces K exactly through kept_count (per-request retention too).
                 kept = select(scores, K / M, min(cfg.chunk_budget, K - 1), cfg.max_chunk)
             else:
-                kept = snapkv_select(scores, K)
+                kept = snapkv_select(snapkv_pool(scores, cfg.snapkv_kernel), K)
         plan = CompactionPlan(
             rows=rows, starts=[j.start for j in jobs], lengths=[int(j.req.kv.kv_committed_len) for j in jobs],
             region=M, kept=kept,
@@ -350,6 +369,8 @@ class KaraRuntime:
         return slice(None)
 
     def _scores(self, batch, jobs, rows, region_slots) -> torch.Tensor:
+        if FAULT_RID_PREFIX and any(str(j.req.rid).startswith(FAULT_RID_PREFIX) for j in jobs):
+            raise RuntimeError("injected fault (SGL_KARA_INJECT_FAULT_RID_PREFIX)")
         scoring = ScoringPass(self.kv_pool, self.layer_ids, region_slots, self._query_rows())
         q_len = jobs[0].query_len
         q_starts_logical = [j.query_start + j.state.pos_offset for j in jobs]

@@ -1,0 +1,239 @@
+"""Throughput under a memory-constrained KV pool: vanilla SGLang vs sgl_kara, side by side.
+
+One command runs, in one process and one run, vanilla ``sglang.Engine`` and sgl_kara with
+``policy=kara``, ``policy=snapkv`` (threshold-triggered) and ``policy=none`` on the same
+workload and the same KV pool size, and reports output tokens/s, the ratio to vanilla, mean and
+peak running requests, retractions, compression events and the share of wall time spent
+compressing. Per-step traces (running requests, free slots) come from the plugin's
+``SGL_KARA_TRACE`` hook, which instruments vanilla and Kara schedulers alike.
+
+    python bench/throughput.py                         # embedded model on CPU, defaults below
+    python bench/throughput.py --pool-fractions 1 0.5 0.25 0.125 --max-running 16 64
+    python bench/throughput.py --model-path /models/R1-Llama-8B --requests 256 --gen 8192 ...
+
+Writes a table (markdown) and PNG plots under --out (default bench/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+
+@dataclass
+class RunResult:
+    system: str
+    pool: int
+    max_running: int
+    seconds: float
+    output_tokens: int
+    lengths_ok: bool
+    retractions: int
+    mean_running: float
+    peak_running: int
+    events: int
+    compress_seconds: float
+    trace: list
+
+    @property
+    def tps(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def compress_share(self) -> float:
+        return self.compress_seconds / self.seconds if self.seconds else 0.0
+
+
+def workload(args):
+    prompts, params = [], []
+    for i in range(args.requests):
+        prompts.append(f"Problem {i}: let x{i} = {i % 10}. Think step by step.")
+        params.append({"max_new_tokens": args.gen, "temperature": 0.8, "ignore_eos": True, "n": 1})
+    # Some requests share their prompt (parallel samples): the same prompt repeated.
+    for i in range(args.shared):
+        prompts.append("Shared problem: let y = 7. Think step by step.")
+        params.append({"max_new_tokens": args.gen, "temperature": 0.8, "ignore_eos": True, "n": 1})
+    return prompts, params
+
+
+def run_system(system: str, args, pool: int, max_running: int) -> RunResult:
+    import sglang
+
+    import sgl_kara
+    from sgl_kara.support import cpu_defaults
+
+    trace_path = tempfile.mktemp(prefix=f"trace_{system}_", suffix=".jsonl")
+    saved = dict(os.environ)
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ["SGL_KARA_TRACE"] = trace_path
+    common = dict(
+        max_total_tokens=pool, max_running_requests=max_running, disable_overlap_schedule=True,
+        log_level="error", random_seed=0, disable_radix_cache=False,
+    )
+    if args.model_path:
+        common["model_path"] = args.model_path
+    try:
+        if system == "vanilla":
+            from sgl_kara.default_model import default_model_path
+
+            engine = sglang.Engine(**{"model_path": default_model_path(), **cpu_defaults(), **common})
+        else:
+            kara = {"kara_policy": system}
+            if system == "kara":
+                kara.update(kara_window=args.window, kara_buffer=args.buffer, kara_retention=args.retention,
+                            kara_chunk_budget=args.chunk_budget, kara_period=args.period,
+                            kara_max_seqs=args.max_seqs, kara_query_source=args.query_source)
+            elif system == "snapkv":
+                kara.update(kara_snapkv_threshold=args.snapkv_threshold, kara_snapkv_budget=args.snapkv_budget,
+                            kara_snapkv_window=args.snapkv_window, kara_query_source=args.query_source)
+            engine = sgl_kara.Engine(**common, **kara)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    try:
+        prompts, params = workload(args)
+        engine.generate(prompts[:2], {"max_new_tokens": 4})  # warm up
+        with open(trace_path, "w"):
+            pass
+        tic = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        seconds = time.perf_counter() - tic
+    finally:
+        engine.shutdown()
+    trace = [json.loads(line) for line in open(trace_path)]
+    os.unlink(trace_path)
+    running = [r["running"] for r in trace if r["running"] > 0]
+    comp = [o["meta_info"]["completion_tokens"] for o in outs]
+    return RunResult(
+        system=system, pool=pool, max_running=max_running, seconds=seconds,
+        output_tokens=sum(comp), lengths_ok=all(c == args.gen for c in comp),
+        retractions=sum(o["meta_info"].get("num_retractions", 0) or 0 for o in outs),
+        mean_running=sum(running) / max(1, len(running)), peak_running=max(running, default=0),
+        events=trace[-1]["kara_events"] if trace else 0,
+        compress_seconds=(trace[-1]["kara_seconds"] - trace[0]["kara_seconds"]) if trace else 0.0,
+        trace=trace,
+    )
+
+
+def footprint_limit(args, pool: int, system: str) -> float:
+    """Concurrent requests the pool holds at the per-request footprint a system targets."""
+    prompt = 16
+    if system == "kara":
+        m = args.window - args.buffer
+        keep = -(-int(round(args.retention * m * 1e6)) // 1_000_000)
+        per = prompt + args.gen * keep / m + args.window + args.period
+    elif system == "snapkv":
+        per = prompt + args.snapkv_threshold
+    else:
+        per = prompt + args.gen
+    return pool / per
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", default=None, help="default: the embedded model")
+    p.add_argument("--requests", type=int, default=40)
+    p.add_argument("--shared", type=int, default=8, help="extra requests sharing one prompt")
+    p.add_argument("--gen", type=int, default=768, help="output tokens per request (ignore_eos)")
+    p.add_argument("--pool-fractions", type=float, nargs="+", default=[0.125],
+                   help="KV pool size as a fraction of the workload's full-length KV")
+    p.add_argument("--max-running", type=int, nargs="+", default=[64])
+    p.add_argument("--systems", nargs="+", default=["vanilla", "kara", "snapkv", "none"])
+    p.add_argument("--window", type=int, default=128)
+    p.add_argument("--buffer", type=int, default=16)
+    p.add_argument("--retention", type=float, default=0.25)
+    p.add_argument("--chunk-budget", type=int, default=8)
+    p.add_argument("--period", type=int, default=16)
+    p.add_argument("--max-seqs", type=int, default=64)
+    p.add_argument("--query-source", default="capture")
+    p.add_argument("--snapkv-threshold", type=int, default=256)
+    p.add_argument("--snapkv-budget", type=int, default=192)
+    p.add_argument("--snapkv-window", type=int, default=16)
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+
+    full_kv = (args.requests + args.shared) * (16 + args.gen)
+    results: list[RunResult] = []
+    combos = [(f, m) for f in args.pool_fractions for m in args.max_running]
+    total = len(combos) * len(args.systems)
+    done = 0
+    for frac, max_running in combos:
+        pool = int(full_kv * frac)
+        for system in args.systems:
+            done += 1
+            print(f"[{done}/{total}] {system:8s} pool={pool} ({frac:g} of full KV) max_running={max_running} ...",
+                  end="", flush=True)
+            r = run_system(system, args, pool, max_running)
+            results.append(r)
+            print(f" {r.tps:8.1f} tok/s, mean running {r.mean_running:.1f}, retractions {r.retractions}", flush=True)
+
+    lines = [
+        "| pool (tokens) | max running | system | output tok/s | vs vanilla | mean / peak running | limit at footprint "
+        "| retractions | events | compress share | all lengths ok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for frac, max_running in combos:
+        pool = int(full_kv * frac)
+        group = [r for r in results if r.pool == pool and r.max_running == max_running]
+        base = next((r.tps for r in group if r.system == "vanilla"), None)
+        for r in group:
+            ratio = f"{r.tps / base:.2f}x" if base else "-"
+            lines.append(
+                f"| {pool} | {max_running} | {r.system} | {r.tps:.1f} | {ratio} | {r.mean_running:.1f} / {r.peak_running} "
+                f"| {footprint_limit(args, pool, r.system):.1f} | {r.retractions} | {r.events} | {100 * r.compress_share:.1f}% "
+                f"| {r.lengths_ok} |"
+            )
+    table = "\n".join(lines)
+    print(table)
+    with open(os.path.join(args.out, "throughput.md"), "w") as f:
+        f.write(f"command: python bench/throughput.py {' '.join(argv if argv is not None else sys.argv[1:])}\n\n")
+        f.write(table + "\n")
+    with open(os.path.join(args.out, "throughput.json"), "w") as f:
+        json.dump([{**{k: v for k, v in r.__dict__.items() if k != "trace"}, "tps": r.tps} for r in results], f, indent=1)
+    plot(results, args, full_kv)
+
+
+def plot(results, args, full_kv):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plots")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for system in args.systems:
+        pts = sorted((r.pool, r.tps) for r in results if r.system == system and r.max_running == args.max_running[0])
+        ax.plot([p for p, _ in pts], [t for _, t in pts], marker="o", label=system)
+    ax.set_xlabel("KV pool (tokens)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_xscale("log")
+    ax.legend()
+    ax.set_title("Throughput vs KV pool size")
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "throughput_vs_pool.png"), dpi=120)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    tight = min(r.pool for r in results)
+    for r in results:
+        if r.pool == tight and r.max_running == args.max_running[0] and r.system in ("vanilla", "kara"):
+            ax.plot([x["running"] for x in r.trace], label=r.system)
+    ax.set_xlabel("decode step")
+    ax.set_ylabel("running requests")
+    ax.legend()
+    ax.set_title(f"Running requests per decode step (pool {tight} tokens)")
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "running_vs_step.png"), dpi=120)
+
+
+if __name__ == "__main__":
+    main()
