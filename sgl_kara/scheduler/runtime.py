@@ -34,6 +34,7 @@ ACTIVE: "KaraRuntime | None" = None
 CHECK_INTEGRITY = os.environ.get("SGL_KARA_CHECK_INTEGRITY", "0") == "1"
 CROSSCHECK_QUERIES = os.environ.get("SGL_KARA_CROSSCHECK_QUERIES", "0") == "1"
 # Fault injection for reliability tests: scoring raises for requests whose rid has this prefix.
+MAX_CATCH_UP_PASSES = 8
 FAULT_RID_PREFIX = os.environ.get("SGL_KARA_INJECT_FAULT_RID_PREFIX", "")
 
 
@@ -165,10 +166,18 @@ class KaraRuntime:
             if self.decode_steps % self.cfg.period != 0:
                 return
         jobs = self._select_jobs(batch)
-        if jobs:
+        passes = 0
+        while jobs:
             self._run_event(batch, jobs)
             if CHECK_INTEGRITY:
                 self.check_integrity(batch)
+            # Catch-up: a request still holding a full window after its compression (re-prefilled
+            # after a retraction, or left out by max_seqs) is compressed again in this event.
+            passes += 1
+            if self.cfg.policy != "kara" or passes >= MAX_CATCH_UP_PASSES:
+                break
+            compressed = {id(j.req) for j in jobs}
+            jobs = [j for j in self._select_jobs(batch) if id(j.req) in compressed]
 
     def _fix_protected(self, req, state: KaraReqState, length: int) -> bool:
         """Fix P once the row reaches it; False while the row is still shorter than P."""
