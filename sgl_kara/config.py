@@ -112,8 +112,9 @@ class KaraConfig:
         need(0.0 < self.retention <= 1.0 and math.isfinite(self.retention), "retention", "must be in (0, 1]")
         need(3 <= self.max_chunk <= 65536, "max_chunk", "must be an integer in [3, 65536]")
         k = self.kept_per_window
+        need(self.chunk_budget >= 0, "chunk_budget", "must be >= 0")
         need(
-            0 <= self.chunk_budget < k,
+            self.policy != "kara" or self.chunk_budget < k,
             "chunk_budget",
             f"must be in [0, ceil(retention*(window-buffer))={k}) so TopK keeps at least one entry",
         )

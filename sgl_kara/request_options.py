@@ -2,6 +2,8 @@
 
     {"kara": {"enable": false}}        this request is never compressed
     {"kara": {"retention": 0.5}}       keep this fraction of each window (overrides --kara-retention)
+    {"kara": {"budget": 300}}          snapkv/streaming: generated KV kept for this request
+                                       (budget matching; the threshold keeps its configured gap)
 
 Validated in the tokenizer process (a ValueError becomes an HTTP 400 naming the field); the
 scheduler reads the already-validated dict. With ``retention`` below what the configured chunk
@@ -14,7 +16,7 @@ from __future__ import annotations
 import math
 
 KEY = "kara"
-FIELDS = {"enable": "bool", "retention": "float in (0, 1]"}
+FIELDS = {"enable": "bool", "retention": "float in (0, 1]", "budget": "int in [2, 10000000] (snapkv/streaming)"}
 
 
 def validate(custom_params) -> dict:
@@ -33,4 +35,12 @@ def validate(custom_params) -> dict:
         r = opts["retention"]
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or not 0.0 < r <= 1.0:
             raise ValueError(f"custom_params.kara.retention must be a number in (0, 1], got {r!r}")
+    if "budget" in opts:
+        n = opts["budget"]
+        if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= 10_000_000:
+            raise ValueError(f"custom_params.kara.budget must be an integer in [2, 10000000], got {n!r}")
+    if opts.get("enable") is False and len(opts) > 1:
+        # A contradiction, not a preference: refuse it rather than silently ignore the rest.
+        ignored = sorted(set(opts) - {"enable"})
+        raise ValueError(f"custom_params.kara.enable is false, so {ignored} would have no effect; drop them or enable compression")
     return dict(opts)

@@ -16,6 +16,9 @@ random sequences of operations on several requests sharing one KV pool:
               allocator is sometimes the runtime's evict-and-retry wrapper
     oom       a compress whose allocation fails (forced, or a genuinely full pool):
               OutOfSlots and nothing changes
+    fault     a compress with a kept index out of range (bad input), or whose kernel
+              (compact_kv / copy_slots) raises after writing: the error propagates and
+              nothing changes (the fresh slots go back to the allocator)
     retract   the request frees all its own slots; the tree keeps the shared prefix
     finish    the request frees its own slots; the shared prefix stays in the tree
     evict     the tree frees entries whose refcount is 0
@@ -39,12 +42,15 @@ import collections
 import json
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from unittest import mock
 
 import numpy as np
 import pytest
 import torch
 
+import sgl_kara.mem_cache.compaction as compaction_mod
 from sgl_kara.mem_cache.compaction import CompactionPlan, OutOfSlots, compact_rows
 
 OPS = int(os.environ.get("SGL_KARA_FUZZ_OPS", "2000"))
@@ -56,7 +62,8 @@ POS_BITS = 20  # token id = request id << POS_BITS | logical position
 
 # Every kind must run at least this often per page size in the default suite.
 MUST_RUN = ("admit", "admit_shared", "tree_insert", "readmit", "decode", "compress", "compress_batched",
-            "compress_identity", "compress_snapkv", "oom_forced", "retract", "finish", "evict")
+            "compress_identity", "compress_snapkv", "oom_forced", "fault_bad_kept", "fault_kernel",
+            "retract", "finish", "evict")
 
 
 class FuzzFailure(AssertionError):
@@ -206,7 +213,8 @@ class World:
         raise FuzzFailure(
             f"{msg}\n  seed={self.seed} page={self.page} L={self.L} H={self.H} D={self.D} "
             f"pool_pages={self.num_pages} use_triton={self.use_triton}\n  "
-            f"reproduce: run_episode(seed={self.seed}, page={self.page}, n_ops=<op index + 1>)\n  last ops:\n    "
+            f"failed in op #{self.counts['ops']} (0-based); reproduce: "
+            f"run_episode(seed={self.seed}, page={self.page}, n_ops={self.counts['ops'] + 1})\n  last ops:\n    "
             + "\n    ".join(self.log))
 
     def row_np(self, r: Req) -> np.ndarray:
@@ -287,7 +295,8 @@ class World:
             entries = list(self.tree.values())
             entry = entries[int(rng.integers(len(entries)))]
             full = entry.full_slots.size
-            n_shared = int(rng.integers(1, full // self.page + 1)) * self.page
+            most = min(full, self.cap // 2) // self.page  # prompts stay well below the row capacity
+            n_shared = int(rng.integers(1, most + 1)) * self.page
             prefix_uids = entry.full_uids[:n_shared].tolist()
         rid = self.next_rid
         self.next_rid += 1
@@ -394,7 +403,9 @@ class World:
         """Requests whose row reached P, with the rows available at their frontier."""
         return [(r, r.length - r.frontier) for r in self.running if r.length >= r.protected]
 
-    def op_compress(self, force_oom=False):
+    def op_compress(self, force_oom=False, fault=None):
+        """fault: None, "bad_kept" (an index == M: bad input) or "kernel" (a kernel raises
+        after writing): compact_rows must raise and change nothing."""
         rng = self.rng
         cands = [(r, a) for r, a in self.compress_candidates() if a >= 2]
         if not cands:
@@ -423,6 +434,9 @@ class World:
             starts = [r.frontier for r in group]
         B = len(group)
         kept = np.sort(np.argsort(rng.random((B, self.L, self.H, M)), axis=-1)[..., :K], axis=-1)
+        if fault == "bad_kept":
+            kept = kept.copy()
+            kept[int(rng.integers(B)), int(rng.integers(self.L)), int(rng.integers(self.H)), -1] = M
         plan = CompactionPlan(
             rows=torch.tensor([r.row for r in group], dtype=torch.int64), starts=list(starts),
             lengths=[r.length for r in group], region=M, kept=torch.from_numpy(kept.astype(np.int64)))
@@ -431,15 +445,26 @@ class World:
             self.alloc.fail_next = 1 + int(evict_retry)  # the retry after eviction fails too
         desc = (f"compress {'snapkv ' if snapkv else ''}rids={[r.rid for r in group]} rows={[r.row for r in group]} "
                 f"starts={starts} lengths={plan.lengths} W={W} U={U} M={M} K={K} "
-                f"evict_retry={evict_retry} force_oom={force_oom}")
+                f"evict_retry={evict_retry} force_oom={force_oom} fault={fault}")
         self.log.append(desc)
 
         rtt0, kv0, free0 = self.req_to_token.clone(), self.kv.clone(), self.alloc.is_free.copy()
         self.evicted_now = []
         alloc = self.alloc_or_evict if evict_retry else self.alloc.alloc
+        inject = nullcontext()
+        if fault == "kernel":
+            name = "copy_slots" if self.page > 1 and rng.random() < 0.5 else "compact_kv"
+            real = getattr(compaction_mod, name)
+
+            def broken(*args, **kwargs):
+                real(*args, **kwargs)  # the kernel writes, then the launch "fails"
+                raise RuntimeError(f"injected {name} fault")
+
+            inject = mock.patch.object(compaction_mod, name, broken)
         try:
-            d = compact_rows(plan, self.req_to_token, self.k_bufs, self.v_bufs, alloc, self.alloc.free,
-                             page_size=self.page, use_triton=self.use_triton)
+            with inject:
+                d = compact_rows(plan, self.req_to_token, self.k_bufs, self.v_bufs, alloc, self.alloc.free,
+                                 page_size=self.page, use_triton=self.use_triton)
         except OutOfSlots:
             self.alloc.fail_next = 0
             self.check_unchanged_after_oom(rtt0, kv0, free0, plan, force_oom)
@@ -449,9 +474,14 @@ class World:
         except FuzzFailure:
             raise
         except Exception as e:  # noqa: BLE001
-            self.fail(f"compact_rows raised {type(e).__name__}: {e}")
-        if force_oom:
-            self.fail("compact_rows succeeded although the allocator returned None")
+            if fault is None:
+                self.fail(f"compact_rows raised {type(e).__name__}: {e}")
+            self.check_unchanged_after_oom(rtt0, kv0, free0, plan, True, what=f"{type(e).__name__} ({fault})")
+            self.counts[f"fault_{fault}"] += 1
+            self.log[-1] += f" -> {type(e).__name__}"
+            return True
+        if force_oom or fault:
+            self.fail(f"compact_rows succeeded despite force_oom={force_oom} fault={fault}")
         if d != M - K:
             self.fail(f"compact_rows returned d={d}, expected M-K={M - K}")
         self.check_rewrite(rtt0, plan, group, K)
@@ -482,17 +512,18 @@ class World:
         r.frontier = a + K
         r.compressions += 1
 
-    def check_unchanged_after_oom(self, rtt0, kv0, free0, plan, forced):
+    def check_unchanged_after_oom(self, rtt0, kv0, free0, plan, forced, what="OutOfSlots"):
         if not torch.equal(rtt0, self.req_to_token):
-            self.fail("OutOfSlots but req_to_token changed")
+            self.fail(f"{what} but req_to_token changed")
         evicted = np.zeros_like(free0)
         for own in self.evicted_now:
             evicted[np.unique(own // self.page)] = True
         if not np.array_equal(self.alloc.is_free, free0 | evicted):
-            self.fail("OutOfSlots but the free list changed (beyond tree eviction)")
+            self.fail(f"{what} but the free list changed (beyond tree eviction): "
+                      f"{int((self.alloc.is_free != (free0 | evicted)).sum())} pages differ")
         live = torch.from_numpy(np.flatnonzero(~np.repeat(self.alloc.is_free, self.page)))
         if not torch.equal(kv0.index_select(2, live), self.kv.index_select(2, live)):
-            self.fail("OutOfSlots but K/V of live slots changed")
+            self.fail(f"{what} but K/V of live slots changed")
         if not forced:  # a natural failure must be real
             need = sum(self.round_up(l - plan.dropped - (a - a % self.page)) for a, l in zip(plan.starts, plan.lengths)) \
                 if self.page > 1 else len(plan.starts) * plan.keep
@@ -627,6 +658,7 @@ class World:
             "decode": 6.0 if self.running else 0.0,
             "compress": 2.0 if can_compress else 0.0,
             "oom": 0.3 if can_compress else 0.0,
+            "fault": 0.3 if can_compress else 0.0,
             "retract": 0.3 if self.running else 0.0,
             "finish": 0.4 if self.running else 0.0,
             "evict": 0.5 if any(e.refs == 0 for e in self.tree.values()) else 0.0,
@@ -640,6 +672,8 @@ class World:
             self.op_compress()
         elif kind == "oom":
             self.op_compress(force_oom=True)
+        elif kind == "fault":
+            self.op_compress(fault="bad_kept" if rng.random() < 0.5 else "kernel")
         else:
             getattr(self, f"op_{kind}")()
         self.counts["ops"] += 1
@@ -697,14 +731,16 @@ def test_compaction_fuzz(page, record_property):
 
 @pytest.mark.parametrize("page", [1, 16])
 def test_compaction_fuzz_triton_kernels(page):
-    """A short episode through the Triton kernels (interpreter on CPU, real kernels on GPU)."""
+    """A short episode with use_triton=None, i.e. through the Triton kernels in the CPU
+    interpreter (the world's tensors live on the CPU, so this needs TRITON_INTERPRET=1, which
+    tests/conftest.py sets on machines without CUDA)."""
     from sgl_kara.kernels._dispatch import want_triton
 
-    probe = torch.zeros(1, device="cuda" if torch.cuda.is_available() else "cpu")
-    if not want_triton(None, probe):
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1 before triton is imported (tests/conftest.py sets it)")
+    if not want_triton(None, torch.zeros(1)):
+        pytest.skip("needs TRITON_INTERPRET=1 before triton is imported")
     counts = run_episode(1234 + page, page, 60, use_triton=None, small=True,
-                         weights={"compress": 6.0, "oom": 0.5, "admit": 3.0})
+                         weights={"compress": 6.0, "oom": 0.5, "fault": 0.5, "admit": 3.0})
+    print(f"\ncompaction fuzz (triton, page {page}): {json.dumps(dict(sorted(counts.items())))}")
     assert counts["compress"] >= 5, dict(counts)
 
 

@@ -169,6 +169,39 @@ def count_tokens(text: str) -> int:
     return len(text.split())
 
 
+ROLES = ("format", "copy", "fetch_near", "fetch_far", "arith", "answer")
+
+
+def token_roles(solution_text: str, far: int = 20) -> list[str]:
+    """Role of each solution word, for per-role accuracy: ``copy`` (formula operand/op copied from
+    the prompt by name), ``fetch_near``/``fetch_far`` (a fetched value whose previous statement is
+    < / >= ``far`` tokens back), ``arith`` (a step's result digit), ``answer`` (values in the
+    answer line), ``format`` (everything else: deterministic or locally copied tokens)."""
+    words = solution_text.split()
+    roles = ["format"] * len(words)
+    last: dict[str, int] = {}
+    step_start = 0
+    in_answer = False
+    for i, w in enumerate(words):
+        if w == "answer":
+            in_answer = True
+        if i > 0 and words[i - 1] == ".":
+            step_start = i
+        if not in_answer and i - step_start in (2, 3, 4):
+            roles[i] = "copy"
+        if i >= 2 and words[i - 1] == "=" and w.isdigit():
+            name = words[i - 2]
+            if in_answer:
+                roles[i] = "answer"
+            elif name.startswith("v") and name != words[step_start]:
+                roles[i] = "fetch_far" if i - last.get(name, -(10**9)) >= far else "fetch_near"
+            elif not name.startswith("v"):
+                roles[i] = "arith"
+            if name.startswith("v"):
+                last[name] = i
+    return roles
+
+
 def lookback_distances(prompt_text: str, solution_text: str) -> list[int]:
     """For each value fetched in the solution (``name = d`` inside a step, not the step's own result),
     the distance in tokens back to that name's defining ``name = d`` (generated) — for analysis."""

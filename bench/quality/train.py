@@ -1,7 +1,7 @@
 """Train the reasoning proxy: a small Llama on the variable-tracking task (task.py), on CPU.
 
     nice -n 19 env OMP_WAIT_POLICY=PASSIVE python bench/quality/train.py \
-        --out bench/quality/proxy_model --steps 2400 --seed 0 --log bench/quality/train.log
+        --out bench/quality/proxy_model --steps 3000 --seed 0 --log bench/quality/train.log
 
 Deterministic from --seed (one thread, seeded data stream, seeded init). Loss only on solution
 tokens (+ EOS). Curriculum: the largest problem size grows linearly from --size-start to
@@ -27,7 +27,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from task import MAX_NAMES, check, make_problem  # noqa: E402
+from task import MAX_NAMES, ROLES, check, make_problem, token_roles  # noqa: E402
 from tokenizer import build_tokenizer  # noqa: E402
 
 EVAL_SEED = 10_000_019  # held-out problems (train.py's periodic eval); eval_hf.py uses its own
@@ -36,7 +36,7 @@ EVAL_SEED = 10_000_019  # held-out problems (train.py's periodic eval); eval_hf.
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output model directory")
-    p.add_argument("--steps", type=int, default=2400)
+    p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log", default=None, help="log file (default: <out>/train.log)")
     p.add_argument("--threads", type=int, default=1)
@@ -47,7 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--intermediate", type=int, default=512)
     # optimisation
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=1.5e-3)
     p.add_argument("--min-lr-frac", type=float, default=0.05)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.01)
@@ -59,8 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--band", type=int, default=4, help="sizes in one batch span [h-band+1, h]")
     # logging / eval
     p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--eval-n", type=int, default=24)
+    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--eval-n", type=int, default=16)
     return p.parse_args(argv)
 
 
@@ -102,7 +102,7 @@ def make_batch(rng: random.Random, tok, step: int, args):
     hi = max_size_at(step, args)
     h = rng.randint(2, hi)  # band top, uniform: each size gets a similar token share
     lo = max(2, h - args.band + 1)
-    rows, starts = [], []
+    rows, starts, roles = [], [], []
     est = 29 * h + 30  # tokens per example at size h
     n = max(1, args.batch_tokens // est)
     for _ in range(n):
@@ -110,13 +110,16 @@ def make_batch(rng: random.Random, tok, step: int, args):
         ids, n_prompt = encode_example(tok, prompt, solution)
         rows.append(ids)
         starts.append(n_prompt)
+        roles.append([ROLES.index(r) for r in token_roles(solution)] + [0])  # + EOS
     T = max(len(r) for r in rows)
     x = torch.full((len(rows), T), tok.pad_token_id, dtype=torch.long)
     y = torch.full((len(rows), T), -100, dtype=torch.long)
-    for i, (r, s0) in enumerate(zip(rows, starts)):
+    role = torch.zeros((len(rows), T), dtype=torch.long)
+    for i, (r, s0, ro) in enumerate(zip(rows, starts, roles)):
         x[i, : len(r)] = torch.tensor(r)
         y[i, s0 - 1 : len(r) - 1] = torch.tensor(r[s0:])  # predict token t+1 at position t
-    return x, y, h
+        role[i, s0 - 1 : len(r) - 1] = torch.tensor(ro)
+    return x, y, role, h
 
 
 def lr_at(step: int, args) -> float:
@@ -192,8 +195,10 @@ def main(argv=None):
     model.train()
     t0 = time.time()
     acc_loss = acc_tok = acc_n = 0.0
+    role_hits = torch.zeros(len(ROLES))
+    role_count = torch.zeros(len(ROLES))
     for step in range(args.steps):
-        x, y, h = make_batch(rng, tok, step, args)
+        x, y, role, h = make_batch(rng, tok, step, args)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args)
         logits = model(input_ids=x).logits
@@ -204,16 +209,23 @@ def main(argv=None):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         with torch.no_grad():
-            acc_tok += (logits[mask].argmax(-1) == y[mask]).float().mean().item()
+            hit = (logits[mask].argmax(-1) == y[mask]).float()
+            acc_tok += hit.mean().item()
+            role_hits.index_add_(0, role[mask], hit)
+            role_count.index_add_(0, role[mask], torch.ones_like(hit))
         acc_loss += loss.item()
         acc_n += 1
         if (step + 1) % args.log_every == 0:
             emit(
                 f"step {step + 1} loss {acc_loss / acc_n:.4f} tok_acc {acc_tok / acc_n:.4f} "
                 f"max_size {max_size_at(step, args)} lr {lr_at(step, args):.2e} "
-                f"batch {tuple(x.shape)} elapsed {time.time() - t0:.0f}s"
+                f"batch {tuple(x.shape)} elapsed {time.time() - t0:.0f}s | acc "
+                + " ".join(f"{r} {role_hits[i] / max(1.0, role_count[i].item()):.3f}"
+                           for i, r in enumerate(ROLES))
             )
             acc_loss = acc_tok = acc_n = 0.0
+            role_hits.zero_()
+            role_count.zero_()
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             size_now = max_size_at(step, args)
             sizes = [min(MAX_NAMES, max(2, size_now - 4 * i)) for i in range(3)]

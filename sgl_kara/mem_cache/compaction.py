@@ -59,15 +59,14 @@ def compact_rows(plan: CompactionPlan, req_to_token: torch.Tensor, k_buffers, v_
     dst = alloc(B * K)
     if dst is None:
         raise OutOfSlots(f"need {B * K} free KV slots for compaction")
-    dst = dst.to(device=device, dtype=torch.int64).view(B, K)
-
-    offs = torch.arange(M, device=device)
-    starts = torch.tensor(plan.starts, device=device, dtype=torch.int64)
-    rows = plan.rows.to(device=device, dtype=torch.int64)
-    region_slots = req_to_token[rows[:, None], starts[:, None] + offs[None, :]].to(torch.int64)  # [B, M]
-    # src[b, l, h, t] = region_slots[b, kept[b, l, h, t]]
-    Bk, L, H, _ = plan.kept.shape
-    try:
+    try:  # any failure before the rows are rewritten gives the fresh slots back
+        dst = dst.to(device=device, dtype=torch.int64).view(B, K)
+        offs = torch.arange(M, device=device)
+        starts = torch.tensor(plan.starts, device=device, dtype=torch.int64)
+        rows = plan.rows.to(device=device, dtype=torch.int64)
+        region_slots = req_to_token[rows[:, None], starts[:, None] + offs[None, :]].to(torch.int64)  # [B, M]
+        # src[b, l, h, t] = region_slots[b, kept[b, l, h, t]]
+        Bk, L, H, _ = plan.kept.shape
         src = torch.gather(region_slots[:, None, None, :].expand(B, L, H, M), 3, plan.kept.to(device))
         compact_kv(k_buffers, v_buffers, src, dst, use_triton=use_triton)
     except BaseException:
@@ -110,14 +109,29 @@ def _compact_rows_paged(plan, req_to_token, k_buffers, v_buffers, alloc, free, p
     if fresh is None:
         raise OutOfSlots(f"need {total} free KV slots (page-aligned) for compaction")
     fresh = fresh.to(device=device, dtype=torch.int64)
+    try:  # any failure before the rows are rewritten gives the fresh pages back
+        new_rows = _paged_copy(plan, req_to_token, k_buffers, v_buffers, fresh, spans, rows, page, use_triton)
+    except BaseException:
+        free(fresh)  # rows untouched: give the fresh pages back
+        raise
+    for row, s, new, _ in new_rows:
+        req_to_token[row, s : s + new.numel()] = new.to(req_to_token.dtype)
+    free(torch.cat([old for *_, old in new_rows]))
+    return d
 
+
+def _paged_copy(plan, req_to_token, k_buffers, v_buffers, fresh, spans, rows, page, use_triton):
+    """Fill the fresh pages (kept entries gathered, rows [s, a) and the tail copied); returns
+    (row, s, new slots, old slots) per request. Reads the rows, writes only fresh slots."""
+    B, K, M = len(plan.starts), plan.keep, plan.region
+    device = req_to_token.device
     offs = torch.arange(M, device=device)
     starts = torch.tensor(plan.starts, device=device, dtype=torch.int64)
     region_slots = req_to_token[rows[:, None], starts[:, None] + offs[None, :]].to(torch.int64)
     Bk, L, H, _ = plan.kept.shape
     src = torch.gather(region_slots[:, None, None, :].expand(B, L, H, M), 3, plan.kept.to(device))
 
-    new_rows, kept_dst, copy_src, copy_dst, old = [], [], [], [], []
+    new_rows, kept_dst, copy_src, copy_dst = [], [], [], []
     cursor = 0
     for b, (s, a, length, n_new, n_pages) in enumerate(spans):
         row = int(rows[b])
@@ -128,15 +142,7 @@ def _compact_rows_paged(plan, req_to_token, k_buffers, v_buffers, alloc, free, p
         kept_dst.append(new[head : head + K])
         copy_src += [old_row[:head], old_row[head + M :]]
         copy_dst += [new[:head], new[head + K :]]
-        new_rows.append((row, s, new))
-        old.append(old_row)
-    try:
-        compact_kv(k_buffers, v_buffers, src, torch.stack(kept_dst), use_triton=use_triton)
-        copy_slots(k_buffers, v_buffers, torch.cat(copy_src), torch.cat(copy_dst), use_triton=use_triton)
-    except BaseException:
-        free(fresh)  # rows untouched: give the fresh pages back
-        raise
-    for row, s, new in new_rows:
-        req_to_token[row, s : s + new.numel()] = new.to(req_to_token.dtype)
-    free(torch.cat(old))
-    return d
+        new_rows.append((row, s, new, old_row))
+    compact_kv(k_buffers, v_buffers, src, torch.stack(kept_dst), use_triton=use_triton)
+    copy_slots(k_buffers, v_buffers, torch.cat(copy_src), torch.cat(copy_dst), use_triton=use_triton)
+    return new_rows

@@ -96,6 +96,15 @@ class KaraRuntime:
             opts = request_options(req)
             state.enabled = opts.get("enable", True)
             state.retention = opts.get("retention")
+            state.budget = opts.get("budget")
+            if state.budget is not None and self.cfg.policy not in ("snapkv", "streaming"):
+                from sgl_kara._sglang import FINISH_ABORT
+
+                state.enabled = False
+                req.to_finish = FINISH_ABORT(
+                    f"custom_params.kara.budget applies to --kara-policy snapkv/streaming, not {self.cfg.policy}",
+                    status_code=400,
+                )
         return state
 
     def on_retract(self, req) -> None:
@@ -159,8 +168,12 @@ class KaraRuntime:
             return
         for req in batch.reqs:
             state = self.state_of(req)
+            length = int(req.kv.kv_committed_len)
             if state.protected < 0 and self.ring is not None and state.capture_from == 0:
-                state.capture_from = int(req.kv.kv_committed_len)
+                state.capture_from = length
+            state.kv_peak = max(state.kv_peak, length)
+            state.kv_sum += length
+            state.kv_steps += 1
         self.decode_steps += 1
         if self.cfg.policy == "kara":
             if self.decode_steps % self.cfg.period != 0:
@@ -262,11 +275,14 @@ class KaraRuntime:
             keep = kept_count(m, retention)  # Token2Chunk budget is capped at keep - 1 below
             return _Job(i, req, state, state.frontier, m, keep, state.frontier, cfg.window)
         # snapkv / streaming: threshold on generated KV, compress [P, L - w) back to budget.
+        # A per-request budget N (budget matching) keeps the configured gap C_max - N.
+        budget = state.budget if state.budget is not None else cfg.snapkv_budget
+        threshold = budget + (cfg.snapkv_threshold - cfg.snapkv_budget)
         generated = length - state.protected
-        if generated <= cfg.snapkv_threshold:
+        if generated <= threshold:
             return None
         m = length - cfg.snapkv_window - state.protected
-        keep = cfg.snapkv_budget - cfg.snapkv_window
+        keep = max(1, budget - cfg.snapkv_window)  # the last w entries are always kept on top
         if m <= keep:
             return None
         return _Job(i, req, state, state.protected, m, keep, length - cfg.snapkv_window, cfg.snapkv_window)
@@ -323,7 +339,7 @@ class KaraRuntime:
         region_slots = req_to_token[rows[:, None], starts[:, None] + torch.arange(M, device=device)].to(torch.int64)
 
         if cfg.policy == "streaming":
-            kept = streaming_select(M, K, cfg.streaming_sinks, device=device, batch_shape=(len(jobs), len(self.layer_ids), self.kv_pool.head_num))
+            kept = streaming_select(M, K, min(cfg.streaming_sinks, K), device=device, batch_shape=(len(jobs), len(self.layer_ids), self.kv_pool.head_num))
         else:
             scores = self._scores(batch, jobs, rows, region_slots)  # [B, L, H_kv, M]
             if cfg.policy == "kara":

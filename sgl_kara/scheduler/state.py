@@ -26,6 +26,10 @@ class KaraReqState:
     pos_offset: int = 0  # tokens dropped so far: logical = physical + pos_offset past f
     compressions: int = 0
     capture_from: int = 0  # first logical position whose query sits in the capture ring
+    kv_peak: int = 0  # largest physical KV length seen at a decode step
+    kv_sum: int = 0  # sum of physical KV lengths over decode steps (mean = kv_sum / kv_steps)
+    kv_steps: int = 0
+    budget: int | None = None  # per-request snapkv/streaming budget (custom_params kara.budget)
     # Diagnostics (SGL_KARA_CHECK_INTEGRITY / SGL_KARA_CROSSCHECK_QUERIES only).
     prefix_snapshot: object = field(default=None, repr=False, compare=False)
     integrity_checks: int = 0
@@ -40,6 +44,8 @@ class KaraReqState:
             "compressions": self.compressions,
             "kv_physical_len": physical_len,
             "kv_logical_len": physical_len + self.pos_offset,
+            "kv_peak_len": max(self.kv_peak, physical_len),
+            "kv_mean_len": self.kv_sum / self.kv_steps if self.kv_steps else float(physical_len),
             "enabled": self.enabled,
         }
 

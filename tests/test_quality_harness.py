@@ -1,0 +1,34 @@
+"""Smoke run of the quality harness: a few proxy problems through the real runtime."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_last_boxed():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from quality import last_boxed
+
+    assert last_boxed(r"so \boxed{1} then \boxed{\frac{1}{2}}") == r"\frac{1}{2}"
+    assert last_boxed("no answer") is None
+
+
+def test_harness_smoke(tiny_llama, tmp_path):
+    """Plumbing only: a random tiny model answers nothing right, but every policy runs, budgets
+    are matched per sequence, and the table is written."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "quality.py"), "--model-path", tiny_llama, "--n", "3",
+         "--ratios", "0.25", "--size-min", "5", "--size-max", "6", "--policies", "none", "kara", "snapkv", "--window", "48", "--buffer", "8",
+         "--chunk-budget", "4", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=900, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = (tmp_path / "quality.md").read_text()
+    for policy in ("none", "kara", "snapkv"):
+        assert f"| {policy} |" in table
+    assert "/3 |" in table
