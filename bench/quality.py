@@ -32,6 +32,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "quality"))
 
+from eval_hf import wilson  # noqa: E402  (bench/quality/eval_hf.py)
+
 POLICIES = {
     "none": dict(kara_policy="none"),
     "kara": dict(kara_policy="kara"),
@@ -40,16 +42,6 @@ POLICIES = {
     "snapkv": dict(kara_policy="snapkv"),
     "streaming": dict(kara_policy="streaming"),
 }
-
-
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    if n == 0:
-        return 0.0, 0.0
-    p = k / n
-    den = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / den
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def last_boxed(text: str) -> str | None:

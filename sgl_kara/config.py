@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from sgl_kara.policies.kara import kept_count  # noqa: F401  (re-exported: K of a window)
+
 POLICIES = ("kara", "snapkv", "streaming", "none")
 QUERY_SOURCES = ("recompute", "capture")
 SCORINGS = ("bidirectional", "buffer")
@@ -36,11 +38,6 @@ class KaraConfigError(ValueError):
 
 def flag_name(name: str) -> str:
     return "--kara-" + name.replace("_", "-")
-
-
-def kept_count(m: int, retention: float) -> int:
-    """K = ceil(retention * m), robust to float error (0.3 * 100 -> 30)."""
-    return max(1, math.ceil(round(retention * m, 6)))
 
 
 @dataclass(frozen=True)

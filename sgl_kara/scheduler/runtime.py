@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sgl_kara.config import KaraConfig, kept_count
+from sgl_kara.config import KaraConfig
 from sgl_kara.mem_cache.compaction import CompactionPlan, OutOfSlots, compact_rows
-from sgl_kara.policies.kara import select
+from sgl_kara.policies.kara import kept_count, select
 from sgl_kara.policies.snapkv import snapkv_pool, snapkv_select
 from sgl_kara.policies.streaming import streaming_select
 from sgl_kara.request_options import validate
