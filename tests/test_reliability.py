@@ -79,9 +79,9 @@ def generate(server, text, n_tokens, rid=None, custom=None, timeout=300, **param
 
 
 def assert_serving(server):
-    r = generate(server, "Hello", 3, timeout=120)
+    r = generate(server, "Hello", 1, timeout=120)
     assert r.status_code == 200, r.text
-    assert r.json()["meta_info"]["completion_tokens"] == 3
+    assert r.json()["meta_info"]["completion_tokens"] == 1
 
 
 def bad_log_lines(server) -> list[str]:
@@ -240,13 +240,14 @@ def test_after_bad_input_no_leak(server):
 
 # ------------------------------------------------------------------ item 4a: disconnects and aborts
 def test_disconnects_and_aborts_during_compression(server):
-    """8 streams of 150 tokens (windows compressed every ~24 tokens after the first 40): 2 drop
-    the connection after a few chunks, 3 are aborted through /abort_request once compressed
-    (at staggered points of the 4-step event period), 3 run to the end."""
-    n = 150
+    """8 streams of 110 tokens (first window compressed after ~40 tokens, then every 24): 2 drop
+    the connection (one before, one after its first compression), 3 are aborted through
+    /abort_request once compressed (at staggered points of the 4-step event period), 3 run to
+    the end."""
+    n = 110
     plan = {
         "close-0": dict(close_after=5), "close-1": dict(close_after=57),
-        "abort-0": dict(abort_after=55), "abort-1": dict(abort_after=62), "abort-2": dict(abort_after=73),
+        "abort-0": dict(abort_after=50), "abort-1": dict(abort_after=57), "abort-2": dict(abort_after=67),
         "full-0": {}, "full-1": {}, "full-2": {},
     }
     tic = time.time()
@@ -265,9 +266,9 @@ def test_disconnects_and_aborts_during_compression(server):
             assert meta["completion_tokens"] < n
         else:
             assert meta["finish_reason"]["type"] == "length" and meta["completion_tokens"] == n, meta
-            assert meta["kara"]["compressions"] >= 4, meta["kara"]
+            assert meta["kara"]["compressions"] >= 3, meta["kara"]
     # The dropped connections are aborted by the server (SGLang aborts 2 s after disconnect):
-    # flush_cache succeeds long before they could have generated their 150 tokens.
+    # flush_cache succeeds long before they could have generated their 110 tokens.
     assert_clean(server, within=30)
     report("disconnect/abort", streams=len(plan), closed=2, aborted=3, completed=3,
            aborted_at={rid: results[rid][1]["meta_info"]["completion_tokens"] for rid in plan if rid.startswith("abort")},
@@ -277,7 +278,8 @@ def test_disconnects_and_aborts_during_compression(server):
 
 # ------------------------------------------------------------------ item 4b: injected compression failure
 def test_injected_compression_failure_is_isolated(server):
-    n = 120
+    """3 faulty rids fail at their first compression (~45 tokens) while 5 others run on."""
+    n = 80
     rids = [f"faulty-{i}" for i in range(3)] + [f"normal-{i}" for i in range(5)]
     tic = time.time()
     with ThreadPoolExecutor(len(rids)) as pool:
@@ -293,7 +295,7 @@ def test_injected_compression_failure_is_isolated(server):
             assert r.status_code == 200, (rid, r.text[:300])
             meta = r.json()["meta_info"]
             assert meta["completion_tokens"] == n and meta["finish_reason"]["type"] == "length"
-            assert meta["kara"]["compressions"] >= 2, meta["kara"]
+            assert meta["kara"]["compressions"] >= 1, meta["kara"]
     log = server.log_text()
     for rid in rids[:3]:
         assert f"Kara compression failed for request {rid}" in log
@@ -302,16 +304,16 @@ def test_injected_compression_failure_is_isolated(server):
 
 
 # ------------------------------------------------------------------ item 5: bounded load
-def run_load(server, clients: int, per_client: int, seed: int, timeout: float):
-    """`clients` threads, each sending `per_client` /generate requests in turn: lengths 16-300,
-    every 6th with n=2, every 5th with compression disabled. Returns figures."""
+def run_load(server, clients: int, per_client: int, seed: int, timeout: float, max_len: int = 300):
+    """`clients` threads, each sending `per_client` /generate requests in turn: lengths
+    16..max_len, every 6th with n=2, every 5th with compression disabled. Returns figures."""
     rng = random.Random(seed)
     jobs = []
     for c in range(clients):
         for k in range(per_client):
             i = c * per_client + k
             jobs.append(dict(
-                c=c, n_tokens=rng.randint(16, 300), n=2 if i % 6 == 0 else 1,
+                c=c, n_tokens=rng.randint(16, max_len), n=2 if i % 6 == 0 else 1,
                 custom={"kara": {"enable": False}} if i % 5 == 0 else None,
                 text=f"Client {c} request {k}: let x = {rng.randint(0, 99)}, then",
             ))
@@ -348,25 +350,25 @@ def run_load(server, clients: int, per_client: int, seed: int, timeout: float):
             assert kara["kv_physical_len"] == logical - DROPPED_PER_EVENT * kara["compressions"], (j, kara)
             if j["custom"] is not None:
                 assert kara["enabled"] is False and kara["compressions"] == 0
-            elif j["n_tokens"] >= 100:
+            elif j["n_tokens"] >= 64:
                 assert kara["compressions"] >= 1, (j, kara)
             sequences += 1
             tokens += meta["completion_tokens"]
             compressed += kara["compressions"] > 0
     assert_clean(server)
-    return dict(clients=clients, requests=len(jobs), sequences=sequences, generated_tokens=tokens,
+    return dict(clients=clients, requests=len(jobs), lengths=f"16-{max_len}", sequences=sequences, generated_tokens=tokens,
                 sequences_compressed=compressed, seconds=round(seconds, 1),
                 tokens_per_second=round(tokens / seconds, 1))
 
 
 def test_load_64_clients(server):
-    figures = run_load(server, clients=64, per_client=1, seed=7, timeout=420)
+    figures = run_load(server, clients=64, per_client=1, seed=7, timeout=300, max_len=100)
     report("load 64x1", **figures)
 
 
 @pytest.mark.slow
 def test_load_64_clients_x3(server):
-    figures = run_load(server, clients=64, per_client=3, seed=8, timeout=1500)
+    figures = run_load(server, clients=64, per_client=3, seed=8, timeout=1800, max_len=300)
     report("load 64x3", **figures)
 
 
@@ -378,6 +380,7 @@ def live_group_members(pgid: int) -> list[str]:
             if line.split()[1] == str(pgid) and not line.split()[2].startswith("Z")]
 
 
+@pytest.mark.slow  # a second server start: ~1-2 min on this machine
 def test_kill9_and_restart_on_same_port(server):
     """SIGKILL the whole process group (HTTP server, tokenizer, scheduler, detokenizer) mid-
     request, then a new server on the same port serves; the shared fixture continues with it."""
@@ -411,15 +414,15 @@ RETRACT_PROMPTS = [f"{p} {i}" for i in range(3) for p in (
 KARA_SMALL = dict(kara_window=40, kara_buffer=8, kara_chunk_budget=4, kara_max_chunk=6, kara_period=4)
 
 
-def run_retraction_storm(model_path, gen: int, interval: int, max_total_tokens: int):
+def run_retraction_storm(model_path, n_requests: int, gen: int, interval: int, max_total_tokens: int):
     with engine_env(SGLANG_TEST_RETRACT="1", SGLANG_TEST_RETRACT_INTERVAL=str(interval),
                     SGL_KARA_CHECK_INTEGRITY="1"):
         engine = start_engine("kara", model_path, kara_retention=0.25, kara_query_source="capture",
-                              max_total_tokens=max_total_tokens, max_running_requests=12, **KARA_SMALL)
+                              max_total_tokens=max_total_tokens, max_running_requests=n_requests, **KARA_SMALL)
     try:
         tic = time.time()
         # min_new_tokens = max_new_tokens: EOS cannot end an answer early.
-        outs = engine.generate(RETRACT_PROMPTS, {"max_new_tokens": gen, "min_new_tokens": gen, "temperature": 0.7})
+        outs = engine.generate(RETRACT_PROMPTS[:n_requests], {"max_new_tokens": gen, "min_new_tokens": gen, "temperature": 0.7})
         seconds = time.time() - tic
         assert engine.flush_cache().success  # strict idle check: no slot leaked
         again = engine.generate("Hello", {"max_new_tokens": 2})
@@ -436,19 +439,21 @@ def run_retraction_storm(model_path, gen: int, interval: int, max_total_tokens: 
         assert kara["kv_physical_len"] == logical - DROPPED_PER_EVENT * kara["compressions"], kara
         assert kara["integrity_checks"] >= kara["compressions"]
     assert sum(retractions) >= len(outs), retractions
-    assert sum(o["meta_info"]["kara"]["compressions"] for o in outs) > 0
-    return dict(requests=len(outs), tokens_each=gen, pool=max_total_tokens, interval=interval,
+    # compressed again after a re-prefill (counts restart at a retraction)
+    recompressed = sum(1 for o, n in zip(outs, retractions) if n > 0 and o["meta_info"]["kara"]["compressions"] > 0)
+    assert recompressed >= 1, [(n, o["meta_info"]["kara"]) for o, n in zip(outs, retractions)]
+    return dict(retractions_per_request=retractions, retracted_then_compressed=recompressed,requests=len(outs), tokens_each=gen, pool=max_total_tokens, interval=interval,
                 retractions=sum(retractions), max_retractions_one_request=max(retractions),
                 final_compressions=sum(o["meta_info"]["kara"]["compressions"] for o in outs),
                 seconds=round(seconds, 1))
 
 
 def test_retraction_storm(tiny_llama):
-    figures = run_retraction_storm(tiny_llama, gen=200, interval=3, max_total_tokens=700)
+    figures = run_retraction_storm(tiny_llama, n_requests=8, gen=120, interval=3, max_total_tokens=500)
     report("retraction storm", **figures)
 
 
 @pytest.mark.slow
 def test_retraction_storm_long(tiny_llama):
-    figures = run_retraction_storm(tiny_llama, gen=500, interval=2, max_total_tokens=900)
+    figures = run_retraction_storm(tiny_llama, n_requests=12, gen=400, interval=2, max_total_tokens=900)
     report("retraction storm long", **figures)
