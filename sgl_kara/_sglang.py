@@ -32,4 +32,5 @@ TARGET_RETRACTION_ORDER = "sglang.srt.managers.schedule_batch.ScheduleBatch._get
 TARGET_META_INFO = "sglang.srt.managers.tokenizer_manager.TokenizerManager.update_request_meta_info"
 TARGET_SAMPLING_VERIFY = "sglang.srt.sampling.sampling_params.SamplingParams.verify"
 TARGET_UPDATE_RUNNING_BATCH = "sglang.srt.managers.scheduler.Scheduler.update_running_batch"
+TARGET_VALIDATE_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 ROTARY_BASE_MODULE = "sglang.srt.layers.rotary_embedding.base"

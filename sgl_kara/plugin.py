@@ -37,6 +37,7 @@ def register() -> None:
 
     sg.HookRegistry.register(sg.TARGET_META_INFO, unwrap_meta_hook, sg.HookType.AROUND)
     sg.HookRegistry.register(sg.TARGET_SAMPLING_VERIFY, _verify_hook, sg.HookType.AFTER)
+    sg.HookRegistry.register(sg.TARGET_VALIDATE_REQUEST, _validate_input_ids_hook, sg.HookType.AFTER)
     if os.environ.get("SGL_KARA_TRACE"):
         # Benchmark instrument (vanilla and Kara alike): one line per decode scheduling step.
         sg.HookRegistry.register(sg.TARGET_UPDATE_RUNNING_BATCH, _trace_hook, sg.HookType.AFTER)
@@ -108,6 +109,16 @@ def _verify_hook(result, sampling_params, *args, **kwargs):
     from sgl_kara.request_options import validate
 
     validate(getattr(sampling_params, "custom_params", None))
+    return result
+
+
+def _validate_input_ids_hook(result, manager, obj, input_ids, *args, **kwargs):
+    """TokenizerManager._validate_one_request: out-of-vocabulary ids would crash the scheduler
+    (embedding IndexError, whole server down); reject them with a 400 instead."""
+    vocab = manager.model_config.vocab_size
+    if input_ids and not all(isinstance(t, int) and 0 <= t < vocab for t in input_ids):
+        bad = next(t for t in input_ids if not (isinstance(t, int) and 0 <= t < vocab))
+        raise ValueError(f"input_ids contains out-of-vocabulary token id {bad!r}; valid range is [0, {vocab}).")
     return result
 
 

@@ -21,6 +21,10 @@ def test_policy_none_matches_sglang(tiny_llama, vanilla_outputs):
     engine = start_engine("kara", tiny_llama, kara_policy="none")
     try:
         outs = engine.generate(PROMPTS, GREEDY)
+        # Out-of-vocabulary ids are rejected up front instead of crashing the scheduler.
+        with pytest.raises(ValueError, match="out-of-vocabulary token id 100000"):
+            engine.generate(input_ids=[100000, 5], sampling_params={"max_new_tokens": 2})
+        assert engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
     finally:
         engine.shutdown()
     for mine, ref in zip(outs, vanilla_outputs):
