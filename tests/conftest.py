@@ -64,8 +64,23 @@ def tiny_qwen3(tmp_path_factory):
     return str(write_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", seed=2))
 
 
+class ChildProcessFailed(RuntimeError):
+    pass
+
+
+def _child_failed(signum, frame):
+    """SGLang's own SIGQUIT handler SIGKILLs its whole process tree -- pytest included -- which
+    hides which test broke. Kill only the children and fail the running test instead."""
+    from sglang.srt.utils import kill_process_tree
+
+    kill_process_tree(os.getpid(), include_parent=False)
+    raise ChildProcessFailed("an SGLang child process failed (SIGQUIT); see its log above")
+
+
 def start_engine(kind: str, model_path: str, **kwargs):
     """kind: 'sglang' (vanilla) or 'kara'."""
+    import signal
+
     opts = {**ENGINE_COMMON, **kwargs}
     with engine_env():
         if kind == "sglang":
@@ -73,10 +88,13 @@ def start_engine(kind: str, model_path: str, **kwargs):
 
             from sgl_kara.support import cpu_defaults
 
-            return sglang.Engine(model_path=model_path, **cpu_defaults(), **opts)
-        import sgl_kara
+            engine = sglang.Engine(model_path=model_path, **cpu_defaults(), **opts)
+        else:
+            import sgl_kara
 
-        return sgl_kara.Engine(model_path=model_path, **opts)
+            engine = sgl_kara.Engine(model_path=model_path, **opts)
+    signal.signal(signal.SIGQUIT, _child_failed)
+    return engine
 
 
 def free_port() -> int:

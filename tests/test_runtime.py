@@ -133,17 +133,43 @@ def test_flush_leaves_every_slot_free(compressing_engine):
 
 
 def test_tight_pool_retracts_and_completes(tiny_llama):
-    engine = start_engine(
-        "kara", tiny_llama, kara_retention=0.25, kara_query_source="capture",
-        max_total_tokens=900, max_running_requests=12, **KARA_SMALL,
-    )
+    """Over-admission under pressure: natural retraction, then every request still completes.
+
+    Kara's admission charges each new request its compressed footprint (~120 tokens here), so a
+    single burst of requests never over-commits the 900-token pool. Running requests, though,
+    are charged only SGLang's new-token ratio of their future, set near zero here. So a first
+    wave of 6 is admitted, and once it decodes, a second wave of 6 is admitted too; 12 x ~115
+    compressed tokens > 900, so the pool must run out mid-decode and SGLang must retract.
+    """
+    import asyncio
+
+    with engine_env(SGLANG_INIT_NEW_TOKEN_RATIO="0.01"):
+        engine = start_engine(
+            "kara", tiny_llama, kara_retention=0.25, kara_query_source="capture",
+            max_total_tokens=900, max_running_requests=12, **KARA_SMALL,
+        )
+    params = {"max_new_tokens": GEN, "min_new_tokens": GEN, "temperature": 0.0}
+
+    async def run_one(prompt, started):
+        last = None
+        async for chunk in await engine.async_generate(prompt, params, stream=True):
+            started.set()
+            last = chunk
+        return last
+
+    async def run_all():
+        waves = [[f"{p} {i}" for i in range(w, w + 2) for p in PROMPTS[:3]] for w in (0, 2)]
+        first_started = [asyncio.Event() for _ in waves[0]]
+        first = [asyncio.create_task(run_one(p, e)) for p, e in zip(waves[0], first_started)]
+        await asyncio.gather(*(e.wait() for e in first_started))
+        second = [asyncio.create_task(run_one(p, asyncio.Event())) for p in waves[1]]
+        return await asyncio.gather(*first, *second)
+
     try:
-        prompts = [f"{p} {i}" for i in range(3) for p in PROMPTS]
-        # Not ignore_eos: SGLang then admits by its optimistic new-token ratio and must retract
-        # when the pool runs out; min_new_tokens still fixes every answer's length.
-        outs = engine.generate(prompts, {"max_new_tokens": GEN, "min_new_tokens": GEN, "temperature": 0.0})
+        outs = engine.loop.run_until_complete(run_all())
     finally:
         engine.shutdown()
+    assert len(outs) == 12
     assert all(o["meta_info"]["completion_tokens"] == GEN for o in outs)
     assert sum(o["meta_info"].get("num_retractions", 0) for o in outs) > 0
 

@@ -1,31 +1,37 @@
-"""Variable-tracking chain task: the reasoning proxy's training and evaluation data (pure Python).
+"""Pointer-chain task: the reasoning proxy's training and evaluation data (pure Python).
 
-A problem is a set of N assignments ``name := a op b`` (op in {+, -}, arithmetic mod 10), each
-operand a digit or an earlier-assigned name, listed in the prompt in **shuffled** order, then a
-query of three names and the start name. Names are consecutive, ``v{s}, v{s+1}, ...`` (mod 64)
-from a random start s, so "which name comes next" is a fixed successor rule while the formulas
-must be looked up in the shuffled prompt by name. Every name is assigned exactly once (no
-reassignment), and every name except the last is used by a later one, so the last value depends
-on all of them. The solution evaluates the names in order, one step per name, writing each
-fetched value next to its name:
+A problem has N named values v_s, v_{s+1}, ... (names mod 64 from a random start s, each
+assigned once). The prompt gives the first two values and, for every later step k, a pointer
+digit δ_k, in **shuffled** order. Step k computes
 
-    prompt   : v42 := v40 - v41 ; v40 := 3 + 5 ; v41 := v40 + 7 ; query v42 v40 v41 ; start v40 solve
-    solution : v40 := 3 + 5 ; 3 + 5 = 8 ; v40 = 8 .
-               v41 := v40 + 7 ; v40 = 8 ; 8 + 7 = 5 ; v41 = 5 .
-               v42 := v40 - v41 ; v40 = 8 ; v41 = 5 ; 8 - 5 = 3 ; v42 = 3 .
-               answer v42 = 3 ; v40 = 8 ; v41 = 5
+    v_k = (v_{k-1} + v_p) mod 10,   p = k - 2 - 3·δ_k      (so p is 2..29 steps back)
 
-(the solution is one line; breaks added here). Every ``name = digit`` pair in the whole sequence
-states that name's value, so a value is fetched by its name (content-addressed), never by
-position, and the distance back varies from one step to hundreds of tokens: one operand is
-usually a recently computed, not-yet-used name, the other is uniform over all earlier names.
-Values exist only in the generated text (the prompt holds formulas, never ``name = digit``), so a
-KV-cache policy that drops the wrong generated entries breaks the chain. The answer is the three
-queried values (the last name plus two from the first half, fetched again at the very end), so
-guessing succeeds with probability 1/1000.
+so every step fetches one value generated far back (by name) and one generated just before, and
+the last value depends on all of them. The answer is three values: two from the first half and
+the last, fetched again by name at the very end.
 
-Size N = number of steps; solution length is about 21.5 * N + 12 tokens (N=14 -> ~310,
-N=44 -> ~960). Tokens are separated by single spaces (word-level vocabulary, see tokenizer.py).
+    prompt   : P45=0 P43=0 P44=0 P42=0 ; query QA40 QB41 QE45 ; seed V40=7 V41=2 .
+    solution : K42 P42=0 r40 V40=7 ; r41 V41=2 ; 2 + 7 = 9 ; V42=9 .
+               K43 P43=0 r41 V41=2 ; r42 V42=9 ; 9 + 2 = 1 ; V43=1 .
+               ...
+               answer r40 V40=7 and r41 V41=2 last r45 V45=5
+
+(the solution is one line; breaks added here). Word meanings: ``Vk=d`` states v_k = d (the only
+place values appear); ``Pk=δ`` is step k's pointer; ``Kk`` opens step k and asks for its
+pointer; ``rk`` asks for v_k's value; ``QAk``/``QBk``/``QEk`` are the queried names (QE = the
+last step).
+
+Why compound words: every lookup is then a *one-hop* associative recall -- the asking word
+(``Kk``, ``rk``) and the word holding the answer (``Pk=δ``, ``Vk=d``) share the name k in their
+own embeddings, and the payload is in the same word. Probes on this machine showed a 2.4M-param
+Llama learns such recall in ~150 steps, while recall that needs a two-layer induction circuit
+(``vk = d`` as three words) stayed near chance after 500+ steps. Values are fetched by name,
+never by position: look-back distances vary from 1 to 29 steps (16 words each), i.e. up to
+~460 tokens inside a step and up to ~1,000 tokens for the answer, and the prompt holds only two
+seed values, so a KV-cache policy that drops the wrong generated entries breaks the chain.
+
+Size N = number of values (2 seeds + N-2 steps); the solution is 16 * (N - 2) + 9 words
+(N=21 -> 313, N=62 -> 969).
 """
 
 from __future__ import annotations
@@ -34,134 +40,102 @@ import random
 import re
 
 MAX_NAMES = 64
-NAMES = [f"v{i}" for i in range(MAX_NAMES)]
+STEP_WORDS = 16  # words per solution step
+MAX_DELTA = 9  # pointer digit range 0..9 -> look-back 2..29 steps
+
+SYMBOLS = [";", "+", "=", ".", "query", "seed", "answer", "and", "last"]
 DIGITS = [str(d) for d in range(10)]
-SYMBOLS = [":=", "=", "+", "-", ";", ".", "query", "start", "solve", "answer"]
-WORDS = SYMBOLS + DIGITS + NAMES  # the task vocabulary (special tokens are added by tokenizer.py)
+FAMILIES = ["K", "r", "QA", "QB", "QE"]  # plain name words: Kk, rk, QAk, QBk, QEk
+COMPOUNDS = ["V", "P"]  # Vk=d (value), Pk=d (pointer)
+WORDS = (
+    SYMBOLS
+    + DIGITS
+    + [f"{f}{k}" for f in FAMILIES for k in range(MAX_NAMES)]
+    + [f"{c}{k}={d}" for c in COMPOUNDS for k in range(MAX_NAMES) for d in range(10)]
+)  # task vocabulary (tokenizer.py adds <pad> <bos> <eos> <unk>)
 
-N_QUERY = 3
-P_LITERAL = 0.2  # chance that the second operand of a step is a digit rather than a name
-
-
-def _apply(a: int, op: str, b: int) -> int:
-    return (a + b) % 10 if op == "+" else (a - b) % 10
-
-
-def make_assignments(rng: random.Random, size: int, start: int = 0) -> list[tuple[str, str, str, str]]:
-    """N assignments (target, operand1, op, operand2) in evaluation order; operands are names or digits.
-
-    Step i assigns name ``v{(start + i) % 64}`` (names wrap around, so every name is common in
-    training whatever the problem size).
-
-    Step 0 adds two digits. Step k >= 1 takes one operand from the not-yet-used names (a random one;
-    this keeps every name used once and the pool of unused names small, hence mostly recent) and
-    the other, with probability 1 - P_LITERAL, uniformly from all earlier names (long, varied
-    look-backs), else a digit. Operand order is random.
-    """
-    if not 2 <= size <= MAX_NAMES:
-        raise ValueError(f"size must be in [2, {MAX_NAMES}], got {size}")
-    names = [NAMES[(start + i) % MAX_NAMES] for i in range(size)]
-    out = [(names[0], str(rng.randrange(10)), rng.choice("+-"), str(rng.randrange(10)))]
-    unused = [0]
-    for k in range(1, size):
-        a = unused.pop(rng.randrange(len(unused)))
-        others = [j for j in range(k) if j != a]
-        if others and rng.random() >= P_LITERAL:
-            b = rng.choice(others)
-            if b in unused:
-                unused.remove(b)
-            second = names[b]
-        else:
-            second = str(rng.randrange(10))
-        ops = [names[a], second]
-        rng.shuffle(ops)
-        out.append((names[k], ops[0], rng.choice("+-"), ops[1]))
-        unused.append(k)
-    return out
+_WORD_RE = re.compile(r"^(K|r|QA|QB|QE|V|P)(\d+)(?:=(\d))?$")
 
 
-def evaluate(assignments) -> dict[str, int]:
-    """Values of all names, by direct evaluation of the assignments (any order that resolves)."""
-    env: dict[str, int] = {}
-    pending = list(assignments)
-    while pending:
-        rest = []
-        for target, x, op, y in pending:
-            vals = [int(t) if t.isdigit() else env.get(t) for t in (x, y)]
-            if None in vals:
-                rest.append((target, x, op, y))
-            else:
-                env[target] = _apply(vals[0], op, vals[1])
-        if len(rest) == len(pending):
-            raise ValueError("assignments do not resolve")
-        pending = rest
-    return env
+def parse_word(word: str) -> tuple[str, int, int | None] | None:
+    """("V", 12, 3) for "V12=3", ("r", 5, None) for "r5"; None for symbols and digits."""
+    m = _WORD_RE.match(word)
+    return (m.group(1), int(m.group(2)), None if m.group(3) is None else int(m.group(3))) if m else None
+
+
+def make_chain(rng: random.Random, size: int) -> tuple[list[int], list[int]]:
+    """(values, deltas) for ``size`` values; deltas[i] is step i's pointer (unused for i < 2)."""
+    if not 3 <= size <= MAX_NAMES:
+        raise ValueError(f"size must be in [3, {MAX_NAMES}], got {size}")
+    values = [rng.randrange(10), rng.randrange(10)]
+    deltas = [0, 0]
+    for i in range(2, size):
+        d = rng.randint(0, min(MAX_DELTA, (i - 2) // 3))
+        deltas.append(d)
+        values.append((values[i - 1] + values[i - 2 - 3 * d]) % 10)
+    return values, deltas
 
 
 def make_problem(rng: random.Random, size: int) -> tuple[str, str, str]:
-    """(prompt_text, solution_text, answer) for a problem with ``size`` steps.
+    """(prompt_text, solution_text, answer) for a chain of ``size`` values.
 
-    ``answer`` is the queried values as a space-separated digit string, e.g. "3 8 5".
+    ``answer`` is the three queried values as a space-separated digit string, e.g. "7 2 5".
     """
     start = rng.randrange(MAX_NAMES)
-    steps = make_assignments(rng, size, start)
-    env = evaluate(steps)
-    half = (size + 1) // 2
-    extra = rng.sample(range(half), min(N_QUERY - 1, half))
-    query = [steps[-1][0]] + [steps[j][0] for j in extra]
-    shuffled = list(steps)
-    rng.shuffle(shuffled)
-    prompt = " ; ".join(f"{t} := {x} {op} {y}" for t, x, op, y in shuffled)
-    prompt += " ; query " + " ".join(query) + " ; start " + steps[0][0] + " solve"
-    parts = []
-    for t, x, op, y in steps:
-        words = [t, ":=", x, op, y, ";"]
-        for operand in (x, y):
-            if not operand.isdigit():
-                words += [operand, "=", str(env[operand]), ";"]
-        vx, vy = (int(o) if o.isdigit() else env[o] for o in (x, y))
-        words += [str(vx), op, str(vy), "=", str(env[t]), ";", t, "=", str(env[t]), "."]
-        parts.append(" ".join(words))
-    parts.append("answer " + " ; ".join(f"{q} = {env[q]}" for q in query))
-    answer = " ".join(str(env[q]) for q in query)
-    return prompt, " ".join(parts), answer
+    values, deltas = make_chain(rng, size)
 
+    def name(i: int) -> int:
+        return (start + i) % MAX_NAMES
 
-def parse_prompt(prompt_text: str) -> tuple[list[tuple[str, str, str, str]], list[str]]:
-    """Inverse of the prompt format: (assignments in prompt order, query names)."""
-    body, _, tail = prompt_text.partition(" ; query ")
-    query = tail.split(" ; start ")[0].split()
+    half = max(2, (size + 1) // 2)
+    qa, qb = rng.sample(range(half), 2)
+    pointers = [f"P{name(i)}={deltas[i]}" for i in range(2, size)]
+    rng.shuffle(pointers)
+    prompt = (
+        " ".join(pointers)
+        + f" ; query QA{name(qa)} QB{name(qb)} QE{name(size - 1)}"
+        + f" ; seed V{name(0)}={values[0]} V{name(1)}={values[1]} ."
+    )
     steps = []
-    for stmt in body.split(" ; "):
-        t, assign, x, op, y = stmt.split()
-        assert assign == ":=" and op in "+-", stmt
-        steps.append((t, x, op, y))
-    return steps, query
+    for i in range(2, size):
+        p = i - 2 - 3 * deltas[i]
+        k, prev, ptr = name(i), name(i - 1), name(p)
+        steps.append(
+            f"K{k} P{k}={deltas[i]} r{ptr} V{ptr}={values[p]} ; r{prev} V{prev}={values[i - 1]} ; "
+            f"{values[i - 1]} + {values[p]} = {values[i]} ; V{k}={values[i]} ."
+        )
+    q = [(qa, "answer"), (qb, "and"), (size - 1, "last")]
+    steps.append(" ".join(f"{w} r{name(i)} V{name(i)}={values[i]}" for i, w in q))
+    answer = " ".join(str(values[i]) for i, _ in q)
+    return prompt, " ".join(steps), answer
 
 
 def solve_prompt(prompt_text: str) -> str:
-    """Reference answer computed from the prompt alone (independent of make_problem's bookkeeping)."""
-    steps, query = parse_prompt(prompt_text)
-    env = evaluate(steps)
-    return " ".join(str(env[q]) for q in query)
-
-
-_ANSWER_RE = re.compile(r"(v\d+)\s*=\s*(\d)")
+    """Reference answer computed from the prompt alone (independent of make_problem's state)."""
+    words = prompt_text.split()
+    parsed = [p for p in map(parse_word, words) if p]
+    seeds = [(k, d) for fam, k, d in parsed if fam == "V"]
+    ptr = {k: d for fam, k, d in parsed if fam == "P"}
+    query = {fam: k for fam, k, _ in parsed if fam in ("QA", "QB", "QE")}
+    vals = dict(seeds)
+    k = (seeds[1][0] + 1) % MAX_NAMES
+    while k in ptr:
+        vals[k] = (vals[(k - 1) % MAX_NAMES] + vals[(k - 2 - 3 * ptr[k]) % MAX_NAMES]) % 10
+        k = (k + 1) % MAX_NAMES
+    return " ".join(str(vals[query[f]]) for f in ("QA", "QB", "QE"))
 
 
 def extract_answer(output_text: str) -> str | None:
-    """The digits after the last ``answer`` marker (``name = d`` pairs), space-joined; None if absent."""
+    """Digits of the three ``Vk=d`` words after the last ``answer`` marker, space-joined."""
     idx = output_text.rfind("answer")
     if idx < 0:
         return None
-    pairs = _ANSWER_RE.findall(output_text[idx + len("answer"):])
-    if not pairs:
-        return None
-    return " ".join(d for _, d in pairs)
+    digits = [m.group(1) for m in re.finditer(r"\bV\d+=(\d)\b", output_text[idx:])]
+    return " ".join(digits[:3]) if len(digits) >= 3 else None
 
 
 def check(output_text: str, answer: str) -> bool:
-    """Exact match of all queried values."""
+    """Exact match of all three queried values."""
     return extract_answer(output_text) == answer
 
 
@@ -169,52 +143,53 @@ def count_tokens(text: str) -> int:
     return len(text.split())
 
 
-ROLES = ("format", "copy", "fetch_near", "fetch_far", "arith", "answer")
+ROLES = ("format", "pointer", "fetch_near", "fetch_far", "arith", "answer")
 
 
 def token_roles(solution_text: str, far: int = 20) -> list[str]:
-    """Role of each solution word, for per-role accuracy: ``copy`` (formula operand/op copied from
-    the prompt by name), ``fetch_near``/``fetch_far`` (a fetched value whose previous statement is
-    < / >= ``far`` tokens back), ``arith`` (a step's result digit), ``answer`` (values in the
-    answer line), ``format`` (everything else: deterministic or locally copied tokens)."""
+    """Role of each solution word, for per-role accuracy: ``pointer`` (``Pk=δ`` recalled from the
+    prompt and the ``rp`` it implies), ``fetch_near``/``fetch_far`` (a recalled ``Vj=d`` whose
+    previous statement is < / >= ``far`` words back), ``arith`` (a step's result digit),
+    ``answer`` (values recalled in the answer line), ``format`` (the rest: fixed or local)."""
     words = solution_text.split()
     roles = ["format"] * len(words)
-    last: dict[str, int] = {}
-    step_start = 0
+    last: dict[int, int] = {}
     in_answer = False
     for i, w in enumerate(words):
+        prev = words[i - 1] if i else ""
         if w == "answer":
             in_answer = True
-        if i > 0 and words[i - 1] == ".":
-            step_start = i
-        if not in_answer and i - step_start in (2, 3, 4):
-            roles[i] = "copy"
-        if i >= 2 and words[i - 1] == "=" and w.isdigit():
-            name = words[i - 2]
+        parsed = parse_word(w)
+        pprev = parse_word(prev)
+        if parsed and parsed[0] == "P" or (pprev and pprev[0] == "P"):
+            roles[i] = "pointer"
+        elif parsed and parsed[0] == "V" and pprev and pprev[0] == "r":
             if in_answer:
                 roles[i] = "answer"
-            elif name.startswith("v") and name != words[step_start]:
-                roles[i] = "fetch_far" if i - last.get(name, -(10**9)) >= far else "fetch_near"
-            elif not name.startswith("v"):
-                roles[i] = "arith"
-            if name.startswith("v"):
-                last[name] = i
+            else:
+                dist = i - last.get(parsed[1], -(10**9))
+                roles[i] = "fetch_far" if dist >= far else "fetch_near"
+        elif w.isdigit() and prev == "=":
+            roles[i] = "arith"
+        if parsed and parsed[0] == "V":
+            last[parsed[1]] = i
     return roles
 
 
 def lookback_distances(prompt_text: str, solution_text: str) -> list[int]:
-    """For each value fetched in the solution (``name = d`` inside a step, not the step's own result),
-    the distance in tokens back to that name's defining ``name = d`` (generated) — for analysis."""
+    """For each value recalled inside a step, the distance in words back to the generated word
+    that defined it (seeds, defined in the prompt, are skipped) — for analysis and tests."""
     words = solution_text.split()
-    defined: dict[str, int] = {}
+    defined: dict[int, int] = {}
     dists = []
-    step_target = None
     for i, w in enumerate(words):
-        if i + 2 < len(words) and words[i + 1] == ":=":
-            step_target = w
-        if w.startswith("v") and i + 2 < len(words) and words[i + 1] == "=" and words[i + 2].isdigit():
-            if w == step_target and w not in defined:
-                defined[w] = i + 2
-            elif w in defined:
-                dists.append(i + 1 - defined[w])
+        if w == "answer":
+            break
+        parsed = parse_word(w)
+        if not parsed or parsed[0] != "V":
+            continue
+        if words[i - 1] == ";":  # "; Vk=d ." closes step k: the definition
+            defined[parsed[1]] = i
+        elif parsed[1] in defined:
+            dists.append(i - defined[parsed[1]])
     return dists

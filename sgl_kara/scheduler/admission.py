@@ -12,14 +12,22 @@ from __future__ import annotations
 
 import math
 
+from sgl_kara.policies.kara import kept_count
 
-def compressed_future_tokens(remaining: int, runtime) -> int:
+
+def compressed_future_tokens(remaining: int, runtime, state=None) -> int:
+    """Tokens a request that may still generate ``remaining`` will hold, under its own options
+    (``custom_params.kara`` retention / budget override the server's config)."""
     cfg = runtime.cfg
-    if remaining <= 0 or cfg.policy != "kara":
-        if cfg.policy in ("snapkv", "streaming"):
-            return min(remaining, cfg.snapkv_threshold + 1)
+    if remaining <= 0:
         return remaining
-    rate = cfg.kept_per_window / cfg.compressible
+    if cfg.policy in ("snapkv", "streaming"):
+        budget = state.budget if state is not None and state.budget is not None else cfg.snapkv_budget
+        return min(remaining, budget + (cfg.snapkv_threshold - cfg.snapkv_budget) + 1)
+    if cfg.policy != "kara":
+        return remaining
+    retention = state.retention if state is not None and state.retention is not None else cfg.retention
+    rate = kept_count(cfg.compressible, retention) / cfg.compressible
     return min(remaining, math.ceil(remaining * rate) + cfg.window + cfg.period)
 
 
@@ -46,6 +54,7 @@ class _discounted:
     """Temporarily present max_new_tokens as the compressed footprint of what remains."""
 
     def __init__(self, req, runtime):
+        self.req = req
         self.params = req.sampling_params
         self.done = len(req.output_ids)
         self.runtime = runtime
@@ -53,7 +62,8 @@ class _discounted:
     def __enter__(self):
         self.orig = self.params.max_new_tokens
         remaining = max(0, self.orig - self.done)
-        self.params.max_new_tokens = self.done + compressed_future_tokens(remaining, self.runtime)
+        state = self.runtime.state_of(self.req)
+        self.params.max_new_tokens = self.done + compressed_future_tokens(remaining, self.runtime, state)
 
     def __exit__(self, *exc):
         self.params.max_new_tokens = self.orig
