@@ -68,6 +68,7 @@ def run_system(system: str, args, pool: int, max_running: int) -> RunResult:
     import sglang
 
     import sgl_kara
+    from sgl_kara.engine import release_loop_tasks
     from sgl_kara.support import cpu_defaults
 
     trace_path = tempfile.mktemp(prefix=f"trace_{system}_", suffix=".jsonl")
@@ -108,6 +109,7 @@ def run_system(system: str, args, pool: int, max_running: int) -> RunResult:
         seconds = time.perf_counter() - tic
     finally:
         engine.shutdown()
+        release_loop_tasks(engine)  # vanilla sglang.Engine leaves its loop tasks behind
     trace = [json.loads(line) for line in open(trace_path)]
     os.unlink(trace_path)
     running = [r["running"] for r in trace if r["running"] > 0]

@@ -31,6 +31,30 @@ def build_server_args(kwargs: dict):
     return cfg, server_args
 
 
+def release_loop_tasks(engine) -> None:
+    """Cancel the event-loop tasks of a shut-down engine's TokenizerManager.
+
+    SGLang 0.5.23's TokenizerManager starts ``handle_loop`` and ``sigterm_watchdog`` on the
+    process-wide event loop, and ``Engine.shutdown`` leaves them there. A later Engine in the
+    same process runs that loop, so a stale task can wake up; if it raises, SGLang's
+    ``print_exception_wrapper`` calls ``kill_process_tree(os.getpid(), include_parent=True)``,
+    SIGKILLing the new engine's scheduler and the calling process. Works for ``sglang.Engine``
+    too (used by the benchmarks and tests for vanilla runs).
+    """
+    manager = getattr(engine, "tokenizer_manager", None)
+    tasks = [t for t in getattr(manager, "asyncio_tasks", ()) if not t.done()]
+    for task in tasks:
+        task.cancel()
+    loop = getattr(engine, "loop", None)
+    if tasks and loop is not None and not loop.is_running() and not loop.is_closed():
+        import asyncio
+
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+    if manager is not None:
+        manager.asyncio_tasks.clear()
+        manager.event_loop = None
+
+
 class Engine(SGLangEngine):
     def __init__(self, **kwargs):
         register()  # hooks + radix backend before ServerArgs validates --radix-cache-backend
@@ -44,3 +68,9 @@ class Engine(SGLangEngine):
                 run_kara_scheduler_process, kara_config=self.kara_config.to_dict()
             )
         super().__init__(server_args=server_args)
+
+    def shutdown(self):
+        try:
+            super().shutdown()
+        finally:
+            release_loop_tasks(self)

@@ -64,23 +64,65 @@ def tiny_qwen3(tmp_path_factory):
     return str(write_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", seed=2))
 
 
-class ChildProcessFailed(RuntimeError):
-    pass
+_PYTEST_CONFIG = None
 
 
-def _child_failed(signum, frame):
-    """SGLang's own SIGQUIT handler SIGKILLs its whole process tree -- pytest included -- which
-    hides which test broke. Kill only the children and fail the running test instead."""
+def pytest_configure(config):
+    global _PYTEST_CONFIG
+    _PYTEST_CONFIG = config
+
+
+def _guard_pytest_process():
+    """SGLang's SIGQUIT handlers (launch phase, and the running phase one its TokenizerManager
+    registers on the event loop) call ``kill_process_tree(os.getpid())``, which SIGKILLs pytest
+    itself with all captured output when any child dies: CI then shows only "Killed". In the
+    test process, kill the children, print which test was running (bypassing capture), exit 3."""
+    import sglang.srt.entrypoints.engine as engine_mod
+    import sglang.srt.managers.tokenizer_manager as tm_mod
     from sglang.srt.utils import kill_process_tree
 
-    kill_process_tree(os.getpid(), include_parent=False)
-    raise ChildProcessFailed("an SGLang child process failed (SIGQUIT); see its log above")
+    if getattr(engine_mod.kill_process_tree, "_sgl_kara_guard", False):
+        return
+
+    def guarded(pid, include_parent=True, *args, **kwargs):
+        if pid != os.getpid() or not include_parent:
+            return kill_process_tree(pid, include_parent, *args, **kwargs)
+        kill_process_tree(pid, False, *args, **kwargs)
+        capman = _PYTEST_CONFIG and _PYTEST_CONFIG.pluginmanager.getplugin("capturemanager")
+        if capman is not None:
+            capman.suspend_global_capture(in_=True)
+            out, err = capman.read_global_capture()
+            sys.stderr.write(out[-20000:] + err[-20000:])
+        sys.stderr.write(
+            f"\nFATAL: an SGLang child process failed during {os.environ.get('PYTEST_CURRENT_TEST')}; "
+            "SGLang asked to kill the process tree. Exiting.\n"
+        )
+        sys.stderr.flush()
+        os._exit(3)
+
+    guarded._sgl_kara_guard = True
+    engine_mod.kill_process_tree = guarded
+    tm_mod.kill_process_tree = guarded
+
+
+def _release_tasks_on_shutdown(engine) -> None:
+    """Vanilla sglang.Engine: the cleanup sgl_kara.Engine.shutdown does (see release_loop_tasks)."""
+    from sgl_kara.engine import release_loop_tasks
+
+    shutdown = engine.shutdown
+
+    def shutdown_and_release():
+        try:
+            shutdown()
+        finally:
+            release_loop_tasks(engine)
+
+    engine.shutdown = shutdown_and_release
 
 
 def start_engine(kind: str, model_path: str, **kwargs):
     """kind: 'sglang' (vanilla) or 'kara'."""
-    import signal
-
+    _guard_pytest_process()
     opts = {**ENGINE_COMMON, **kwargs}
     with engine_env():
         if kind == "sglang":
@@ -89,11 +131,11 @@ def start_engine(kind: str, model_path: str, **kwargs):
             from sgl_kara.support import cpu_defaults
 
             engine = sglang.Engine(model_path=model_path, **cpu_defaults(), **opts)
+            _release_tasks_on_shutdown(engine)
         else:
             import sgl_kara
 
             engine = sgl_kara.Engine(model_path=model_path, **opts)
-    signal.signal(signal.SIGQUIT, _child_failed)
     return engine
 
 

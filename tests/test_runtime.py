@@ -171,7 +171,12 @@ def test_tight_pool_retracts_and_completes(tiny_llama):
         engine.shutdown()
     assert len(outs) == 12
     assert all(o["meta_info"]["completion_tokens"] == GEN for o in outs)
-    assert sum(o["meta_info"].get("num_retractions", 0) for o in outs) > 0
+    retracted = [o["meta_info"] for o in outs if o["meta_info"].get("num_retractions", 0)]
+    assert retracted
+    # A re-prefilled request inserts only its prompt into the tree, so its regenerated history
+    # is compressed again (catch-up passes) instead of becoming a protected prefix.
+    for meta in retracted:
+        assert meta["kara"]["kv_physical_len"] < meta["kara"]["kv_logical_len"] - 100, meta
 
 
 @pytest.mark.parametrize("policy", ["snapkv", "streaming"])

@@ -7,7 +7,7 @@ with the same backend.
 
 import pytest
 
-from conftest import ENGINE_COMMON, engine_env
+from conftest import ENGINE_COMMON, engine_env, _release_tasks_on_shutdown
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,9 @@ def _engine(kind, path, **kw):
         if kind == "sglang":
             import sglang
 
-            return sglang.Engine(model_path=path, **opts)
+            engine = sglang.Engine(model_path=path, **opts)
+            _release_tasks_on_shutdown(engine)
+            return engine
         import sgl_kara
 
         return sgl_kara.Engine(model_path=path, **opts)

@@ -1,7 +1,7 @@
 """Train the reasoning proxy: a small Llama on the variable-tracking task (task.py), on CPU.
 
     nice -n 19 env OMP_WAIT_POLICY=PASSIVE python bench/quality/train.py \
-        --out bench/quality/proxy_model --steps 2500 --seed 0 --log bench/quality/train_log.txt
+        --out bench/quality/proxy_model --steps 1200 --seed 0 --log bench/quality/train_log.txt
 
 Deterministic from --seed (one thread, seeded data stream, seeded init). Loss only on solution
 tokens (+ EOS). Curriculum: the largest problem size grows linearly from --size-start to
@@ -36,7 +36,7 @@ EVAL_SEED = 10_000_019  # held-out problems (train.py's periodic eval); eval_hf.
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output model directory")
-    p.add_argument("--steps", type=int, default=2500)
+    p.add_argument("--steps", type=int, default=1200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log", default=None, help="log file (default: <out>/train.log)")
     p.add_argument("--threads", type=int, default=1)

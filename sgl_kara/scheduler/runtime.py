@@ -114,9 +114,23 @@ class KaraRuntime:
             enabled, retention = state.enabled, state.retention
             req.kara = KaraReqState(enabled=enabled, retention=retention)
 
-    def exact_len(self, req) -> int | None:
+    def insert_cap(self, req) -> int | None:
+        """How much of the row the radix tree may take (None = all of it).
+
+        A compressed row is exact only up to its protected prefix. A row re-prefilled after a
+        retraction is exact, but while it runs its generated part must stay its own: inserted,
+        those tokens would become a protected shared prefix that Kara never compresses again,
+        and the request would hold its full length until it finishes. A finished uncompressed
+        request inserts everything (later requests with the same history hit it).
+        """
         state = get_state(req)
-        return None if state is None else state.exact_len()
+        if state is None:
+            return None
+        if state.compressions > 0:
+            return state.protected
+        if state.enabled and req.output_ids and not req.finished():
+            return len(req.origin_input_ids)
+        return None
 
     def meta(self, req) -> dict | None:
         state = get_state(req)

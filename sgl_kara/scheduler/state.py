@@ -35,10 +35,6 @@ class KaraReqState:
     integrity_checks: int = 0
     crosscheck_err: float | None = None
 
-    def exact_len(self) -> int | None:
-        """Rows whose KV matches the token ids 1:1 (None = the whole row is exact)."""
-        return self.protected if self.compressions > 0 else None
-
     def meta(self, physical_len: int) -> dict:
         return {
             "compressions": self.compressions,
