@@ -42,6 +42,16 @@ class RunResult:
     events: int
     compress_seconds: float
     trace: list
+    repeat: int = 0
+
+    @property
+    def steps(self) -> int:
+        """Scheduler iterations that had requests running (decode steps, prefills folded in)."""
+        return sum(1 for r in self.trace if r["running"] > 0)
+
+    @property
+    def ms_per_step(self) -> float:
+        return 1000 * self.seconds / max(1, self.steps)
 
     @property
     def tps(self) -> float:
@@ -64,17 +74,22 @@ def workload(args):
     return prompts, params
 
 
-def run_system(system: str, args, pool: int, max_running: int) -> RunResult:
+def run_system(system: str, args, pool: int, max_running: int, repeat: int = 0) -> RunResult:
     import sglang
 
     import sgl_kara
-    from sgl_kara.engine import release_loop_tasks
+    from sgl_kara.engine import quiesce_watchdog, release_loop_tasks
     from sgl_kara.support import cpu_defaults
 
     trace_path = tempfile.mktemp(prefix=f"trace_{system}_", suffix=".jsonl")
     saved = dict(os.environ)
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ["SGL_KARA_TRACE"] = trace_path
+    if args.omp_threads > 0:
+        # Spinning OpenMP threads make tiny-model steps many times slower whenever anything
+        # else runs on the two cores; passive single-threaded workers keep the step cost stable.
+        os.environ["OMP_NUM_THREADS"] = str(args.omp_threads)
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     common = dict(
         max_total_tokens=pool, max_running_requests=max_running, disable_overlap_schedule=True,
         log_level="error", random_seed=0, disable_radix_cache=False,
@@ -108,8 +123,9 @@ def run_system(system: str, args, pool: int, max_running: int) -> RunResult:
         outs = engine.generate(prompts, params)
         seconds = time.perf_counter() - tic
     finally:
+        quiesce_watchdog(engine)  # vanilla sglang.Engine: see sgl_kara.engine
         engine.shutdown()
-        release_loop_tasks(engine)  # vanilla sglang.Engine leaves its loop tasks behind
+        release_loop_tasks(engine)
     trace = [json.loads(line) for line in open(trace_path)]
     os.unlink(trace_path)
     running = [r["running"] for r in trace if r["running"] > 0]
@@ -121,7 +137,7 @@ def run_system(system: str, args, pool: int, max_running: int) -> RunResult:
         mean_running=sum(running) / max(1, len(running)), peak_running=max(running, default=0),
         events=trace[-1]["kara_events"] if trace else 0,
         compress_seconds=(trace[-1]["kara_seconds"] - trace[0]["kara_seconds"]) if trace else 0.0,
-        trace=trace,
+        trace=trace, repeat=repeat,
     )
 
 
@@ -159,6 +175,10 @@ def main(argv=None):
     p.add_argument("--snapkv-threshold", type=int, default=256)
     p.add_argument("--snapkv-budget", type=int, default=192)
     p.add_argument("--snapkv-window", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per system; the order of systems rotates each repeat (interleaved)")
+    p.add_argument("--omp-threads", type=int, default=1,
+                   help="OMP_NUM_THREADS (+ OMP_WAIT_POLICY=PASSIVE) for the engines; 0 = leave as is")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -166,33 +186,49 @@ def main(argv=None):
     full_kv = (args.requests + args.shared) * (16 + args.gen)
     results: list[RunResult] = []
     combos = [(f, m) for f in args.pool_fractions for m in args.max_running]
-    total = len(combos) * len(args.systems)
+    total = len(combos) * len(args.systems) * args.repeats
     done = 0
     for frac, max_running in combos:
         pool = int(full_kv * frac)
-        for system in args.systems:
-            done += 1
-            print(f"[{done}/{total}] {system:8s} pool={pool} ({frac:g} of full KV) max_running={max_running} ...",
-                  end="", flush=True)
-            r = run_system(system, args, pool, max_running)
-            results.append(r)
-            print(f" {r.tps:8.1f} tok/s, mean running {r.mean_running:.1f}, retractions {r.retractions}", flush=True)
+        for rep in range(args.repeats):
+            k = rep % len(args.systems)
+            for system in args.systems[k:] + args.systems[:k]:
+                done += 1
+                print(f"[{done}/{total}] {system:8s} pool={pool} ({frac:g} of full KV) max_running={max_running} "
+                      f"repeat {rep + 1} ...", end="", flush=True)
+                r = run_system(system, args, pool, max_running, rep)
+                results.append(r)
+                print(f" {r.tps:8.1f} tok/s, mean running {r.mean_running:.1f}, {r.ms_per_step:.1f} ms/step, "
+                      f"retractions {r.retractions}", flush=True)
 
     lines = [
-        "| pool (tokens) | max running | system | output tok/s | vs vanilla | mean / peak running | limit at footprint "
-        "| retractions | events | compress share | all lengths ok |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| pool (tokens) | max running | system | output tok/s (median of runs) | runs | vs vanilla "
+        "| mean / peak running | ms per step | limit at footprint | retractions | events | compress share "
+        "| all lengths ok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def median(xs):
+        xs = sorted(xs)
+        return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
     for frac, max_running in combos:
         pool = int(full_kv * frac)
         group = [r for r in results if r.pool == pool and r.max_running == max_running]
-        base = next((r.tps for r in group if r.system == "vanilla"), None)
-        for r in group:
-            ratio = f"{r.tps / base:.2f}x" if base else "-"
+        base_runs = [r.tps for r in group if r.system == "vanilla"]
+        base = median(base_runs) if base_runs else None
+        for system in args.systems:
+            runs = [r for r in group if r.system == system]
+            tps = median([r.tps for r in runs])
+            ratio = f"{tps / base:.2f}x" if base else "-"
+            spread = ", ".join(f"{r.tps:.0f}" for r in runs)
             lines.append(
-                f"| {pool} | {max_running} | {r.system} | {r.tps:.1f} | {ratio} | {r.mean_running:.1f} / {r.peak_running} "
-                f"| {footprint_limit(args, pool, r.system):.1f} | {r.retractions} | {r.events} | {100 * r.compress_share:.1f}% "
-                f"| {r.lengths_ok} |"
+                f"| {pool} | {max_running} | {system} | {tps:.1f} | {spread} | {ratio} "
+                f"| {median([r.mean_running for r in runs]):.1f} / {max(r.peak_running for r in runs)} "
+                f"| {median([r.ms_per_step for r in runs]):.1f} "
+                f"| {footprint_limit(args, pool, system):.1f} | {sum(r.retractions for r in runs)} "
+                f"| {sum(r.events for r in runs)} | {100 * median([r.compress_share for r in runs]):.1f}% "
+                f"| {all(r.lengths_ok for r in runs)} |"
             )
     table = "\n".join(lines)
     print(table)
@@ -200,7 +236,8 @@ def main(argv=None):
         f.write(f"command: python bench/throughput.py {' '.join(argv if argv is not None else sys.argv[1:])}\n\n")
         f.write(table + "\n")
     with open(os.path.join(args.out, "throughput.json"), "w") as f:
-        json.dump([{**{k: v for k, v in r.__dict__.items() if k != "trace"}, "tps": r.tps} for r in results], f, indent=1)
+        json.dump([{**{k: v for k, v in r.__dict__.items() if k != "trace"}, "tps": r.tps, "steps": r.steps,
+                    "ms_per_step": r.ms_per_step} for r in results], f, indent=1)
     plot(results, args, full_kv)
 
 
@@ -227,7 +264,7 @@ def plot(results, args, full_kv):
     fig, ax = plt.subplots(figsize=(6, 4))
     tight = min(r.pool for r in results)
     for r in results:
-        if r.pool == tight and r.max_running == args.max_running[0] and r.system in ("vanilla", "kara"):
+        if r.pool == tight and r.max_running == args.max_running[0] and r.system in ("vanilla", "kara") and r.repeat == 0:
             ax.plot([x["running"] for x in r.trace], label=r.system)
     ax.set_xlabel("decode step")
     ax.set_ylabel("running requests")

@@ -31,6 +31,28 @@ def build_server_args(kwargs: dict):
     return cfg, server_args
 
 
+def quiesce_watchdog(engine) -> None:
+    """Disarm the engine's SubprocessWatchdog before its children are killed.
+
+    SGLang 0.5.23's ``Engine.shutdown`` stops the watchdog thread with a 2 s join and then
+    SIGKILLs the children. On a loaded machine the thread can still be inside a liveness check
+    when the kill lands; it then reports the scheduler as crashed and sends SIGQUIT to this
+    process, whose handler (by now the next Engine's) kills the whole process tree, the caller
+    included. Emptying the watched list first makes a late check a no-op.
+    """
+    manager = getattr(engine, "tokenizer_manager", None)
+    watchdog = getattr(manager, "_subprocess_watchdog", None)
+    if watchdog is None:
+        return
+    stop_event = getattr(watchdog, "_stop_event", None)
+    if stop_event is not None:
+        stop_event.set()
+    for attr in ("_processes", "_names"):
+        watched = getattr(watchdog, attr, None)
+        if isinstance(watched, list):
+            watched.clear()
+
+
 def release_loop_tasks(engine) -> None:
     """Cancel the event-loop tasks of a shut-down engine's TokenizerManager.
 
@@ -70,6 +92,7 @@ class Engine(SGLangEngine):
         super().__init__(server_args=server_args)
 
     def shutdown(self):
+        quiesce_watchdog(self)
         try:
             super().shutdown()
         finally:

@@ -130,10 +130,16 @@ def _reset_for_retract_hook(result, req, *args, **kwargs):
 
 
 def _retraction_order_hook(original, reqs, *args, **kwargs):
-    """Retract uncompressed requests first (Zipage §4.4): the loop pops from the end."""
+    """Retract uncompressed requests first (Zipage §4.4): the loop pops from the end.
+
+    Among uncompressed requests, those already retracted more often are kept first: a request
+    that was just re-prefilled is uncompressed again until its catch-up compression, and would
+    otherwise be retracted again and again while the others never are."""
     order = original(reqs, *args, **kwargs)
     if _active() is None:
         return order
     compressed = [i for i in order if getattr(getattr(reqs[i], "kara", None), "compressions", 0) > 0]
-    plain = [i for i in order if i not in set(compressed)]
+    done = set(compressed)
+    plain = [i for i in order if i not in done]
+    plain.sort(key=lambda i: -int(getattr(reqs[i], "retraction_count", 0) or 0))  # stable
     return compressed + plain

@@ -106,12 +106,14 @@ def _guard_pytest_process():
 
 
 def _release_tasks_on_shutdown(engine) -> None:
-    """Vanilla sglang.Engine: the cleanup sgl_kara.Engine.shutdown does (see release_loop_tasks)."""
-    from sgl_kara.engine import release_loop_tasks
+    """Vanilla sglang.Engine: the cleanup sgl_kara.Engine.shutdown does (quiesce_watchdog,
+    release_loop_tasks)."""
+    from sgl_kara.engine import quiesce_watchdog, release_loop_tasks
 
     shutdown = engine.shutdown
 
     def shutdown_and_release():
+        quiesce_watchdog(engine)
         try:
             shutdown()
         finally:

@@ -5,7 +5,7 @@
 
 Held-out problems come from their own seed (default 20260611, never a training seed: training
 draws from random.Random(--seed) with small seeds and its periodic eval from 10000019). Sizes are
-uniform in [--size-min, --size-max] steps (default 14..42 -> ~300-1000 generated tokens).
+uniform in [--size-min, --size-max] values (default 21..62 -> 313-969 generated tokens).
 Prints accuracy with a 95% Wilson interval, a per-size breakdown, and optionally writes one JSON
 line per problem (--jsonl) for paired comparisons with compressed-KV runs.
 """
@@ -30,7 +30,7 @@ from task import check, extract_answer, make_problem  # noqa: E402
 DEFAULT_SEED = 20260611
 
 
-def held_out_problems(n: int, seed: int = DEFAULT_SEED, size_min: int = 14, size_max: int = 42):
+def held_out_problems(n: int, seed: int = DEFAULT_SEED, size_min: int = 21, size_max: int = 62):
     rng = random.Random(seed)
     return [make_problem(rng, rng.randint(size_min, size_max)) for _ in range(n)]
 
@@ -50,8 +50,8 @@ def main(argv=None):
     ap.add_argument("--model", required=True)
     ap.add_argument("--n", type=int, default=500)
     ap.add_argument("--seed", type=int, default=DEFAULT_SEED)
-    ap.add_argument("--size-min", type=int, default=14)
-    ap.add_argument("--size-max", type=int, default=42)
+    ap.add_argument("--size-min", type=int, default=21)
+    ap.add_argument("--size-max", type=int, default=62)
     ap.add_argument("--batch-size", type=int, default=25)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--jsonl", default=None, help="write per-problem results here")
