@@ -122,3 +122,15 @@ def test_tokenizer_round_trip(tmp_path):
                                    add_generation_prompt=True)
     assert tok(chat, add_special_tokens=False)["input_ids"] == ids
     assert task.check(tok.decode(sol_ids), answer)
+
+
+def test_decide_role_marks_every_continue_or_stop_word():
+    """One 'decide' word per step (the next step's Kk), the last one being 'answer'."""
+    rng = random.Random(5)
+    for size in (3, 10, 33):
+        _, solution, _ = task.make_problem(rng, size)
+        words, roles = solution.split(), task.token_roles(solution)
+        decided = [w for w, r in zip(words, roles) if r == "decide"]
+        assert len(decided) == size - 2  # steps 3..N open with Kk, then 'answer' after the last
+        assert decided[-1] == "answer"
+        assert all(task.parse_word(w)[0] == "K" for w in decided[:-1])

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from conftest import Server, engine_env, start_engine
+from conftest import Server, engine_env, flush_when_idle, start_engine
 
 # W=40, U=8 -> 32 compressible rows per window, K = ceil(0.25 * 32) = 8 kept, 24 dropped.
 KARA_ARGS = ["--kara-window", "40", "--kara-buffer", "8", "--kara-chunk-budget", "4",
@@ -430,7 +430,7 @@ def run_retraction_storm(model_path, n_requests: int, gen: int, interval: int, m
         # min_new_tokens = max_new_tokens: EOS cannot end an answer early.
         outs = engine.generate(RETRACT_PROMPTS[:n_requests], {"max_new_tokens": gen, "min_new_tokens": gen, "temperature": 0.7})
         seconds = time.time() - tic
-        assert engine.flush_cache().success  # strict idle check: no slot leaked
+        assert flush_when_idle(engine)  # strict idle check: no slot leaked
         again = engine.generate("Hello", {"max_new_tokens": 2})
         assert again["meta_info"]["completion_tokens"] == 2
     finally:

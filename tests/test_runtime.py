@@ -10,7 +10,7 @@
 
 import pytest
 
-from conftest import engine_env, start_engine
+from conftest import engine_env, flush_when_idle, start_engine
 
 PROMPTS = [
     "Hello world",
@@ -71,6 +71,81 @@ def test_full_retention_is_token_identical_page16(query_source, vanilla, tiny_ll
         assert out["text"] == ref
 
 
+@pytest.mark.parametrize("policy", ["snapkv", "streaming"])
+def test_threshold_baselines_bound_generated_kv(policy, tiny_llama):
+    """SnapKV-threshold and StreamingLLM share the compaction machinery: generated KV grows to
+    C_max, then is compacted back to N (the last w entries always kept)."""
+    threshold, budget, window = 64, 48, 8
+    engine = start_engine(
+        "kara", tiny_llama, kara_policy=policy, kara_snapkv_threshold=threshold,
+        kara_snapkv_budget=budget, kara_snapkv_window=window, kara_streaming_sinks=4,
+    )
+    try:
+        outs = engine.generate(PROMPTS[:2], {"max_new_tokens": 200, "temperature": 0.0, "ignore_eos": True})
+    finally:
+        engine.shutdown()
+    for out in outs:
+        meta, kara = out["meta_info"], out["meta_info"]["kara"]
+        assert meta["completion_tokens"] == 200
+        generated_held = kara["kv_physical_len"] - meta["prompt_tokens"]
+        assert budget <= generated_held <= threshold
+        # every event drops (threshold + 1) - budget entries
+        assert kara["compressions"] >= (200 - threshold) // (threshold + 1 - budget)
+        assert kara["kv_logical_len"] == meta["prompt_tokens"] + 199
+
+
+def test_tight_pool_retracts_and_completes(tiny_llama):
+    """Over-admission under pressure: natural retraction, then every request still completes.
+
+    Kara's admission charges each new request its compressed footprint (~120 tokens here), so a
+    single burst of requests never over-commits the 900-token pool. Running requests, though,
+    are charged only SGLang's new-token ratio of their future, set near zero here. So a first
+    wave of 6 is admitted, and once it decodes, a second wave of 6 is admitted too; 12 x ~115
+    compressed tokens > 900, so the pool must run out mid-decode and SGLang must retract.
+    """
+    import asyncio
+
+    with engine_env(SGLANG_INIT_NEW_TOKEN_RATIO="0.01"):
+        engine = start_engine(
+            "kara", tiny_llama, kara_retention=0.25, kara_query_source="capture",
+            max_total_tokens=900, max_running_requests=12, **KARA_SMALL,
+        )
+    params = {"max_new_tokens": GEN, "min_new_tokens": GEN, "temperature": 0.0}
+
+    async def run_one(prompt, started):
+        last = None
+        async for chunk in await engine.async_generate(prompt, params, stream=True):
+            started.set()
+            last = chunk
+        return last
+
+    async def run_all():
+        waves = [[f"{p} {i}" for i in range(w, w + 2) for p in PROMPTS[:3]] for w in (0, 2)]
+        first_started = [asyncio.Event() for _ in waves[0]]
+        first = [asyncio.create_task(run_one(p, e)) for p, e in zip(waves[0], first_started)]
+        await asyncio.gather(*(e.wait() for e in first_started))
+        second = [asyncio.create_task(run_one(p, asyncio.Event())) for p in waves[1]]
+        return await asyncio.gather(*first, *second)
+
+    try:
+        outs = engine.loop.run_until_complete(run_all())
+    finally:
+        engine.shutdown()
+    assert len(outs) == 12
+    assert all(o["meta_info"]["completion_tokens"] == GEN for o in outs)
+    retracted = [o["meta_info"] for o in outs if o["meta_info"].get("num_retractions", 0)]
+    assert retracted
+    # A re-prefilled request inserts only its prompt into the tree, so its regenerated history
+    # is compressed again (catch-up passes) instead of becoming a protected prefix.
+    for meta in retracted:
+        assert meta["kara"]["kv_physical_len"] < meta["kara"]["kv_logical_len"] - 100, meta
+
+
+# Tests that share ``compressing_engine`` come last: SGLang's Engine.shutdown kills every child
+# process of the calling process, so an engine shut down while another is alive would take the
+# other's scheduler with it (its watchdog then SIGQUITs pytest). One engine at a time.
+
+
 @pytest.fixture(scope="module")
 def compressing_engine(tiny_llama):
     with engine_env(SGL_KARA_CHECK_INTEGRITY="1", SGL_KARA_CROSSCHECK_QUERIES="1"):
@@ -125,78 +200,8 @@ def test_parallel_samples_share_prompt_and_cache_hit(compressing_engine):
 
 def test_flush_leaves_every_slot_free(compressing_engine):
     compressing_engine.generate(PROMPTS, GREEDY)
-    assert compressing_engine.flush_cache().success
+    assert flush_when_idle(compressing_engine)
     # The strict idle check (SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1) raises inside the
     # scheduler on any leaked slot; a further request proves the scheduler is alive.
     out = compressing_engine.generate("Hello", {"max_new_tokens": 2, "temperature": 0.0})
     assert out["meta_info"]["completion_tokens"] == 2
-
-
-def test_tight_pool_retracts_and_completes(tiny_llama):
-    """Over-admission under pressure: natural retraction, then every request still completes.
-
-    Kara's admission charges each new request its compressed footprint (~120 tokens here), so a
-    single burst of requests never over-commits the 900-token pool. Running requests, though,
-    are charged only SGLang's new-token ratio of their future, set near zero here. So a first
-    wave of 6 is admitted, and once it decodes, a second wave of 6 is admitted too; 12 x ~115
-    compressed tokens > 900, so the pool must run out mid-decode and SGLang must retract.
-    """
-    import asyncio
-
-    with engine_env(SGLANG_INIT_NEW_TOKEN_RATIO="0.01"):
-        engine = start_engine(
-            "kara", tiny_llama, kara_retention=0.25, kara_query_source="capture",
-            max_total_tokens=900, max_running_requests=12, **KARA_SMALL,
-        )
-    params = {"max_new_tokens": GEN, "min_new_tokens": GEN, "temperature": 0.0}
-
-    async def run_one(prompt, started):
-        last = None
-        async for chunk in await engine.async_generate(prompt, params, stream=True):
-            started.set()
-            last = chunk
-        return last
-
-    async def run_all():
-        waves = [[f"{p} {i}" for i in range(w, w + 2) for p in PROMPTS[:3]] for w in (0, 2)]
-        first_started = [asyncio.Event() for _ in waves[0]]
-        first = [asyncio.create_task(run_one(p, e)) for p, e in zip(waves[0], first_started)]
-        await asyncio.gather(*(e.wait() for e in first_started))
-        second = [asyncio.create_task(run_one(p, asyncio.Event())) for p in waves[1]]
-        return await asyncio.gather(*first, *second)
-
-    try:
-        outs = engine.loop.run_until_complete(run_all())
-    finally:
-        engine.shutdown()
-    assert len(outs) == 12
-    assert all(o["meta_info"]["completion_tokens"] == GEN for o in outs)
-    retracted = [o["meta_info"] for o in outs if o["meta_info"].get("num_retractions", 0)]
-    assert retracted
-    # A re-prefilled request inserts only its prompt into the tree, so its regenerated history
-    # is compressed again (catch-up passes) instead of becoming a protected prefix.
-    for meta in retracted:
-        assert meta["kara"]["kv_physical_len"] < meta["kara"]["kv_logical_len"] - 100, meta
-
-
-@pytest.mark.parametrize("policy", ["snapkv", "streaming"])
-def test_threshold_baselines_bound_generated_kv(policy, tiny_llama):
-    """SnapKV-threshold and StreamingLLM share the compaction machinery: generated KV grows to
-    C_max, then is compacted back to N (the last w entries always kept)."""
-    threshold, budget, window = 64, 48, 8
-    engine = start_engine(
-        "kara", tiny_llama, kara_policy=policy, kara_snapkv_threshold=threshold,
-        kara_snapkv_budget=budget, kara_snapkv_window=window, kara_streaming_sinks=4,
-    )
-    try:
-        outs = engine.generate(PROMPTS[:2], {"max_new_tokens": 200, "temperature": 0.0, "ignore_eos": True})
-    finally:
-        engine.shutdown()
-    for out in outs:
-        meta, kara = out["meta_info"], out["meta_info"]["kara"]
-        assert meta["completion_tokens"] == 200
-        generated_held = kara["kv_physical_len"] - meta["prompt_tokens"]
-        assert budget <= generated_held <= threshold
-        # every event drops (threshold + 1) - budget entries
-        assert kara["compressions"] >= (200 - threshold) // (threshold + 1 - budget)
-        assert kara["kv_logical_len"] == meta["prompt_tokens"] + 199

@@ -7,7 +7,7 @@ with the same backend.
 
 import pytest
 
-from conftest import ENGINE_COMMON, engine_env, _release_tasks_on_shutdown
+from conftest import ENGINE_COMMON, _release_tasks_on_shutdown, _track, engine_env
 
 pytestmark = pytest.mark.slow
 
@@ -24,10 +24,12 @@ def _engine(kind, path, **kw):
 
             engine = sglang.Engine(model_path=path, **opts)
             _release_tasks_on_shutdown(engine)
-            return engine
-        import sgl_kara
+        else:
+            import sgl_kara
 
-        return sgl_kara.Engine(model_path=path, **opts)
+            engine = sgl_kara.Engine(model_path=path, **opts)
+    _track(engine)
+    return engine
 
 
 def test_triton_backend_over_compacted_rows(tiny_llama):

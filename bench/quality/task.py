@@ -143,14 +143,17 @@ def count_tokens(text: str) -> int:
     return len(text.split())
 
 
-ROLES = ("format", "pointer", "fetch_near", "fetch_far", "arith", "answer")
+ROLES = ("format", "pointer", "fetch_near", "fetch_far", "arith", "answer", "decide")
 
 
 def token_roles(solution_text: str, far: int = 20) -> list[str]:
     """Role of each solution word, for per-role accuracy: ``pointer`` (``Pk=δ`` recalled from the
     prompt and the ``rp`` it implies), ``fetch_near``/``fetch_far`` (a recalled ``Vj=d`` whose
     previous statement is < / >= ``far`` words back), ``arith`` (a step's result digit),
-    ``answer`` (values recalled in the answer line), ``format`` (the rest: fixed or local)."""
+    ``answer`` (values recalled in the answer line), ``decide`` (the word after each step's
+    ``.``: the next step's ``Kk``, or ``answer`` once the queried last name was computed -- one
+    "stop here?" decision per step, which a greedy run must get right exactly once), ``format``
+    (the rest: fixed or local)."""
     words = solution_text.split()
     roles = ["format"] * len(words)
     last: dict[int, int] = {}
@@ -161,7 +164,9 @@ def token_roles(solution_text: str, far: int = 20) -> list[str]:
             in_answer = True
         parsed = parse_word(w)
         pprev = parse_word(prev)
-        if parsed and parsed[0] == "P" or (pprev and pprev[0] == "P"):
+        if prev == ".":
+            roles[i] = "decide"
+        elif parsed and parsed[0] == "P" or (pprev and pprev[0] == "P"):
             roles[i] = "pointer"
         elif parsed and parsed[0] == "V" and pprev and pprev[0] == "r":
             if in_answer:
