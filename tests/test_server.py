@@ -130,13 +130,16 @@ def test_frontend_fork_shares_prompt(server):
         s += "Done."
 
     backend = sgl.RuntimeEndpoint(server.url)
-    state = parallel_reasoning.run(question="what is x if x = 3 + 4?", backend=backend)
-    assert state.text().endswith("Done.")
-    assert len(metas) == 4
-    for meta in metas:
-        assert meta["completion_tokens"] == 150
-        assert meta["kara"]["compressions"] >= 1
-    # The first fork prefills the shared prompt; the other samples reuse its KV from the radix
-    # tree (compression never touches it).
+    for run in range(2):
+        metas.clear()
+        state = parallel_reasoning.run(question="what is x if x = 3 + 4?", backend=backend)
+        assert state.text().endswith("Done.")
+        assert len(metas) == 4
+        for meta in metas:
+            assert meta["completion_tokens"] == 150
+            assert meta["kara"]["compressions"] >= 1
+    # The forks of the first run may be prefilled together (whether they hit each other's
+    # prompt KV depends on arrival timing). Their prompt went into the radix tree uncompressed,
+    # so every fork of the second run reuses it: compression never touched the shared prefix.
     hits = [m for m in metas if m["cached_tokens"] >= m["prompt_tokens"] - 2]
-    assert len(hits) >= 3, [(m["cached_tokens"], m["prompt_tokens"]) for m in metas]
+    assert len(hits) == 4, [(m["cached_tokens"], m["prompt_tokens"]) for m in metas]
