@@ -78,7 +78,7 @@ def run_system(system: str, args, pool: int, max_running: int, repeat: int = 0) 
     import sglang
 
     import sgl_kara
-    from sgl_kara.engine import quiesce_watchdog, release_loop_tasks
+    from sgl_kara.engine import shutdown_cleanly
     from sgl_kara.support import cpu_defaults
 
     trace_path = tempfile.mktemp(prefix=f"trace_{system}_", suffix=".jsonl")
@@ -123,9 +123,7 @@ def run_system(system: str, args, pool: int, max_running: int, repeat: int = 0) 
         outs = engine.generate(prompts, params)
         seconds = time.perf_counter() - tic
     finally:
-        quiesce_watchdog(engine)  # vanilla sglang.Engine: see sgl_kara.engine
-        engine.shutdown()
-        release_loop_tasks(engine)
+        shutdown_cleanly(engine)  # vanilla sglang.Engine too
     trace = [json.loads(line) for line in open(trace_path)]
     os.unlink(trace_path)
     running = [r["running"] for r in trace if r["running"] > 0]

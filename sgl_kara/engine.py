@@ -34,11 +34,11 @@ def build_server_args(kwargs: dict):
 def quiesce_watchdog(engine) -> None:
     """Disarm the engine's SubprocessWatchdog before its children are killed.
 
-    SGLang 0.5.23's ``Engine.shutdown`` stops the watchdog thread with a 2 s join and then
-    SIGKILLs the children. On a loaded machine the thread can still be inside a liveness check
-    when the kill lands; it then reports the scheduler as crashed and sends SIGQUIT to this
-    process, whose handler (by now the next Engine's) kills the whole process tree, the caller
-    included. Emptying the watched list first makes a late check a no-op.
+    Defensive (not shown to be needed on its own): SGLang 0.5.23's ``Engine.shutdown`` stops the
+    watchdog with a 2 s join and then SIGKILLs the children; a watchdog still checking after the
+    kill would report a crash and SIGQUIT this process. Emptying the watched list first makes a
+    late check a no-op. The crash actually traced in CI was another engine's shutdown killing a
+    live engine's children (see README, "One Engine per process at a time").
     """
     manager = getattr(engine, "tokenizer_manager", None)
     watchdog = getattr(manager, "_subprocess_watchdog", None)
@@ -56,12 +56,10 @@ def quiesce_watchdog(engine) -> None:
 def release_loop_tasks(engine) -> None:
     """Cancel the event-loop tasks of a shut-down engine's TokenizerManager.
 
-    SGLang 0.5.23's TokenizerManager starts ``handle_loop`` and ``sigterm_watchdog`` on the
-    process-wide event loop, and ``Engine.shutdown`` leaves them there. A later Engine in the
-    same process runs that loop, so a stale task can wake up; if it raises, SGLang's
-    ``print_exception_wrapper`` calls ``kill_process_tree(os.getpid(), include_parent=True)``,
-    SIGKILLing the new engine's scheduler and the calling process. Works for ``sglang.Engine``
-    too (used by the benchmarks and tests for vanilla runs).
+    Defensive: SGLang 0.5.23's TokenizerManager starts ``handle_loop`` and ``sigterm_watchdog`` on
+    the process-wide event loop and ``Engine.shutdown`` leaves them there, so a later Engine in
+    the same process runs them; one that raised would reach ``print_exception_wrapper``, which
+    kills the whole process tree.
     """
     manager = getattr(engine, "tokenizer_manager", None)
     tasks = [t for t in getattr(manager, "asyncio_tasks", ()) if not t.done()]
@@ -75,6 +73,16 @@ def release_loop_tasks(engine) -> None:
     if manager is not None:
         manager.asyncio_tasks.clear()
         manager.event_loop = None
+
+
+def shutdown_cleanly(engine, shutdown=None) -> None:
+    """``quiesce_watchdog``, the engine's own shutdown, then ``release_loop_tasks``: what
+    ``sgl_kara.Engine.shutdown`` does, for a plain ``sglang.Engine`` too (benchmarks, tests)."""
+    quiesce_watchdog(engine)
+    try:
+        (shutdown or engine.shutdown)()
+    finally:
+        release_loop_tasks(engine)
 
 
 class Engine(SGLangEngine):
@@ -92,8 +100,4 @@ class Engine(SGLangEngine):
         super().__init__(server_args=server_args)
 
     def shutdown(self):
-        quiesce_watchdog(self)
-        try:
-            super().shutdown()
-        finally:
-            release_loop_tasks(self)
+        shutdown_cleanly(self, super().shutdown)

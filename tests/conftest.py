@@ -102,8 +102,8 @@ def _guard_pytest_process():
         if pid != os.getpid() or not include_parent:
             return kill_process_tree(pid, include_parent, *args, **kwargs)
         if all(p.is_alive() for procs in _LIVE_ENGINE_PROCS.values() for p in procs):
-            # Every child of every engine still open is alive: a stale SIGQUIT from an engine
-            # already shut down (its watchdog saw the children it was killing). Ignore it.
+            # Every child of every engine still open is alive: the SIGQUIT cannot be about them
+            # (defensive; the crash traced in CI was a live engine's children being killed).
             sys.stderr.write("conftest: ignoring a SIGQUIT while every live engine's children are alive\n")
             return None
         kill_process_tree(pid, False, *args, **kwargs)
@@ -125,20 +125,12 @@ def _guard_pytest_process():
 
 
 def _release_tasks_on_shutdown(engine) -> None:
-    """Vanilla sglang.Engine: the cleanup sgl_kara.Engine.shutdown does (quiesce_watchdog,
-    release_loop_tasks)."""
-    from sgl_kara.engine import quiesce_watchdog, release_loop_tasks
+    """Vanilla sglang.Engine: the cleanup sgl_kara.Engine.shutdown does."""
+    import functools
 
-    shutdown = engine.shutdown
+    from sgl_kara.engine import shutdown_cleanly
 
-    def shutdown_and_release():
-        quiesce_watchdog(engine)
-        try:
-            shutdown()
-        finally:
-            release_loop_tasks(engine)
-
-    engine.shutdown = shutdown_and_release
+    engine.shutdown = functools.partial(shutdown_cleanly, engine, engine.shutdown)
 
 
 def start_engine(kind: str, model_path: str, **kwargs):
