@@ -78,11 +78,16 @@ def load_problems(args):
     return out
 
 
-def run_engine(model_path, options, problems, per_request=None, window=None):
+def run_engine(model_path, options, problems, per_request=None, threads=1):
     import sgl_kara
 
     env = dict(os.environ)
     os.environ.pop("TRITON_INTERPRET", None)
+    if threads > 0:
+        # Spinning OpenMP workers make a tiny model's steps several times slower whenever anything
+        # else runs on the cores (bench/RESULTS.md, throughput); passive workers keep them stable.
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     try:
         engine = sgl_kara.Engine(model_path=model_path, log_level="error", random_seed=0,
                                  disable_overlap_schedule=True, **options)
@@ -135,14 +140,17 @@ def main(argv=None):
     ap.add_argument("--max-chunk", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=8192)
     ap.add_argument("--max-total-tokens", type=int, default=200_000, help="KV pool size (tokens)")
+    ap.add_argument("--max-running", type=int, default=64)
+    ap.add_argument("--omp-threads", type=int, default=1,
+                    help="OMP_NUM_THREADS (+ OMP_WAIT_POLICY=PASSIVE) for the engine; 0 = leave as is")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     problems = load_problems(args)
     common = dict(kara_window=args.window, kara_buffer=args.buffer, kara_max_chunk=args.max_chunk,
                   kara_period=1, kara_max_seqs=4096, kara_query_source="capture",
-                  kara_snapkv_window=args.buffer, max_running_requests=64)
-    pool = dict(max_total_tokens=args.max_total_tokens, max_running_requests=64)
+                  kara_snapkv_window=args.buffer)
+    pool = dict(max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running)
 
     rows = []
     runs = [("none", None)] + [(p, r) for r in args.ratios for p in args.policies if p != "none"]
@@ -170,7 +178,7 @@ def main(argv=None):
                         kara_snapkv_threshold=max(args.buffer + 1, 2 * args.buffer) + (args.window - args.buffer))
             per_request = [{"budget": max(2, b)} for b in kara_budget[ratio]]
         tic = time.perf_counter()
-        outs = run_engine(args.model_path, opts, problems, per_request)
+        outs = run_engine(args.model_path, opts, problems, per_request, args.omp_threads)
         row, correct = summarize(name, ratio, outs, problems, full_correct)
         row["seconds"] = time.perf_counter() - tic
         if name == "none":
@@ -180,9 +188,17 @@ def main(argv=None):
                 o["meta_info"]["kara"]["kv_physical_len"] - o["meta_info"]["prompt_tokens"] for o in outs
             ]
         rows.append(row)
+        write_table(rows, args, argv)
         print(f"{name:12s} r={ratio} acc {row['acc']:.3f} ({row['correct']}/{row['n']}) "
               f"peak KV {row['peak_kv']:.0f} mean KV {row['mean_kv']:.0f} gen {row['gen_len']:.0f}", flush=True)
 
+    print(write_table(rows, args, argv))
+    plot(rows, args)
+    return rows
+
+
+def write_table(rows, args, argv):
+    """Markdown + JSON of the rows so far (rewritten after every policy run)."""
     lines = ["| policy | retention | accuracy (95% CI) | correct / n | lost vs full | gained vs full "
              "| peak gen. KV | mean gen. KV | gen. length |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -191,13 +207,11 @@ def main(argv=None):
             f"({r['lo']:.3f}-{r['hi']:.3f}) | {r['correct']}/{r['n']} | {r.get('lost', '-')} | "
             f"{r.get('gained', '-')} | {r['peak_kv']:.0f} | {r['mean_kv']:.0f} | {r['gen_len']:.0f} |")
     table = "\n".join(lines)
-    print(table)
     with open(os.path.join(args.out, "quality.md"), "w") as f:
         f.write(f"command: python bench/quality.py {' '.join(argv if argv is not None else sys.argv[1:])}\n\n{table}\n")
     with open(os.path.join(args.out, "quality.json"), "w") as f:
         json.dump(rows, f, indent=1)
-    plot(rows, args)
-    return rows
+    return table
 
 
 def plot(rows, args):

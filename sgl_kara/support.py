@@ -42,10 +42,15 @@ def cuda_available() -> bool:
 
 
 def cpu_defaults() -> dict:
-    """SGLang settings that make it run on a CPU-only machine (empty on GPU)."""
+    """SGLang settings that make it run on a CPU-only machine (empty on GPU).
+
+    dtype float32: SGLang's "auto" turns a float32 checkpoint into float16, and CPU float16 matmuls
+    fall back to slow reference kernels (a py-spy profile of the quality benchmark spent most of
+    each decode step in ``fp16_dot_with_fp32_arith`` and the generic ``cpublas_gemm_impl``;
+    float32 linear layers were ~5x faster in a microbenchmark on this machine)."""
     if cuda_available():
         return {}
-    return {"device": "cpu", "attention_backend": "torch_native", "page_size": 1}
+    return {"device": "cpu", "attention_backend": "torch_native", "page_size": 1, "dtype": "float32"}
 
 
 def prepare_server_args(server_args, cfg: KaraConfig) -> None:

@@ -32,3 +32,21 @@ def test_harness_smoke(tiny_llama, tmp_path):
     for policy in ("none", "kara", "snapkv"):
         assert f"| {policy} |" in table
     assert "/3 |" in table
+
+
+def test_proxy_model_solves_problems_with_full_kv(tmp_path):
+    """The committed proxy, served by sgl_kara.Engine with full KV, answers held-out problems
+    (regression check of the weights, its word-level tokenizer and the CPU serving path), and a
+    compressing policy runs on it and reports the KV it kept."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "quality.py"), "--n", "3", "--size-min", "21",
+         "--size-max", "23", "--ratios", "0.25", "--policies", "none", "kara", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=900, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    rows = {r["policy"]: r for r in json.loads((tmp_path / "quality.json").read_text())}
+    assert rows["none"]["correct"] == 3 and rows["none"]["gen_len"] > 300
+    assert rows["kara"]["n"] == 3 and rows["kara"]["peak_kv"] < rows["none"]["peak_kv"]

@@ -18,7 +18,7 @@ def _reevaluate(prompt: str) -> tuple[dict[int, int], dict[str, int], list[int]]
 
     Returns (value by name, query name by family, names in evaluation order)."""
     seeds = re.findall(r"\bV(\d+)=(\d)\b", prompt)
-    pointers = {int(k): int(d) for k, d in re.findall(r"\bP(\d+)=(\d)\b", prompt)}
+    pointers = {int(k): int(d) for k, d in re.findall(r"\b[PL](\d+)=(\d)\b", prompt)}
     query = {f: int(k) for f, k in re.findall(r"\b(QA|QB|QE)(\d+)\b", prompt)}
     assert len(seeds) == 2 and int(seeds[1][0]) == (int(seeds[0][0]) + 1) % 64
     order = [int(seeds[0][0]), int(seeds[1][0])]
@@ -62,8 +62,9 @@ def test_structure_no_reassignment_values_generated_and_fetched_by_name():
         for i, w in enumerate(words):
             if w.startswith("V") and words[i - 1] != ";":
                 assert words[i - 1] == "r" + w[1:].split("=")[0]
-        # steps are fixed-format: 16 words each, then the 9-word answer line
-        assert len(words) == 16 * (size - 2) + 9 and words[-9] == "answer"
+        # steps are fixed-format: 16 words each (the last without its "."), then the answer line
+        assert len(words) == 16 * (size - 2) + 8 and words[-9] == "answer"
+        assert words[-10].startswith(f"V{order[-1]}=") and words[-11] == ";"
 
 
 def test_deterministic_from_seed():
@@ -76,8 +77,8 @@ def test_deterministic_from_seed():
 
 def test_solution_lengths_and_lookback_distances_in_range():
     rng = random.Random(11)
-    assert task.count_tokens(task.make_problem(rng, 21)[1]) == 313
-    assert task.count_tokens(task.make_problem(rng, 62)[1]) == 969
+    assert task.count_tokens(task.make_problem(rng, 21)[1]) == 312
+    assert task.count_tokens(task.make_problem(rng, 62)[1]) == 968
     dists = []
     for _ in range(50):
         prompt, solution, _ = task.make_problem(rng, 50)
@@ -125,12 +126,38 @@ def test_tokenizer_round_trip(tmp_path):
 
 
 def test_decide_role_marks_every_continue_or_stop_word():
-    """One 'decide' word per step (the next step's Kk), the last one being 'answer'."""
+    """One 'decide' word per step, right after its closing value: '.' to go on, 'answer' to
+    stop (format 3); in format 2 the word after each '.' (the next Kk, or 'answer')."""
     rng = random.Random(5)
     for size in (3, 10, 33):
         _, solution, _ = task.make_problem(rng, size)
         words, roles = solution.split(), task.token_roles(solution)
-        decided = [w for w, r in zip(words, roles) if r == "decide"]
-        assert len(decided) == size - 2  # steps 3..N open with Kk, then 'answer' after the last
-        assert decided[-1] == "answer"
-        assert all(task.parse_word(w)[0] == "K" for w in decided[:-1])
+        decided = [i for i, r in enumerate(roles) if r == "decide"]
+        assert len(decided) == size - 2
+        assert [words[i] for i in decided] == ["."] * (size - 3) + ["answer"]
+        assert all(task.parse_word(words[i - 1])[0] == "V" and words[i - 2] == ";" for i in decided)
+        _, solution2, _ = task.make_problem(random.Random(size), size, fmt=2)
+        words2, roles2 = solution2.split(), task.token_roles(solution2, fmt=2)
+        decided2 = [w for w, r in zip(words2, roles2) if r == "decide"]
+        assert len(decided2) == size - 2 and decided2[-1] == "answer"
+        assert all(task.parse_word(w)[0] == "K" for w in decided2[:-1])
+
+
+def test_formats_share_the_random_stream():
+    """Format 3 is format 2 with the last pointer an L word and no '.' before 'answer'."""
+    p2, s2, a2 = task.make_problem(random.Random(9), 30, fmt=2)
+    p3, s3, a3 = task.make_problem(random.Random(9), 30)
+    last = re.search(r"\bL(\d+)=(\d)\b", p3)
+    assert len(re.findall(r"\bL\d+=\d\b", p3)) == 1 and a2 == a3
+    assert p2 == p3.replace(last.group(0), f"P{last.group(1)}={last.group(2)}")
+    assert s2.replace(" . answer", " answer") == s3.replace(f"K{last.group(1)} L", f"K{last.group(1)} P")
+    assert f"QE{last.group(1)} " in p3 and "L" not in s2 + p2
+    with pytest.raises(ValueError, match="fmt"):
+        task.make_problem(random.Random(9), 30, fmt=4)
+
+
+def test_format_2_vocabulary_is_a_prefix():
+    """A format-2 model (no L words) keeps every token id when the vocabulary grows to format 3."""
+    v2, v3 = task.vocabulary(2), task.vocabulary(3)
+    assert v3 == task.WORDS and v3[: len(v2)] == v2 and len(v3) - len(v2) == 640
+    assert all(w.startswith("L") for w in v3[len(v2):])

@@ -10,14 +10,15 @@ so every step fetches one value generated far back (by name) and one generated j
 the last value depends on all of them. The answer is three values: two from the first half and
 the last, fetched again by name at the very end.
 
-    prompt   : P45=0 P43=0 P44=0 P42=0 ; query QA40 QB41 QE45 ; seed V40=7 V41=2 .
+    prompt   : L45=0 P43=0 P44=0 P42=0 ; query QA40 QB41 QE45 ; seed V40=7 V41=2 .
     solution : K42 P42=0 r40 V40=7 ; r41 V41=2 ; 2 + 7 = 9 ; V42=9 .
                K43 P43=0 r41 V41=2 ; r42 V42=9 ; 9 + 2 = 1 ; V43=1 .
                ...
-               answer r40 V40=7 and r41 V41=2 last r45 V45=5
+               K45 L45=0 r43 V43=6 ; r44 V44=3 ; 3 + 6 = 9 ; V45=9
+               answer r40 V40=7 and r41 V41=2 last r45 V45=9
 
 (the solution is one line; breaks added here). Word meanings: ``Vk=d`` states v_k = d (the only
-place values appear); ``Pk=δ`` is step k's pointer; ``Kk`` opens step k and asks for its
+place values appear); ``Pk=δ`` is step k's pointer (``Lk=δ`` for the last step); ``Kk`` opens step k and asks for its
 pointer; ``rk`` asks for v_k's value; ``QAk``/``QBk``/``QEk`` are the queried names (QE = the
 last step).
 
@@ -30,8 +31,16 @@ never by position: look-back distances vary from 1 to 29 steps (16 words each), 
 ~460 tokens inside a step and up to ~1,000 tokens for the answer, and the prompt holds only two
 seed values, so a KV-cache policy that drops the wrong generated entries breaks the chain.
 
-Size N = number of values (2 seeds + N-2 steps); the solution is 16 * (N - 2) + 9 words
-(N=21 -> 313, N=62 -> 969).
+The stop decision is local: the last step recalls an ``Lk=δ`` pointer instead of ``Pk=δ`` (the
+same one-hop recall), so when its closing ``Vk=d`` is written the step itself says "this was the
+last one", and ``answer`` follows directly (no ``.``). In format 2 (kept to reproduce the
+proxy's first training stages) every pointer was ``Pk=δ`` and stopping meant *comparing* the
+current name with the queried ``QEk``: the stage-2 model computed every value right but failed
+that comparison on ~1 problem in 3 (``K46 ...`` instead of ``answer``), and weighting the stop
+word only moved the threshold (it then stopped early as often; bench/RESULTS.md).
+
+Size N = number of values (2 seeds + N-2 steps); the solution is 16 * (N - 2) + 8 words
+(N=21 -> 312, N=62 -> 968; format 2: one more).
 """
 
 from __future__ import annotations
@@ -40,21 +49,31 @@ import random
 import re
 
 MAX_NAMES = 64
+FORMATS = (2, 3)
+FORMAT = 3  # current task format (see make_problem)
 STEP_WORDS = 16  # words per solution step
 MAX_DELTA = 9  # pointer digit range 0..9 -> look-back 2..29 steps
 
 SYMBOLS = [";", "+", "=", ".", "query", "seed", "answer", "and", "last"]
 DIGITS = [str(d) for d in range(10)]
 FAMILIES = ["K", "r", "QA", "QB", "QE"]  # plain name words: Kk, rk, QAk, QBk, QEk
-COMPOUNDS = ["V", "P"]  # Vk=d (value), Pk=d (pointer)
+COMPOUNDS = ["V", "P", "L"]  # Vk=d (value), Pk=d (pointer), Lk=d (the last step's pointer)
 WORDS = (
     SYMBOLS
     + DIGITS
     + [f"{f}{k}" for f in FAMILIES for k in range(MAX_NAMES)]
     + [f"{c}{k}={d}" for c in COMPOUNDS for k in range(MAX_NAMES) for d in range(10)]
-)  # task vocabulary (tokenizer.py adds <pad> <bos> <eos> <unk>)
+)  # task vocabulary (tokenizer.py adds <pad> <bos> <eos> <unk>); L words last: format 2 never
+#    uses them, and a format-2 model keeps its token ids when the vocabulary grows
 
-_WORD_RE = re.compile(r"^(K|r|QA|QB|QE|V|P)(\d+)(?:=(\d))?$")
+
+
+def vocabulary(fmt: int = FORMAT) -> list[str]:
+    """Task words of a format: format 2 has no ``Lk=d`` words (ids of the others are the same)."""
+    return WORDS if fmt == 3 else [w for w in WORDS if not w.startswith("L")]
+
+
+_WORD_RE = re.compile(r"^(K|r|QA|QB|QE|V|P|L)(\d+)(?:=(\d))?$")
 
 
 def parse_word(word: str) -> tuple[str, int, int | None] | None:
@@ -76,11 +95,17 @@ def make_chain(rng: random.Random, size: int) -> tuple[list[int], list[int]]:
     return values, deltas
 
 
-def make_problem(rng: random.Random, size: int) -> tuple[str, str, str]:
+def make_problem(rng: random.Random, size: int, fmt: int = FORMAT) -> tuple[str, str, str]:
     """(prompt_text, solution_text, answer) for a chain of ``size`` values.
 
     ``answer`` is the three queried values as a space-separated digit string, e.g. "7 2 5".
+    ``fmt`` 3 (current) writes the last step's pointer as ``Lk=δ`` (prompt and solution) and
+    ends that step without its ``.``: ``answer`` follows its closing ``Vk=d``. Format 2 (the
+    proxy's first two training stages) uses ``Pk=δ`` for every step and ends each with ``.``.
+    Both draw the same random numbers, so a seed gives the same problem in either format.
     """
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt}")
     start = rng.randrange(MAX_NAMES)
     values, deltas = make_chain(rng, size)
 
@@ -89,7 +114,10 @@ def make_problem(rng: random.Random, size: int) -> tuple[str, str, str]:
 
     half = max(2, (size + 1) // 2)
     qa, qb = rng.sample(range(half), 2)
-    pointers = [f"P{name(i)}={deltas[i]}" for i in range(2, size)]
+    def ptr_word(i: int) -> str:
+        return f"{'L' if fmt == 3 and i == size - 1 else 'P'}{name(i)}={deltas[i]}"
+
+    pointers = [ptr_word(i) for i in range(2, size)]
     rng.shuffle(pointers)
     prompt = (
         " ".join(pointers)
@@ -101,9 +129,11 @@ def make_problem(rng: random.Random, size: int) -> tuple[str, str, str]:
         p = i - 2 - 3 * deltas[i]
         k, prev, ptr = name(i), name(i - 1), name(p)
         steps.append(
-            f"K{k} P{k}={deltas[i]} r{ptr} V{ptr}={values[p]} ; r{prev} V{prev}={values[i - 1]} ; "
+            f"K{k} {ptr_word(i)} r{ptr} V{ptr}={values[p]} ; r{prev} V{prev}={values[i - 1]} ; "
             f"{values[i - 1]} + {values[p]} = {values[i]} ; V{k}={values[i]} ."
         )
+    if fmt == 3:
+        steps[-1] = steps[-1][: -len(" .")]
     q = [(qa, "answer"), (qb, "and"), (size - 1, "last")]
     steps.append(" ".join(f"{w} r{name(i)} V{name(i)}={values[i]}" for i, w in q))
     answer = " ".join(str(values[i]) for i, _ in q)
@@ -115,7 +145,7 @@ def solve_prompt(prompt_text: str) -> str:
     words = prompt_text.split()
     parsed = [p for p in map(parse_word, words) if p]
     seeds = [(k, d) for fam, k, d in parsed if fam == "V"]
-    ptr = {k: d for fam, k, d in parsed if fam == "P"}
+    ptr = {k: d for fam, k, d in parsed if fam in ("P", "L")}
     query = {fam: k for fam, k, _ in parsed if fam in ("QA", "QB", "QE")}
     vals = dict(seeds)
     k = (seeds[1][0] + 1) % MAX_NAMES
@@ -146,14 +176,14 @@ def count_tokens(text: str) -> int:
 ROLES = ("format", "pointer", "fetch_near", "fetch_far", "arith", "answer", "decide")
 
 
-def token_roles(solution_text: str, far: int = 20) -> list[str]:
+def token_roles(solution_text: str, far: int = 20, fmt: int = FORMAT) -> list[str]:
     """Role of each solution word, for per-role accuracy: ``pointer`` (``Pk=δ`` recalled from the
     prompt and the ``rp`` it implies), ``fetch_near``/``fetch_far`` (a recalled ``Vj=d`` whose
     previous statement is < / >= ``far`` words back), ``arith`` (a step's result digit),
-    ``answer`` (values recalled in the answer line), ``decide`` (the word after each step's
-    ``.``: the next step's ``Kk``, or ``answer`` once the queried last name was computed -- one
-    "stop here?" decision per step, which a greedy run must get right exactly once), ``format``
-    (the rest: fixed or local)."""
+    ``answer`` (values recalled in the answer line), ``decide`` (one "stop here?" decision per
+    step, which a greedy run must get right every time: in format 3 the word after each step's
+    closing ``Vk=d``, ``.`` or ``answer``; in format 2 the word after each step's ``.``, the next
+    ``Kk`` or ``answer``), ``format`` (the rest: fixed or local)."""
     words = solution_text.split()
     roles = ["format"] * len(words)
     last: dict[int, int] = {}
@@ -164,9 +194,10 @@ def token_roles(solution_text: str, far: int = 20) -> list[str]:
             in_answer = True
         parsed = parse_word(w)
         pprev = parse_word(prev)
-        if prev == ".":
+        closing = i >= 2 and pprev_is_value(words, i) and words[i - 2] == ";"
+        if (prev == "." if fmt == 2 else closing):
             roles[i] = "decide"
-        elif parsed and parsed[0] == "P" or (pprev and pprev[0] == "P"):
+        elif parsed and parsed[0] in ("P", "L") or (pprev and pprev[0] in ("P", "L")):
             roles[i] = "pointer"
         elif parsed and parsed[0] == "V" and pprev and pprev[0] == "r":
             if in_answer:
@@ -179,6 +210,12 @@ def token_roles(solution_text: str, far: int = 20) -> list[str]:
         if parsed and parsed[0] == "V":
             last[parsed[1]] = i
     return roles
+
+
+def pprev_is_value(words: list[str], i: int) -> bool:
+    """Whether word i-1 is a ``Vk=d`` value word."""
+    parsed = parse_word(words[i - 1])
+    return bool(parsed) and parsed[0] == "V"
 
 
 def lookback_distances(prompt_text: str, solution_text: str) -> list[int]:

@@ -21,12 +21,12 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer():
-    """A PreTrainedTokenizerFast over SPECIALS + task.WORDS (ids in that order)."""
+def build_tokenizer(words: list[str] | None = None):
+    """A PreTrainedTokenizerFast over SPECIALS + words (default task.WORDS; ids in that order)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {w: i for i, w in enumerate(SPECIALS + WORDS)}
+    vocab = {w: i for i, w in enumerate(SPECIALS + (WORDS if words is None else words))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces

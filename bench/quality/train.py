@@ -1,19 +1,27 @@
-"""Train the reasoning proxy: a small Llama on the variable-tracking task (task.py), on CPU.
+"""Train the reasoning proxy: a small Llama on the pointer-chain task (task.py), on CPU.
 
-Two stages (the committed bench/quality/proxy_model came from exactly these; log in
-bench/quality/train_log.txt):
+Three stages (the committed bench/quality/proxy_model came from exactly these, ~95 min in all on
+one core; log in bench/quality/train_log.txt):
 
-    # stage 1: curriculum from size 6 to 64, fresh init (~50 min on one busy core)
-    env OMP_WAIT_POLICY=PASSIVE python bench/quality/train.py \
+    # stage 1: curriculum from size 6 to 64, fresh init, task format 2 (~58 min)
+    env OMP_WAIT_POLICY=PASSIVE python bench/quality/train.py --task-format 2 \
         --out /tmp/proxy_stage1 --steps 1200 --seed 0 --log bench/quality/train_log.txt
-    # stage 2: all sizes, the stop/continue decision after each step weighted 20x
-    env OMP_WAIT_POLICY=PASSIVE python bench/quality/train.py --init-from /tmp/proxy_stage1 \
-        --out bench/quality/proxy_model --steps 300 --seed 1 --lr 3e-4 --warmup 10 \
+    # stage 2: all sizes, the stop/continue decision after each step weighted 20x (~16 min)
+    env OMP_WAIT_POLICY=PASSIVE python bench/quality/train.py --task-format 2 --init-from /tmp/proxy_stage1 \
+        --out /tmp/proxy_stage2 --steps 300 --seed 1 --lr 3e-4 --warmup 10 \
         --size-start 64 --decide-weight 20 --eval-every 100 --log bench/quality/train_log.txt
+    # stage 3: task format 3 (the last pointer is an L word), vocabulary grown by the 640 Lk=d
+    # words (initialised from Pk=d), stop word 3x on top (~21 min)
+    env OMP_WAIT_POLICY=PASSIVE python bench/quality/train.py --init-from /tmp/proxy_stage2 \
+        --out bench/quality/proxy_model --steps 400 --seed 2 --lr 3e-4 --warmup 10 \
+        --size-start 64 --decide-weight 20 --stop-weight 3 --eval-every 100 --log bench/quality/train_log.txt
 
-Stage 1 alone computes every step of the chain correctly but often does not stop after the
-queried last name (it writes another step instead of ``answer``): that decision is one word per
-problem, so it was rarely trained.
+(Stage 2 was first written straight to bench/quality/proxy_model and stage 3 read it from there;
+the paths above are the same chain.) Stages 1-2 compute every value of the chain but often fail
+to stop after the last step: in format 2 that needs comparing the current name with the queried
+one, which the model never learned reliably (1 problem in 3 lost; weighting the stop word only
+moved the threshold). Format 3 makes the stop a one-hop recall (task.py), and stage 3 learns it
+in a few hundred steps.
 
 Deterministic from --seed (one thread, seeded data stream, seeded init). Loss only on solution
 tokens (+ EOS). Curriculum: the largest problem size grows linearly from --size-start to
@@ -39,7 +47,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from task import MAX_NAMES, ROLES, check, make_problem, parse_word, token_roles  # noqa: E402
+from task import (  # noqa: E402
+    FORMAT, FORMATS, MAX_NAMES, ROLES, check, make_problem, parse_word, token_roles, vocabulary,
+)
 from tokenizer import build_tokenizer  # noqa: E402
 
 DECIDE = ROLES.index("decide")
@@ -55,6 +65,10 @@ def parse_args(argv=None):
                    help="continue from this checkpoint's weights (stage 2) instead of a fresh init")
     p.add_argument("--decide-weight", type=float, default=1.0,
                    help="loss weight of 'decide' words (continue with the next step or answer)")
+    p.add_argument("--stop-weight", type=float, default=1.0,
+                   help="extra loss factor on the one 'stop' decision per problem (the 'answer' word)")
+    p.add_argument("--task-format", type=int, default=FORMAT, choices=FORMATS,
+                   help="task format (task.make_problem); stages 1-2 of the committed model used 2")
     p.add_argument("--log", default=None, help="log file (default: <out>/train.log)")
     p.add_argument("--threads", type=int, default=1)
     # model
@@ -132,6 +146,31 @@ def structured_init(model, tok, seed: int):
             weight[idx] = sum(parts) / len(parts) ** 0.5
 
 
+@torch.no_grad()
+def grow_vocab(model, tok, seed: int) -> int:
+    """Resize a model trained on a smaller vocabulary (format 2: no ``Lk=d`` words) to ``tok``.
+
+    Each new compound word ``Lk=d`` starts as its ``Pk=d`` row plus one shared random "family L"
+    direction (as structured_init builds families), in the input embedding and the output head,
+    so the model begins by reading an L pointer as the pointer it already knows. Returns the
+    number of rows added."""
+    old = model.get_input_embeddings().weight.shape[0]
+    if old >= len(tok):
+        return 0
+    model.resize_token_embeddings(len(tok), mean_resizing=False)
+    g = torch.Generator().manual_seed(seed + 2)
+    vocab = tok.get_vocab()
+    for weight in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
+        fam = torch.randn(weight.shape[1], generator=g) * weight[:old].std().item()
+        for word, idx in vocab.items():
+            if idx >= old:
+                parsed = parse_word(word)
+                if parsed is None or parsed[0] != "L":
+                    raise ValueError(f"new word {word!r} has no initialisation rule")
+                weight[idx] = weight[vocab[f"P{parsed[1]}={parsed[2]}"]] + fam / 3**0.5
+    return len(tok) - old
+
+
 def max_size_at(step: int, args) -> int:
     frac = min(1.0, step / max(1, args.ramp * args.steps))
     return round(args.size_start + frac * (args.size_max - args.size_start))
@@ -152,11 +191,11 @@ def make_batch(rng: random.Random, tok, step: int, args):
     est = 17 * h + 10  # tokens per example at size h
     n = max(1, args.batch_tokens // est)
     for _ in range(n):
-        prompt, solution, _ = make_problem(rng, rng.randint(lo, h))
+        prompt, solution, _ = make_problem(rng, rng.randint(lo, h), args.task_format)
         ids, n_prompt = encode_example(tok, prompt, solution)
         rows.append(ids)
         starts.append(n_prompt)
-        roles.append([ROLES.index(r) for r in token_roles(solution)] + [0])  # + EOS
+        roles.append([ROLES.index(r) for r in token_roles(solution, fmt=args.task_format)] + [0])  # + EOS
     T = max(len(r) for r in rows)
     x = torch.full((len(rows), T), tok.pad_token_id, dtype=torch.long)
     y = torch.full((len(rows), T), -100, dtype=torch.long)
@@ -220,10 +259,14 @@ def main(argv=None):
         log.write(line + "\n")
         log.flush()
 
-    tok = build_tokenizer()
+    tok = build_tokenizer(vocabulary(args.task_format))  # format 2: the stage-1/2 vocabulary
+    stop_id = tok.convert_tokens_to_ids("answer")
     config = model_config(args, len(tok), tok)
     if args.init_from:
         model = LlamaForCausalLM.from_pretrained(args.init_from, torch_dtype=torch.float32)
+        grown = grow_vocab(model, tok, args.seed)
+        if grown:
+            emit(f"vocabulary grown by {grown} words (Lk=d pointers of the last step)")
     else:
         model = LlamaForCausalLM(config)
         structured_init(model, tok, args.seed)
@@ -254,7 +297,9 @@ def main(argv=None):
         logits = model(input_ids=x).logits
         mask = y != -100
         per_token = torch.nn.functional.cross_entropy(logits[mask], y[mask], reduction="none")
-        weight = torch.where(role[mask] == DECIDE, args.decide_weight, 1.0)
+        decide = role[mask] == DECIDE
+        weight = torch.where(decide, args.decide_weight, 1.0)
+        weight = torch.where(decide & (y[mask] == stop_id), weight * args.stop_weight, weight)
         loss = (per_token * weight).sum() / weight.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -281,7 +326,7 @@ def main(argv=None):
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             size_now = max_size_at(step, args)
             sizes = [min(MAX_NAMES, max(3, size_now - 4 * i)) for i in range(3)]
-            probs = [make_problem(eval_rng, sizes[i % 3]) for i in range(args.eval_n)]
+            probs = [make_problem(eval_rng, sizes[i % 3], args.task_format) for i in range(args.eval_n)]
             te = time.time()
             acc = greedy_accuracy(model, tok, probs)
             emit(f"eval step {step + 1} sizes {sizes} exact {acc:.3f} ({round(acc * len(probs))}/{len(probs)}) "
