@@ -32,6 +32,11 @@ def test_harness_smoke(tiny_llama, tmp_path):
     for policy in ("none", "kara", "snapkv"):
         assert f"| {policy} |" in table
     assert "/3 |" in table
+    import json
+
+    rows = {r["policy"]: r for r in json.loads((tmp_path / "quality.json").read_text())}
+    # --match peak (default): the baseline never holds more generated KV than Kara's peak
+    assert rows["snapkv"]["peak_kv"] <= rows["kara"]["peak_kv"] + 1
 
 
 def test_proxy_model_solves_problems_with_full_kv(tmp_path):
