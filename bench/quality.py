@@ -35,6 +35,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "quality"))
 
+from engine_env import engine_env  # noqa: E402  (bench/engine_env.py)
 from eval_hf import wilson  # noqa: E402  (bench/quality/eval_hf.py)
 
 POLICIES = {
@@ -84,19 +85,9 @@ def load_problems(args):
 def run_engine(model_path, options, problems, per_request=None, threads=1):
     import sgl_kara
 
-    env = dict(os.environ)
-    os.environ.pop("TRITON_INTERPRET", None)
-    if threads > 0:
-        # Spinning OpenMP workers make a tiny model's steps several times slower whenever anything
-        # else runs on the cores (bench/RESULTS.md, throughput); passive workers keep them stable.
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    try:
+    with engine_env(threads):
         engine = sgl_kara.Engine(model_path=model_path, log_level="error", random_seed=0,
                                  disable_overlap_schedule=True, **options)
-    finally:
-        os.environ.clear()
-        os.environ.update(env)
     try:
         params = []
         for i, (_, _, max_new, _) in enumerate(problems):
@@ -114,7 +105,12 @@ def baseline_budget(meta: dict, args) -> int:
     prompt, kara = meta["prompt_tokens"], meta["kara"]
     if args.match == "final":
         return kara["kv_physical_len"] - prompt
-    return kara["kv_peak_len"] - prompt - (args.window - args.buffer)
+    return kara["kv_peak_len"] - prompt - trigger_gap(args)
+
+
+def trigger_gap(args) -> int:
+    """C_max - N of the baselines: one Kara window's compressible rows, W - U."""
+    return args.window - args.buffer
 
 
 def summarize(name, ratio, outs, problems, full_correct=None):
@@ -188,7 +184,7 @@ def main(argv=None):
             if ratio not in kara_budget:
                 raise SystemExit(f"{name} at {ratio} needs a kara run at the same ratio first (budget matching)")
             opts.update(common, kara_snapkv_budget=max(args.buffer + 1, 2 * args.buffer),
-                        kara_snapkv_threshold=max(args.buffer + 1, 2 * args.buffer) + (args.window - args.buffer))
+                        kara_snapkv_threshold=max(args.buffer + 1, 2 * args.buffer) + trigger_gap(args))
             per_request = [{"budget": max(2, b)} for b in kara_budget[ratio]]
         tic = time.perf_counter()
         outs = run_engine(args.model_path, opts, problems, per_request, args.omp_threads)

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
+from engine_env import engine_env  # noqa: E402  (bench/engine_env.py)
+
 
 @dataclass
 class RunResult:
@@ -82,21 +84,13 @@ def run_system(system: str, args, pool: int, max_running: int, repeat: int = 0) 
     from sgl_kara.support import cpu_defaults
 
     trace_path = tempfile.mktemp(prefix=f"trace_{system}_", suffix=".jsonl")
-    saved = dict(os.environ)
-    os.environ.pop("TRITON_INTERPRET", None)
-    os.environ["SGL_KARA_TRACE"] = trace_path
-    if args.omp_threads > 0:
-        # Spinning OpenMP threads make tiny-model steps many times slower whenever anything
-        # else runs on the two cores; passive single-threaded workers keep the step cost stable.
-        os.environ["OMP_NUM_THREADS"] = str(args.omp_threads)
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     common = dict(
         max_total_tokens=pool, max_running_requests=max_running, disable_overlap_schedule=True,
         log_level="error", random_seed=0, disable_radix_cache=False,
     )
     if args.model_path:
         common["model_path"] = args.model_path
-    try:
+    with engine_env(args.omp_threads, SGL_KARA_TRACE=trace_path):
         if system == "vanilla":
             from sgl_kara.default_model import default_model_path
 
@@ -111,9 +105,6 @@ def run_system(system: str, args, pool: int, max_running: int, repeat: int = 0) 
                 kara.update(kara_snapkv_threshold=args.snapkv_threshold, kara_snapkv_budget=args.snapkv_budget,
                             kara_snapkv_window=args.snapkv_window, kara_query_source=args.query_source)
             engine = sgl_kara.Engine(**common, **kara)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
     try:
         prompts, params = workload(args)
         engine.generate(prompts[:2], {"max_new_tokens": 4})  # warm up

@@ -67,7 +67,6 @@ WORDS = (
 #    uses them, and a format-2 model keeps its token ids when the vocabulary grows
 
 
-
 def vocabulary(fmt: int = FORMAT) -> list[str]:
     """Task words of a format: format 2 has no ``Lk=d`` words (ids of the others are the same)."""
     return WORDS if fmt == 3 else [w for w in WORDS if not w.startswith("L")]
@@ -114,6 +113,7 @@ def make_problem(rng: random.Random, size: int, fmt: int = FORMAT) -> tuple[str,
 
     half = max(2, (size + 1) // 2)
     qa, qb = rng.sample(range(half), 2)
+
     def ptr_word(i: int) -> str:
         return f"{'L' if fmt == 3 and i == size - 1 else 'P'}{name(i)}={deltas[i]}"
 
@@ -194,8 +194,8 @@ def token_roles(solution_text: str, far: int = 20, fmt: int = FORMAT) -> list[st
             in_answer = True
         parsed = parse_word(w)
         pprev = parse_word(prev)
-        closing = i >= 2 and pprev_is_value(words, i) and words[i - 2] == ";"
-        if (prev == "." if fmt == 2 else closing):
+        closes_step = bool(pprev) and pprev[0] == "V" and i >= 2 and words[i - 2] == ";"
+        if (prev == "." if fmt == 2 else closes_step):
             roles[i] = "decide"
         elif parsed and parsed[0] in ("P", "L") or (pprev and pprev[0] in ("P", "L")):
             roles[i] = "pointer"
@@ -210,12 +210,6 @@ def token_roles(solution_text: str, far: int = 20, fmt: int = FORMAT) -> list[st
         if parsed and parsed[0] == "V":
             last[parsed[1]] = i
     return roles
-
-
-def pprev_is_value(words: list[str], i: int) -> bool:
-    """Whether word i-1 is a ``Vk=d`` value word."""
-    parsed = parse_word(words[i - 1])
-    return bool(parsed) and parsed[0] == "V"
 
 
 def lookback_distances(prompt_text: str, solution_text: str) -> list[int]:
