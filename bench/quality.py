@@ -15,7 +15,7 @@ Reports accuracy with counts and a 95% Wilson interval, paired comparisons again
 (problems a policy gets wrong where full KV is right, and the reverse), peak and mean KV kept,
 and generated length; writes a table to --out/quality.md (and a PNG if matplotlib is present).
 
-    python bench/quality.py --model-path bench/quality/proxy_model --n 500
+    python bench/quality.py --n 500        # the proxy = sgl_kara's embedded default model
     python bench/quality.py --n 4 --ratios 0.25 --policies none kara    # smoke run
 
 Real models (plumbing; numbers need a GPU): ``--model-path M --jsonl math500.jsonl`` where each
@@ -82,9 +82,13 @@ def load_problems(args):
     return out
 
 
-def run_engine(model_path, options, problems, per_request=None, threads=1):
+def run_engine(model_path, options, problems, per_request=None, threads=1, fidelity=None):
+    """Greedy outputs of ``problems``; per_request: custom_params.kara per problem; fidelity:
+    custom_params.fidelity per problem (record / force, bench/quality/fidelity.py)."""
     import sgl_kara
 
+    if fidelity:
+        options = dict(options, enable_custom_logit_processor=True)
     with engine_env(threads):
         engine = sgl_kara.Engine(model_path=model_path, log_level="error", random_seed=0,
                                  disable_overlap_schedule=True, **options)
@@ -92,10 +96,22 @@ def run_engine(model_path, options, problems, per_request=None, threads=1):
         params = []
         for i, (_, _, max_new, _) in enumerate(problems):
             p = {"max_new_tokens": max_new, "temperature": 0.0}
+            custom = {}
             if per_request and per_request[i]:
-                p["custom_params"] = {"kara": per_request[i]}
+                custom["kara"] = per_request[i]
+            if fidelity:
+                custom["fidelity"] = fidelity[i]
+                if fidelity[i]["mode"] == "force":
+                    p["max_new_tokens"] = len(fidelity[i]["tokens"])
+            if custom:
+                p["custom_params"] = custom
             params.append(p)
-        return engine.generate([p[0] for p in problems], params)
+        processor = None
+        if fidelity:
+            from fidelity import FidelityProcessor
+
+            processor = [FidelityProcessor.to_str()] * len(problems)
+        return engine.generate([p[0] for p in problems], params, custom_logit_processor=processor)
     finally:
         engine.shutdown()
 
@@ -124,16 +140,54 @@ def summarize(name, ratio, outs, problems, full_correct=None):
     mean = [m.get("kv_mean_len", p + g / 2) - p for m, p, g in zip(metas, prompt, gen)]
     row = dict(policy=name, ratio=ratio, correct=k, n=n, acc=k / n, lo=lo, hi=hi,
                peak_kv=sum(peak) / n, mean_kv=sum(mean) / n, gen_len=sum(gen) / n,
-               kept_share=sum(pk / max(1, g) for pk, g in zip(peak, gen)) / n)
+               kept_share=sum(pk / max(1, g) for pk, g in zip(peak, gen)) / n,
+               per_problem=dict(correct=correct, peak_kv=peak, gen_len=gen))
     if full_correct is not None:
-        row["lost"] = sum(1 for a, b in zip(full_correct, correct) if a and not b)
-        row["gained"] = sum(1 for a, b in zip(full_correct, correct) if b and not a)
+        pair_with_full(row, full_correct)
     return row, correct
+
+
+def pair_with_full(row, full_correct):
+    """Paired counts: problems this policy loses (full KV right, policy wrong) and gains."""
+    correct = row["per_problem"]["correct"]
+    if len(correct) != len(full_correct):
+        raise ValueError(f"{row['policy']} r={row['ratio']}: {len(correct)} problems vs {len(full_correct)} full-KV")
+    row["lost"] = sum(1 for a, b in zip(full_correct, correct) if a and not b)
+    row["gained"] = sum(1 for a, b in zip(full_correct, correct) if b and not a)
+
+
+def merge(paths, args, argv):
+    """One table from several runs' quality.json (ratios split over processes, a --fidelity-only run).
+
+    Rows of the same (policy, ratio) are joined (accuracy fields from one run, fidelity fields from
+    another; a field given twice must agree). Every run must use the same problems
+    (--n/--seed/--size-*); paired counts are recomputed against the one full-KV accuracy row.
+    """
+    joined: dict[tuple, dict] = {}
+    for path in paths:
+        for r in json.load(open(path)):
+            row = joined.setdefault((r["policy"], r["ratio"]), {})
+            clash = [f for f in r if f in row and row[f] != r[f] and f not in ("lost", "gained", "seconds")]
+            if clash:
+                raise SystemExit(f"--merge: {r['policy']} r={r['ratio']} has different {clash} in {path}")
+            row.update(r)
+    rows = list(joined.values())
+    full = [r for r in rows if r["policy"] == "none" and "per_problem" in r]
+    if len(full) != 1:
+        raise SystemExit(f"--merge needs exactly one full-KV ('none') accuracy row among the inputs, found {len(full)}")
+    for r in rows:
+        if "per_problem" in r:
+            pair_with_full(r, full[0]["per_problem"]["correct"])
+    rows.sort(key=lambda r: (r["ratio"] or 0, list(POLICIES).index(r["policy"])))
+    args.policies = [p for p in POLICIES if any(r["policy"] == p for r in rows)]
+    table = write_table(rows, args, argv)
+    plot(rows, args)
+    return table
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-path", default=os.path.join(HERE, "quality", "proxy_model"))
+    ap.add_argument("--model-path", default=None, help="default: the embedded default model (the proxy)")
     ap.add_argument("--jsonl", default=None, help="MATH-500-style problems (real models, GPU)")
     ap.add_argument("--n", type=int, default=500)
     ap.add_argument("--seed", type=int, default=1234)
@@ -152,40 +206,68 @@ def main(argv=None):
     ap.add_argument("--max-running", type=int, default=64)
     ap.add_argument("--omp-threads", type=int, default=1,
                     help="OMP_NUM_THREADS (+ OMP_WAIT_POLICY=PASSIVE) for the engine; 0 = leave as is")
+    ap.add_argument("--fidelity-n", type=int, default=100,
+                    help="fidelity to full KV (next-token agreement, KL) on the first N problems; 0 = off")
+    ap.add_argument("--fidelity-only", action="store_true", help="skip the accuracy runs")
+    ap.add_argument("--no-full", action="store_true",
+                    help="skip the full-KV run (another process runs it; combine with --merge)")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                    help="write one table + plot from these runs' quality.json files and exit")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
+    if args.model_path is None:
+        from sgl_kara.default_model import default_model_path
+
+        args.model_path = default_model_path()
     os.makedirs(args.out, exist_ok=True)
+    if args.merge:
+        print(merge(args.merge, args, argv))
+        return None
     problems = load_problems(args)
+    rows: list[dict] = []
+    names = ["none"] * (not args.no_full) + [p for p in args.policies if p != "none"]
+    if not args.fidelity_only:
+        accuracy_pass(problems, names, args, argv, rows)
+    if args.fidelity_n:
+        fidelity_pass(problems[: args.fidelity_n], names, args, argv, rows)
+    print(write_table(rows, args, argv))
+    plot(rows, args)
+    return rows
+
+
+def run_order(names, ratios):
+    """(policy, ratio) runs: full KV first, then per ratio the Kara variants before the baselines
+    (which take their per-sequence budgets from Kara's run at that ratio)."""
+    runs = [("none", None)] * ("none" in names) + [(p, r) for r in ratios for p in names if p != "none"]
+    return sorted(runs, key=lambda pr: (pr[1] or 0, pr[0] not in ("kara", "none")))
+
+
+def policy_options(name, ratio, args, kara_budget):
+    """(engine options, per-request custom_params.kara or None) for one policy at one ratio."""
+    opts = dict(POLICIES[name], max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running)
     common = dict(kara_window=args.window, kara_buffer=args.buffer, kara_max_chunk=args.max_chunk,
                   kara_period=1, kara_max_seqs=4096, kara_query_source="capture",
                   kara_snapkv_window=args.buffer)
-    pool = dict(max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running)
+    if name.startswith("kara"):
+        m = args.window - args.buffer
+        k = max(1, math.ceil(round(ratio * m, 6)))
+        chunk_budget = opts.pop("kara_chunk_budget", min(args.chunk_budget, k - 1))  # noT2C: 0
+        opts.update(common, kara_retention=ratio, kara_chunk_budget=chunk_budget)
+        return opts, None
+    if name in ("snapkv", "streaming"):
+        if ratio not in kara_budget:
+            raise SystemExit(f"{name} at {ratio} needs a kara run at the same ratio first (budget matching)")
+        opts.update(common, kara_snapkv_budget=max(args.buffer + 1, 2 * args.buffer),
+                    kara_snapkv_threshold=max(args.buffer + 1, 2 * args.buffer) + trigger_gap(args))
+        return opts, [{"budget": max(2, b)} for b in kara_budget[ratio]]
+    return opts, None
 
-    rows = []
-    runs = [("none", None)] + [(p, r) for r in args.ratios for p in args.policies if p != "none"]
+
+def accuracy_pass(problems, names, args, argv, rows):
     full_correct = None
     kara_budget: dict[float, list[int]] = {}
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover
-        def tqdm(x, **_):
-            return x
-    # Kara variants first at each ratio so baselines can match its per-sequence budget.
-    order = sorted(runs, key=lambda pr: (pr[1] or 0, pr[0] not in ("kara", "none")))
-    for name, ratio in tqdm(order, desc="policies x ratios"):
-        opts = dict(POLICIES[name], **pool)
-        per_request = None
-        if name.startswith("kara"):
-            m = args.window - args.buffer
-            k = max(1, math.ceil(round(ratio * m, 6)))
-            chunk_budget = opts.pop("kara_chunk_budget", min(args.chunk_budget, k - 1))  # noT2C: 0
-            opts.update(common, kara_retention=ratio, kara_chunk_budget=chunk_budget)
-        elif name in ("snapkv", "streaming"):
-            if ratio not in kara_budget:
-                raise SystemExit(f"{name} at {ratio} needs a kara run at the same ratio first (budget matching)")
-            opts.update(common, kara_snapkv_budget=max(args.buffer + 1, 2 * args.buffer),
-                        kara_snapkv_threshold=max(args.buffer + 1, 2 * args.buffer) + trigger_gap(args))
-            per_request = [{"budget": max(2, b)} for b in kara_budget[ratio]]
+    for name, ratio in progress(run_order(names, args.ratios), "accuracy: policies x ratios"):
+        opts, per_request = policy_options(name, ratio, args, kara_budget)
         tic = time.perf_counter()
         outs = run_engine(args.model_path, opts, problems, per_request, args.omp_threads)
         row, correct = summarize(name, ratio, outs, problems, full_correct)
@@ -199,20 +281,64 @@ def main(argv=None):
         print(f"{name:12s} r={ratio} acc {row['acc']:.3f} ({row['correct']}/{row['n']}) "
               f"peak KV {row['peak_kv']:.0f} mean KV {row['mean_kv']:.0f} gen {row['gen_len']:.0f}", flush=True)
 
-    print(write_table(rows, args, argv))
-    plot(rows, args)
-    return rows
+
+def fidelity_pass(problems, names, args, argv, rows):
+    """Full KV records its per-step distributions, then every policy (full KV included, as a check
+    that forcing is exact: agreement 1, KL 0) is fed the full-KV output (bench/quality/fidelity.py)."""
+    import tempfile
+
+    import fidelity
+
+    ks = list(range(len(problems)))
+    kara_budget: dict[float, list[int]] = {}
+    with tempfile.TemporaryDirectory(prefix="kara_fidelity_") as d:
+        rec = [{"mode": "record", "dir": d, "k": k} for k in ks]
+        opts, _ = policy_options("none", None, args, kara_budget)
+        outs = run_engine(args.model_path, opts, problems, None, args.omp_threads, rec)
+        tokens = [o["output_ids"] for o in outs]
+        for name, ratio in progress(run_order(["none"] + names, args.ratios), "fidelity: policies x ratios"):
+            tag = f"{name}_{ratio}"
+            forced = [{"mode": "force", "dir": d, "k": k, "tag": tag, "tokens": tokens[k]} for k in ks]
+            opts, per_request = policy_options(name, ratio, args, kara_budget)
+            outs = run_engine(args.model_path, opts, problems, per_request, args.omp_threads, forced)
+            if any(o["output_ids"] != t for o, t in zip(outs, tokens)):
+                raise RuntimeError(f"fidelity {tag}: a forced output differs from the full-KV output")
+            if name == "kara":
+                kara_budget[ratio] = [baseline_budget(o["meta_info"], args) for o in outs]
+            stats = fidelity.summarize(d, tag, ks)
+            row = next((r for r in rows if r["policy"] == name and r["ratio"] == ratio), None)
+            if row is None:
+                rows.append(row := dict(policy=name, ratio=ratio))
+            row.update(stats)
+            write_table(rows, args, argv)
+            print(f"{name:12s} r={ratio} next-token agreement {stats['agree']:.4f} KL {stats['kl']:.4f} "
+                  f"({stats['fid_tokens']} tokens)", flush=True)
+
+
+def progress(items, desc):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        return items
+    return tqdm(items, desc=desc)
 
 
 def write_table(rows, args, argv):
-    """Markdown + JSON of the rows so far (rewritten after every policy run)."""
+    """Markdown + JSON of the rows so far (rewritten after every policy run); '-' where a row has
+    no accuracy run or no fidelity run."""
     lines = ["| policy | retention | accuracy (95% CI) | correct / n | lost vs full | gained vs full "
-             "| peak gen. KV | mean gen. KV | gen. length |", "|---|---|---|---|---|---|---|---|---|"]
+             "| next-token agreement | KL (nats/token) | peak gen. KV | mean gen. KV | gen. length |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(
-            f"| {r['policy']} | {r['ratio'] if r['ratio'] is not None else '-'} | {r['acc']:.3f} "
-            f"({r['lo']:.3f}-{r['hi']:.3f}) | {r['correct']}/{r['n']} | {r.get('lost', '-')} | "
-            f"{r.get('gained', '-')} | {r['peak_kv']:.0f} | {r['mean_kv']:.0f} | {r['gen_len']:.0f} |")
+        acc = (f"{r['acc']:.3f} ({r['lo']:.3f}-{r['hi']:.3f}) | {r['correct']}/{r['n']} | {r.get('lost', '-')} | "
+               f"{r.get('gained', '-')}") if "acc" in r else "- | - | - | -"
+        fid = f"{r['agree']:.4f} | {r['kl']:.4f}" if "agree" in r else "- | -"
+        kv = (f"{r['peak_kv']:.0f} | {r['mean_kv']:.0f} | {r['gen_len']:.0f}") if "acc" in r else "- | - | -"
+        lines.append(f"| {r['policy']} | {r['ratio'] if r['ratio'] is not None else '-'} | {acc} | {fid} | {kv} |")
+    fids = {r["fid_n"] for r in rows if "fid_n" in r}
+    if fids:
+        lines.append(f"\nFidelity on the first {'/'.join(map(str, sorted(fids)))} problems: the full-KV output "
+                     "fed through each policy; agreement = policy's greedy token equals full KV's.")
     table = "\n".join(lines)
     with open(os.path.join(args.out, "quality.md"), "w") as f:
         f.write(f"command: python bench/quality.py {' '.join(argv if argv is not None else sys.argv[1:])}\n\n{table}\n")
@@ -230,21 +356,23 @@ def plot(rows, args):
     except ImportError:
         print("matplotlib not installed: no plot")
         return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    full = next((r["acc"] for r in rows if r["policy"] == "none"), None)
-    for name in args.policies:
-        if name == "none":
-            continue
-        pts = sorted((r["ratio"], r["acc"]) for r in rows if r["policy"] == name)
-        ax.plot([p for p, _ in pts], [a for _, a in pts], marker="o", label=name)
-    if full is not None:
-        ax.axhline(full, color="k", linestyle="--", label="full KV")
-    ax.set_xlabel("retention ratio")
-    ax.set_ylabel("exact-answer accuracy")
-    ax.legend()
+    panels = [(f, label) for f, label in (("acc", "exact-answer accuracy"), ("agree", "next-token agreement with full KV"))
+              if any(f in r for r in rows)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    for ax, (field, label) in zip(axes[0], panels):
+        for name in args.policies:
+            if name == "none":
+                continue
+            pts = sorted((r["ratio"], r[field]) for r in rows if r["policy"] == name and field in r)
+            ax.plot([p for p, _ in pts], [a for _, a in pts], marker="o", label=name)
+        full = next((r[field] for r in rows if r["policy"] == "none" and field in r), None)
+        if full is not None:
+            ax.axhline(full, color="k", linestyle="--", label="full KV")
+        ax.set_xlabel("retention ratio (share of each window kept)")
+        ax.set_ylabel(label)
+        ax.legend()
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, "quality_vs_retention.png"), dpi=120)
-
 
 if __name__ == "__main__":
     main()

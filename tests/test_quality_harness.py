@@ -19,12 +19,13 @@ def test_last_boxed():
 
 def test_harness_smoke(tiny_llama, tmp_path):
     """Plumbing only: a random tiny model answers nothing right, but every policy runs, budgets
-    are matched per sequence, and the table is written."""
+    are matched per sequence, the fidelity pass feeds the full-KV output through every policy
+    (exactly reproduced by full KV itself), and the table is written."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "bench", "quality.py"), "--model-path", tiny_llama, "--n", "3",
          "--ratios", "0.25", "--size-min", "5", "--size-max", "6", "--policies", "none", "kara", "snapkv", "--window", "48", "--buffer", "8",
-         "--chunk-budget", "4", "--out", str(tmp_path)],
+         "--chunk-budget", "4", "--fidelity-n", "3", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=900, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -37,6 +38,14 @@ def test_harness_smoke(tiny_llama, tmp_path):
     rows = {r["policy"]: r for r in json.loads((tmp_path / "quality.json").read_text())}
     # --match peak (default): the baseline never holds more generated KV than Kara's peak
     assert rows["snapkv"]["peak_kv"] <= rows["kara"]["peak_kv"] + 1
+    # fidelity: full KV forced along its own output agrees with itself; every policy was measured
+    # on all forced tokens (the harness raises if a forced output differs from full KV's)
+    assert rows["none"]["agree"] >= 0.99 and rows["none"]["kl"] < 1e-4
+    gen_tokens = round(rows["none"]["gen_len"] * 3)
+    for policy in ("kara", "snapkv"):
+        assert rows[policy]["fid_tokens"] == gen_tokens and 0 <= rows[policy]["agree"] <= 1
+        assert rows[policy]["kl"] >= 0
+    assert "next-token agreement" in table
 
 
 def test_proxy_model_solves_problems_with_full_kv(tmp_path):
@@ -46,7 +55,8 @@ def test_proxy_model_solves_problems_with_full_kv(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "bench", "quality.py"), "--n", "3", "--size-min", "21",
-         "--size-max", "23", "--ratios", "0.25", "--policies", "none", "kara", "--out", str(tmp_path)],
+         "--size-max", "23", "--ratios", "0.25", "--policies", "none", "kara", "--fidelity-n", "0",
+         "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=900, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -55,3 +65,30 @@ def test_proxy_model_solves_problems_with_full_kv(tmp_path):
     rows = {r["policy"]: r for r in json.loads((tmp_path / "quality.json").read_text())}
     assert rows["none"]["correct"] == 3 and rows["none"]["gen_len"] > 300
     assert rows["kara"]["n"] == 3 and rows["kara"]["peak_kv"] < rows["none"]["peak_kv"]
+
+
+def test_real_model_path_runs_a_math_jsonl(tmp_path):
+    """Plumbing of the GPU path (--jsonl, boxed-answer pass@1) end to end on a tiny MATH-500-style
+    file with the proxy: it cannot write \\boxed{}, so nothing is correct, but every problem is
+    generated under the --max-new-tokens cap and scored by the boxed-answer checker."""
+    import json
+
+    data = tmp_path / "math.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in [
+        {"problem": "What is $1+1$?", "answer": "2", "unique_id": "a"},
+        {"problem": "Compute $\\frac{6}{3}$.", "answer": "2", "unique_id": "b"},
+        {"problem": "Unused third line", "answer": "0"},
+    ]) + "\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "quality.py"), "--jsonl", str(data), "--n", "2",
+         "--max-new-tokens", "48", "--ratios", "0.5", "--policies", "none", "kara", "--window", "16",
+         "--buffer", "4", "--fidelity-n", "0", "--out", str(out)],
+        capture_output=True, text=True, timeout=900, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["policy"]: r for r in json.loads((out / "quality.json").read_text())}
+    for policy in ("none", "kara"):
+        assert rows[policy]["n"] == 2 and rows[policy]["correct"] == 0
+        assert all(g <= 48 for g in rows[policy]["per_problem"]["gen_len"])

@@ -60,6 +60,27 @@ def test_per_request_options(server):
     assert default["kv_physical_len"] < half["kv_physical_len"] < half["kv_logical_len"]
 
 
+def test_embedded_model_reasons_through_the_example_prompt(server):
+    """The README's first request: the embedded proxy writes its chain of thought and, with full KV
+    (compression off for this request), gets the answer. With Kara on, the output is the full-KV
+    one until the first window is compressed and compressions are reported; after that this proxy
+    goes astray (it does not stop, here: see the quality benchmark), so nothing later is asserted."""
+    from pathlib import Path
+
+    from sgl_kara.default_model import DEFAULT_MODEL_DIR
+
+    prompt = (Path(DEFAULT_MODEL_DIR) / "example_prompt.txt").read_text().strip()
+    params = {"max_new_tokens": 1000, "temperature": 0}
+    full = _generate(server, prompt, params, {"kara": {"enable": False}}).json()
+    assert full["meta_info"]["completion_tokens"] > 600, full["text"][:200]
+    assert full["text"].rstrip().endswith("answer r32 V32=3 and r30 V30=9 last r58 V58=2"), full["text"][-200:]
+    kara = _generate(server, prompt, params).json()
+    window = 64  # --kara-window of this server
+    assert kara["text"].split()[:window] == full["text"].split()[:window]
+    assert kara["meta_info"]["kara"]["compressions"] >= 5
+    assert kara["meta_info"]["kara"]["kv_physical_len"] < kara["meta_info"]["kara"]["kv_logical_len"]
+
+
 @pytest.mark.parametrize(
     "custom, field",
     [

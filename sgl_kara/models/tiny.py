@@ -1,6 +1,6 @@
 """Write tiny, seeded, random-weight Llama / Qwen3 models with a real tokenizer to a folder.
 
-Used by the tests (fixtures) and by ``scripts/make_default_model.py`` (the embedded default).
+Used by the tests (fixtures).
 The tokenizer is a byte-level BPE trained here on a fixed corpus, so any text round-trips and
 nothing is downloaded. Imports nothing from SGLang.
 """

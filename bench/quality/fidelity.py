@@ -1,0 +1,118 @@
+"""Fidelity to full KV: next-token agreement and KL when the full-KV output is fed through a policy.
+
+Accuracy saturates (or collapses) and hides how far a policy's distribution moved; fidelity does
+not. Two passes through ``sgl_kara.Engine`` with one custom logit processor (engine flag
+``enable_custom_logit_processor=True``), run in the scheduler process:
+
+1. ``record`` (full KV): greedy generation; at every sampling step t the processor appends the
+   step's log-probabilities (float32, [V]) to ``<dir>/ref_<k>.f32``.
+2. ``force`` (a policy): the request is fed the full-KV output ``tokens``. At step t the processor
+   takes the policy's log-probabilities, counts agreement ``argmax == tokens[t]`` (the full-KV
+   greedy choice) and ``KL(p_full || p_policy)`` against row t of ``ref_<k>.f32``, then masks the
+   logits so ``tokens[t]`` is emitted and the prefix stays the full-KV one. When the last token is
+   emitted, the per-step results go to ``<dir>/<tag>_<k>.json``.
+
+The step index is ``len(req.output_ids)`` (needs the overlap scheduler off, as bench/quality.py
+runs). Both functions below are pure torch; the processor class is a thin wrapper so it can be
+checked without an engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import torch
+
+try:
+    from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
+except ImportError:  # pragma: no cover - the pure functions still import without sglang
+    CustomLogitProcessor = object
+
+KEY = "fidelity"
+
+_REFS: dict[str, np.ndarray] = {}  # ref file -> memmap [steps, V] (scheduler process)
+_STEPS: dict[tuple[str, int], list[tuple[int, float]]] = {}  # (tag, k) -> [(agree, kl)]
+
+
+def step_stats(logits: torch.Tensor, ref_logp: torch.Tensor, token: int) -> tuple[int, float]:
+    """(agree, KL(p_ref || p)) for one step. logits, ref_logp: [V]; ref_logp is renormalised."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    ref = ref_logp.float() - torch.logsumexp(ref_logp.float(), dim=-1)
+    kl = torch.sum(ref.exp() * (ref - logp)).clamp_min(0.0)
+    return int(int(torch.argmax(logp)) == token), float(kl)
+
+
+def force(logits: torch.Tensor, token: int) -> torch.Tensor:
+    """Logits [V] whose greedy choice is ``token``: -inf everywhere else."""
+    out = torch.full_like(logits, float("-inf"))
+    out[token] = 0.0
+    return out
+
+
+def ref_path(directory: str, k: int) -> str:
+    return os.path.join(directory, f"ref_{k}.f32")
+
+
+def stats_path(directory: str, tag: str, k: int) -> str:
+    return os.path.join(directory, f"{tag}_{k}.json")
+
+
+def _ref_rows(path: str, vocab: int) -> np.ndarray:
+    rows = _REFS.get(path)
+    if rows is None:
+        rows = _REFS[path] = np.memmap(path, dtype=np.float32, mode="r").reshape(-1, vocab)
+    return rows
+
+
+class FidelityProcessor(CustomLogitProcessor):
+    """custom_params["fidelity"] = {"mode": "record"|"force", "dir", "k", "tag", "tokens"}."""
+
+    def __call__(self, logits, custom_param_list=None):
+        for i, params in enumerate(custom_param_list or []):
+            p = (params or {}).get(KEY)
+            if p is None:
+                continue
+            step = len(params["__req__"].output_ids)
+            if p["mode"] == "record":
+                path = ref_path(p["dir"], p["k"])
+                row = torch.log_softmax(logits[i].float(), dim=-1).cpu().numpy()
+                size = os.path.getsize(path) if os.path.exists(path) else 0
+                if size != step * row.nbytes:
+                    raise RuntimeError(f"fidelity record {path}: step {step} but the file holds {size // row.nbytes} rows")
+                with open(path, "ab") as f:
+                    f.write(row.tobytes())
+                continue
+            tokens, key = p["tokens"], (p["tag"], p["k"])
+            if step >= len(tokens):
+                raise RuntimeError(f"fidelity force {key}: step {step} beyond the {len(tokens)} full-KV tokens")
+            ref = _ref_rows(ref_path(p["dir"], p["k"]), logits.shape[-1])
+            if step >= ref.shape[0]:
+                raise RuntimeError(f"fidelity force {key}: ref_{p['k']} has {ref.shape[0]} rows, step {step}")
+            per_step = _STEPS.setdefault(key, [])
+            if len(per_step) != step:
+                raise RuntimeError(f"fidelity force {key}: step {step} after {len(per_step)} recorded steps")
+            per_step.append(step_stats(logits[i], torch.from_numpy(np.array(ref[step])), tokens[step]))
+            logits[i] = force(logits[i], tokens[step])
+            if step == len(tokens) - 1:
+                with open(stats_path(p["dir"], p["tag"], p["k"]), "w") as f:
+                    json.dump({"agree": [a for a, _ in per_step], "kl": [round(x, 6) for _, x in per_step]}, f)
+                del _STEPS[key]
+        return logits
+
+
+def summarize(directory: str, tag: str, ks: list[int]) -> dict:
+    """Token-weighted agreement and mean KL over problems ks; raises if any problem is missing."""
+    agree, kl, missing = [], [], []
+    for k in ks:
+        path = stats_path(directory, tag, k)
+        if not os.path.exists(path):
+            missing.append(k)
+            continue
+        d = json.load(open(path))
+        agree += d["agree"]
+        kl += d["kl"]
+    if missing:
+        raise RuntimeError(f"fidelity {tag}: no stats for problems {missing[:10]} (forced run ended early?)")
+    return dict(agree=sum(agree) / len(agree), kl=sum(kl) / len(kl), fid_n=len(ks), fid_tokens=len(agree))

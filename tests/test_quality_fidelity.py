@@ -1,0 +1,86 @@
+"""Fidelity probe of the quality harness (bench/quality/fidelity.py) without an engine: the
+per-step statistics against a direct computation, and the record -> force protocol of the logit
+processor driven by fake requests."""
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "quality"))
+import fidelity  # noqa: E402
+
+
+def test_step_stats_matches_direct_kl():
+    g = torch.Generator().manual_seed(0)
+    ref_logits, logits = torch.randn(50, generator=g), torch.randn(50, generator=g)
+    p, q = torch.softmax(ref_logits, -1), torch.softmax(logits, -1)
+    want = float((p * (p.log() - q.log())).sum())
+    # ref given unnormalised (shifted): step_stats renormalises it
+    agree, kl = fidelity.step_stats(logits, torch.log_softmax(ref_logits, -1) + 3.0, int(q.argmax()))
+    assert agree == 1 and kl == pytest.approx(want, rel=1e-5)
+    agree, _ = fidelity.step_stats(logits, ref_logits, (int(q.argmax()) + 1) % 50)
+    assert agree == 0
+    assert fidelity.step_stats(logits, logits.clone(), int(q.argmax()))[1] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_force_makes_token_the_greedy_choice():
+    out = fidelity.force(torch.randn(20), 7)
+    assert int(out.argmax()) == 7 and torch.isinf(out).sum() == 19
+
+
+def _call(proc, rows, params):
+    """One sampling step: logits rows [B, V] for the requests in params (each with __req__)."""
+    logits = torch.stack(rows)
+    return proc(logits, params)
+
+
+def test_record_then_force_protocol(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    steps = [torch.randn(2, 30, generator=g) for _ in range(4)]  # [step][request, V]
+    tokens = [[int(s[r].argmax()) for s in steps] for r in range(2)]
+    proc = fidelity.FidelityProcessor()
+
+    reqs = [SimpleNamespace(output_ids=[]) for _ in range(2)]
+    rec = [{"__req__": reqs[r], "fidelity": {"mode": "record", "dir": str(tmp_path), "k": r}} for r in range(2)]
+    for t, s in enumerate(steps):
+        out = _call(proc, list(s), rec)
+        assert torch.equal(out, s)  # recording leaves the logits alone
+        for r in range(2):
+            reqs[r].output_ids.append(int(out[r].argmax()))
+    assert [r.output_ids for r in reqs] == tokens
+
+    # Force request 0 through the identical logits and request 1 through perturbed ones, in a
+    # batch with a request that has no fidelity params.
+    reqs = [SimpleNamespace(output_ids=[]) for _ in range(2)]
+    forced = [{"__req__": reqs[r], "fidelity": {"mode": "force", "dir": str(tmp_path), "k": r, "tag": "p",
+                                                  "tokens": tokens[r]}} for r in range(2)]
+    other = {"__req__": SimpleNamespace(output_ids=[])}
+    for t, s in enumerate(steps):
+        perturbed = -s[1]  # reverses the ranking: never agrees
+        out = _call(proc, [s[0], perturbed, s[0]], [forced[0], forced[1], other])
+        for r in range(2):
+            assert int(out[r].argmax()) == tokens[r][t]
+            reqs[r].output_ids.append(tokens[r][t])
+        assert torch.equal(out[2], s[0])
+    same = json.load(open(fidelity.stats_path(str(tmp_path), "p", 0)))
+    flipped = json.load(open(fidelity.stats_path(str(tmp_path), "p", 1)))
+    assert same["agree"] == [1] * 4 and max(same["kl"]) < 1e-5
+    assert flipped["agree"] == [0] * 4 and min(flipped["kl"]) > 0.1
+    summary = fidelity.summarize(str(tmp_path), "p", [0, 1])
+    assert summary["agree"] == 0.5 and summary["fid_tokens"] == 8
+    with pytest.raises(RuntimeError, match="no stats for problems"):
+        fidelity.summarize(str(tmp_path), "p", [0, 1, 2])
+
+
+def test_force_rejects_out_of_order_steps(tmp_path):
+    proc = fidelity.FidelityProcessor()
+    req = SimpleNamespace(output_ids=[])
+    proc(torch.zeros(1, 5), [{"__req__": req, "fidelity": {"mode": "record", "dir": str(tmp_path), "k": 0}}])
+    req = SimpleNamespace(output_ids=[0, 0])  # step 2, but step 0 was never forced
+    params = {"__req__": req, "fidelity": {"mode": "force", "dir": str(tmp_path), "k": 0, "tag": "x", "tokens": [0, 0, 0]}}
+    with pytest.raises(RuntimeError, match="ref_0 has 1 rows"):
+        proc(torch.zeros(1, 5), [params])
