@@ -296,6 +296,13 @@ def fidelity_pass(problems, names, args, argv, rows):
         opts, _ = policy_options("none", None, args, kara_budget)
         outs = run_engine(args.model_path, opts, problems, None, args.omp_threads, rec)
         tokens = [o["output_ids"] for o in outs]
+        roles = None
+        words = [o["text"].split() for o in outs]
+        # The proxy's tokenizer is word-level: a word per step (+ EOS), so roles align with steps.
+        if not args.jsonl and all(len(t) - len(w) in (0, 1) for t, w in zip(tokens, words)):
+            import task
+
+            roles = {k: task.token_roles(o["text"]) for k, o in enumerate(outs)}
         for name, ratio in progress(run_order(["none"] + names, args.ratios), "fidelity: policies x ratios"):
             tag = f"{name}_{ratio}"
             forced = [{"mode": "force", "dir": d, "k": k, "tag": tag, "tokens": tokens[k]} for k in ks]
@@ -306,6 +313,8 @@ def fidelity_pass(problems, names, args, argv, rows):
             if name == "kara":
                 kara_budget[ratio] = [baseline_budget(o["meta_info"], args) for o in outs]
             stats = fidelity.summarize(d, tag, ks)
+            if roles:
+                stats["disagree_by_role"] = fidelity.disagreement_by_role(d, tag, roles)
             row = next((r for r in rows if r["policy"] == name and r["ratio"] == ratio), None)
             if row is None:
                 rows.append(row := dict(policy=name, ratio=ratio))
@@ -339,6 +348,18 @@ def write_table(rows, args, argv):
     if fids:
         lines.append(f"\nFidelity on the first {'/'.join(map(str, sorted(fids)))} problems: the full-KV output "
                      "fed through each policy; agreement = policy's greedy token equals full KV's.")
+    with_roles = [r for r in rows if "disagree_by_role" in r]
+    if with_roles:
+        roles = sorted({role for r in with_roles for role in r["disagree_by_role"]})
+        lines += ["", "Disagreement with full KV by token role (bench/quality/task.py token_roles), "
+                  "% of that role's steps (steps per role in the header):", "",
+                  "| policy | retention | " + " | ".join(
+                      f"{role} ({with_roles[0]['disagree_by_role'].get(role, [0, 0])[1]})" for role in roles) + " |",
+                  "|---|---|" + "---|" * len(roles)]
+        for r in with_roles:
+            cells = [r["disagree_by_role"].get(role, [0, 0]) for role in roles]
+            lines.append(f"| {r['policy']} | {r['ratio'] if r['ratio'] is not None else '-'} | "
+                         + " | ".join(f"{100 * d / max(1, n):.1f}" for d, n in cells) + " |")
     table = "\n".join(lines)
     with open(os.path.join(args.out, "quality.md"), "w") as f:
         f.write(f"command: python bench/quality.py {' '.join(argv if argv is not None else sys.argv[1:])}\n\n{table}\n")

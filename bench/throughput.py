@@ -12,6 +12,12 @@ compressing. Per-step traces (running requests, free slots) come from the plugin
     python bench/throughput.py --model-path /models/R1-Llama-8B --requests 256 --gen 8192 ...
 
 Writes a table (markdown) and PNG plots under --out (default bench/results/).
+
+The recorded runs (bench/RESULTS.md, sessions 1-3) used the then-embedded random-weight 4-layer
+Llama (hidden 128); the embedded default is now the trained proxy (3.5M parameters). That model is
+re-created bit for bit by ``sgl_kara.models.tiny.write_tiny_model(path, "llama", hidden_size=128,
+num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=256, vocab_size=512, seed=2026)``;
+pass it with ``--model-path`` to reproduce those numbers.
 """
 
 from __future__ import annotations

@@ -84,3 +84,12 @@ def test_force_rejects_out_of_order_steps(tmp_path):
     params = {"__req__": req, "fidelity": {"mode": "force", "dir": str(tmp_path), "k": 0, "tag": "x", "tokens": [0, 0, 0]}}
     with pytest.raises(RuntimeError, match="ref_0 has 1 rows"):
         proc(torch.zeros(1, 5), [params])
+
+
+def test_disagreement_by_role(tmp_path):
+    for k, agree in enumerate([[1, 0, 1], [0, 1]]):
+        with open(fidelity.stats_path(str(tmp_path), "t", k), "w") as f:
+            json.dump({"agree": agree, "kl": [0.0] * len(agree)}, f)
+    roles = {0: ["arith", "arith"], 1: ["pointer", "arith"]}  # problem 0's last step is past its roles
+    assert fidelity.disagreement_by_role(str(tmp_path), "t", roles) == {
+        "arith": [1, 3], "pointer": [1, 1], "eos": [0, 1]}

@@ -102,6 +102,19 @@ class FidelityProcessor(CustomLogitProcessor):
         return logits
 
 
+def disagreement_by_role(directory: str, tag: str, roles: dict[int, list[str]]) -> dict[str, list[int]]:
+    """{role: [disagreeing steps, steps]} over problems k -> per-step roles (the proxy's
+    task.token_roles of the full-KV output; steps past the roles, e.g. EOS, are ``eos``)."""
+    out: dict[str, list[int]] = {}
+    for k, per_step in roles.items():
+        agree = json.load(open(stats_path(directory, tag, k)))["agree"]
+        for t, a in enumerate(agree):
+            cell = out.setdefault(per_step[t] if t < len(per_step) else "eos", [0, 0])
+            cell[0] += 1 - a
+            cell[1] += 1
+    return out
+
+
 def summarize(directory: str, tag: str, ks: list[int]) -> dict:
     """Token-weighted agreement and mean KL over problems ks; raises if any problem is missing."""
     agree, kl, missing = [], [], []
