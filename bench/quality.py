@@ -13,7 +13,11 @@ period 1 (compress as soon as a window is full), as the paper does for accuracy.
 
 Reports accuracy with counts and a 95% Wilson interval, paired comparisons against full KV
 (problems a policy gets wrong where full KV is right, and the reverse), peak and mean KV kept,
-and generated length; writes a table to --out/quality.md (and a PNG if matplotlib is present).
+and generated length; then fidelity to full KV on the first --fidelity-n problems (next-token
+agreement and KL when the full-KV output is fed through each policy, bench/quality/fidelity.py;
+per token role on the proxy). Writes a table to --out/quality.md (+ .json with per-problem
+results) and a PNG if matplotlib is present. Runs split over processes (``--no-full``,
+``--fidelity-only``) are joined by ``--merge``.
 
     python bench/quality.py --n 500        # the proxy = sgl_kara's embedded default model
     python bench/quality.py --n 4 --ratios 0.25 --policies none kara    # smoke run
