@@ -316,9 +316,7 @@ def fidelity_pass(problems, names, args, argv, rows):
                 raise RuntimeError(f"fidelity {tag}: a forced output differs from the full-KV output")
             if name == "kara":
                 kara_budget[ratio] = [baseline_budget(o["meta_info"], args) for o in outs]
-            stats = fidelity.summarize(d, tag, ks)
-            if roles:
-                stats["disagree_by_role"] = fidelity.disagreement_by_role(d, tag, roles)
+            stats = fidelity.summarize(d, tag, ks, roles)
             row = next((r for r in rows if r["policy"] == name and r["ratio"] == ratio), None)
             if row is None:
                 rows.append(row := dict(policy=name, ratio=ratio))

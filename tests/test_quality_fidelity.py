@@ -91,5 +91,5 @@ def test_disagreement_by_role(tmp_path):
         with open(fidelity.stats_path(str(tmp_path), "t", k), "w") as f:
             json.dump({"agree": agree, "kl": [0.0] * len(agree)}, f)
     roles = {0: ["arith", "arith"], 1: ["pointer", "arith"]}  # problem 0's last step is past its roles
-    assert fidelity.disagreement_by_role(str(tmp_path), "t", roles) == {
+    assert fidelity.summarize(str(tmp_path), "t", [0, 1], roles)["disagree_by_role"] == {
         "arith": [1, 3], "pointer": [1, 1], "eos": [0, 1]}

@@ -102,22 +102,13 @@ class FidelityProcessor(CustomLogitProcessor):
         return logits
 
 
-def disagreement_by_role(directory: str, tag: str, roles: dict[int, list[str]]) -> dict[str, list[int]]:
-    """{role: [disagreeing steps, steps]} over problems k -> per-step roles (the proxy's
-    task.token_roles of the full-KV output; steps past the roles, e.g. EOS, are ``eos``)."""
-    out: dict[str, list[int]] = {}
-    for k, per_step in roles.items():
-        agree = json.load(open(stats_path(directory, tag, k)))["agree"]
-        for t, a in enumerate(agree):
-            cell = out.setdefault(per_step[t] if t < len(per_step) else "eos", [0, 0])
-            cell[0] += 1 - a
-            cell[1] += 1
-    return out
-
-
-def summarize(directory: str, tag: str, ks: list[int]) -> dict:
-    """Token-weighted agreement and mean KL over problems ks; raises if any problem is missing."""
+def summarize(directory: str, tag: str, ks: list[int], roles: dict[int, list[str]] | None = None) -> dict:
+    """Token-weighted agreement and mean KL over problems ks (one read of each stats file); with
+    ``roles`` (problem k -> per-step role: the proxy's task.token_roles of the full-KV output;
+    steps past them, e.g. EOS, are ``eos``) also ``disagree_by_role`` = {role: [disagreeing
+    steps, steps]}. Raises if any problem is missing."""
     agree, kl, missing = [], [], []
+    by_role: dict[str, list[int]] = {}
     for k in ks:
         path = stats_path(directory, tag, k)
         if not os.path.exists(path):
@@ -126,6 +117,13 @@ def summarize(directory: str, tag: str, ks: list[int]) -> dict:
         d = json.load(open(path))
         agree += d["agree"]
         kl += d["kl"]
+        for t, a in enumerate(d["agree"] if roles else ()):
+            cell = by_role.setdefault(roles[k][t] if t < len(roles[k]) else "eos", [0, 0])
+            cell[0] += 1 - a
+            cell[1] += 1
     if missing:
         raise RuntimeError(f"fidelity {tag}: no stats for problems {missing[:10]} (forced run ended early?)")
-    return dict(agree=sum(agree) / len(agree), kl=sum(kl) / len(kl), fid_n=len(ks), fid_tokens=len(agree))
+    out = dict(agree=sum(agree) / len(agree), kl=sum(kl) / len(kl), fid_n=len(ks), fid_tokens=len(agree))
+    if roles:
+        out["disagree_by_role"] = by_role
+    return out
