@@ -19,7 +19,7 @@ per token role on the proxy). Writes a table to --out/quality.md (+ .json with p
 results) and a PNG if matplotlib is present. Runs split over processes (``--no-full``,
 ``--fidelity-only``) are joined by ``--merge``.
 
-    python bench/quality.py --n 500        # the proxy = sgl_kara's embedded default model
+    python bench/quality.py --n 500        # the reasoning proxy (sgl_kara/assets/reasoning_proxy)
     python bench/quality.py --n 4 --ratios 0.25 --policies none kara    # smoke run
 
 Real models (plumbing; numbers need a GPU): ``--model-path M --jsonl math500.jsonl`` where each
@@ -220,9 +220,9 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
     if args.model_path is None:
-        from sgl_kara.default_model import default_model_path
+        from sgl_kara.default_model import proxy_model_path
 
-        args.model_path = default_model_path()
+        args.model_path = proxy_model_path()
     os.makedirs(args.out, exist_ok=True)
     if args.merge:
         print(merge(args.merge, args, argv))

@@ -33,4 +33,5 @@ TARGET_META_INFO = "sglang.srt.managers.tokenizer_manager.TokenizerManager.updat
 TARGET_SAMPLING_VERIFY = "sglang.srt.sampling.sampling_params.SamplingParams.verify"
 TARGET_UPDATE_RUNNING_BATCH = "sglang.srt.managers.scheduler.Scheduler.update_running_batch"
 TARGET_VALIDATE_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
+TARGET_SET_ENVS = "sglang.srt.entrypoints.engine._set_envs_and_config"
 ROTARY_BASE_MODULE = "sglang.srt.layers.rotary_embedding.base"

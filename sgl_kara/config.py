@@ -23,7 +23,7 @@ from typing import Any
 from sgl_kara.policies.kara import kept_count  # noqa: F401  (re-exported: K of a window)
 
 POLICIES = ("kara", "snapkv", "streaming", "none")
-QUERY_SOURCES = ("recompute", "capture")
+QUERY_SOURCES = ("auto", "recompute", "capture")
 SCORINGS = ("bidirectional", "buffer")
 
 
@@ -34,6 +34,23 @@ class KaraConfigError(ValueError):
         self.name = name
         self.flag = flag_name(name)
         super().__init__(f"{self.flag} (kara_{name}): {message}")
+
+
+# Fields whose None (the default) is replaced by a value derived from the others.
+DERIVED = ("chunk_budget",)
+PAPER_CHUNK_BUDGET = 16
+
+
+def default_chunk_budget(kept: int) -> int:
+    """alpha when unset: the paper's 16 (App. B.3) where a window keeps K >= 32 entries, else
+    floor(K/2), so TopK always keeps at least half of the K entries (valid for every W, U, r)."""
+    return min(PAPER_CHUNK_BUDGET, kept // 2)
+
+
+def _field_kind(f) -> type:
+    if isinstance(f.type, type):
+        return f.type
+    return {"int": int, "float": float, "str": str, "int | None": int}[f.type]
 
 
 def flag_name(name: str) -> str:
@@ -48,8 +65,10 @@ class KaraConfig:
     retention: float = field(
         default=0.25, metadata={"help": "r: fraction of the W-U compressible tokens kept, in (0, 1]"}
     )
-    chunk_budget: int = field(
-        default=16, metadata={"help": "alpha: entries Token2Chunk may add (0 disables Token2Chunk)"}
+    chunk_budget: int | None = field(
+        default=None,
+        metadata={"help": "alpha: entries Token2Chunk may add (0 disables Token2Chunk); "
+                          "unset: min(16, floor(K/2)), K = ceil(retention*(window-buffer))"},
     )
     max_chunk: int = field(
         default=8, metadata={"help": "gamma: max chunk length including both endpoints, >= 3"}
@@ -61,8 +80,9 @@ class KaraConfig:
     period: int = field(default=128, metadata={"help": "delta: decode steps between compression events"})
     max_seqs: int = field(default=30, metadata={"help": "N: max requests compressed per event"})
     query_source: str = field(
-        default="capture",
-        metadata={"help": f"window queries: {QUERY_SOURCES}"},
+        default="auto",
+        metadata={"help": f"window queries: {QUERY_SOURCES} (auto: capture on CPU, recompute on CUDA "
+                          "unless the ring is small; resolved at start-up)"},
     )
     snapkv_threshold: int = field(
         default=1280, metadata={"help": "C_max: generated KV entries that trigger snapkv/streaming"}
@@ -86,7 +106,9 @@ class KaraConfig:
     def _check_types(self):
         for f in fields(self):
             value = getattr(self, f.name)
-            want = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str}[f.type]
+            if value is None and f.name in DERIVED:
+                continue
+            want = _field_kind(f)
             if want is float and isinstance(value, int) and not isinstance(value, bool):
                 object.__setattr__(self, f.name, float(value))
                 continue
@@ -109,6 +131,8 @@ class KaraConfig:
         need(0.0 < self.retention <= 1.0 and math.isfinite(self.retention), "retention", "must be in (0, 1]")
         need(3 <= self.max_chunk <= 65536, "max_chunk", "must be an integer in [3, 65536]")
         k = self.kept_per_window
+        if self.chunk_budget is None:
+            object.__setattr__(self, "chunk_budget", default_chunk_budget(k))
         need(self.chunk_budget >= 0, "chunk_budget", "must be >= 0")
         need(
             self.policy != "kara" or self.chunk_budget < k,
@@ -155,6 +179,16 @@ class KaraConfig:
         return kept_count(self.window - self.buffer, self.retention)
 
     @property
+    def query_ring_capacity(self) -> int:
+        """Queries per request a capture ring keeps: a due window plus the decode steps until its
+        event (kara); snapkv's observation window scored every step; nothing for streaming."""
+        if self.policy == "kara":
+            return self.window + self.period
+        if self.policy == "snapkv":
+            return self.snapkv_window + 1
+        return 0
+
+    @property
     def dropped_per_window(self) -> int:
         return self.compressible - self.kept_per_window
 
@@ -184,7 +218,7 @@ def add_cli_args(parser) -> None:
     """Add every ``--kara-*`` flag to an argparse parser (values validated by KaraConfig)."""
     group = parser.add_argument_group("Kara KV compression")
     for f in fields(KaraConfig):
-        kind = {"int": int, "float": float, "str": str}.get(f.type, f.type)
+        kind = _field_kind(f)
         group.add_argument(
             flag_name(f.name),
             dest="kara_" + f.name,

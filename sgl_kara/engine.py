@@ -14,20 +14,21 @@ from sgl_kara._sglang import SGLangEngine
 from sgl_kara.config import KaraConfig
 from sgl_kara.default_model import default_model_path
 from sgl_kara.plugin import register
-from sgl_kara.support import cpu_defaults, prepare_server_args
+from sgl_kara.support import prepare_server_args, server_defaults
 
 
 def build_server_args(kwargs: dict):
-    """Split ``kara_*`` options off ``kwargs``; returns (KaraConfig, ServerArgs)."""
+    """Split ``kara_*`` options off ``kwargs``; returns (resolved KaraConfig, ServerArgs)."""
     from sgl_kara._sglang import ServerArgs
 
     cfg, rest = KaraConfig.from_prefixed(kwargs)
-    rest.setdefault("model_path", default_model_path())
-    for key, value in cpu_defaults().items():
+    if rest.get("model_path") is None:
+        rest["model_path"] = default_model_path()
+    for key, value in server_defaults(rest["model_path"], rest).items():
         rest.setdefault(key, value)
     rest.setdefault("log_level", "error")
     server_args = ServerArgs(**rest)
-    prepare_server_args(server_args, cfg)
+    cfg = prepare_server_args(server_args, cfg)
     return cfg, server_args
 
 

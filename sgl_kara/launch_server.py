@@ -21,8 +21,28 @@ def _kara_parser(add_help: bool) -> argparse.ArgumentParser:
     return parser
 
 
+# ServerArgs fields whose user-given values decide sgl_kara's defaults (sgl_kara.support.server_defaults).
+USER_SIZING_FIELDS = ("device", "dtype", "attention_backend", "page_size", "max_total_tokens",
+                      "max_running_requests", "mem_fraction_static")
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
 def _has_flag(argv: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    """The value of ``flag`` (``--flag v`` or ``--flag=v``; the last one wins), else None."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(flag + "="):
+            value = a[len(flag) + 1:]
+    return value
 
 
 def parse(argv: list[str]):
@@ -37,21 +57,26 @@ def parse(argv: list[str]):
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
     from sgl_kara.default_model import default_model_path
+    from sgl_kara.models.smollm2 import DefaultModelMissing
     from sgl_kara.plugin import register
-    from sgl_kara.support import UnsupportedFeature, cpu_defaults, prepare_server_args
+    from sgl_kara.support import UnsupportedFeature, prepare_server_args, server_defaults
 
     register()
     if not _has_flag(rest, "--model-path") and not _has_flag(rest, "--model"):
-        rest = ["--model-path", default_model_path()] + rest
-    for key, value in cpu_defaults().items():
-        flag = "--" + key.replace("_", "-")
-        if not _has_flag(rest, flag):
-            rest += [flag, str(value)]
+        try:
+            rest = ["--model-path", default_model_path()] + rest
+        except DefaultModelMissing as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2)
+    model_path = _flag_value(rest, "--model-path") or _flag_value(rest, "--model")
+    given = {field: _flag_value(rest, _flag(field)) for field in USER_SIZING_FIELDS if _has_flag(rest, _flag(field))}
+    for key, value in server_defaults(model_path, given).items():
+        rest += [_flag(key), str(value)]
     from sgl_kara._sglang import prepare_server_args as sglang_prepare
 
     server_args = sglang_prepare(rest)
     try:
-        prepare_server_args(server_args, cfg)
+        cfg = prepare_server_args(server_args, cfg)
     except UnsupportedFeature as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
@@ -70,6 +95,10 @@ def main(argv: list[str] | None = None) -> None:
             run_kara_scheduler_process, kara_config=cfg.to_dict()
         )
     server_args.resolve_once()
+    if server_args.device == "cpu" and os.environ.get("SGL_KARA_FORK", "1") != "0":
+        from sgl_kara.plugin import fork_server_processes
+
+        fork_server_processes()
     try:
         sglang_launch_server(server_args, **kwargs)
     finally:

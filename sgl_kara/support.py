@@ -5,7 +5,23 @@ Unsupported SGLang features are refused with a message naming the flag, never ig
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 from sgl_kara.config import KaraConfig
+from sgl_kara.memory import (
+    CPU_RING_SHARE,
+    CUDA_RING_SHARE,
+    MemoryConfigError,
+    ModelShape,
+    available_ram_bytes,
+    check_cpu_fit,
+    cpu_memory_defaults,
+    gib,
+    total_ram_bytes,
+)
+
+logger = logging.getLogger(__name__)
 
 # (ServerArgs field, predicate "is enabled", CLI flag, why)
 _UNSUPPORTED = [
@@ -53,10 +69,57 @@ def cpu_defaults() -> dict:
     return {"device": "cpu", "attention_backend": "torch_native", "page_size": 1, "dtype": "float32"}
 
 
-def prepare_server_args(server_args, cfg: KaraConfig) -> None:
-    """Refuse unsupported features; select Kara's radix backend and the normal scheduler."""
+def server_defaults(model_path: str, given: dict) -> dict:
+    """Server args sgl_kara sets when the user did not (``given``: the ServerArgs fields the user
+    set, with their values): the CPU defaults plus, on CPU, a KV pool and request limit sized for
+    the machine (sgl_kara.memory). On CUDA nothing: SGLang's own defaults apply."""
+    out = {k: v for k, v in cpu_defaults().items() if k not in given}
+    device = given.get("device") or out.get("device") or ("cuda" if cuda_available() else "cpu")
+    if device != "cpu":
+        return out
+    shape = ModelShape.from_model_path(model_path)
+    itemsize = shape.itemsize(given.get("dtype") or out.get("dtype")) if shape is not None else 4
+    out.update(cpu_memory_defaults(shape, itemsize, total_ram_bytes(), set(given)))
+    return out
+
+
+def choose_query_source(device: str, ring_bytes: int | None, available_ram: int, device_memory: int | None) -> str:
+    """``--kara-query-source auto``: capture (no extra forward per event) on CPU, where compute is
+    the bottleneck, while its ring needs at most CPU_RING_SHARE of the available RAM; on CUDA
+    recompute (SGLang's default request limit makes a ring per request unaffordable) unless the
+    ring is known and within CUDA_RING_SHARE of the device memory."""
+    if ring_bytes is None:
+        return "recompute"
+    if device == "cpu":
+        return "capture" if ring_bytes <= CPU_RING_SHARE * available_ram else "recompute"
+    if device_memory is None:
+        return "recompute"
+    return "capture" if ring_bytes <= CUDA_RING_SHARE * device_memory else "recompute"
+
+
+def resolve_query_source(cfg: KaraConfig, server_args, shape: ModelShape | None) -> KaraConfig:
+    if cfg.query_source != "auto":
+        return cfg
+    capacity = cfg.query_ring_capacity
+    rows = getattr(server_args, "max_running_requests", None)
+    ring = None
+    if cfg.enabled and capacity and shape is not None and rows:
+        ring = shape.ring_bytes(rows, capacity, shape.itemsize(server_args.dtype))
+    device = server_args.device or ("cuda" if cuda_available() else "cpu")
+    device_memory = None
+    if device != "cpu" and cuda_available():
+        import torch
+
+        device_memory = torch.cuda.get_device_properties(0).total_memory
+    source = choose_query_source(device, ring, available_ram_bytes(), device_memory)
+    return dataclasses.replace(cfg, query_source=source)
+
+
+def prepare_server_args(server_args, cfg: KaraConfig) -> KaraConfig:
+    """Refuse unsupported features; select Kara's radix backend; resolve ``auto`` options and
+    check, on CPU, that weights + KV pool + capture ring fit in RAM. Returns the resolved config."""
     if not cfg.enabled:
-        return
+        return dataclasses.replace(cfg, query_source="recompute") if cfg.query_source == "auto" else cfg
     for name, enabled, flag, why in _UNSUPPORTED:
         value = getattr(server_args, name, None)
         if value is not None and enabled(value):
@@ -70,9 +133,20 @@ def prepare_server_args(server_args, cfg: KaraConfig) -> None:
     server_args.radix_cache_backend = "kara"
     # Compression edits rows the overlapped forward would still read: run without overlap.
     server_args.disable_overlap_schedule = True
+    shape = ModelShape.from_model_path(server_args.model_path)
+    cfg = resolve_query_source(cfg, server_args, shape)
     if cfg.query_source == "capture":
         # Captured queries are written by a hook that a CUDA graph would freeze.
         server_args.disable_cuda_graph = True
+    if server_args.device == "cpu" and shape is not None and server_args.max_total_tokens:
+        rows = server_args.max_running_requests if cfg.query_source == "capture" else 0
+        try:
+            sizes = check_cpu_fit(shape, shape.itemsize(server_args.dtype), server_args.max_total_tokens,
+                                  rows or 0, cfg.query_ring_capacity, available_ram_bytes())
+        except MemoryConfigError as e:
+            raise UnsupportedFeature(str(e)) from None
+        logger.info("sgl_kara memory plan: %s", ", ".join(f"{k} {gib(v)}" for k, v in sizes.items()))
+    return cfg
 
 
 def check_runtime_supported(scheduler) -> None:

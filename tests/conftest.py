@@ -27,6 +27,10 @@ STRICT_ENV = {
 }
 os.environ.update(STRICT_ENV)
 
+from sgl_kara.default_model import PROXY_MODEL_DIR
+
+PROXY_MODEL = str(PROXY_MODEL_DIR)  # the reasoning proxy: the tests' fast real-weight model
+
 # Small engines: a bounded KV pool, few requests, no overlap (Kara requires it; vanilla matches).
 ENGINE_COMMON = dict(
     max_total_tokens=16384,

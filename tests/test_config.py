@@ -12,7 +12,30 @@ def test_defaults_are_valid_and_documented():
     cfg = KaraConfig()
     assert cfg.policy == "kara" and cfg.window == 512 and cfg.buffer == 32
     assert cfg.kept_per_window == kept_count(480, 0.25) == 120
-    assert cfg.chunk_budget < cfg.kept_per_window
+    assert cfg.chunk_budget == 16 < cfg.kept_per_window  # the paper's alpha where K >= 32
+
+
+@pytest.mark.parametrize("window, buffer, retention", [(48, 32, 0.25), (40, 8, 0.25), (33, 32, 0.1),
+                                                       (64, 8, 0.1), (2, 0, 1.0), (4096, 32, 0.05)])
+def test_unset_chunk_budget_is_derived_and_valid_for_any_window(window, buffer, retention):
+    """alpha unset -> min(16, floor(K/2)): valid for every (W, U, r) the flags allow, so a user who
+    only sets --kara-window never gets an error about a flag they did not set."""
+    cfg = KaraConfig(window=window, buffer=buffer, retention=retention)
+    k = kept_count(window - buffer, retention)
+    assert cfg.chunk_budget == min(16, k // 2)
+    assert 0 <= cfg.chunk_budget < k
+    # An explicit value is still checked against the same bound.
+    if k <= 16:
+        with pytest.raises(KaraConfigError, match="--kara-chunk-budget"):
+            KaraConfig(window=window, buffer=buffer, retention=retention, chunk_budget=k)
+
+
+def test_only_window_on_the_command_line():
+    from conftest import PROXY_MODEL
+    from sgl_kara.launch_server import parse
+
+    cfg, _ = parse(["--model-path", PROXY_MODEL, "--kara-window", "48"])
+    assert cfg.window == 48 and cfg.chunk_budget == min(16, kept_count(48 - 32, 0.25) // 2) == 2
 
 
 @pytest.mark.parametrize(
@@ -76,10 +99,11 @@ def test_prefixed_split_and_unknown_option():
     ],
 )
 def test_launcher_rejects_bad_flags_in_process(argv, needle, capsys):
+    from conftest import PROXY_MODEL
     from sgl_kara.launch_server import parse
 
     with pytest.raises(SystemExit) as e:
-        parse(argv)
+        parse(["--model-path", PROXY_MODEL, *argv])
     assert e.value.code != 0
     err = capsys.readouterr().err
     assert needle in err, err
@@ -92,3 +116,33 @@ def test_launcher_process_exits_nonzero_naming_flag():
     )
     assert proc.returncode == 2
     assert "--kara-retention" in proc.stderr and "(0, 1]" in proc.stderr
+
+
+@pytest.mark.parametrize("device, ring, ram, gpu, want", [
+    ("cpu", 400 << 20, 20 << 30, None, "capture"),       # CPU: compute-bound, small ring
+    ("cpu", 8 << 30, 20 << 30, None, "recompute"),       # CPU: ring over 25% of RAM
+    ("cuda", None, 20 << 30, 80 << 30, "recompute"),     # CUDA, request limit unknown (SGLang's default)
+    ("cuda", 16 << 30, 20 << 30, 80 << 30, "recompute"), # CUDA: ring per slot, 8B model
+    ("cuda", 1 << 30, 20 << 30, 80 << 30, "capture"),    # CUDA: a few running requests
+])
+def test_auto_query_source_by_device(device, ring, ram, gpu, want):
+    from sgl_kara.support import choose_query_source
+
+    assert choose_query_source(device, ring, ram, gpu) == want
+
+
+def test_auto_query_source_for_a_cuda_server_without_a_gpu(tiny_llama):
+    """Resolved server args for a CUDA device (no GPU here): recompute, CUDA graphs left on."""
+    import types
+
+    from sgl_kara.support import prepare_server_args
+
+    args = types.SimpleNamespace(model_path=tiny_llama, device="cuda", dtype="bfloat16", max_running_requests=None,
+                                 max_total_tokens=None, radix_cache_backend=None, disable_overlap_schedule=False,
+                                 disable_cuda_graph=False)
+    cfg = prepare_server_args(args, KaraConfig())
+    assert cfg.query_source == "recompute" and args.disable_cuda_graph is False
+    assert args.radix_cache_backend == "kara" and args.disable_overlap_schedule is True
+    args.disable_cuda_graph = False
+    cfg = prepare_server_args(args, KaraConfig(query_source="capture"))
+    assert cfg.query_source == "capture" and args.disable_cuda_graph is True

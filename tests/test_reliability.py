@@ -1,6 +1,6 @@
 """Reliability (issue 7, items 2-5): retraction storm, bad input over HTTP, faults, bounded load.
 
-One HTTP server (embedded default model, small Kara windows so every request longer than ~50
+One HTTP server (the reasoning proxy model, small Kara windows so every request longer than ~50
 tokens is compressed several times, fault injection armed for rids starting with ``faulty``,
 integrity checks on) is shared by the HTTP tests; SGLang's strict memory checks are on
 (conftest). After each fault the server must still serve, ``/flush_cache`` must succeed (no
@@ -25,13 +25,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from conftest import Server, engine_env, flush_when_idle, start_engine
+from conftest import PROXY_MODEL, Server, engine_env, flush_when_idle, start_engine
 
 # W=40, U=8 -> 32 compressible rows per window, K = ceil(0.25 * 32) = 8 kept, 24 dropped.
 KARA_ARGS = ["--kara-window", "40", "--kara-buffer", "8", "--kara-chunk-budget", "4",
              "--kara-max-chunk", "6", "--kara-period", "4", "--kara-retention", "0.25"]
-SERVER_ARGS = KARA_ARGS + ["--max-total-tokens", "40000", "--max-running-requests", "96",
-                           "--context-length", "2048"]
+SERVER_ARGS = KARA_ARGS + ["--model-path", PROXY_MODEL, "--max-total-tokens", "40000",
+                           "--max-running-requests", "96", "--context-length", "2048"]
 SERVER_ENV = {"SGL_KARA_INJECT_FAULT_RID_PREFIX": "faulty", "SGL_KARA_CHECK_INTEGRITY": "1"}
 DROPPED_PER_EVENT = 24
 
@@ -234,7 +234,7 @@ BAD_OPENAI = [
 
 @pytest.mark.parametrize("path, body, needle", [c[1:] for c in BAD_OPENAI], ids=[c[0] for c in BAD_OPENAI])
 def test_bad_openai_input_gets_400(server, path, body, needle):
-    r = post(server, {"model": "default_model", **body}, path=path, timeout=60)
+    r = post(server, {"model": "reasoning_proxy", **body}, path=path, timeout=60)
     assert r.status_code == 400, (r.status_code, r.text[:500])
     assert needle in r.text, r.text[:500]
     assert_serving(server)

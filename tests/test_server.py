@@ -1,13 +1,14 @@
-"""The server on the embedded default model: OpenAI completions, chat, /v1/models."""
+"""The server on the reasoning proxy (the tests' fast model): OpenAI completions, chat, /v1/models,
+per-request options, the proxy's example chain of thought."""
 
 import pytest
 
-from conftest import Server
+from conftest import PROXY_MODEL, Server
 
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server(["--kara-window", "64", "--kara-buffer", "8", "--kara-chunk-budget", "4",
+    srv = Server(["--model-path", PROXY_MODEL, "--kara-window", "64", "--kara-buffer", "8", "--kara-chunk-budget", "4",
                   "--kara-period", "8", "--max-total-tokens", "20000", "--max-running-requests", "16",
                   "--enable-metrics"])
     yield srv
@@ -19,7 +20,7 @@ def test_models_completions_and_chat(server):
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
     models = client.models.list()
-    assert len(models.data) == 1 and "default_model" in models.data[0].id
+    assert len(models.data) == 1 and "reasoning_proxy" in models.data[0].id
     comp = client.completions.create(model=models.data[0].id, prompt="Hello", max_tokens=16, temperature=0)
     assert comp.choices[0].text and comp.usage.completion_tokens == 16 or comp.choices[0].finish_reason == "stop"
     chat = client.chat.completions.create(
@@ -60,16 +61,16 @@ def test_per_request_options(server):
     assert default["kv_physical_len"] < half["kv_physical_len"] < half["kv_logical_len"]
 
 
-def test_embedded_model_reasons_through_the_example_prompt(server):
-    """The README's first request: the embedded proxy writes its chain of thought and, with full KV
+def test_proxy_reasons_through_the_example_prompt(server):
+    """The proxy's example request: it writes its chain of thought and, with full KV
     (compression off for this request), gets the answer. With Kara on, the output is the full-KV
     one until the first window is compressed and compressions are reported; after that this proxy
     goes astray (it does not stop, here: see the quality benchmark), so nothing later is asserted."""
     from pathlib import Path
 
-    from sgl_kara.default_model import DEFAULT_MODEL_DIR
+    from sgl_kara.default_model import PROXY_MODEL_DIR
 
-    prompt = (Path(DEFAULT_MODEL_DIR) / "example_prompt.txt").read_text().strip()
+    prompt = (Path(PROXY_MODEL_DIR) / "example_prompt.txt").read_text().strip()
     params = {"max_new_tokens": 1000, "temperature": 0}
     full = _generate(server, prompt, params, {"kara": {"enable": False}}).json()
     assert full["meta_info"]["completion_tokens"] > 600, full["text"][:200]

@@ -1,7 +1,7 @@
 """Full-KV exact-answer accuracy of a proxy model with Hugging Face greedy generation (KV cache).
 
     nice -n 19 env OMP_WAIT_POLICY=PASSIVE python bench/quality/eval_hf.py \
-        --model sgl_kara/assets/default_model --n 500
+        --model sgl_kara/assets/reasoning_proxy --n 500
 
 Held-out problems come from their own seed (default 20260611, never a training seed: training
 draws from random.Random(--seed) with small seeds and its periodic eval from 10000019). Sizes are

@@ -1,6 +1,6 @@
 """Train the reasoning proxy: a small Llama on the pointer-chain task (task.py), on CPU.
 
-Three stages (the committed proxy, sgl_kara/assets/default_model, came from exactly these, ~95 min in all on
+Three stages (the committed proxy, sgl_kara/assets/reasoning_proxy, came from exactly these, ~95 min in all on
 one core; log in bench/quality/train_log.txt):
 
     # stage 1: curriculum from size 6 to 64, fresh init, task format 2 (~58 min)
@@ -13,7 +13,7 @@ one core; log in bench/quality/train_log.txt):
     # stage 3: task format 3 (the last pointer is an L word), vocabulary grown by the 640 Lk=d
     # words (initialised from Pk=d), stop word 3x on top (~21 min)
     env OMP_WAIT_POLICY=PASSIVE python bench/quality/train.py --init-from /tmp/proxy_stage2 \
-        --out sgl_kara/assets/default_model --steps 400 --seed 2 --lr 3e-4 --warmup 10 \
+        --out sgl_kara/assets/reasoning_proxy --steps 400 --seed 2 --lr 3e-4 --warmup 10 \
         --size-start 64 --decide-weight 20 --stop-weight 3 --eval-every 100 --log bench/quality/train_log.txt
 
 (Stage 2 was first written straight to bench/quality/proxy_model, the proxy's first home, and stage 3 read it from there;

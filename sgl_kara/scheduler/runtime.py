@@ -22,6 +22,7 @@ from sgl_kara.policies.kara import kept_count, select
 from sgl_kara.policies.snapkv import snapkv_pool, snapkv_select
 from sgl_kara.policies.streaming import streaming_select
 from sgl_kara.request_options import validate
+from sgl_kara.scheduler.evictions import EvictionRecorder
 from sgl_kara.scheduler.scoring import QueryRing, ScoringPass
 from sgl_kara.scheduler.state import KaraReqState, ensure_state, get_state
 
@@ -81,12 +82,38 @@ class KaraRuntime:
             from sgl_kara.scheduler.metrics import KaraMetrics
 
             self.metrics = KaraMetrics()
-        self.ring = None
-        self.capture_now = None  # (rows, logical positions) of the decode forward being built
+        self.recorder = EvictionRecorder.from_env()  # diagnostic: evicted logical positions per event
+        self.capture_now = None  # (ring rows, logical positions) of the decode forward being built
         self.scoring_pass: ScoringPass | None = None  # set only during a recompute forward
-        if cfg.query_source == "capture":
-            # 2W: a window stays readable while the tail grows by up to W more tokens.
-            self.ring = QueryRing(self.req_to_token_pool.size + 1, 2 * max(cfg.window, cfg.snapkv_window))
+        self.ring = self._make_ring() if cfg.query_source == "capture" and cfg.query_ring_capacity else None
+
+    def _make_ring(self) -> QueryRing:
+        """The capture ring, allocated now (start-up), one row per running request; refused, naming
+        the flags, when it does not fit in the memory the KV pool left."""
+        from sgl_kara._sglang import RadixAttention
+        from sgl_kara.memory import available_ram_bytes, gib
+        from sgl_kara.support import UnsupportedFeature
+
+        layers = {
+            m.layer_id: (m.tp_q_head_num, m.qk_head_dim)
+            for m in self.model_runner.model.modules() if isinstance(m, RadixAttention)
+        }
+        rows, capacity = int(self.scheduler.max_running_requests), self.cfg.query_ring_capacity
+        device, dtype = self.req_to_token_pool.req_to_token.device, self.model_runner.dtype
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        need = sum((rows + 1) * capacity * hq * d * itemsize for hq, d in layers.values())
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_ram_bytes()
+        if need > 0.9 * free:
+            raise UnsupportedFeature(
+                f"the capture query ring needs {gib(need)} (--max-running-requests {rows} x "
+                f"(--kara-window {self.cfg.window} + --kara-period {self.cfg.period}) queries x {len(layers)} "
+                f"layers) but only {gib(free)} is free after the KV pool: use --kara-query-source recompute, "
+                "or lower --max-running-requests / --kara-window / --kara-period / --max-total-tokens"
+            )
+        ring = QueryRing(layers, rows, capacity, self.req_to_token_pool.req_to_token.shape[0], dtype, device)
+        logger.info("sgl_kara: capture query ring allocated: %d rows x %d queries x %d layers, %s",
+                    rows, capacity, len(layers), gib(ring.nbytes))
+        return ring
 
     # ---------------------------------------------------------------- request state
     def state_of(self, req) -> KaraReqState:
@@ -164,7 +191,7 @@ class KaraRuntime:
                 off = torch.tensor(offsets, dtype=fb.positions.dtype, device=fb.positions.device)
                 fb.positions = fb.positions + off
             if self.ring is not None:
-                self.capture_now = (fb.req_pool_indices.to(torch.int64), fb.positions.to(torch.int64))
+                self.capture_now = (self.ring.rows_for(fb.req_pool_indices.to(torch.int64)), fb.positions.to(torch.int64))
         else:
             # Only requests never compressed (or reset by retraction) are ever extended.
             assert not any(offsets), "extend of a compressed request (mixed chunk is refused)"
@@ -180,11 +207,14 @@ class KaraRuntime:
         """Called once per decode step, before SGLang's decode memory check."""
         if batch is None or batch.is_empty():
             return
+        if self.ring is not None:
+            self.ring.sweep({int(r.kv.req_pool_idx) for r in batch.reqs})
         for req in batch.reqs:
             state = self.state_of(req)
             length = int(req.kv.kv_committed_len)
-            if state.protected < 0 and self.ring is not None and state.capture_from == 0:
-                state.capture_from = length
+            if self.ring is not None and (state.capture_from is None or not self.ring.holds(req)):
+                # This step's forward writes the query of logical position length + pos_offset.
+                state.capture_from = length + state.pos_offset if self.ring.assign(req) else None
             state.kv_peak = max(state.kv_peak, length)
             state.kv_sum += length
             state.kv_steps += 1
@@ -251,6 +281,8 @@ class KaraRuntime:
             length = int(req.kv.kv_committed_len)
             owned.append(req_to_token[req.kv.req_pool_idx, state.protected : length].to(torch.int64))
             state.integrity_checks += 1
+        if self.ring is not None:
+            self.ring.check()
         if owned:
             own = torch.cat(owned)
             if torch.unique(own).numel() != own.numel():
@@ -368,6 +400,9 @@ class KaraRuntime:
         k_bufs = [self.kv_pool.get_key_buffer(l) for l in self.layer_ids]
         v_bufs = [self.kv_pool.get_value_buffer(l) for l in self.layer_ids]
         d = compact_rows(plan, req_to_token, k_bufs, v_bufs, self._alloc, self.allocator.free, self.page_size)
+        if self.recorder is not None:
+            for b, j in enumerate(jobs):
+                self.recorder.record(j.req, j.state, j.start, M, kept[b], plan.lengths[b] + j.state.pos_offset)
         self._shrink(batch, jobs, d, K)
         self.stats.requests_compressed += len(jobs)
         self.stats.tokens_dropped += d * len(jobs)
@@ -414,12 +449,14 @@ class KaraRuntime:
         q_len = jobs[0].query_len
         q_starts_logical = [j.query_start + j.state.pos_offset for j in jobs]
         if self.ring is not None and all(
-            s >= j.state.capture_from and (int(j.req.kv.kv_committed_len) + j.state.pos_offset) - s <= self.ring.capacity
+            j.state.capture_from is not None and s >= j.state.capture_from and self.ring.holds(j.req)
+            and (int(j.req.kv.kv_committed_len) + j.state.pos_offset) - s <= self.ring.capacity
             for s, j in zip(q_starts_logical, jobs)
         ):
             starts = torch.tensor(q_starts_logical, dtype=torch.int64, device=rows.device)
+            ring_rows = self.ring.rows_for(rows)
             for lid in self.layer_ids:
-                scoring.score_layer(lid, self.ring.read(lid, rows, starts, q_len))
+                scoring.score_layer(lid, self.ring.read(lid, ring_rows, starts, q_len))
             captured = scoring.result()
             if CROSSCHECK_QUERIES:
                 self._crosscheck(batch, jobs, rows, region_slots, captured)

@@ -51,29 +51,77 @@ class ScoringPass:
 
 
 class QueryRing:
-    """Per-request ring of recent queries, indexed [req_pool_idx, logical_pos % R] per layer.
+    """Recent decode queries of the running requests, for scoring without a recompute forward.
 
-    Memory: rows * R * H_q * D values per layer, allocated on first write of each layer.
+    Sized by the running-request limit, not by request slots, and allocated at construction:
+
+        buffers[layer]  [rows + 1, capacity, H_q, D]   row ``rows`` is a trash row: requests
+                                                        holding no ring row write there
+        row_of          [req_slots] int64 (device)     ring row of each req_to_token row
+        query of logical position p of a request -> buffers[l][row_of[req_pool_idx], p % capacity]
+
+    Rows are handed out at a request's decode steps (``assign``) and taken back when it leaves
+    the running batch (``sweep``); ``owner`` (host) is the one record of who holds which row.
     """
 
-    def __init__(self, num_rows: int, capacity: int):
-        self.num_rows = num_rows
+    def __init__(self, layers: dict[int, tuple[int, int]], rows: int, capacity: int, req_slots: int, dtype, device):
+        """layers: layer_id -> (H_q, D)."""
+        self.rows = rows
         self.capacity = capacity
-        self.buffers: dict[int, torch.Tensor] = {}
+        self.buffers = {
+            lid: torch.zeros((rows + 1, capacity, hq, d), dtype=dtype, device=device) for lid, (hq, d) in layers.items()
+        }
+        self.row_of = torch.full((req_slots,), rows, dtype=torch.int64, device=device)
+        self.owner: dict[int, tuple[int, object]] = {}  # req_pool_idx -> (ring row, request)
+        self.free_rows = list(range(rows - 1, -1, -1))
 
-    def write(self, layer_id: int, q: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> None:
-        """q: [T, H_q, D] queries of T decode tokens; rows/positions: [T] int64."""
-        buf = self.buffers.get(layer_id)
-        if buf is None:
-            buf = torch.zeros((self.num_rows, self.capacity, *q.shape[1:]), dtype=q.dtype, device=q.device)
-            self.buffers[layer_id] = buf
-        buf[rows, positions % self.capacity] = q
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
-    def read(self, layer_id: int, rows: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Tensor:
+    def holds(self, req) -> bool:
+        held = self.owner.get(req.kv.req_pool_idx)
+        return held is not None and held[1] is req
+
+    def assign(self, req) -> bool:
+        """Give ``req`` a ring row (True), or False when every row is held."""
+        idx = req.kv.req_pool_idx
+        held = self.owner.get(idx)
+        if held is not None:  # the slot's previous request finished between sweeps: take over
+            self.owner[idx] = (held[0], req)
+            return True
+        if not self.free_rows:
+            return False
+        row = self.free_rows.pop()
+        self.owner[idx] = (row, req)
+        self.row_of[idx] = row
+        return True
+
+    def sweep(self, running_slots: set[int]) -> None:
+        """Take back the rows of requests no longer running (finished, aborted, retracted)."""
+        for idx in [i for i in self.owner if i not in running_slots]:
+            row, _ = self.owner.pop(idx)
+            self.row_of[idx] = self.rows
+            self.free_rows.append(row)
+
+    def check(self) -> None:
+        """Integrity: every row is free xor owned once, and row_of agrees with owner."""
+        owned = [row for row, _ in self.owner.values()]
+        if sorted(owned + self.free_rows) != list(range(self.rows)):
+            raise AssertionError(f"query ring rows inconsistent: owned {sorted(owned)} free {sorted(self.free_rows)}")
+        for idx, (row, _) in self.owner.items():
+            if int(self.row_of[idx]) != row:
+                raise AssertionError(f"query ring row_of[{idx}] = {int(self.row_of[idx])}, owner says {row}")
+
+    def rows_for(self, req_pool_indices: torch.Tensor) -> torch.Tensor:
+        return self.row_of[req_pool_indices]
+
+    def write(self, layer_id: int, q: torch.Tensor, ring_rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """q: [T, H_q, D] queries of T decode tokens; ring_rows (from ``rows_for``) / positions: [T]."""
+        self.buffers[layer_id][ring_rows, positions % self.capacity] = q
+
+    def read(self, layer_id: int, ring_rows: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Tensor:
         """Queries of logical positions [start_b, start_b + length) -> [B, length, H_q, D]."""
         buf = self.buffers[layer_id]
         pos = (starts[:, None] + torch.arange(length, device=starts.device)[None, :]) % self.capacity
-        return buf[rows[:, None], pos]
-
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+        return buf[ring_rows[:, None], pos]

@@ -25,7 +25,7 @@ class KaraReqState:
     frontier: int = 0  # f: first uncompressed row (>= P once fixed)
     pos_offset: int = 0  # tokens dropped so far: logical = physical + pos_offset past f
     compressions: int = 0
-    capture_from: int = 0  # first logical position whose query sits in the capture ring
+    capture_from: int | None = None  # first logical position whose query is in the capture ring (None: no ring row)
     kv_peak: int = 0  # largest physical KV length seen at a decode step
     kv_sum: int = 0  # sum of physical KV lengths over decode steps (mean = kv_sum / kv_steps)
     kv_steps: int = 0
@@ -34,6 +34,7 @@ class KaraReqState:
     prefix_snapshot: object = field(default=None, repr=False, compare=False)
     integrity_checks: int = 0
     crosscheck_err: float | None = None
+    logical_rows: object = field(default=None, repr=False, compare=False)  # SGL_KARA_RECORD_EVICTIONS only
 
     def meta(self, physical_len: int) -> dict:
         return {

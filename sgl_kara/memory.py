@@ -1,0 +1,152 @@
+"""Memory sizing: the KV pool, request limit and capture ring a server can hold, checked at start-up.
+
+SGLang sizes its KV pool from free memory (on this CPU: ~11 GB of float32 KV for a 14 MB model,
+and the server was OOM-killed at its first request). On CPU sgl_kara therefore sets, unless the
+user gave them (or ``--mem-fraction-static``):
+
+    --max-running-requests  CPU_RUNNING_REQUESTS (8: ~50 tok/s in all on 2 cores for SmolLM2)
+    --max-total-tokens      min(CPU_KV_SHARE (5%) of physical RAM / KV bytes per token,
+                                max(context length, max_running_requests * CPU_TOKENS_PER_REQUEST))
+                            (SmolLM2, float32, this 24 GB machine: 16,384 tokens, 0.70 GiB)
+
+and refuses, naming the flags, a configuration whose weights + KV pool + capture ring do not fit
+in the memory available (plus PROCESS_FLOOR_BYTES for SGLang's three processes, measured here).
+
+Capture ring: one row per running request (not per request slot), ``capacity`` queries per row:
+
+    bytes = (rows + 1) * capacity * layers * H_q * D * itemsize       (+1: trash row, see QueryRing)
+
+No SGLang import; the model's shape comes from its config.json (transformers' AutoConfig).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+CPU_RUNNING_REQUESTS = 8
+CPU_KV_SHARE = 0.05
+CPU_TOKENS_PER_REQUEST = 2048
+MIN_TOKENS = 4096
+# Measured on this machine: importing torch + SGLang costs ~0.9 GB of private memory in each of
+# the launcher (tokenizer manager), scheduler and detokenizer processes (README, "Memory").
+PROCESS_FLOOR_BYTES = 3 * 900 * (1 << 20)
+# auto query source: capture on CPU while the ring needs at most this share of available RAM;
+# on CUDA only when the running-request limit is known and the ring fits this share of the GPU.
+CPU_RING_SHARE = 0.25
+CUDA_RING_SHARE = 0.05
+
+_ITEMSIZE = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+
+
+class MemoryConfigError(ValueError):
+    """A memory configuration that cannot work; the message names the flags to change."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    context_len: int
+    checkpoint_dtype: str
+    weight_file_bytes: int
+
+    @classmethod
+    def from_model_path(cls, model_path: str) -> "ModelShape | None":
+        """None when the path is not a local checkpoint directory or its config is unusual."""
+        path = Path(model_path)
+        if not (path / "config.json").is_file():
+            return None
+        try:
+            from transformers import AutoConfig
+
+            cfg = AutoConfig.from_pretrained(path)
+            text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+            q_heads = int(text.num_attention_heads)
+            head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // q_heads)
+            dtype = str(getattr(text, "dtype", None) or getattr(text, "torch_dtype", None) or "float32")
+            return cls(
+                layers=int(text.num_hidden_layers),
+                q_heads=q_heads,
+                kv_heads=int(getattr(text, "num_key_value_heads", None) or q_heads),
+                head_dim=head_dim,
+                context_len=int(getattr(text, "max_position_embeddings", 0) or 0),
+                checkpoint_dtype=dtype.replace("torch.", ""),
+                weight_file_bytes=sum(
+                    f.stat().st_size for f in path.iterdir() if f.suffix in (".safetensors", ".bin")
+                ),
+            )
+        except (AttributeError, TypeError, ValueError, OSError):
+            return None
+
+    def itemsize(self, dtype: str | None) -> int:
+        """Bytes per element when served with SGLang's --dtype ``dtype`` (auto: the checkpoint's)."""
+        name = self.checkpoint_dtype if dtype in (None, "", "auto") else dtype
+        return _ITEMSIZE.get(str(name), 4)
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * itemsize
+
+    def ring_bytes(self, rows: int, capacity: int, itemsize: int) -> int:
+        return (rows + 1) * capacity * self.layers * self.q_heads * self.head_dim * itemsize
+
+    def weight_bytes(self, itemsize: int) -> int:
+        stored = _ITEMSIZE.get(self.checkpoint_dtype, 4)
+        return self.weight_file_bytes * itemsize // stored
+
+
+def total_ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def available_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return total_ram_bytes()
+
+
+def cpu_memory_defaults(shape: ModelShape | None, itemsize: int, total_ram: int, given: set[str]) -> dict:
+    """SGLang server args for a CPU server that the user did not set (names as ServerArgs fields)."""
+    out = {}
+    if "max_running_requests" not in given:
+        out["max_running_requests"] = CPU_RUNNING_REQUESTS
+    if shape is not None and not given & {"max_total_tokens", "mem_fraction_static"}:
+        running = out.get("max_running_requests") or CPU_RUNNING_REQUESTS
+        by_ram = int(CPU_KV_SHARE * total_ram) // shape.kv_bytes_per_token(itemsize)
+        by_work = max(shape.context_len, running * CPU_TOKENS_PER_REQUEST)
+        out["max_total_tokens"] = max(MIN_TOKENS, min(by_ram, by_work))
+    return out
+
+
+def gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def check_cpu_fit(shape: ModelShape, itemsize: int, max_total_tokens: int, ring_rows: int, ring_capacity: int,
+                  available: int) -> dict:
+    """Raise MemoryConfigError when weights + KV pool + ring (+ the processes' floor) exceed
+    ``available``; returns the byte counts (for the start-up log)."""
+    sizes = {
+        "weights": shape.weight_bytes(itemsize),
+        "kv_pool": max_total_tokens * shape.kv_bytes_per_token(itemsize),
+        "capture_ring": shape.ring_bytes(ring_rows, ring_capacity, itemsize) if ring_rows else 0,
+        "processes": PROCESS_FLOOR_BYTES,
+    }
+    need = sum(sizes.values())
+    if need > available:
+        parts = ", ".join(f"{k} {gib(v)}" for k, v in sizes.items())
+        raise MemoryConfigError(
+            f"this server needs {gib(need)} ({parts}) but {gib(available)} of RAM is available: lower "
+            f"--max-total-tokens ({max_total_tokens}) or --max-running-requests ({ring_rows or 'n/a'}), "
+            "or shrink the capture ring with a smaller --kara-window / --kara-period or "
+            "--kara-query-source recompute"
+        )
+    return sizes

@@ -1,0 +1,61 @@
+"""``SGL_KARA_RECORD_EVICTIONS=path``: which logical positions each event dropped, per layer and KV head.
+
+A diagnostic for independent references (tests/oracle.py masks exactly these entries in a
+Hugging Face forward) and for per-event analysis. One JSON line per compressed request per event:
+
+    {"rid": ..., "event": n, "logical_len": L, "evicted": [[[pos, ...] per kv head] per layer]}
+
+``logical_len`` is the request's logical KV length when the event ran: forwards of positions
+>= logical_len no longer see the evicted entries. To name a dropped row's logical position after
+earlier compactions (snapkv / streaming re-compress compacted rows), the recorder keeps, per
+request, the logical positions of its compacted rows [P, f) per (layer, head); rows >= f are
+uncompressed, so their logical position is row + pos_offset.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+ENV = "SGL_KARA_RECORD_EVICTIONS"
+
+
+class EvictionRecorder:
+    def __init__(self, path: str):
+        self.path = path
+        self.events = 0
+
+    @classmethod
+    def from_env(cls) -> "EvictionRecorder | None":
+        path = os.environ.get(ENV)
+        return cls(path) if path else None
+
+    def region_logical(self, state, start: int, region: int, layers: int, heads: int) -> torch.Tensor:
+        """[layers, heads, region] logical positions of rows [start, start + region)."""
+        rows = torch.arange(start, start + region)
+        out = (rows + state.pos_offset).expand(layers, heads, region).clone()
+        shadow = getattr(state, "logical_rows", None)
+        below = max(0, min(state.frontier, start + region) - start)  # region rows under the frontier
+        if below:
+            lo = start - state.protected
+            out[..., :below] = shadow[..., lo : lo + below]
+        return out
+
+    def record(self, req, state, start: int, region_len: int, kept: torch.Tensor, logical_len: int) -> None:
+        """kept: [layers, heads, K] indices into the region rows [start, start + region_len);
+        call after the compaction, before the request's state advances."""
+        layers, heads, _ = kept.shape
+        region = self.region_logical(state, start, region_len, layers, heads)
+        kept_pos = torch.gather(region, 2, kept.cpu().to(torch.int64))
+        evicted = []
+        for l in range(layers):
+            evicted.append([sorted(set(region[l, h].tolist()) - set(kept_pos[l, h].tolist())) for h in range(heads)])
+        shadow = getattr(state, "logical_rows", None)
+        head = shadow[..., : start - state.protected] if shadow is not None else torch.empty(layers, heads, 0, dtype=torch.int64)
+        state.logical_rows = torch.cat([head, kept_pos], dim=2)
+        self.events += 1
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"rid": req.rid, "event": self.events, "logical_len": logical_len,
+                                "evicted": evicted}) + "\n")

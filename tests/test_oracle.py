@@ -1,0 +1,107 @@
+"""Exactness of compressed decoding against an independent reference (tests/oracle.py).
+
+After every compression event, each decode step's log-probabilities must equal those of the
+Hugging Face model run over the whole sequence at its original positions with exactly the evicted
+entries masked (per layer and KV head, from the event on) -- float32, so the tolerance is rounding.
+Several events per request (growing pos_offset), page size 1 and 16, both query sources, Llama and
+Qwen3 (tiny random models), SnapKV's re-compression of compacted rows; SmolLM2 is marked slow.
+
+Each run also checks that the oracle can fail: the reference *without* the evictions must be far
+from the engine after the first event, and before it both references must agree with the engine.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from conftest import start_engine
+from oracle import compare, load_reference, read_evictions, reference_logprobs
+
+KARA = dict(kara_window=40, kara_buffer=8, kara_max_chunk=6, kara_period=4)
+TOL = 2e-3  # float32: observed errors are ~1e-5 (tiny models) / ~1e-4 (SmolLM2)
+GEN = {"max_new_tokens": 150, "temperature": 0.0, "ignore_eos": True}
+
+
+def _prompts(vocab: int, n: int = 3) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(10, vocab, (13 + 9 * i,), generator=g).tolist() for i in range(n)]
+
+
+def run_and_check(model_path: str, tmp_path, page: int, query_source: str, policy: str = "kara",
+                  extra: dict | None = None, gen: dict | None = None):
+    record = str(tmp_path / f"evictions_{policy}_{page}_{query_source}.jsonl")
+    opts = dict(KARA, kara_policy=policy, kara_retention=0.25, kara_query_source=query_source, page_size=page)
+    opts.update(extra or {})
+    os.environ["SGL_KARA_RECORD_EVICTIONS"] = record  # read by the spawned scheduler
+    try:
+        engine = start_engine("kara", model_path, **opts)
+    finally:
+        del os.environ["SGL_KARA_RECORD_EVICTIONS"]
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_path).vocab_size
+    prompts = _prompts(vocab)
+    try:
+        outs = engine.generate(input_ids=prompts, sampling_params=gen or GEN, return_logprob=True, top_logprobs_num=5)
+    finally:
+        engine.shutdown()
+    events = read_evictions(record)
+    model = load_reference(model_path)
+    worst, controls = 0.0, []
+    for prompt, out in zip(prompts, outs):
+        rid_events = events.get(out["meta_info"]["id"], [])
+        assert len(rid_events) >= 3, f"only {len(rid_events)} events: the test needs several (pos_offset > 0)"
+        assert rid_events[-1]["logical_len"] > rid_events[0]["logical_len"]
+        tokens = prompt + out["output_ids"]
+        err = compare(reference_logprobs(model, tokens, rid_events), len(prompt), out)
+        worst = max(worst, float(err.max()))
+        assert float(err.max()) < TOL, f"engine vs masked HF reference: max |dlogprob| {err.max():.2e} at step {int(err.argmax())}"
+        # The oracle can fail: without the evictions the reference is far off after the first event.
+        full = compare(reference_logprobs(model, tokens, []), len(prompt), out)
+        first = rid_events[0]["logical_len"] - len(prompt) + 1  # first generated step after an event
+        assert float(full[:first].max()) < TOL  # identical before any eviction
+        controls.append(float(full[first:].max()))
+    assert min(controls) > 20 * TOL, f"evictions barely change the output here ({controls}); the check would be vacuous"
+    print(f"\nORACLE {os.path.basename(model_path)} policy={policy} page={page} {query_source}: "
+          f"max err {worst:.2e}, unmasked reference off by >= {min(controls):.2e}")
+
+
+@pytest.mark.parametrize("arch, page, query_source", [
+    ("llama", 1, "capture"),
+    ("llama", 16, "recompute"),
+    ("qwen3", 1, "recompute"),
+    ("qwen3", 16, "capture"),
+])
+def test_kara_matches_masked_reference(arch, page, query_source, tiny_llama, tiny_qwen3, tmp_path):
+    run_and_check({"llama": tiny_llama, "qwen3": tiny_qwen3}[arch], tmp_path, page, query_source)
+
+
+def test_snapkv_recompression_matches_masked_reference(tiny_llama, tmp_path):
+    """SnapKV re-compresses its whole generated region, compacted rows included (their logical
+    positions differ per head): the recorder's and the runtime's bookkeeping must agree."""
+    run_and_check(tiny_llama, tmp_path, 16, "capture", policy="snapkv",
+                  extra=dict(kara_snapkv_threshold=48, kara_snapkv_budget=32, kara_snapkv_window=8))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, page, query_source", [
+    ("llama", 1, "recompute"),
+    ("llama", 16, "capture"),
+    ("qwen3", 1, "capture"),
+    ("qwen3", 16, "recompute"),
+])
+def test_kara_matches_masked_reference_rest(arch, page, query_source, tiny_llama, tiny_qwen3, tmp_path):
+    run_and_check({"llama": tiny_llama, "qwen3": tiny_qwen3}[arch], tmp_path, page, query_source)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page, query_source", [(1, "capture"), (16, "recompute")])
+def test_smollm2_matches_masked_reference(page, query_source, tmp_path):
+    from sgl_kara.default_model import default_model_path
+
+    run_and_check(default_model_path(), tmp_path, page, query_source,
+                  extra=dict(kara_window=128, kara_buffer=16, kara_period=16),
+                  gen={"max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True})
