@@ -31,11 +31,10 @@ from sgl_kara.kernels import (  # noqa: E402
     compact_kv_ref,
     copy_slots,
     copy_slots_ref,
-    select_batched,
     window_scores_paged,
     window_scores_paged_ref,
 )
-from sgl_kara.policies import kept_count, select_ref  # noqa: E402
+from sgl_kara.policies import kept_count, select, select_ref  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 
@@ -78,10 +77,10 @@ def bench_select(c, repeats):
     n, m = c["b"] * c["layers"] * c["hkv"], c["w"] - c["u"]
     a = torch.rand(n, m, device=DEV)
     shape = f"N={n} M={m} r=0.2 alpha=16 gamma=8"
-    t_vec = timed(lambda: select_batched(a, 0.2, 16, 8), repeats)
+    t_vec = timed(lambda: select(a, 0.2, 16, 8), repeats)
     rows = a[: min(n, 32)].cpu()
     t_ref = timed(lambda: [select_ref(r, 0.2, 16, 8) for r in rows], 1) * n / rows.shape[0]
-    return ("select_batched (vs select_ref loop)", shape, a.numel() * 4, t_ref, t_vec)
+    return ("select (vectorised, vs select_ref loop)", shape, a.numel() * 4, t_ref, t_vec)
 
 
 def bench_compact(c, repeats):
@@ -144,7 +143,7 @@ def report(rows, repeats):
     if not CUDA:
         lines += ["", "No GPU here: the kernel column is Triton's CPU interpreter, which checks "
                   "correctness, not speed; its ratio to torch is not a GPU prediction. "
-                  "select_batched is plain torch (no Triton); its reference column is the "
+                  "select is plain torch (no Triton); its reference column is the "
                   "per-row Python select_ref (timed on at most 32 rows, scaled to N). "
                   "CPU figures come from a shared 2-core machine and are noisy."]
     return "\n".join(lines) + "\n"

@@ -218,7 +218,29 @@ def main(argv=None):
     ap.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                     help="write one table + plot from these runs' quality.json files and exit")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    real = ap.add_argument_group("real LM (--real): fidelity on the default model, bench/quality/real_lm.py")
+    real.add_argument("--real", action="store_true", help="real-LM mode (model default: SmolLM2)")
+    real.add_argument("--prompts", default=os.path.join(HERE, "quality", "real_prompts.jsonl"))
+    real.add_argument("--new-tokens", type=int, default=1000, help="full-KV output length (EOS suppressed)")
+    real.add_argument("--decoding", choices=("greedy", "sample"), default="greedy")
+    real.add_argument("--temperature", type=float, default=0.7)
+    real.add_argument("--top-p", type=float, default=0.95)
+    real.add_argument("--sample-seed", dest="seed_sample", type=int, default=0)
+    real.add_argument("--period", type=int, default=1, help="Kara's event period in the real-LM runs")
+    real.add_argument("--show", type=int, default=3, help="prompts decoded freely under every policy")
     args = ap.parse_args(argv)
+    if args.real:
+        import real_lm
+
+        given = argv if argv is not None else sys.argv[1:]
+        if "--policies" not in given:
+            args.policies = list(real_lm.POLICIES)
+        if "--max-running" not in given:
+            args.max_running = 16
+        if "--max-total-tokens" not in given:  # the proxy's 200k tokens would be 9 GB of SmolLM2 KV
+            args.max_total_tokens = args.max_running * (args.new_tokens + 256)
+        args.seed = args.seed_sample
+        return real_lm.main(args, argv)
     if args.model_path is None:
         from sgl_kara.default_model import proxy_model_path
 
@@ -249,22 +271,24 @@ def run_order(names, ratios):
 def policy_options(name, ratio, args, kara_budget):
     """(engine options, per-request custom_params.kara or None) for one policy at one ratio."""
     opts = dict(POLICIES[name], max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running)
-    common = dict(kara_window=args.window, kara_buffer=args.buffer, kara_max_chunk=args.max_chunk,
-                  kara_period=1, kara_max_seqs=4096, kara_query_source="capture",
-                  kara_snapkv_window=args.buffer)
+    if name == "none":
+        return opts, None
+    opts.update(kara_max_seqs=4096, kara_query_source="capture")
     if name.startswith("kara"):
         m = args.window - args.buffer
         k = max(1, math.ceil(round(ratio * m, 6)))
         chunk_budget = opts.pop("kara_chunk_budget", min(args.chunk_budget, k - 1))  # noT2C: 0
-        opts.update(common, kara_retention=ratio, kara_chunk_budget=chunk_budget)
+        opts.update(kara_window=args.window, kara_buffer=args.buffer, kara_max_chunk=args.max_chunk, kara_period=1,
+                    kara_retention=ratio, kara_chunk_budget=chunk_budget)
         return opts, None
-    if name in ("snapkv", "streaming"):
-        if ratio not in kara_budget:
-            raise SystemExit(f"{name} at {ratio} needs a kara run at the same ratio first (budget matching)")
-        opts.update(common, kara_snapkv_budget=max(args.buffer + 1, 2 * args.buffer),
-                    kara_snapkv_threshold=max(args.buffer + 1, 2 * args.buffer) + trigger_gap(args))
-        return opts, [{"budget": max(2, b)} for b in kara_budget[ratio]]
-    return opts, None
+    if ratio not in kara_budget:
+        raise SystemExit(f"{name} at {ratio} needs a kara run at the same ratio first (budget matching)")
+    # Threshold baselines: the server-wide N only needs to be valid; each request's own budget
+    # (custom_params.kara.budget) is Kara's, and the threshold keeps the gap W - U.
+    policy, budget = POLICIES[name]["kara_policy"], max(args.buffer + 1, 2 * args.buffer)
+    opts.update({f"kara_{policy}_window": args.buffer, f"kara_{policy}_budget": budget,
+                 f"kara_{policy}_threshold": budget + trigger_gap(args)})
+    return opts, [{"budget": max(2, b)} for b in kara_budget[ratio]]
 
 
 def accuracy_pass(problems, names, args, argv, rows):

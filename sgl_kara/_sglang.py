@@ -1,8 +1,10 @@
-"""Every SGLang 0.5.23 internal sgl_kara touches, imported in one place.
+"""Every SGLang 0.5.23 internal sgl_kara touches, imported or named in one place.
 
-A version bump is one file to review: each name below is listed in patches/ with why it is used.
-Import this module only from runtime glue (plugin, scheduler, mem_cache), never from
-sgl_kara.policies / sgl_kara.kernels / sgl_kara.config.
+A version bump is one file to review: each name below is listed in patches/ with why it is used,
+and ``ATTRIBUTES`` names every attribute of SGLang objects that sgl_kara (and its tests) read or
+write; tests/test_layering.py checks they all still exist. Import this module only from runtime
+glue (plugin, engine, launcher, scheduler, mem_cache), never from sgl_kara.policies /
+sgl_kara.kernels / sgl_kara.config.
 """
 
 from sglang.srt.entrypoints.engine import Engine as SGLangEngine  # noqa: F401
@@ -35,3 +37,49 @@ TARGET_UPDATE_RUNNING_BATCH = "sglang.srt.managers.scheduler.Scheduler.update_ru
 TARGET_VALIDATE_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 TARGET_SET_ENVS = "sglang.srt.entrypoints.engine._set_envs_and_config"
 ROTARY_BASE_MODULE = "sglang.srt.layers.rotary_embedding.base"
+
+# Attributes of SGLang objects read or written by sgl_kara (and by its tests), by owner, with
+# where: checked to exist (class attribute, dataclass field, or ``self.<name>`` in the class source).
+ATTRIBUTES = {
+    # request KV bookkeeping: scheduler/jobs.py, events.py, runtime.py; mem_cache/radix.py
+    "sglang.srt.managers.schedule_batch.Req": [
+        "kv", "rid", "origin_input_ids", "output_ids", "sampling_params", "finished", "to_finish",
+        "reset_for_retract", "retraction_count"],
+    "sglang.srt.managers.schedule_batch.ReqKvInfo": [
+        "kv_committed_len", "kv_allocated_len", "cache_protected_len", "req_pool_idx"],
+    # events.py shrinks lengths in the running batch; queries.py builds a recompute EXTEND batch
+    "sglang.srt.managers.schedule_batch.ScheduleBatch": [
+        "reqs", "is_empty", "seq_lens", "orig_seq_lens", "seq_lens_cpu", "seq_lens_sum", "forward_mode",
+        "input_ids", "req_pool_indices", "req_pool_indices_cpu", "out_cache_loc", "prefix_lens", "extend_lens",
+        "extend_num_tokens", "extend_logprob_start_lens", "return_logprob", "top_logprobs_nums",
+        "token_ids_logprobs", "decoding_reqs", "multimodal_inputs", "sampling_info", "spec_info", "input_embeds",
+        "extend_input_logprob_token_ids", "_get_decode_retraction_order"],
+    "sglang.srt.model_executor.forward_batch_info.ForwardBatch": [
+        "init_new", "positions", "forward_mode", "batch_size", "req_pool_indices", "seq_lens", "seq_lens_cpu"],
+    "sglang.srt.layers.radix_attention.RadixAttention": ["forward", "layer_id", "tp_q_head_num", "qk_head_dim"],
+    # scheduler/kara_scheduler.py, runtime.py; plugin trace hook
+    "sglang.srt.managers.scheduler.Scheduler": [
+        "update_running_batch", "get_prefill_adder_class", "get_output_streamer_class",
+        "token_to_kv_pool_allocator", "req_to_token_pool", "tp_worker", "tree_cache", "max_running_requests",
+        "server_args", "metrics_reporter"],
+    "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter": ["num_retracted_reqs"],
+    "sglang.srt.managers.schedule_policy.PrefillAdder": ["add_one_req", "_get_running_request_total_token_offset"],
+    "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer": [
+        "build_additional_customized_info", "is_request_level_customized_info_key"],
+    "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool": [
+        "get_key_buffer", "get_value_buffer", "start_layer", "layer_num", "head_num"],
+    "sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator": [
+        "alloc", "free", "available_size", "get_all_free_pages", "get_kvcache", "page_size"],
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache": ["checkpoint"],
+    "sglang.srt.sampling.sampling_params.SamplingParams": ["verify", "max_new_tokens", "custom_params"],
+    # engine.py (shutdown): the engine's watchdog and event-loop tasks
+    "sglang.srt.entrypoints.engine.Engine": ["shutdown", "run_scheduler_process_func", "tokenizer_manager"],
+    "sglang.srt.managers.tokenizer_manager.TokenizerManager": [
+        "update_request_meta_info", "_validate_one_request", "asyncio_tasks", "event_loop", "_subprocess_watchdog",
+        "model_config"],
+    "sglang.srt.utils.watchdog.SubprocessWatchdog": ["_stop_event", "_processes", "_names"],
+    # module attributes: launcher fork hook, CPU RoPE flag, the tests' kill_process_tree guard
+    "sglang.srt.entrypoints.engine": ["_set_envs_and_config", "kill_process_tree"],
+    "sglang.srt.managers.tokenizer_manager": ["kill_process_tree"],
+    ROTARY_BASE_MODULE: ["_is_cpu"],
+}

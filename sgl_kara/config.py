@@ -1,30 +1,38 @@
 """KaraConfig: the one frozen, validated configuration of sgl_kara.
 
-Every knob has one name, used three ways:
-  CLI flag ``--kara-<name-with-dashes>``, Engine keyword ``kara_<name>``, field ``<name>``.
+Common knobs plus the selected policy's own options (``sgl_kara.policies``: each policy declares
+and validates its ``Options``). Every knob has one name, used three ways:
 
-Defaults follow the Kara paper's settings (seed 000, App. B.1 / B.3):
-  window W=512 (swept 256/384/512), buffer U=32, retention r=0.25 of the W-U compressible
-  tokens, chunk budget α=16, max chunk γ=8, period δ=128 decode steps, max_seqs=30 per event.
-SnapKV-threshold baseline (App. B.1): compress when generated KV exceeds C_max=1280 entries back
-to N=1024, with a w=32 query observation window and pooling kernel 7.
-StreamingLLM baseline: same trigger and budget as SnapKV, keeps ``streaming_sinks`` + recent.
+    CLI flag ``--kara-<name-with-dashes>``, Engine keyword ``kara_<name>``, flat name ``<name>``
 
-This module imports nothing from SGLang.
+where a policy's option names carry its prefix: Kara's are bare (``window``, ``retention``, ...),
+the others' are ``<policy>_<option>`` (``snapkv_budget``, ``streaming_sinks``, ...). Setting an
+option of a policy other than the selected one is an error (it would be silently ignored).
+
+Defaults follow the Kara paper (seed 000, App. B.1 / B.3): W=512, U=32, r=0.25, alpha=16 where
+valid, gamma=8, delta=128, max_seqs=30; SnapKV-threshold C_max=1280 -> N=1024, w=32, kernel 7.
+
+This module imports nothing from SGLang, mem_cache or scheduler.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import types
+import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from sgl_kara.policies import base as policy_base
+from sgl_kara.policies.base import OptionError
 from sgl_kara.policies.kara import kept_count  # noqa: F401  (re-exported: K of a window)
 
-POLICIES = ("kara", "snapkv", "streaming", "none")
+NONE = "none"  # plain SGLang: no compression
 QUERY_SOURCES = ("auto", "recompute", "capture")
-SCORINGS = ("bidirectional", "buffer")
+
+
+def policy_names() -> tuple[str, ...]:
+    return (*policy_base.names(), NONE)
 
 
 class KaraConfigError(ValueError):
@@ -36,196 +44,165 @@ class KaraConfigError(ValueError):
         super().__init__(f"{self.flag} (kara_{name}): {message}")
 
 
-# Fields whose None (the default) is replaced by a value derived from the others.
-DERIVED = ("chunk_budget",)
-PAPER_CHUNK_BUDGET = 16
-
-
-def default_chunk_budget(kept: int) -> int:
-    """alpha when unset: the paper's 16 (App. B.3) where a window keeps K >= 32 entries, else
-    floor(K/2), so TopK always keeps at least half of the K entries (valid for every W, U, r)."""
-    return min(PAPER_CHUNK_BUDGET, kept // 2)
-
-
-def _field_kind(f) -> type:
-    if isinstance(f.type, type):
-        return f.type
-    return {"int": int, "float": float, "str": str, "int | None": int}[f.type]
-
-
 def flag_name(name: str) -> str:
     return "--kara-" + name.replace("_", "-")
 
 
+COMMON_HELP = {
+    "policy": "compression policy: {policies}",
+    "query_source": f"window queries: {QUERY_SOURCES} (auto: capture on CPU, recompute on CUDA unless "
+                    "the ring is small; resolved at start-up)",
+    "max_seqs": "N: max requests compressed per event",
+}
+
+
 @dataclass(frozen=True)
 class KaraConfig:
-    policy: str = field(default="kara", metadata={"help": f"compression policy: one of {POLICIES}"})
-    window: int = field(default=512, metadata={"help": "W: tokens per compression window"})
-    buffer: int = field(default=32, metadata={"help": "U: last tokens of a window never compressed"})
-    retention: float = field(
-        default=0.25, metadata={"help": "r: fraction of the W-U compressible tokens kept, in (0, 1]"}
-    )
-    chunk_budget: int | None = field(
-        default=None,
-        metadata={"help": "alpha: entries Token2Chunk may add (0 disables Token2Chunk); "
-                          "unset: min(16, floor(K/2)), K = ceil(retention*(window-buffer))"},
-    )
-    max_chunk: int = field(
-        default=8, metadata={"help": "gamma: max chunk length including both endpoints, >= 3"}
-    )
-    scoring: str = field(
-        default="bidirectional",
-        metadata={"help": f"window scoring: {SCORINGS} ('buffer' = last U queries only, ablation)"},
-    )
-    period: int = field(default=128, metadata={"help": "delta: decode steps between compression events"})
-    max_seqs: int = field(default=30, metadata={"help": "N: max requests compressed per event"})
-    query_source: str = field(
-        default="auto",
-        metadata={"help": f"window queries: {QUERY_SOURCES} (auto: capture on CPU, recompute on CUDA "
-                          "unless the ring is small; resolved at start-up)"},
-    )
-    snapkv_threshold: int = field(
-        default=1280, metadata={"help": "C_max: generated KV entries that trigger snapkv/streaming"}
-    )
-    snapkv_budget: int = field(
-        default=1024, metadata={"help": "N: generated KV entries kept by snapkv/streaming"}
-    )
-    snapkv_window: int = field(
-        default=32, metadata={"help": "w: observation queries (snapkv) / protected recent tokens"}
-    )
-    snapkv_kernel: int = field(default=7, metadata={"help": "snapkv score max-pooling kernel (odd, 1=off)"})
-    streaming_sinks: int = field(
-        default=4, metadata={"help": "streaming: first generated entries always kept"}
-    )
+    policy: str = "kara"
+    query_source: str = "auto"
+    max_seqs: int = 30
+    options: Any = field(default=None, compare=True)  # the selected policy's Options (None: its defaults)
 
     def __post_init__(self):
-        self._check_types()
-        self._check_ranges()
+        _check_type("policy", self.policy, str)
+        _check_type("query_source", self.query_source, str)
+        _check_type("max_seqs", self.max_seqs, int)
+        if self.policy not in policy_names():
+            raise KaraConfigError("policy", f"must be one of {', '.join(policy_names())} (got {self.policy!r})")
+        if self.query_source not in QUERY_SOURCES:
+            raise KaraConfigError("query_source", f"must be one of {', '.join(QUERY_SOURCES)} (got {self.query_source!r})")
+        if not 1 <= self.max_seqs <= 65536:
+            raise KaraConfigError("max_seqs", f"must be an integer in [1, 65536] (got {self.max_seqs!r})")
+        if self.enabled and self.options is None:
+            object.__setattr__(self, "options", _build_options(self.policy_class, {}))
 
-    # -- validation --------------------------------------------------------------------------
-    def _check_types(self):
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is None and f.name in DERIVED:
-                continue
-            want = _field_kind(f)
-            if want is float and isinstance(value, int) and not isinstance(value, bool):
-                object.__setattr__(self, f.name, float(value))
-                continue
-            if isinstance(value, bool) or not isinstance(value, want):
-                raise KaraConfigError(
-                    f.name, f"expected {want.__name__}, got {type(value).__name__} {value!r}"
-                )
-
-    def _check_ranges(self):
-        def need(ok: bool, name: str, message: str):
-            if not ok:
-                raise KaraConfigError(name, message + f" (got {getattr(self, name)!r})")
-
-        need(self.policy in POLICIES, "policy", f"must be one of {', '.join(POLICIES)}")
-        need(self.query_source in QUERY_SOURCES, "query_source", f"must be one of {', '.join(QUERY_SOURCES)}")
-        need(self.scoring in SCORINGS, "scoring", f"must be one of {', '.join(SCORINGS)}")
-        need(2 <= self.window <= 65536, "window", "must be an integer in [2, 65536]")
-        need(0 <= self.buffer < self.window, "buffer", f"must be in [0, window={self.window}) (W > U)")
-        need(self.scoring != "buffer" or self.buffer > 0, "buffer", "must be > 0 with --kara-scoring buffer")
-        need(0.0 < self.retention <= 1.0 and math.isfinite(self.retention), "retention", "must be in (0, 1]")
-        need(3 <= self.max_chunk <= 65536, "max_chunk", "must be an integer in [3, 65536]")
-        k = self.kept_per_window
-        if self.chunk_budget is None:
-            object.__setattr__(self, "chunk_budget", default_chunk_budget(k))
-        need(self.chunk_budget >= 0, "chunk_budget", "must be >= 0")
-        need(
-            self.policy != "kara" or self.chunk_budget < k,
-            "chunk_budget",
-            f"must be in [0, ceil(retention*(window-buffer))={k}) so TopK keeps at least one entry",
-        )
-        need(1 <= self.period <= 1_000_000, "period", "must be an integer in [1, 1000000]")
-        need(1 <= self.max_seqs <= 65536, "max_seqs", "must be an integer in [1, 65536]")
-        need(1 <= self.snapkv_window <= 65536, "snapkv_window", "must be an integer in [1, 65536]")
-        need(
-            self.snapkv_window < self.snapkv_budget,
-            "snapkv_budget",
-            f"must be > snapkv_window={self.snapkv_window}",
-        )
-        need(
-            self.snapkv_budget < self.snapkv_threshold <= 10_000_000,
-            "snapkv_threshold",
-            f"must be in (snapkv_budget={self.snapkv_budget}, 10000000]",
-        )
-        need(
-            1 <= self.snapkv_kernel <= 63 and self.snapkv_kernel % 2 == 1,
-            "snapkv_kernel",
-            "must be an odd integer in [1, 63]",
-        )
-        need(
-            0 <= self.streaming_sinks < self.snapkv_budget - self.snapkv_window,
-            "streaming_sinks",
-            f"must be in [0, snapkv_budget - snapkv_window = {self.snapkv_budget - self.snapkv_window})",
-        )
-
-    # -- derived quantities ------------------------------------------------------------------
+    # -- derived ----------------------------------------------------------------------------
     @property
     def enabled(self) -> bool:
-        return self.policy != "none"
+        return self.policy != NONE
 
     @property
-    def compressible(self) -> int:
-        """W - U: window rows that compression may drop."""
-        return self.window - self.buffer
+    def policy_class(self):
+        return policy_base.policy_class(self.policy)
 
-    @property
-    def kept_per_window(self) -> int:
-        """K_keep: entries kept of the W - U compressible rows."""
-        return kept_count(self.window - self.buffer, self.retention)
+    def make_policy(self):
+        return self.policy_class(self.options)
 
     @property
     def query_ring_capacity(self) -> int:
-        """Queries per request a capture ring keeps: a due window plus the decode steps until its
-        event (kara); snapkv's observation window scored every step; nothing for streaming."""
-        if self.policy == "kara":
-            return self.window + self.period
-        if self.policy == "snapkv":
-            return self.snapkv_window + 1
-        return 0
+        """Queries per request a capture ring keeps for this policy (0: it scores without them)."""
+        if not self.enabled:
+            return 0
+        return self.make_policy().query_capacity()
 
-    @property
-    def dropped_per_window(self) -> int:
-        return self.compressible - self.kept_per_window
-
-    def replace(self, **changes: Any) -> "KaraConfig":
-        return dataclasses.replace(self, **changes)
+    def flat(self) -> dict:
+        """Every knob of this config by flat name (common + the selected policy's options)."""
+        out = {"policy": self.policy, "query_source": self.query_source, "max_seqs": self.max_seqs}
+        if self.options is not None:
+            prefix = self.policy_class.prefix
+            out.update({prefix + f.name: getattr(self.options, f.name) for f in fields(self.options)})
+        return out
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Plain data for the scheduler process (``KaraConfig.build(**d)`` rebuilds it)."""
+        return self.flat()
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def build(cls, **flat) -> "KaraConfig":
+        """From flat names: common knobs and options of the selected policy (others refused)."""
+        policy = flat.pop("policy", "kara")
+        common = {k: flat.pop(k) for k in ("query_source", "max_seqs") if k in flat}
+        cfg = cls(policy=policy, **common)  # validates the policy name first
+        if not cfg.enabled:
+            if flat:
+                name = next(iter(flat))
+                raise KaraConfigError(name, f"applies to a compression policy, not --kara-policy {NONE}")
+            return cfg
+        pcls = cfg.policy_class
+        mine = {}
+        for name, value in flat.items():
+            owner = _owner(name)
+            if owner is None:
+                raise KaraConfigError(name, f"unknown Kara option; known: {', '.join(sorted(all_option_names()))}")
+            if owner is not pcls:
+                raise KaraConfigError(name, f"applies to --kara-policy {owner.name}, not {policy}")
+            mine[name[len(pcls.prefix):]] = value
+        return dataclasses.replace(cfg, options=_build_options(pcls, mine))
 
     @classmethod
     def from_prefixed(cls, kwargs: dict) -> tuple["KaraConfig", dict]:
         """Split ``kara_*`` keywords off ``kwargs``; returns (config, the remaining kwargs)."""
-        names = {f.name for f in fields(cls)}
         mine, rest = {}, {}
         for key, value in kwargs.items():
             if key.startswith("kara_"):
-                name = key[len("kara_"):]
-                if name not in names:
-                    raise KaraConfigError(name, f"unknown Kara option; known: {', '.join(sorted(names))}")
-                mine[name] = value
+                mine[key[len("kara_"):]] = value
             else:
                 rest[key] = value
-        return cls(**mine), rest
+        return cls.build(**mine), rest
+
+
+def _owner(name: str):
+    """The policy class whose option this flat name is (None: no policy's); longest prefix first."""
+    for pcls in sorted(policy_base.policies(), key=lambda p: -len(p.prefix)):
+        if name.startswith(pcls.prefix) and name[len(pcls.prefix):] in {f.name for f in fields(pcls.Options)}:
+            return pcls
+    return None
+
+
+def all_option_names() -> list[str]:
+    names = ["policy", "query_source", "max_seqs"]
+    for pcls in policy_base.policies():
+        names += [pcls.prefix + f.name for f in fields(pcls.Options)]
+    return names
+
+
+def _build_options(pcls, values: dict):
+    hints = typing.get_type_hints(pcls.Options)
+    for f in fields(pcls.Options):
+        if f.name in values:
+            values[f.name] = _check_type(pcls.prefix + f.name, values[f.name], hints[f.name])
+    try:
+        return pcls.Options(**values)
+    except OptionError as e:
+        raise KaraConfigError(pcls.prefix + e.field, str(e)) from None
+
+
+def _check_type(name: str, value, want):
+    """``value`` as type ``want`` (int, float, str, or ``X | None``); ints pass as floats."""
+    allowed = typing.get_args(want) if isinstance(want, types.UnionType) else (want,)
+    if value is None and type(None) in allowed:
+        return value
+    kind = next(t for t in allowed if t is not type(None))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise KaraConfigError(name, f"expected {kind.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+# ------------------------------------------------------------------------------------ CLI
+def _cli_fields():
+    """(flat name, type, default, help) of every knob of every registered policy."""
+    out = [("policy", str, "kara", COMMON_HELP["policy"].format(policies=", ".join(policy_names()))),
+           ("query_source", str, "auto", COMMON_HELP["query_source"]),
+           ("max_seqs", int, 30, COMMON_HELP["max_seqs"])]
+    for pcls in policy_base.policies():
+        hints = typing.get_type_hints(pcls.Options)
+        for f in fields(pcls.Options):
+            want = hints[f.name]
+            kind = next(t for t in typing.get_args(want) if t is not type(None)) if isinstance(want, types.UnionType) else want
+            help_text = f.metadata.get("help", "")
+            out.append((pcls.prefix + f.name, kind, f.default, f"[{pcls.name}] {help_text}"))
+    return out
 
 
 def add_cli_args(parser) -> None:
     """Add every ``--kara-*`` flag to an argparse parser (values validated by KaraConfig)."""
     group = parser.add_argument_group("Kara KV compression")
-    for f in fields(KaraConfig):
-        kind = _field_kind(f)
-        group.add_argument(
-            flag_name(f.name),
-            dest="kara_" + f.name,
-            type=_typed(kind, f.name),
-            default=f.default,
-            help=f"{f.metadata.get('help', '')} (default: {f.default})",
-        )
+    for name, kind, default, help_text in _cli_fields():
+        group.add_argument(flag_name(name), dest="kara_" + name, type=_typed(kind, name), default=None,
+                           help=f"{help_text} (default: {default})")
 
 
 def _typed(kind, name):
@@ -240,4 +217,6 @@ def _typed(kind, name):
 
 
 def from_cli_namespace(ns) -> KaraConfig:
-    return KaraConfig(**{f.name: getattr(ns, "kara_" + f.name) for f in fields(KaraConfig)})
+    """Only the flags the user gave (argparse defaults are None) reach KaraConfig.build."""
+    given = {name: getattr(ns, "kara_" + name) for name, *_ in _cli_fields() if getattr(ns, "kara_" + name) is not None}
+    return KaraConfig.build(**given)

@@ -95,7 +95,9 @@ def main(argv: list[str] | None = None) -> None:
             run_kara_scheduler_process, kara_config=cfg.to_dict()
         )
     server_args.resolve_once()
-    if server_args.device == "cpu" and os.environ.get("SGL_KARA_FORK", "1") != "0":
+    from sgl_kara import env
+
+    if server_args.device == "cpu" and env.fork_workers():
         from sgl_kara.plugin import fork_server_processes
 
         fork_server_processes()

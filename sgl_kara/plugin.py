@@ -2,8 +2,9 @@
 
 SGLang calls ``register()`` early in every process it starts. Each hook stands in for one
 upstream change (see patches/) and is inert unless a Kara scheduler runs in this process
-(``sgl_kara.scheduler.runtime.ACTIVE``), so plain ``sglang.Engine`` in the same environment
-behaves exactly like SGLang.
+(``sgl_kara.scheduler.runtime.active()``), so plain ``sglang.Engine`` in the same environment
+behaves exactly like SGLang -- except the input-ids validation hook, which rejects
+out-of-vocabulary ids with a 400 for every request (SGLang 0.5.23 would crash its scheduler).
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from __future__ import annotations
 import importlib
 import json
 import logging
-import os
 import time
+
+from sgl_kara import env
 
 logger = logging.getLogger(__name__)
 _registered = False
@@ -38,7 +40,7 @@ def register() -> None:
     sg.HookRegistry.register(sg.TARGET_META_INFO, unwrap_meta_hook, sg.HookType.AROUND)
     sg.HookRegistry.register(sg.TARGET_SAMPLING_VERIFY, _verify_hook, sg.HookType.AFTER)
     sg.HookRegistry.register(sg.TARGET_VALIDATE_REQUEST, _validate_input_ids_hook, sg.HookType.AFTER)
-    if os.environ.get("SGL_KARA_TRACE"):
+    if env.trace():
         # Benchmark instrument (vanilla and Kara alike): one line per decode scheduling step.
         sg.HookRegistry.register(sg.TARGET_UPDATE_RUNNING_BATCH, _trace_hook, sg.HookType.AFTER)
 
@@ -80,29 +82,22 @@ def _fork_after_set_envs(result, *args, **kwargs):
 def _active():
     from sgl_kara.scheduler import runtime
 
-    return runtime.ACTIVE
+    return runtime.active()
 
 
 def _init_new_hook(original, cls, batch, model_runner, *args, **kwargs):
     fb = original(cls, batch, model_runner, *args, **kwargs)
     rt = _active()
     if rt is not None and batch is not None and hasattr(batch, "reqs"):
-        rt.on_forward_batch(batch, fb)
+        rt.forward.on_forward_batch(batch, fb)
     return fb
 
 
 def _attention_hook(original, layer, q, k, v, forward_batch, save_kv_cache=True, *args, **kwargs):
     rt = _active()
-    if rt is not None:
-        scoring = rt.scoring_pass
-        if scoring is not None:
-            out = original(layer, q, k, v, forward_batch, False, *args, **kwargs)
-            T = q.shape[0]
-            qv = q.reshape(scoring.B, T // scoring.B, layer.tp_q_head_num, layer.qk_head_dim)
-            scoring.score_layer(layer.layer_id, qv)
-            return out
-        rt.on_attention(layer, q, forward_batch)
-    return original(layer, q, k, v, forward_batch, save_kv_cache, *args, **kwargs)
+    if rt is None:
+        return original(layer, q, k, v, forward_batch, save_kv_cache, *args, **kwargs)
+    return rt.forward.on_attention(original, layer, q, k, v, forward_batch, save_kv_cache, *args, **kwargs)
 
 
 _trace_file = None
@@ -112,7 +107,7 @@ def _trace_hook(result, scheduler, batch, *args, **kwargs):
     """SGL_KARA_TRACE=path: append {t, running, free, retracted} per decode step (JSON lines)."""
     global _trace_file
     if _trace_file is None:
-        _trace_file = open(os.environ["SGL_KARA_TRACE"], "a", buffering=1)
+        _trace_file = open(env.trace(), "a", buffering=1)
     running = 0 if result is None or result.is_empty() else len(result.reqs)
     rt = _active()
     record = {

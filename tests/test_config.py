@@ -10,9 +10,10 @@ from sgl_kara.config import KaraConfig, KaraConfigError, kept_count
 
 def test_defaults_are_valid_and_documented():
     cfg = KaraConfig()
-    assert cfg.policy == "kara" and cfg.window == 512 and cfg.buffer == 32
-    assert cfg.kept_per_window == kept_count(480, 0.25) == 120
-    assert cfg.chunk_budget == 16 < cfg.kept_per_window  # the paper's alpha where K >= 32
+    o = cfg.options
+    assert cfg.policy == "kara" and o.window == 512 and o.buffer == 32
+    assert o.kept_per_window == kept_count(480, 0.25) == 120
+    assert o.chunk_budget == 16 < o.kept_per_window  # the paper's alpha where K >= 32
 
 
 @pytest.mark.parametrize("window, buffer, retention", [(48, 32, 0.25), (40, 8, 0.25), (33, 32, 0.1),
@@ -20,14 +21,14 @@ def test_defaults_are_valid_and_documented():
 def test_unset_chunk_budget_is_derived_and_valid_for_any_window(window, buffer, retention):
     """alpha unset -> min(16, floor(K/2)): valid for every (W, U, r) the flags allow, so a user who
     only sets --kara-window never gets an error about a flag they did not set."""
-    cfg = KaraConfig(window=window, buffer=buffer, retention=retention)
+    o = KaraConfig.build(window=window, buffer=buffer, retention=retention).options
     k = kept_count(window - buffer, retention)
-    assert cfg.chunk_budget == min(16, k // 2)
-    assert 0 <= cfg.chunk_budget < k
+    assert o.chunk_budget == min(16, k // 2)
+    assert 0 <= o.chunk_budget < k
     # An explicit value is still checked against the same bound.
     if k <= 16:
         with pytest.raises(KaraConfigError, match="--kara-chunk-budget"):
-            KaraConfig(window=window, buffer=buffer, retention=retention, chunk_budget=k)
+            KaraConfig.build(window=window, buffer=buffer, retention=retention, chunk_budget=k)
 
 
 def test_only_window_on_the_command_line():
@@ -35,7 +36,7 @@ def test_only_window_on_the_command_line():
     from sgl_kara.launch_server import parse
 
     cfg, _ = parse(["--model-path", PROXY_MODEL, "--kara-window", "48"])
-    assert cfg.window == 48 and cfg.chunk_budget == min(16, kept_count(48 - 32, 0.25) // 2) == 2
+    assert cfg.options.window == 48 and cfg.options.chunk_budget == min(16, kept_count(48 - 32, 0.25) // 2) == 2
 
 
 @pytest.mark.parametrize(
@@ -49,21 +50,26 @@ def test_only_window_on_the_command_line():
         (dict(buffer=-1), "buffer"),
         (dict(window=64, buffer=8, retention=0.1, chunk_budget=6), "chunk_budget"),
         (dict(max_chunk=2), "max_chunk"),
-        (dict(policy="h2o"), "policy"),
+        (dict(policy="h3o"), "policy"),
         (dict(query_source="magic"), "query_source"),
         (dict(period=0), "period"),
         (dict(max_seqs=0), "max_seqs"),
         (dict(window="big"), "window"),
         (dict(retention="0.5"), "retention"),
         (dict(period=True), "period"),
-        (dict(snapkv_budget=2000, snapkv_threshold=1500), "snapkv_threshold"),
-        (dict(snapkv_kernel=4), "snapkv_kernel"),
+        (dict(policy="snapkv", snapkv_budget=2000, snapkv_threshold=1500), "snapkv_threshold"),
+        (dict(policy="snapkv", snapkv_kernel=4), "snapkv_kernel"),
+        (dict(policy="streaming", streaming_sinks=2000), "streaming_sinks"),
+        (dict(policy="snapkv", window=64), "window"),           # another policy's option
+        (dict(policy="kara", snapkv_budget=300), "snapkv_budget"),
+        (dict(policy="none", retention=0.5), "retention"),
+        (dict(windw=64), "windw"),
         (dict(scoring="buffer", buffer=0), "buffer"),
     ],
 )
 def test_invalid_values_name_the_flag(kwargs, name):
     with pytest.raises(KaraConfigError) as e:
-        KaraConfig(**kwargs)
+        KaraConfig.build(**kwargs)
     assert e.value.name == name
     assert f"--kara-{name.replace('_', '-')}" in str(e.value)
 
@@ -71,12 +77,14 @@ def test_invalid_values_name_the_flag(kwargs, name):
 def test_frozen():
     cfg = KaraConfig()
     with pytest.raises(Exception):
-        cfg.window = 3
+        cfg.policy = "none"
+    with pytest.raises(Exception):
+        cfg.options.window = 3
 
 
 def test_prefixed_split_and_unknown_option():
     cfg, rest = KaraConfig.from_prefixed({"kara_window": 64, "kara_buffer": 8, "kara_chunk_budget": 4, "model_path": "x"})
-    assert cfg.window == 64 and rest == {"model_path": "x"}
+    assert cfg.options.window == 64 and rest == {"model_path": "x"}
     with pytest.raises(KaraConfigError, match="--kara-windw"):
         KaraConfig.from_prefixed({"kara_windw": 64})
 
@@ -90,7 +98,8 @@ def test_prefixed_split_and_unknown_option():
         (["--kara-window", "64", "--kara-buffer", "8", "--kara-retention", "0.1", "--kara-chunk-budget", "6"],
          "--kara-chunk-budget"),
         (["--kara-max-chunk", "2"], "--kara-max-chunk"),
-        (["--kara-policy", "h2o"], "--kara-policy"),
+        (["--kara-policy", "h3o"], "--kara-policy"),
+        (["--kara-snapkv-budget", "300"], "--kara-snapkv-budget"),
         (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm"),
         (["--enable-mixed-chunk"], "--enable-mixed-chunk"),
         (["--dp-size", "2"], "--dp-size"),
@@ -144,5 +153,5 @@ def test_auto_query_source_for_a_cuda_server_without_a_gpu(tiny_llama):
     assert cfg.query_source == "recompute" and args.disable_cuda_graph is False
     assert args.radix_cache_backend == "kara" and args.disable_overlap_schedule is True
     args.disable_cuda_graph = False
-    cfg = prepare_server_args(args, KaraConfig(query_source="capture"))
+    cfg = prepare_server_args(args, KaraConfig.build(query_source="capture"))
     assert cfg.query_source == "capture" and args.disable_cuda_graph is True

@@ -21,7 +21,6 @@ from sgl_kara.kernels import (  # noqa: E402
     compact_kv_ref,
     copy_slots,
     copy_slots_ref,
-    select_batched,
     window_scores_paged,
     window_scores_paged_ref,
 )
@@ -116,14 +115,6 @@ def test_window_scores_paged_validation():
 # --------------------------------------------------------------------------- selection
 
 
-def test_select_batched_matches_policy():
-    gen = torch.Generator().manual_seed(2)
-    a = torch.rand(12, 50, generator=gen).to(DEV)
-    torch.testing.assert_close(select_batched(a, 0.3, 6, 5), select(a, 0.3, 6, 5))
-    with pytest.raises(ValueError, match=r"\[N, M\]"):
-        select_batched(a[0], 0.3, 6, 5)
-
-
 # --------------------------------------------------------------------------- compaction
 
 
@@ -216,8 +207,8 @@ def test_score_select_compact_pipeline():
     kb = [torch.randn(s, hkv, d, generator=gen).to(DEV) for _ in range(n_layers)]
     qs = [torch.randn(b, w, hq, d, generator=gen).to(DEV) for _ in range(n_layers)]
     slots = torch.arange(b * w, device=DEV).view(b, w)[:, :m]
-    idx = torch.stack([select_batched(window_scores_paged(qs[l], kb[l], slots).reshape(-1, m),
-                                      0.4, 4, 5).view(b, hkv, -1) for l in range(n_layers)], dim=1)
+    idx = torch.stack([select(window_scores_paged(qs[l], kb[l], slots).reshape(-1, m),
+                              0.4, 4, 5).view(b, hkv, -1) for l in range(n_layers)], dim=1)
     ref_idx = torch.stack([select(window_scores(qs[l], kb[l][slots]), 0.4, 4, 5)
                            for l in range(n_layers)], dim=1)
     assert torch.equal(idx, ref_idx)  # scores agree closely enough to pick the same set

@@ -4,7 +4,8 @@ After every compression event, each decode step's log-probabilities must equal t
 Hugging Face model run over the whole sequence at its original positions with exactly the evicted
 entries masked (per layer and KV head, from the event on) -- float32, so the tolerance is rounding.
 Several events per request (growing pos_offset), page size 1 and 16, both query sources, Llama and
-Qwen3 (tiny random models), SnapKV's re-compression of compacted rows; SmolLM2 is marked slow.
+Qwen3 (tiny random models); SmolLM2 is marked slow. Every other policy (SnapKV's re-compression of
+compacted rows included) goes through the same check in tests/test_policy_matrix.py.
 
 Each run also checks that the oracle can fail: the reference *without* the evictions must be far
 from the engine after the first event, and before it both references must agree with the engine.
@@ -31,24 +32,45 @@ def _prompts(vocab: int, n: int = 3) -> list[list[int]]:
 
 
 def run_and_check(model_path: str, tmp_path, page: int, query_source: str, policy: str = "kara",
-                  extra: dict | None = None, gen: dict | None = None):
+                  extra: dict | None = None, gen: dict | None = None, integrity: bool = False,
+                  keep_engine: bool = False):
+    """Generate with evictions recorded, then compare every step with the masked reference.
+    Returns (outputs, the engine if ``keep_engine`` else None)."""
     record = str(tmp_path / f"evictions_{policy}_{page}_{query_source}.jsonl")
-    opts = dict(KARA, kara_policy=policy, kara_retention=0.25, kara_query_source=query_source, page_size=page)
+    opts = dict(kara_policy=policy, kara_query_source=query_source, page_size=page)
+    if policy == "kara":
+        opts.update(KARA, kara_retention=0.25)
     opts.update(extra or {})
-    os.environ["SGL_KARA_RECORD_EVICTIONS"] = record  # read by the spawned scheduler
+    env = {"SGL_KARA_RECORD_EVICTIONS": record}  # read by the spawned scheduler
+    if integrity:
+        env["SGL_KARA_CHECK_INTEGRITY"] = "1"
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         engine = start_engine("kara", model_path, **opts)
     finally:
-        del os.environ["SGL_KARA_RECORD_EVICTIONS"]
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model_path).vocab_size
     prompts = _prompts(vocab)
     try:
         outs = engine.generate(input_ids=prompts, sampling_params=gen or GEN, return_logprob=True, top_logprobs_num=5)
-    finally:
-        engine.shutdown()
-    events = read_evictions(record)
+        if not keep_engine:
+            engine.shutdown()
+        _check_against_reference(model_path, prompts, outs, read_evictions(record), policy, page, query_source)
+    except BaseException:
+        if keep_engine:
+            engine.shutdown()
+        raise
+    return outs, engine if keep_engine else None
+
+
+def _check_against_reference(model_path, prompts, outs, events, policy, page, query_source):
     model = load_reference(model_path)
     worst, controls = 0.0, []
     for prompt, out in zip(prompts, outs):
@@ -77,13 +99,6 @@ def run_and_check(model_path: str, tmp_path, page: int, query_source: str, polic
 ])
 def test_kara_matches_masked_reference(arch, page, query_source, tiny_llama, tiny_qwen3, tmp_path):
     run_and_check({"llama": tiny_llama, "qwen3": tiny_qwen3}[arch], tmp_path, page, query_source)
-
-
-def test_snapkv_recompression_matches_masked_reference(tiny_llama, tmp_path):
-    """SnapKV re-compresses its whole generated region, compacted rows included (their logical
-    positions differ per head): the recorder's and the runtime's bookkeeping must agree."""
-    run_and_check(tiny_llama, tmp_path, 16, "capture", policy="snapkv",
-                  extra=dict(kara_snapkv_threshold=48, kara_snapkv_budget=32, kara_snapkv_window=8))
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ import random
 import pytest
 import torch
 
-from sgl_kara.policies import kara
 from sgl_kara.policies import (
     kept_count,
     select,
@@ -243,7 +242,9 @@ def test_window_scores_chunked_over_w(monkeypatch):
     q = torch.randn(2, 41, 4, 8, generator=gen, dtype=torch.bfloat16)
     k = torch.randn(2, 30, 2, 8, generator=gen, dtype=torch.bfloat16)
     full = window_scores(q, k)
-    monkeypatch.setattr(kara, "_SCORE_BLOCK_ELEMS", 2 * 4 * 30 * 3)  # 3 queries per chunk
+    import sgl_kara.kernels.window_score as ws
+
+    monkeypatch.setattr(ws, "_SCORE_BLOCK_ELEMS", 2 * 4 * 30 * 3)  # 3 queries per chunk
     torch.testing.assert_close(window_scores(q, k), full)
     torch.testing.assert_close(full.double(), _naive_scores(q.float(), k.float()), rtol=1e-5, atol=1e-5)
 

@@ -19,12 +19,15 @@ def test_step_stats_matches_direct_kl():
     ref_logits, logits = torch.randn(50, generator=g), torch.randn(50, generator=g)
     p, q = torch.softmax(ref_logits, -1), torch.softmax(logits, -1)
     want = float((p * (p.log() - q.log())).sum())
-    # ref given unnormalised (shifted): step_stats renormalises it
-    agree, kl = fidelity.step_stats(logits, torch.log_softmax(ref_logits, -1) + 3.0, int(q.argmax()))
-    assert agree == 1 and kl == pytest.approx(want, rel=1e-5)
-    agree, _ = fidelity.step_stats(logits, ref_logits, (int(q.argmax()) + 1) % 50)
-    assert agree == 0
-    assert fidelity.step_stats(logits, logits.clone(), int(q.argmax()))[1] == pytest.approx(0.0, abs=1e-6)
+    # ref given unnormalised (shifted): step_stats renormalises it; agreement = same greedy choice
+    agree, kl, nll = fidelity.step_stats(logits, torch.log_softmax(ref_logits, -1) + 3.0, 4)
+    assert agree == int(q.argmax() == p.argmax()) and kl == pytest.approx(want, rel=1e-5)
+    assert nll == pytest.approx(float(-q[4].log()), rel=1e-5)
+    agree, kl, _ = fidelity.step_stats(logits, logits.clone(), 4)
+    assert agree == 1 and kl == pytest.approx(0.0, abs=1e-6)
+    flipped = logits.clone()
+    flipped[int(q.argmax())] = -10.0
+    assert fidelity.step_stats(logits, flipped, 4)[0] == 0
 
 
 def test_force_makes_token_the_greedy_choice():

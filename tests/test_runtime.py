@@ -76,10 +76,10 @@ def test_threshold_baselines_bound_generated_kv(policy, tiny_llama):
     """SnapKV-threshold and StreamingLLM share the compaction machinery: generated KV grows to
     C_max, then is compacted back to N (the last w entries always kept)."""
     threshold, budget, window = 64, 48, 8
-    engine = start_engine(
-        "kara", tiny_llama, kara_policy=policy, kara_snapkv_threshold=threshold,
-        kara_snapkv_budget=budget, kara_snapkv_window=window, kara_streaming_sinks=4,
-    )
+    own = {f"kara_{policy}_threshold": threshold, f"kara_{policy}_budget": budget, f"kara_{policy}_window": window}
+    if policy == "streaming":
+        own["kara_streaming_sinks"] = 4
+    engine = start_engine("kara", tiny_llama, kara_policy=policy, **own)
     try:
         outs = engine.generate(PROMPTS[:2], {"max_new_tokens": 200, "temperature": 0.0, "ignore_eos": True})
     finally:
@@ -139,6 +139,51 @@ def test_tight_pool_retracts_and_completes(tiny_llama):
     # is compressed again (catch-up passes) instead of becoming a protected prefix.
     for meta in retracted:
         assert meta["kara"]["kv_physical_len"] < meta["kara"]["kv_logical_len"] - 100, meta
+
+
+def test_retracted_request_keeps_its_own_budget(tiny_llama):
+    """A budget-matched SnapKV request (``custom_params.kara.budget``) keeps its budget through a
+    retraction. The request state used to be rebuilt by hand on retraction without the budget, so
+    a re-prefilled request fell back to the server-wide N and grew to it unchecked.
+
+    Server-wide N = 200 (C_max 216); each request asks for N = 24 (C_max 40). Two waves over a
+    300-token pool (the tight-pool trick above) force retractions."""
+    import asyncio
+
+    with engine_env(SGLANG_INIT_NEW_TOKEN_RATIO="0.01"):
+        engine = start_engine(
+            "kara", tiny_llama, kara_policy="snapkv", kara_snapkv_threshold=216, kara_snapkv_budget=200,
+            kara_snapkv_window=8, kara_query_source="capture", max_total_tokens=300, max_running_requests=12,
+        )
+    gen = 200
+    params = {"max_new_tokens": gen, "min_new_tokens": gen, "temperature": 0.0,
+              "custom_params": {"kara": {"budget": 24}}}
+
+    async def run_one(prompt, started):
+        last = None
+        async for chunk in await engine.async_generate(prompt, params, stream=True):
+            started.set()
+            last = chunk
+        return last
+
+    async def run_all():
+        waves = [[f"{p} {i}" for i in range(w, w + 2) for p in PROMPTS[:3]] for w in (0, 2)]
+        first_started = [asyncio.Event() for _ in waves[0]]
+        first = [asyncio.create_task(run_one(p, e)) for p, e in zip(waves[0], first_started)]
+        await asyncio.gather(*(e.wait() for e in first_started))
+        second = [asyncio.create_task(run_one(p, asyncio.Event())) for p in waves[1]]
+        return await asyncio.gather(*first, *second)
+
+    try:
+        outs = engine.loop.run_until_complete(run_all())
+    finally:
+        engine.shutdown()
+    assert all(o["meta_info"]["completion_tokens"] == gen for o in outs)
+    retracted = [o["meta_info"] for o in outs if o["meta_info"].get("num_retractions", 0)]
+    assert retracted, "no request was retracted: the test did not exercise the path"
+    for meta in (o["meta_info"] for o in outs):
+        held = meta["kara"]["kv_physical_len"] - meta["prompt_tokens"]
+        assert 24 <= held <= 40 + 1, (held, meta)  # its own N..C_max, not the server's 200..216
 
 
 # Tests that share ``compressing_engine`` come last: SGLang's Engine.shutdown kills every child

@@ -7,10 +7,11 @@ not. Two passes through ``sgl_kara.Engine`` with one custom logit processor (eng
 1. ``record`` (full KV): greedy generation; at every sampling step t the processor appends the
    step's log-probabilities (float32, [V]) to ``<dir>/ref_<k>.f32``.
 2. ``force`` (a policy): the request is fed the full-KV output ``tokens``. At step t the processor
-   takes the policy's log-probabilities, counts agreement ``argmax == tokens[t]`` (the full-KV
-   greedy choice) and ``KL(p_full || p_policy)`` against row t of ``ref_<k>.f32``, then masks the
-   logits so ``tokens[t]`` is emitted and the prefix stays the full-KV one. When the last token is
-   emitted, the per-step results go to ``<dir>/<tag>_<k>.json``.
+   takes the policy's log-probabilities, counts agreement ``argmax == argmax of row t`` (the
+   full-KV greedy choice; for a greedy full-KV output that is ``tokens[t]``), ``KL(p_full ||
+   p_policy)`` against row t of ``ref_<k>.f32`` and the policy's negative log-likelihood of
+   ``tokens[t]``, then masks the logits so ``tokens[t]`` is emitted and the prefix stays the full-KV
+   one. When the last token is emitted, the per-step results go to ``<dir>/<tag>_<k>.json``.
 
 The step index is ``len(req.output_ids)`` (needs the overlap scheduler off, as bench/quality.py
 runs). Both functions below are pure torch; the processor class is a thin wrapper so it can be
@@ -33,15 +34,16 @@ except ImportError:  # pragma: no cover - the pure functions still import withou
 KEY = "fidelity"
 
 _REFS: dict[str, np.ndarray] = {}  # ref file -> memmap [steps, V] (scheduler process)
-_STEPS: dict[tuple[str, int], list[tuple[int, float]]] = {}  # (tag, k) -> [(agree, kl)]
+_STEPS: dict[tuple[str, int], list[tuple[int, float, float]]] = {}  # (tag, k) -> [(agree, kl, nll)]
 
 
-def step_stats(logits: torch.Tensor, ref_logp: torch.Tensor, token: int) -> tuple[int, float]:
-    """(agree, KL(p_ref || p)) for one step. logits, ref_logp: [V]; ref_logp is renormalised."""
+def step_stats(logits: torch.Tensor, ref_logp: torch.Tensor, token: int) -> tuple[int, float, float]:
+    """(agree, KL(p_ref || p), -log p(token)) for one step. logits, ref_logp: [V]; ref_logp is
+    renormalised; agree: the policy's greedy choice is the reference's."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     ref = ref_logp.float() - torch.logsumexp(ref_logp.float(), dim=-1)
     kl = torch.sum(ref.exp() * (ref - logp)).clamp_min(0.0)
-    return int(int(torch.argmax(logp)) == token), float(kl)
+    return int(int(torch.argmax(logp)) == int(torch.argmax(ref))), float(kl), float(-logp[token])
 
 
 def force(logits: torch.Tensor, token: int) -> torch.Tensor:
@@ -97,9 +99,16 @@ class FidelityProcessor(CustomLogitProcessor):
             logits[i] = force(logits[i], tokens[step])
             if step == len(tokens) - 1:
                 with open(stats_path(p["dir"], p["tag"], p["k"]), "w") as f:
-                    json.dump({"agree": [a for a, _ in per_step], "kl": [round(x, 6) for _, x in per_step]}, f)
+                    json.dump({"agree": [a for a, _, _ in per_step], "kl": [round(x, 6) for _, x, _ in per_step],
+                               "nll": [round(x, 5) for _, _, x in per_step]}, f)
                 del _STEPS[key]
         return logits
+
+
+def load_steps(directory: str, tag: str, k: int) -> dict:
+    """One problem's per-step {"agree", "kl", "nll"} lists."""
+    with open(stats_path(directory, tag, k)) as f:
+        return json.load(f)
 
 
 def summarize(directory: str, tag: str, ks: list[int], roles: dict[int, list[str]] | None = None) -> dict:

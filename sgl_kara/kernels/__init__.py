@@ -1,16 +1,16 @@
-"""Kernels for the three Kara steps: score (window_score), select, compact.
-Imports nothing from SGLang; every kernel has a same-signature torch `*_ref`."""
+"""Kernels for scoring (window_score) and compaction (compact); selection is vectorised torch in
+sgl_kara.policies. Imports nothing from SGLang or the rest of sgl_kara; every kernel has a
+same-signature torch `*_ref`."""
 
 from .compact import compact_kv, compact_kv_ref, copy_slots, copy_slots_ref
-from .select import select_batched
-from .window_score import window_scores_paged, window_scores_paged_ref
+from .window_score import window_scores, window_scores_paged, window_scores_paged_ref
 
 __all__ = [
     "compact_kv",
     "compact_kv_ref",
     "copy_slots",
     "copy_slots_ref",
-    "select_batched",
+    "window_scores",
     "window_scores_paged",
     "window_scores_paged_ref",
 ]

@@ -23,8 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..policies.kara import window_scores
 from ._dispatch import interpret_mode, want_triton
+
+# Upper bound on the elements of one [B, H_q, w_chunk, M] logits block (torch reference).
+_SCORE_BLOCK_ELEMS = 1 << 24
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -97,6 +99,37 @@ def _colsum_kernel(q_ptr, k_ptr, slots_ptr, lse_ptr, out_ptr, W, M, H_Q, H_KV, G
             p = tl.exp(s - lse[:, None])  # masked rows: exp(s - inf) = 0; masked keys: exp(-inf) = 0
             acc += tl.sum(p, axis=0)
     tl.store(out_ptr + (b * H_KV + h) * M + offs_m, acc, mask=m_ok)
+
+
+def window_scores(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Bidirectional window attention received by each compressible key (Eq. 4).
+
+    q: [B, W, H_q, D]  queries of every window token.
+    k: [B, M, H_kv, D] keys of the compressible region (M = W - U).
+    Returns A: [B, H_kv, M] float32 = sum over the W queries and the H_q / H_kv
+    query heads of kv head h (query head j -> kv head j // (H_q // H_kv)) of
+    softmax_M(q . k * scale). No causal mask. scale defaults to 1/sqrt(D).
+    """
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q and k must be 4-D, got {tuple(q.shape)} and {tuple(k.shape)}")
+    b, w, hq, d = q.shape
+    bk, m, hkv, dk = k.shape
+    if bk != b or dk != d:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on B or D")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"H_q ({hq}) must be a multiple of H_kv ({hkv})")
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    g = hq // hkv
+    out = torch.zeros(b, hkv, m, dtype=torch.float32, device=q.device)
+    if m == 0 or w == 0:
+        return out
+    kf = k.float()
+    step = max(1, _SCORE_BLOCK_ELEMS // max(1, b * hq * m))
+    for w0 in range(0, w, step):
+        qc = q[:, w0 : w0 + step].float().reshape(b, -1, hkv, g, d)
+        logits = torch.einsum("bwhgd,bmhd->bhgwm", qc, kf) * scale
+        out += torch.softmax(logits, dim=-1).sum(dim=(2, 3))
+    return out
 
 
 def window_scores_paged_ref(q, k_buffer, slots, scale=None):

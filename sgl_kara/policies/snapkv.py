@@ -8,20 +8,27 @@ Idea
     positions are kept.
 
 Paper
-    Li et al. 2024, "SnapKV: LLM Knows What You are Looking for Before Generation".
+    Li et al. 2024, "SnapKV: LLM Knows What You are Looking for Before Generation"; as a
+    decode-time, threshold-triggered baseline: the Kara paper's vLLM+SnapKV (App. B.1).
 
-Parameters
-    kernel_size  odd pooling width (padding kernel_size // 2, stride 1, same
-                 length); 1 disables pooling.
-    budget       number of positions kept per kv head.
+Parameters (flags --kara-snapkv-<name>)
+    threshold    C_max: generated KV entries that trigger compression (1280)
+    budget       N: generated KV entries kept (1024)
+    window       w: observation queries, also the most recent entries always kept (32)
+    kernel       odd pooling width (padding kernel // 2, stride 1, same length); 1 disables
+                 pooling (7)
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 
-from .kara import window_scores
+from ..kernels.window_score import window_scores, window_scores_paged
+from .base import ScoreInput, need, register
+from .threshold import ThresholdOptions, ThresholdPolicy
 
 
 def snapkv_scores(q_obs: torch.Tensor, k: torch.Tensor, kernel_size: int = 7) -> torch.Tensor:
@@ -51,3 +58,22 @@ def snapkv_select(scores: torch.Tensor, budget: int) -> torch.Tensor:
         raise ValueError(f"budget must be in [0, M={m}], got {budget}")
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
     return torch.sort(order[..., :budget], dim=-1).values
+
+
+@dataclass(frozen=True)
+class SnapKVOptions(ThresholdOptions):
+    kernel: int = field(default=7, metadata={"help": "max-pooling width over positions (odd; 1 = off)"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        need(1 <= self.kernel <= 63 and self.kernel % 2 == 1, "kernel", "must be an odd integer in [1, 63]", self.kernel)
+
+
+@register
+class SnapKVPolicy(ThresholdPolicy):
+    name = "snapkv"
+    prefix = "snapkv_"
+    Options = SnapKVOptions
+
+    def score(self, inp: ScoreInput) -> torch.Tensor:
+        return snapkv_pool(window_scores_paged(inp.queries.contiguous(), inp.k_buffer, inp.slots), self.options.kernel)

@@ -1,34 +1,19 @@
 """Admission by compressed footprint.
 
 SGLang's PrefillAdder reserves, for every running and new request, the tokens it may still
-generate (``max_new_tokens - len(output_ids)``, times a ratio). Under Kara a request that
-generates G more tokens holds only about ``G * K / (W - U) + W + period`` of them (each
-window of W - U new tokens shrinks to K entries; the uncompressed tail is at most a window
-plus the tokens decoded while waiting for the next event). Without this discount the freed
-memory would never admit more requests and compression would buy no throughput.
+generate (``max_new_tokens - len(output_ids)``, times a ratio). Under compression a request
+that generates G more tokens holds only ``policy.footprint(G)`` of them (Kara: about
+``G * K / (W - U) + W + period``; threshold policies: at most C_max + 1), under its own
+``custom_params.kara`` overrides. Without this discount the freed memory would never admit more
+requests and compression would buy no throughput.
 """
 
 from __future__ import annotations
 
-import math
-
-from sgl_kara.policies.kara import kept_count
-
 
 def compressed_future_tokens(remaining: int, runtime, state=None) -> int:
-    """Tokens a request that may still generate ``remaining`` will hold, under its own options
-    (``custom_params.kara`` retention / budget override the server's config)."""
-    cfg = runtime.cfg
-    if remaining <= 0:
-        return remaining
-    if cfg.policy in ("snapkv", "streaming"):
-        budget = state.budget if state is not None and state.budget is not None else cfg.snapkv_budget
-        return min(remaining, budget + (cfg.snapkv_threshold - cfg.snapkv_budget) + 1)
-    if cfg.policy != "kara":
-        return remaining
-    retention = state.retention if state is not None and state.retention is not None else cfg.retention
-    rate = kept_count(cfg.compressible, retention) / cfg.compressible
-    return min(remaining, math.ceil(remaining * rate) + cfg.window + cfg.period)
+    """Tokens a request that may still generate ``remaining`` will hold."""
+    return runtime.policy.footprint(remaining, state)
 
 
 def make_prefill_adder(base, runtime):

@@ -15,11 +15,10 @@ uncompressed, so their logical position is row + pos_offset.
 from __future__ import annotations
 
 import json
-import os
 
 import torch
 
-ENV = "SGL_KARA_RECORD_EVICTIONS"
+from sgl_kara import env
 
 
 class EvictionRecorder:
@@ -29,7 +28,7 @@ class EvictionRecorder:
 
     @classmethod
     def from_env(cls) -> "EvictionRecorder | None":
-        path = os.environ.get(ENV)
+        path = env.record_evictions()
         return cls(path) if path else None
 
     def region_logical(self, state, start: int, region: int, layers: int, heads: int) -> torch.Tensor:

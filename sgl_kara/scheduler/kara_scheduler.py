@@ -27,7 +27,7 @@ class KaraScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         check_runtime_supported(self)
         self.kara = rt.KaraRuntime(self.kara_config, self)
-        rt.ACTIVE = self.kara
+        rt.activate(self.kara)
         logger.info("sgl_kara: compression active, %s", self.kara_config)
 
     def update_running_batch(self, batch):
@@ -46,7 +46,7 @@ class KaraScheduler(Scheduler):
 def run_kara_scheduler_process(*args, kara_config: dict, **kwargs):
     import sglang.srt.managers.scheduler as scheduler_module
 
-    KaraScheduler.kara_config = KaraConfig(**kara_config)
+    KaraScheduler.kara_config = KaraConfig.build(**kara_config)
     scheduler_module.Scheduler = KaraScheduler  # this spawned scheduler process only
     return scheduler_module.run_scheduler_process(*args, **kwargs)
 

@@ -7,7 +7,6 @@ the one-element list so clients read ``meta_info["kara"]["compressions"]`` direc
 
 from __future__ import annotations
 
-from sgl_kara._sglang import SchedulerOutputStreamer
 from sgl_kara.scheduler import runtime as rt
 
 KEY = "kara"
@@ -21,7 +20,7 @@ def make_output_streamer(base):
 
         def build_additional_customized_info(self, reqs):
             out = super().build_additional_customized_info(reqs)
-            runtime = rt.ACTIVE
+            runtime = rt.active()
             metas = [runtime.meta(r) if runtime is not None and r.finished() else None for r in reqs]
             out[KEY] = [[m] if m else [] for m in metas]
             return out
@@ -44,5 +43,3 @@ def unwrap_meta_hook(original, self, meta_info, state, customized_info, index, f
             del meta_info[KEY]
     return result
 
-
-assert SchedulerOutputStreamer is not None

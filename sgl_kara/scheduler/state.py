@@ -6,10 +6,13 @@ Row layout of one request in ``req_to_token`` (see ARCHITECTURE.md):
             [ tree-owned   |  compressed   | uncompressed tail        ]
               prefix slots    windows         (next window + new tokens)
 
-    logical position of row pos p >= P  =  p + pos_offset  (for p >= f; kept entries below f
-    keep the RoPE they were written with, so only new tokens need the offset)
+    logical position of row pos p >= f  =  p + pos_offset  (kept entries below f keep the
+    RoPE they were written with, so only new tokens need the offset)
 
-The scheduler's KaraRuntime is the one owner of this state; lengths stay physical in SGLang.
+Two kinds of fields: the request's own options and lifetime statistics (kept for its whole
+life), and its row state (P, f, offset, compressions, capture ring position, the policy's
+per-request state), which ``reset_row`` clears when SGLang retracts the request and re-prefills
+it from its tokens (its KV is exact again). The scheduler's KaraRuntime is the one owner.
 """
 
 from __future__ import annotations
@@ -19,22 +22,33 @@ from dataclasses import dataclass, field
 
 @dataclass
 class KaraReqState:
+    # -- options (custom_params.kara) and lifetime statistics: survive a retraction
     enabled: bool = True
-    retention: float | None = None  # per-request override of KaraConfig.retention
-    protected: int = -1  # P: rows [0, P) are never written or freed; -1 until the first event
-    frontier: int = 0  # f: first uncompressed row (>= P once fixed)
-    pos_offset: int = 0  # tokens dropped so far: logical = physical + pos_offset past f
-    compressions: int = 0
-    capture_from: int | None = None  # first logical position whose query is in the capture ring (None: no ring row)
+    retention: float | None = None  # per-request override of the kara retention
+    budget: int | None = None  # per-request budget of threshold policies (budget matching)
     kv_peak: int = 0  # largest physical KV length seen at a decode step
     kv_sum: int = 0  # sum of physical KV lengths over decode steps (mean = kv_sum / kv_steps)
     kv_steps: int = 0
-    budget: int | None = None  # per-request snapkv/streaming budget (custom_params kara.budget)
-    # Diagnostics (SGL_KARA_CHECK_INTEGRITY / SGL_KARA_CROSSCHECK_QUERIES only).
+    # -- row state: reset by reset_row
+    protected: int = -1  # P: rows [0, P) are never written or freed; -1 until the first event
+    frontier: int = 0  # f: first uncompressed row (>= P once fixed)
+    pos_offset: int = 0  # tokens dropped so far: logical = physical + pos_offset past f
+    compressions: int = 0  # events since the row was (re)built; > 0: the row holds compressed KV
+    capture_from: int | None = None  # first logical position whose query is in the capture ring
+    offset_row: int | None = None  # req_pool_idx whose device offset mirrors pos_offset (forward.py)
+    policy_state: dict = field(default_factory=dict, repr=False)  # the policy's (observers)
+    # Diagnostics (SGL_KARA_CHECK_INTEGRITY / _CROSSCHECK_QUERIES / _RECORD_EVICTIONS only).
     prefix_snapshot: object = field(default=None, repr=False, compare=False)
     integrity_checks: int = 0
     crosscheck_err: float | None = None
-    logical_rows: object = field(default=None, repr=False, compare=False)  # SGL_KARA_RECORD_EVICTIONS only
+    logical_rows: object = field(default=None, repr=False, compare=False)
+
+    def reset_row(self) -> None:
+        """The request was retracted: it will be re-prefilled from its tokens, uncompressed."""
+        fresh = KaraReqState()
+        for name in ("protected", "frontier", "pos_offset", "compressions", "capture_from", "offset_row", "policy_state",
+                     "prefix_snapshot", "logical_rows"):
+            setattr(self, name, getattr(fresh, name))
 
     def meta(self, physical_len: int) -> dict:
         return {
@@ -49,11 +63,3 @@ class KaraReqState:
 
 def get_state(req) -> KaraReqState | None:
     return getattr(req, "kara", None)
-
-
-def ensure_state(req, default_enabled: bool = True) -> KaraReqState:
-    state = getattr(req, "kara", None)
-    if state is None:
-        state = KaraReqState(enabled=default_enabled)
-        req.kara = state
-    return state

@@ -1,53 +1,108 @@
 """Window queries for scoring: a capture ring filled during decode, or a recompute forward.
 
-Both end in the same per-layer call, ``score_layer(layer_id, q)``, with ``q`` of shape
-``[B, W_q, H_q, D]`` (W_q = W for bidirectional scoring, U for the buffer-only ablation), which
-scores the region's keys read through the requests' slot indices (kernels.window_score).
+Both end in the same per-layer call, ``ScoringPass.score_layer(layer_id, q)``, with ``q`` of
+shape ``[B, W_q, H_q, D]`` (the policy's query window, post-RoPE), which asks the policy to score
+the region's keys (read through the requests' slot indices).
+
+The recompute forward (paper App. C.2) is an EXTEND batch over the requests' real rows: prefix =
+rows [0, query_start), extend = the query window's tokens, whose KV is already cached at their
+rows; positions are logical. The attention hook forces ``save_kv_cache=False`` and hands each
+layer's queries to the scoring pass, so nothing in the pool changes.
 """
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
-from sgl_kara.kernels.window_score import window_scores_paged
+from sgl_kara.policies.base import ScoreInput
 
 
 class ScoringPass:
-    """Collects ``[B, L, H_kv, M]`` scores for one batch of requests, one layer at a time.
+    """Collects ``[B, L, H_kv, M]`` scores of one batch of jobs (all regions the same shape), one
+    layer at a time, from ``policy.score``. ``slots``: ``[B, M]`` pool slots of the region keys."""
 
-    ``region_slots``: ``[B, M]`` pool slots of the keys to score. ``query_rows``: which of the
-    W window queries to use (``slice(None)`` all, ``slice(-U, None)`` buffer only).
-    """
-
-    def __init__(self, kv_pool, layer_ids: list[int], region_slots: torch.Tensor, query_rows: slice):
+    def __init__(self, policy, kv_pool, layer_ids: list[int], slots: torch.Tensor, rows: list, regions: list):
+        self.policy = policy
         self.kv_pool = kv_pool
         self.layer_index = {lid: i for i, lid in enumerate(layer_ids)}
-        self.region_slots = region_slots
-        self.query_rows = query_rows
-        B, M = region_slots.shape
+        self.slots = slots
+        self.rows, self.regions = rows, regions
+        self.B, self.M = slots.shape
         self.scores: torch.Tensor | None = None
-        self.B, self.M = B, M
         self.seen: set[int] = set()
         # Set for a recompute forward: logical positions of the window tokens, [B * W].
         self.positions: torch.Tensor | None = None
 
-    def score_layer(self, layer_id: int, q: torch.Tensor) -> None:
-        """q: [B, W, H_q, D] window queries of this layer (post-RoPE)."""
-        q = q[:, self.query_rows].contiguous()
-        k_buffer = self.kv_pool.get_key_buffer(layer_id)
-        s = window_scores_paged(q, k_buffer, self.region_slots)  # [B, H_kv, M]
+    def score_layer(self, layer_id: int, q: torch.Tensor | None) -> None:
+        """q: [B, W, H_q, D] window queries of this layer (post-RoPE), or None."""
+        inp = ScoreInput(self.layer_index[layer_id], q, self.kv_pool.get_key_buffer(layer_id), self.slots,
+                         self.rows, self.regions)
+        s = self.policy.score(inp)  # [B, H_kv, M]
         if self.scores is None:
-            self.scores = torch.zeros(
-                (self.B, len(self.layer_index), s.shape[1], self.M), dtype=torch.float32, device=s.device
-            )
+            self.scores = torch.zeros((self.B, len(self.layer_index), s.shape[1], self.M), dtype=torch.float32,
+                                      device=s.device)
         self.scores[:, self.layer_index[layer_id]] = s
         self.seen.add(layer_id)
+
+    def score_without_queries(self) -> torch.Tensor:
+        for lid in self.layer_index:
+            self.score_layer(lid, None)
+        return self.result()
 
     def result(self) -> torch.Tensor:
         missing = set(self.layer_index) - self.seen
         if missing:
             raise RuntimeError(f"scoring pass saw no queries for layers {sorted(missing)}")
         return self.scores
+
+
+def recompute_batch(batch, jobs, rows: torch.Tensor, req_to_token: torch.Tensor, scoring: ScoringPass):
+    """A copy of the running ScheduleBatch turned into an EXTEND batch over the jobs' query
+    windows (physical rows [query_start, query_start + W), logical positions + pos_offset).
+    Every field SGLang's ForwardBatch.init_new reads for an extend batch is set here."""
+    from sgl_kara._sglang import ForwardMode
+
+    device = req_to_token.device
+    W = jobs[0].region.query_len
+    ids, positions, prefix, seq = [], [], [], []
+    for j in jobs:
+        tokens = j.req.origin_input_ids + j.req.output_ids
+        lo = j.region.query_start + j.state.pos_offset
+        ids.extend(tokens[lo : lo + W])
+        positions.extend(range(lo, lo + W))
+        prefix.append(j.region.query_start)
+        seq.append(j.region.query_start + W)
+    row_pos = torch.tensor(prefix, device=device)[:, None] + torch.arange(W, device=device)[None, :]
+    out_loc = req_to_token[rows[:, None], row_pos].reshape(-1).to(torch.int64)
+    sb = copy.copy(batch)
+    sb.reqs = [j.req for j in jobs]
+    sb.forward_mode = ForwardMode.EXTEND
+    sb.input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
+    sb.req_pool_indices = rows
+    sb.req_pool_indices_cpu = rows.cpu()
+    sb.seq_lens = torch.tensor(seq, dtype=torch.int64, device=device)
+    sb.seq_lens_cpu = torch.tensor(seq, dtype=torch.int64)
+    sb.orig_seq_lens = sb.seq_lens.to(torch.int32)
+    sb.seq_lens_sum = int(sum(seq))
+    sb.out_cache_loc = out_loc
+    sb.prefix_lens = prefix
+    sb.extend_lens = [W] * len(jobs)
+    sb.extend_num_tokens = W * len(jobs)
+    sb.extend_logprob_start_lens = [W] * len(jobs)
+    sb.return_logprob = False
+    sb.top_logprobs_nums = None
+    sb.token_ids_logprobs = None
+    sb.decoding_reqs = None
+    sb.multimodal_inputs = [None] * len(jobs)
+    sb.sampling_info = None
+    sb.spec_info = None
+    sb.input_embeds = None
+    sb.extend_input_logprob_token_ids = None
+    scoring.positions = torch.tensor(positions, dtype=torch.int64, device=device)
+    sb._kara_scoring = scoring
+    return sb
 
 
 class QueryRing:

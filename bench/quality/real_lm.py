@@ -1,0 +1,273 @@
+"""Quality on a real LM (``bench/quality.py --real``): fidelity to full KV, through the runtime.
+
+The default model (SmolLM2-135M-Instruct) answers the committed prompts (real_prompts.jsonl: 48
+prompts -- explanations, step-by-step arithmetic, lists, code, stories -- asking for long
+answers) with full KV; EOS is suppressed for ``--new-tokens`` so every output has that length.
+Greedy by default; ``--decoding sample`` draws the full-KV outputs with seeded sampling instead
+(this small model's greedy outputs often fall into repetition loops, which favour recency).
+Then each policy is fed that output (bench/quality/fidelity.py: the full-KV output forced
+token by token through a custom logit processor) and, per step, compared with full KV:
+
+    agreement      the policy's greedy choice equals full KV's
+    KL             KL(p_full || p_policy), nats per token
+    PPL            perplexity of the full-KV text under the policy
+    shared prefix  first disagreement = length of the output free greedy decoding would share
+                   with full KV (median over prompts; "identical" = never disagrees)
+
+each also on the steps before the full-KV output's first repetition loop ("no-loop") and on the
+steps after both Kara and the baseline have compressed ("late": steps past Kara's peak KV, the
+baseline's first trigger), since a threshold baseline compresses first only at Kara's peak.
+Budgets: Kara runs first at each ratio; each threshold baseline (SnapKV, StreamingLLM, H2O,
+R-KV) gets, per prompt, N = Kara's peak generated KV - (W - U), so its peak (N + W - U) equals
+Kara's. A few prompts are also decoded freely under every policy and shown as text.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+POLICIES = {
+    "none": dict(kara_policy="none"),
+    "kara": dict(kara_policy="kara"),
+    "kara-noT2C": dict(kara_policy="kara", kara_chunk_budget=0),
+    "kara-causal": dict(kara_policy="kara", kara_scoring="buffer"),
+    "snapkv": dict(kara_policy="snapkv"),
+    "streaming": dict(kara_policy="streaming"),
+    "h2o": dict(kara_policy="h2o"),
+    "rkv": dict(kara_policy="rkv"),
+}
+THRESHOLD = ("snapkv", "streaming", "h2o", "rkv")
+
+
+def load_problems(args, tok) -> list[dict]:
+    rows = [json.loads(line) for line in open(args.prompts) if line.strip()][: args.n]
+    out = []
+    for r in rows:
+        ids = tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) else list(ids)
+        out.append(dict(r, input_ids=ids))
+    return out
+
+
+def first_loop(ids: list[int], span: int = 24, repeats: int = 3) -> int:
+    """Start of the first repetition loop (a 4..span-token segment repeated ``repeats`` times
+    back to back); len(ids) if none."""
+    for end in range(len(ids)):
+        for p in range(4, span + 1):
+            start = end - repeats * p + 1
+            if start < 0:
+                break
+            seg = ids[end - p + 1 : end + 1]
+            if all(ids[start + r * p : start + (r + 1) * p] == seg for r in range(repeats - 1)):
+                return start
+    return len(ids)
+
+
+def engine_options(name, ratio, args, kara_peaks=None):
+    """(engine keyword options, per-request custom_params.kara list or None)."""
+    opts = dict(POLICIES[name], max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running)
+    if name == "none":
+        return opts, None
+    opts.update(kara_max_seqs=4096, kara_query_source="capture")
+    if name.startswith("kara"):
+        opts.update(kara_window=args.window, kara_buffer=args.buffer, kara_retention=ratio, kara_period=args.period)
+        return opts, None
+    gap = args.window - args.buffer
+    prefix = f"kara_{POLICIES[name]['kara_policy']}_"
+    w = 8 if name == "rkv" else args.buffer  # R-KV keeps its own 8 observation queries
+    floor = w + 2
+    opts.update({prefix + "window": w, prefix + "budget": floor, prefix + "threshold": floor + gap})
+    return opts, [{"budget": max(floor, peak - gap)} for peak in kara_peaks[ratio]]
+
+
+def run_engine(model_path, opts, problems, params_of, per_request=None, fidelity=None, threads=1):
+    import sgl_kara
+    from engine_env import engine_env
+
+    opts = dict(opts)
+    if fidelity:
+        opts["enable_custom_logit_processor"] = True
+    with engine_env(threads):
+        engine = sgl_kara.Engine(model_path=model_path, log_level="error", random_seed=0,
+                                 disable_overlap_schedule=True, **opts)
+    try:
+        params = []
+        for i, p in enumerate(problems):
+            sp = params_of(i, p)
+            custom = {}
+            if per_request:
+                custom["kara"] = per_request[i]
+            if fidelity:
+                custom["fidelity"] = fidelity[i]
+            if custom:
+                sp["custom_params"] = custom
+            params.append(sp)
+        processor = None
+        if fidelity:
+            from fidelity import FidelityProcessor
+
+            processor = [FidelityProcessor.to_str()] * len(problems)
+        return engine.generate(input_ids=[p["input_ids"] for p in problems], sampling_params=params,
+                               custom_logit_processor=processor)
+    finally:
+        engine.shutdown()
+
+
+def summarize_policy(name, ratio, steps_by_k, outs, problems, loops, late_from) -> dict:
+    """steps_by_k: per problem {"agree", "kl", "nll"} lists."""
+    agree = [a for k in steps_by_k for a in steps_by_k[k]["agree"]]
+    kl = [x for k in steps_by_k for x in steps_by_k[k]["kl"]]
+    nll = [x for k in steps_by_k for x in steps_by_k[k]["nll"]]
+    first = []
+    for k, st in steps_by_k.items():
+        dis = [t for t, a in enumerate(st["agree"]) if not a]
+        first.append(dis[0] if dis else len(st["agree"]))
+    nl_agree = [a for k, st in steps_by_k.items() for a in st["agree"][: loops[k]]]
+    nl_kl = [x for k, st in steps_by_k.items() for x in st["kl"][: loops[k]]]
+    late_agree = [a for k, st in steps_by_k.items() for a in st["agree"][late_from[k]:]]
+    late_kl = [x for k, st in steps_by_k.items() for x in st["kl"][late_from[k]:]]
+    metas = [o["meta_info"].get("kara", {}) for o in outs]
+    prompt = [len(p["input_ids"]) for p in problems]
+    peak = [m.get("kv_peak_len", 0) - p for m, p in zip(metas, prompt)] if metas[0] else []
+    mean = [m.get("kv_mean_len", 0) - p for m, p in zip(metas, prompt)] if metas[0] else []
+    steps = len(steps_by_k[next(iter(steps_by_k))]["agree"])
+    return dict(
+        policy=name, ratio=ratio, agree=sum(agree) / len(agree), kl=sum(kl) / len(kl),
+        ppl=math.exp(sum(nll) / len(nll)), shared_prefix_median=statistics.median(first),
+        identical=sum(f == steps for f in first), n=len(first), tokens=len(agree),
+        agree_noloop=sum(nl_agree) / max(1, len(nl_agree)), kl_noloop=sum(nl_kl) / max(1, len(nl_kl)),
+        noloop_tokens=len(nl_agree), agree_late=sum(late_agree) / max(1, len(late_agree)),
+        kl_late=sum(late_kl) / max(1, len(late_kl)), late_tokens=len(late_agree),
+        peak_kv=sum(peak) / len(peak) if peak else None, mean_kv=sum(mean) / len(mean) if mean else None,
+        shared_prefix=first,
+    )
+
+
+def main(args, argv):
+    from transformers import AutoTokenizer
+
+    import fidelity
+
+    if args.model_path is None:
+        from sgl_kara.default_model import default_model_path
+
+        args.model_path = default_model_path()
+    os.makedirs(args.out, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(args.model_path)
+    problems = load_problems(args, tok)
+    T = args.new_tokens
+    ks = list(range(len(problems)))
+
+    def full_params(i, p):
+        sp = {"max_new_tokens": T, "min_new_tokens": T, "temperature": 0.0}
+        if args.decoding == "sample":
+            sp.update(temperature=args.temperature, top_p=args.top_p, sampling_seed=args.seed + i)
+        return sp
+
+    rows, texts = [], {}
+    tic = time.time()
+    with tempfile.TemporaryDirectory(prefix="kara_real_") as d:
+        rec = [{"mode": "record", "dir": d, "k": k} for k in ks]
+        outs = run_engine(args.model_path, engine_options("none", None, args)[0], problems, full_params,
+                          fidelity=rec, threads=args.omp_threads)
+        tokens = [o["output_ids"] for o in outs]
+        assert all(len(t) == T for t in tokens), [len(t) for t in tokens]
+        loops = {k: first_loop(tokens[k]) for k in ks}
+        print(f"full KV: {len(ks)} x {T} tokens in {time.time() - tic:.0f}s; outputs with a loop: "
+              f"{sum(loops[k] < T for k in ks)}", flush=True)
+        texts["none"] = [tok.decode(tokens[k]) for k in ks[: args.show]]
+        kara_peaks: dict[float, list[int]] = {}
+        forced_params = lambda i, p: {"max_new_tokens": T, "min_new_tokens": T, "temperature": 0.0}  # noqa: E731
+        for name, ratio in run_order(args.policies, args.ratios):
+            tag = f"{name}_{ratio}"
+            forced = [{"mode": "force", "dir": d, "k": k, "tag": tag, "tokens": tokens[k]} for k in ks]
+            opts, per_request = engine_options(name, ratio, args, kara_peaks)
+            t0 = time.time()
+            outs = run_engine(args.model_path, opts, problems, forced_params, per_request, forced, args.omp_threads)
+            if any(o["output_ids"] != t for o, t in zip(outs, tokens)):
+                raise RuntimeError(f"{tag}: a forced output differs from the full-KV output")
+            if name == "kara":
+                kara_peaks[ratio] = [o["meta_info"]["kara"]["kv_peak_len"] - len(p["input_ids"])
+                                     for o, p in zip(outs, problems)]
+            late_from = {k: kara_peaks[ratio][k] if ratio in kara_peaks else 0 for k in ks}
+            steps = {k: fidelity.load_steps(d, tag, k) for k in ks}
+            row = summarize_policy(name, ratio, steps, outs, problems, loops, late_from)
+            row["seconds"] = time.time() - t0
+            rows.append(row)
+            write(rows, texts, args, argv)
+            print(f"{name:12s} r={ratio} agree {row['agree']:.4f} KL {row['kl']:.4f} PPL {row['ppl']:.3f} "
+                  f"shared prefix {row['shared_prefix_median']} identical {row['identical']}/{row['n']} "
+                  f"peak KV {row['peak_kv']} ({row['seconds']:.0f}s)", flush=True)
+    if args.show:
+        free_generation(args, problems[: args.show], texts, kara_peaks, tok)
+    write(rows, texts, args, argv)
+    plot(rows, args)
+    return rows
+
+
+def run_order(names, ratios):
+    """Per ratio: Kara first (the baselines take their budgets from its peaks), then the rest."""
+    order = [(n, r) for r in ratios for n in names if n != "none"]
+    return sorted(order, key=lambda nr: (nr[1], nr[0] != "kara"))
+
+
+def free_generation(args, problems, texts, kara_peaks, tok):
+    ratio = 0.25 if 0.25 in args.ratios else args.ratios[0]
+    params = lambda i, p: {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens,  # noqa: E731
+                           "temperature": 0.0}
+    for name in args.policies:
+        if name == "none":
+            continue
+        peaks = {ratio: kara_peaks.get(ratio, [0] * args.n)[: len(problems)]} if name in THRESHOLD else None
+        opts, per_request = engine_options(name, ratio, args, peaks)
+        outs = run_engine(args.model_path, opts, problems, params, per_request, threads=args.omp_threads)
+        texts[f"{name}_{ratio}"] = [o["text"] for o in outs]
+
+
+def write(rows, texts, args, argv):
+    head = ("| policy | retention | agreement | KL | PPL | shared prefix (median) | identical | agreement no-loop "
+            "| KL no-loop | agreement late | KL late | peak gen. KV | mean gen. KV |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        kv = f"{r['peak_kv']:.0f} | {r['mean_kv']:.0f}" if r["peak_kv"] is not None else "- | -"
+        lines.append(
+            f"| {r['policy']} | {r['ratio']} | {r['agree']:.4f} | {r['kl']:.4f} | {r['ppl']:.3f} | "
+            f"{r['shared_prefix_median']:.0f} | {r['identical']}/{r['n']} | {r['agree_noloop']:.4f} | "
+            f"{r['kl_noloop']:.4f} | {r['agree_late']:.4f} | {r['kl_late']:.4f} | {kv} |")
+    cmd = "python bench/quality.py " + " ".join(argv if argv is not None else [])
+    with open(os.path.join(args.out, "quality_real.md"), "w") as f:
+        f.write(f"command: {cmd}\n\n" + "\n".join(lines) + "\n")
+        for key, outs in texts.items():
+            f.write(f"\n### Free generation: {key}\n\n")
+            for i, t in enumerate(outs):
+                f.write(f"**prompt {i}**: {json.dumps(t[:600])}\n\n")
+    with open(os.path.join(args.out, "quality_real.json"), "w") as f:
+        json.dump({"rows": rows, "texts": texts, "args": {k: v for k, v in vars(args).items()}}, f, indent=1)
+
+
+def plot(rows, args):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for ax, field, label in ((axes[0], "agree", "next-token agreement with full KV"), (axes[1], "kl", "KL(full || policy)")):
+        for name in args.policies:
+            pts = sorted((r["ratio"], r[field]) for r in rows if r["policy"] == name)
+            if pts:
+                ax.plot([p for p, _ in pts], [v for _, v in pts], marker="o", label=name)
+        ax.set_xlabel("retention ratio")
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "quality_real.png"), dpi=120)

@@ -1,0 +1,183 @@
+"""Running one compression event over planned jobs: score, select, compact, shrink.
+
+Jobs are grouped by region shape (one batched score / select / compaction per group). A group
+that fails is retried request by request so the failing request is found; that request finishes
+with an error (HTTP 500) and its row is left untouched (SGLang frees it as usual); the others are
+compressed. A group that cannot get fresh slots is skipped (OutOfSlots: nothing changed).
+
+    score    ScoringPass over the policy's query window: captured queries when every job's
+             window is still in the ring, else a recompute forward (paper App. C.2); or the
+             policy's own scores when it needs no queries
+    select   policy.select(scores [B, L, H_kv, M], K) -> kept [B, L, H_kv, K]
+    compact  mem_cache.compaction: kept entries and the shifted tail into fresh slots
+    shrink   lengths in SGLang's request / batch state, pos_offset (host and device), frontier
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from sgl_kara import env
+from sgl_kara.mem_cache.compaction import CompactionPlan, OutOfSlots, compact_rows
+from sgl_kara.policies.base import RowView
+from sgl_kara.scheduler.queries import ScoringPass, recompute_batch
+
+logger = logging.getLogger(__name__)
+
+
+class EventRunner:
+    def __init__(self, rt):
+        self.rt = rt  # the KaraRuntime: pools, policy, ring, forward context, stats
+
+    def run(self, batch, jobs) -> None:
+        rt = self.rt
+        tic = time.perf_counter()
+        done = dropped = 0
+        groups: dict[tuple, list] = {}
+        for job in jobs:
+            groups.setdefault(job.region.shape, []).append(job)
+        pending = list(groups.values())
+        while pending:
+            group = pending.pop()
+            try:
+                n, d = self._compress_group(batch, group)
+                done, dropped = done + n, dropped + n * d
+            except OutOfSlots as e:
+                rt.stats.skipped_no_memory += len(group)
+                logger.info("Kara event skipped %d requests: %s", len(group), e)
+            except Exception as e:  # noqa: BLE001 - isolate the failing request, keep serving
+                if len(group) > 1:
+                    pending.extend([job] for job in group)  # retry one by one to find the culprit
+                else:
+                    self._fail(group[0], e)
+        seconds = time.perf_counter() - tic
+        if done:
+            rt.stats.events += 1
+            rt.stats.compression_seconds += seconds
+            if rt.metrics is not None:
+                rt.metrics.record_event(done, dropped, seconds)
+            logger.info("Kara event #%d: %d requests compressed, %d KV entries freed, %.1f ms, %d free slots",
+                        rt.stats.events, done, dropped, seconds * 1e3, rt.allocator.available_size())
+
+    def _fail(self, job, error: Exception) -> None:
+        """Finish one request with an error; its row is untouched, so SGLang frees it as usual."""
+        from sgl_kara._sglang import FINISH_ABORT
+
+        logger.error("Kara compression failed for request %s: %s", job.req.rid, error)
+        job.state.enabled = False
+        self.rt.stats.failed_requests += 1
+        job.req.to_finish = FINISH_ABORT(f"KV compression failed: {error}", status_code=500)
+
+    def _compress_group(self, batch, jobs) -> tuple[int, int]:
+        rt = self.rt
+        req_to_token = rt.req_to_token_pool.req_to_token
+        device = req_to_token.device
+        rows = torch.tensor([j.req.kv.req_pool_idx for j in jobs], dtype=torch.int64, device=device)
+        M, K = jobs[0].region.length, jobs[0].region.keep
+        starts = torch.tensor([j.region.start for j in jobs], dtype=torch.int64, device=device)
+        region_slots = req_to_token[rows[:, None], starts[:, None] + torch.arange(M, device=device)].to(torch.int64)
+        scores = self._scores(batch, jobs, rows, region_slots)  # [B, L, H_kv, M]
+        kept = rt.policy.select(scores, K)
+        lengths = [int(j.req.kv.kv_committed_len) for j in jobs]
+        plan = CompactionPlan(rows=rows, starts=[j.region.start for j in jobs], lengths=lengths, region=M, kept=kept)
+        k_bufs = [rt.kv_pool.get_key_buffer(l) for l in rt.layer_ids]
+        v_bufs = [rt.kv_pool.get_value_buffer(l) for l in rt.layer_ids]
+        d = compact_rows(plan, req_to_token, k_bufs, v_bufs, rt.alloc_slots, rt.allocator.free, rt.page_size)
+        for b, j in enumerate(jobs):
+            if rt.recorder is not None:
+                rt.recorder.record(j.req, j.state, j.region.start, M, kept[b], lengths[b] + j.state.pos_offset)
+            if rt.policy.observes_decode:
+                rt.policy.on_compacted(j.state, j.region.start, M, kept[b], lengths[b])
+        self._shrink(batch, jobs, rows, d, K)
+        rt.stats.requests_compressed += len(jobs)
+        rt.stats.tokens_dropped += d * len(jobs)
+        return len(jobs), d
+
+    def _shrink(self, batch, jobs, rows: torch.Tensor, d: int, keep: int) -> None:
+        for j in jobs:
+            j.req.kv.kv_committed_len -= d
+            j.req.kv.kv_allocated_len -= d
+            j.state.pos_offset += d
+            j.state.frontier = j.region.start + keep
+            j.state.compressions += 1
+        if d:
+            self.rt.forward.add_offset(rows, d)
+            idx = torch.tensor([j.index for j in jobs], dtype=torch.int64)
+            dev_idx = idx.to(batch.seq_lens.device)
+            batch.seq_lens = batch.seq_lens.clone()
+            batch.seq_lens[dev_idx] -= d
+            batch.orig_seq_lens = batch.orig_seq_lens.clone()
+            batch.orig_seq_lens[dev_idx] -= d
+            if batch.seq_lens_cpu is not None:
+                batch.seq_lens_cpu = batch.seq_lens_cpu.clone()
+                batch.seq_lens_cpu[idx] -= d
+            batch.seq_lens_sum = None
+
+    # ------------------------------------------------------------------------------ scores
+    def _scoring_pass(self, jobs, region_slots) -> ScoringPass:
+        rt = self.rt
+        views = [RowView(j.state.protected, j.state.frontier, int(j.req.kv.kv_committed_len), j.state.pos_offset,
+                         j.state) for j in jobs]
+        return ScoringPass(rt.policy, rt.kv_pool, rt.layer_ids, region_slots, views, [j.region for j in jobs])
+
+    def _scores(self, batch, jobs, rows, region_slots) -> torch.Tensor:
+        rt = self.rt
+        fault = env.inject_fault_rid_prefix()
+        if fault and any(str(j.req.rid).startswith(fault) for j in jobs):
+            raise RuntimeError("injected fault (SGL_KARA_INJECT_FAULT_RID_PREFIX)")
+        scoring = self._scoring_pass(jobs, region_slots)
+        if not rt.policy.needs_queries:
+            return scoring.score_without_queries()
+        q_len = jobs[0].region.query_len
+        q_starts = [j.region.query_start + j.state.pos_offset for j in jobs]  # logical
+        ring = rt.ring
+        if ring is not None and all(
+            j.state.capture_from is not None and s >= j.state.capture_from and ring.holds(j.req)
+            and (int(j.req.kv.kv_committed_len) + j.state.pos_offset) - s <= ring.capacity
+            for s, j in zip(q_starts, jobs)
+        ):
+            starts = torch.tensor(q_starts, dtype=torch.int64, device=rows.device)
+            ring_rows = ring.rows_for(rows)
+            for lid in rt.layer_ids:
+                scoring.score_layer(lid, ring.read(lid, ring_rows, starts, q_len))
+            captured = scoring.result()
+            if env.crosscheck_queries():
+                self._crosscheck(batch, jobs, rows, region_slots, captured)
+            return captured
+        if ring is not None:
+            rt.stats.recompute_fallbacks += len(jobs)
+            if rt.metrics is not None:
+                rt.metrics.fallbacks.inc(len(jobs))
+        self._recompute(batch, jobs, rows, scoring)
+        return scoring.result()
+
+    def _crosscheck(self, batch, jobs, rows, region_slots, captured) -> None:
+        """On a request's first window both query sources must agree (the prefix is exact)."""
+        first = [i for i, j in enumerate(jobs) if j.state.compressions == 0]
+        if not first:
+            return
+        sub = [jobs[i] for i in first]
+        idx = torch.tensor(first, device=rows.device)
+        ref = self._scoring_pass(sub, region_slots[idx])
+        self._recompute(batch, sub, rows[idx], ref)
+        recomputed = ref.result()
+        for n, i in enumerate(first):
+            a, b = captured[i], recomputed[n]
+            jobs[i].state.crosscheck_err = float(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item())
+
+    def _recompute(self, batch, jobs, rows, scoring: ScoringPass) -> None:
+        """Extra forward over the query windows, reusing cached KV and writing none."""
+        from sgl_kara._sglang import ForwardBatch
+
+        rt = self.rt
+        sb = recompute_batch(batch, jobs, rows, rt.req_to_token_pool.req_to_token, scoring)
+        rt.forward.scoring = scoring
+        try:
+            fb = ForwardBatch.init_new(sb, rt.model_runner, return_hidden_states_before_norm=False)
+            with torch.inference_mode():
+                rt.model_runner.forward(fb)
+        finally:
+            rt.forward.scoring = None

@@ -1,0 +1,154 @@
+"""The policy contract (sgl_kara/policies/base.py), run over every registered policy.
+
+kvpress-style: one matrix for all methods -- options and flags, scores and selections on random
+inputs ("kept = top-scored" for the default selection), regions and footprints -- plus the
+per-method checks of what each one computes, against direct computations written here.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+import pytest
+import torch
+
+from sgl_kara.config import KaraConfig, KaraConfigError, add_cli_args, flag_name
+from sgl_kara.policies import base
+from sgl_kara.policies.base import RowView, ScoreInput, top_k
+from sgl_kara.scheduler.state import KaraReqState
+
+POLICIES = base.names()
+B, M, HQ, HKV, D, LAYERS = 2, 40, 4, 2, 16, 3
+
+
+def _policy(name, **opts):
+    return KaraConfig.build(policy=name, **{base.policy_class(name).prefix + k: v for k, v in opts.items()}).make_policy()
+
+
+def _row(length, protected=10, frontier=None, offset=0, **state):
+    return RowView(protected, protected if frontier is None else frontier, length, offset, KaraReqState(**state))
+
+
+def _inputs(policy, layer=0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k_buffer = torch.randn(200, HKV, D, generator=g)
+    slots = torch.stack([torch.randperm(200, generator=g)[:M] for _ in range(B)])
+    rows = [_row(M + 60) for _ in range(B)]
+    region = base.Region(10, M, 12, 50, 8 if policy.needs_queries else 0)
+    q = torch.randn(B, region.query_len, HQ, D, generator=g) if policy.needs_queries else None
+    if policy.observes_decode:
+        for r in rows:
+            r.state.policy_state[policy.name] = {layer: torch.rand(HKV, 120, generator=g)}
+    return ScoreInput(layer, q, k_buffer, slots, rows, [region] * B)
+
+
+def test_registry_names_every_policy_and_refuses_unknown_ones():
+    assert {"kara", "snapkv", "streaming"} <= set(POLICIES)
+    with pytest.raises(ValueError, match="known: " + ", ".join(POLICIES)):
+        base.policy_class("nope")
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_options_defaults_valid_and_every_option_has_a_flag(name):
+    pcls = base.policy_class(name)
+    cfg = KaraConfig.build(policy=name)
+    assert isinstance(cfg.options, pcls.Options)
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    flags = {a for action in parser._actions for a in action.option_strings}
+    for f in fields(pcls.Options):
+        assert flag_name(pcls.prefix + f.name) in flags
+    assert cfg.to_dict() == KaraConfig.build(**cfg.to_dict()).to_dict()  # the scheduler's round trip
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_scores_and_selection_properties(name):
+    policy = _policy(name)
+    per_layer = [policy.score(_inputs(policy, layer, seed=layer)) for layer in range(LAYERS)]
+    for s in per_layer:
+        assert s.shape == (B, HKV, M) and s.dtype == torch.float32 and torch.isfinite(s).all()
+    scores = torch.stack(per_layer, dim=1)  # [B, L, H_kv, M]
+    for keep in (1, 12, M):
+        kept = policy.select(scores, keep)
+        assert kept.shape == (B, LAYERS, HKV, keep) and kept.dtype == torch.int64
+        assert (kept.diff(dim=-1) > 0).all() and kept.min() >= 0 and kept.max() < M  # sorted, unique
+        if type(policy).select is base.Policy.select:  # default selection: kept = top-scored
+            thresh = scores.sort(dim=-1, descending=True).values[..., keep - 1 : keep]
+            assert (scores.gather(-1, kept) >= thresh).all()
+
+
+def test_top_k_ties_go_to_the_lower_index():
+    assert top_k(torch.tensor([1.0, 3.0, 3.0, 0.0, 3.0]), 2).tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_footprint_is_bounded_and_monotone(name):
+    policy = _policy(name)
+    state = KaraReqState()
+    prev = 0
+    for remaining in (0, 1, 100, 1000, 10_000, 100_000):
+        f = policy.footprint(remaining, state)
+        assert 0 <= f <= remaining and f >= prev
+        prev = f
+    assert policy.footprint(100_000, state) < 100_000  # compression discounts long futures
+
+
+def test_kara_region_schedule_and_per_request_retention():
+    p = _policy("kara", window=64, buffer=16, period=8, retention=0.25)
+    assert [p.due(s) for s in (7, 8, 16)] == [False, True, True]
+    assert p.region(_row(10 + 63)) is None
+    r = p.region(_row(10 + 64, frontier=10))
+    assert (r.start, r.length, r.keep, r.query_start, r.query_len) == (10, 48, 12, 10, 64)
+    assert p.region(_row(10 + 64, retention=0.5)).keep == 24
+    assert p.query_capacity() == 64 + 8
+
+
+@pytest.mark.parametrize("name", [n for n in POLICIES if n != "kara"])
+def test_threshold_regions_use_the_request_budget(name):
+    p = _policy(name, threshold=80, budget=60, window=8)
+    assert p.region(_row(10 + 80)) is None  # generated == C_max: not yet
+    r = p.region(_row(10 + 81))
+    assert (r.start, r.length, r.keep) == (10, 81 - 8, 60 - 8)
+    # budget matching: N = 30 for this request, threshold keeps the gap of 20
+    assert p.region(_row(10 + 50, budget=30)) is None
+    r = p.region(_row(10 + 51, budget=30))
+    assert (r.length, r.keep) == (51 - 8, 30 - 8)
+    assert p.footprint(10_000, KaraReqState(budget=30)) == 51
+
+
+def test_retraction_keeps_the_request_options():
+    """The bug of the old hand-rebuilt state: a retracted snapkv request fell back to the
+    server-wide budget. reset_row clears the row state and keeps the request's own options."""
+    state = KaraReqState(enabled=True, retention=0.5, budget=30)
+    state.protected, state.frontier, state.pos_offset, state.compressions = 16, 40, 120, 3
+    state.policy_state["h2o"] = {0: torch.ones(1, 4)}
+    state.kv_peak = 99
+    state.reset_row()
+    assert (state.budget, state.retention, state.enabled, state.kv_peak) == (30, 0.5, True, 99)
+    assert (state.protected, state.frontier, state.pos_offset, state.compressions, state.policy_state) == (-1, 0, 0, 0, {})
+    p = _policy("snapkv", threshold=80, budget=60, window=8)
+    assert p.region(RowView(10, 10, 10 + 51, 0, state)).keep == 30 - 8
+
+
+def test_streaming_scores_keep_sinks_then_recent():
+    from sgl_kara.policies.streaming import streaming_select
+
+    p = _policy("streaming", threshold=80, budget=60, window=8, sinks=3)
+    scores = torch.stack([p.score(_inputs(p, layer)) for layer in range(LAYERS)], dim=1)
+    for keep in (2, 3, 10, M):
+        expect = streaming_select(M, keep, min(3, keep), batch_shape=(B, LAYERS, HKV))
+        assert torch.equal(p.select(scores, keep), expect)
+
+
+def test_snapkv_scores_match_pooled_window_scores():
+    from sgl_kara.policies.snapkv import snapkv_scores
+
+    p = _policy("snapkv", kernel=5)
+    inp = _inputs(p)
+    torch.testing.assert_close(p.score(inp), snapkv_scores(inp.queries, inp.keys(), 5))
+
+
+def test_per_request_option_of_another_policy_is_listed_in_the_error():
+    with pytest.raises(KaraConfigError, match="applies to --kara-policy snapkv"):
+        KaraConfig.build(policy="kara", snapkv_budget=100)
