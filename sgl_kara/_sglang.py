@@ -57,6 +57,9 @@ ATTRIBUTES = {
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch": [
         "init_new", "positions", "forward_mode", "batch_size", "req_pool_indices", "seq_lens", "seq_lens_cpu"],
     "sglang.srt.layers.radix_attention.RadixAttention": ["forward", "layer_id", "tp_q_head_num", "qk_head_dim"],
+    # events.py: the recompute forward runs eagerly (prefill CUDA graph runner set aside)
+    "sglang.srt.model_executor.model_runner.ModelRunner": [
+        "forward", "prefill_cuda_graph_runner", "model", "dtype"],
     # scheduler/kara_scheduler.py, runtime.py; plugin trace hook
     "sglang.srt.managers.scheduler.Scheduler": [
         "update_running_batch", "get_prefill_adder_class", "get_output_streamer_class",

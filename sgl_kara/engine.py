@@ -92,6 +92,9 @@ class Engine(SGLangEngine):
         if "server_args" in kwargs:
             raise TypeError("sgl_kara.Engine takes keyword options, not server_args=")
         self.kara_config, server_args = build_server_args(kwargs)
+        from sgl_kara.plugin import set_serving_policy
+
+        set_serving_policy(self.kara_config.policy)
         if self.kara_config.enabled:
             from sgl_kara.scheduler.kara_scheduler import run_kara_scheduler_process
 

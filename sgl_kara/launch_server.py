@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg, server_args = parse(sys.argv[1:] if argv is None else argv)
     from sgl_kara._sglang import sglang_launch_server
 
+    from sgl_kara.plugin import set_serving_policy
+
+    set_serving_policy(cfg.policy)
     kwargs = {}
     if cfg.enabled:
         from sgl_kara.scheduler.kara_scheduler import run_kara_scheduler_process

@@ -53,6 +53,7 @@ class ModelShape:
     context_len: int
     checkpoint_dtype: str
     weight_file_bytes: int
+    mrope: bool = False  # multimodal rotary positions (Qwen2-VL style): refused by support.py
 
     @classmethod
     def from_model_path(cls, model_path: str) -> "ModelShape | None":
@@ -68,6 +69,8 @@ class ModelShape:
             q_heads = int(text.num_attention_heads)
             head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // q_heads)
             dtype = str(getattr(text, "dtype", None) or getattr(text, "torch_dtype", None) or "float32")
+            rope = [getattr(c, a, None) for c in (cfg, text) for a in ("rope_scaling", "rope_parameters")]
+            mrope = any(isinstance(r, dict) and ("mrope_section" in r or r.get("type") == "mrope") for r in rope)
             return cls(
                 layers=int(text.num_hidden_layers),
                 q_heads=q_heads,
@@ -78,6 +81,7 @@ class ModelShape:
                 weight_file_bytes=sum(
                     f.stat().st_size for f in path.iterdir() if f.suffix in (".safetensors", ".bin")
                 ),
+                mrope=mrope,
             )
         except (AttributeError, TypeError, ValueError, OSError):
             return None

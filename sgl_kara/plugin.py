@@ -122,11 +122,23 @@ def _trace_hook(result, scheduler, batch, *args, **kwargs):
     return result
 
 
+_SERVING_POLICY: str | None = None  # set in the process that validates requests (launcher / Engine)
+
+
+def set_serving_policy(policy: str) -> None:
+    """The compression policy of the server this process fronts (per-request checks that depend on it)."""
+    global _SERVING_POLICY
+    _SERVING_POLICY = policy
+
+
 def _verify_hook(result, sampling_params, *args, **kwargs):
-    """SamplingParams.verify: reject invalid ``custom_params["kara"]`` with a 400 naming the field."""
-    from sgl_kara.request_options import validate
+    """SamplingParams.verify: reject invalid ``custom_params["kara"]``, and beam search under a
+    compression policy, with a 400 naming the field."""
+    from sgl_kara.request_options import check_supported, validate
 
     validate(getattr(sampling_params, "custom_params", None))
+    if _SERVING_POLICY not in (None, "none"):
+        check_supported(sampling_params, _SERVING_POLICY)
     return result
 
 

@@ -44,3 +44,11 @@ def validate(custom_params) -> dict:
         ignored = sorted(set(opts) - {"enable"})
         raise ValueError(f"custom_params.kara.enable is false, so {ignored} would have no effect; drop them or enable compression")
     return dict(opts)
+
+
+def check_supported(sampling_params, policy: str) -> None:
+    """Per-request features the compression runtime does not support (raises ValueError -> 400)."""
+    beam = getattr(sampling_params, "beam_width", None)
+    if beam is not None and beam > 1:
+        raise ValueError(f"beam_width={beam} (beam search) is not supported with --kara-policy {policy}: "
+                         "beam rows share one request's KV, which compression rewrites")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 from sgl_kara.config import KaraConfig
 from sgl_kara.memory import (
@@ -44,6 +45,14 @@ _UNSUPPORTED = [
     ("num_continuous_decode_steps", lambda v: (v or 1) > 1, "--num-continuous-decode-steps",
      "compression runs between decode steps; continuous steps skip it"),
     ("enable_hisparse", bool, "--enable-hisparse", "HiSparse is not supported"),
+    ("tp_size", lambda v: (v or 1) > 1, "--tp-size",
+     "tensor parallelism is not supported yet (an event failing on one rank would desynchronise the ranks)"),
+    ("kv_cache_dtype", lambda v: str(v) not in ("auto", "bfloat16", "float16", "float32", "bf16", "fp16"),
+     "--kv-cache-dtype", "quantized (fp8) KV caches are not supported: scoring reads keys as floats"),
+]
+# SGLang environment switches that change the KV layout Kara's kernels index.
+_UNSUPPORTED_ENV = [
+    ("SGLANG_USE_HND_KVCACHE", "the HND KV layout is not supported: compaction and scoring index NHD slot rows"),
 ]
 
 
@@ -124,6 +133,9 @@ def prepare_server_args(server_args, cfg: KaraConfig) -> KaraConfig:
         value = getattr(server_args, name, None)
         if value is not None and enabled(value):
             raise UnsupportedFeature(f"{flag} is not supported with --kara-policy {cfg.policy}: {why}")
+    for var, why in _UNSUPPORTED_ENV:
+        if os.environ.get(var, "0").lower() not in ("0", "", "false"):
+            raise UnsupportedFeature(f"{var}={os.environ[var]} is not supported with --kara-policy {cfg.policy}: {why}")
     backend = getattr(server_args, "radix_cache_backend", None)
     if backend not in (None, "", "kara"):
         raise UnsupportedFeature(
@@ -134,6 +146,10 @@ def prepare_server_args(server_args, cfg: KaraConfig) -> KaraConfig:
     # Compression edits rows the overlapped forward would still read: run without overlap.
     server_args.disable_overlap_schedule = True
     shape = ModelShape.from_model_path(server_args.model_path)
+    if shape is not None and shape.mrope:
+        raise UnsupportedFeature(
+            f"--model-path {server_args.model_path} uses M-RoPE (multimodal rotary positions), which is not "
+            f"supported with --kara-policy {cfg.policy}: its position offsets would not reach mrope_positions")
     cfg = resolve_query_source(cfg, server_args, shape)
     if cfg.query_source == "capture":
         # Captured queries are written by a hook that a CUDA graph would freeze.

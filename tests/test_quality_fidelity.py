@@ -28,6 +28,10 @@ def test_step_stats_matches_direct_kl():
     flipped = logits.clone()
     flipped[int(q.argmax())] = -10.0
     assert fidelity.step_stats(logits, flipped, 4)[0] == 0
+    # a token masked in both runs (EOS under min_new_tokens) adds nothing, it is not nan
+    masked = logits.clone()
+    masked[7] = float("-inf")
+    assert fidelity.step_stats(masked, masked.clone(), 4)[1] == pytest.approx(0.0, abs=1e-6)
 
 
 def test_force_makes_token_the_greedy_choice():

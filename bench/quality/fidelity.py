@@ -42,7 +42,8 @@ def step_stats(logits: torch.Tensor, ref_logp: torch.Tensor, token: int) -> tupl
     renormalised; agree: the policy's greedy choice is the reference's."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     ref = ref_logp.float() - torch.logsumexp(ref_logp.float(), dim=-1)
-    kl = torch.sum(ref.exp() * (ref - logp)).clamp_min(0.0)
+    # Tokens masked in both runs (-inf, e.g. EOS under min_new_tokens) contribute 0, not nan.
+    kl = torch.where(torch.isfinite(ref), ref.exp() * (ref - logp), torch.zeros_like(ref)).sum().clamp_min(0.0)
     return int(int(torch.argmax(logp)) == int(torch.argmax(ref))), float(kl), float(-logp[token])
 
 

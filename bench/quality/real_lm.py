@@ -50,9 +50,9 @@ def load_problems(args, tok) -> list[dict]:
     rows = [json.loads(line) for line in open(args.prompts) if line.strip()][: args.n]
     out = []
     for r in rows:
-        ids = tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) else list(ids)
-        out.append(dict(r, input_ids=ids))
+        text = tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
+                                       tokenize=False)
+        out.append(dict(r, input_ids=tok(text, add_special_tokens=False)["input_ids"]))
     return out
 
 
@@ -82,7 +82,7 @@ def engine_options(name, ratio, args, kara_peaks=None):
     gap = args.window - args.buffer
     prefix = f"kara_{POLICIES[name]['kara_policy']}_"
     w = 8 if name == "rkv" else args.buffer  # R-KV keeps its own 8 observation queries
-    floor = w + 2
+    floor = w + 8  # server-wide N only needs to be valid (StreamingLLM's 4 sinks fit); requests bring their own
     opts.update({prefix + "window": w, prefix + "budget": floor, prefix + "threshold": floor + gap})
     return opts, [{"budget": max(floor, peak - gap)} for peak in kara_peaks[ratio]]
 

@@ -9,8 +9,9 @@ Shapes and strides
         grid       (B * L * H_kv, cdiv(K, BLOCK_T)); each program moves BLOCK_T rows of D
     copy_slots:
         src, dst   [N] int64; effect K_l[dst[i]] = K_l[src[i]] for every layer (all heads)
-        grid       (L * N, cdiv(H_kv * D, BLOCK)); staged through a workspace, so
-                   src and dst may overlap (e.g. shifting a page tail down).
+        grid       (L * N, cdiv(H_kv * D, BLOCK)); staged through a workspace
+                   [L, N, H_kv * D] so src and dst may overlap, or, with disjoint=True
+                   (e.g. old pages -> fresh pages), copied directly with no workspace.
 
 Per-layer base pointers travel as an int64 tensor [L] and are cast back inside the
 kernel. Elements move as same-width integers (int8/16/32/64), so copies are bit-exact
@@ -53,6 +54,23 @@ def _compact_kernel(k_table, v_table, src_ptr, dst_ptr, L, H, K, stride_s, strid
     v_ptr = tl.load(v_table + l).to(tl.pointer_type(ELEM))
     tl.store(k_ptr + dst_off, tl.load(k_ptr + src_off, mask=mask), mask=mask)
     tl.store(v_ptr + dst_off, tl.load(v_ptr + src_off, mask=mask), mask=mask)
+
+
+@triton.jit
+def _copy_rows_kernel(k_table, v_table, src_ptr, dst_ptr, N, ROW, stride_s,
+                      ELEM: tl.constexpr, BLOCK: tl.constexpr):
+    """Pool rows dst[i] <- pool rows src[i] of layer l, directly (src and dst disjoint)."""
+    pid = tl.program_id(0)  # (l, i) flattened, i fastest
+    l = pid // N
+    i = pid % N
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < ROW
+    src = tl.load(src_ptr + i)
+    dst = tl.load(dst_ptr + i)
+    k_ptr = tl.load(k_table + l).to(tl.pointer_type(ELEM))
+    v_ptr = tl.load(v_table + l).to(tl.pointer_type(ELEM))
+    tl.store(k_ptr + dst * stride_s + offs, tl.load(k_ptr + src * stride_s + offs, mask=ok), mask=ok)
+    tl.store(v_ptr + dst * stride_s + offs, tl.load(v_ptr + src * stride_s + offs, mask=ok), mask=ok)
 
 
 @triton.jit
@@ -160,10 +178,8 @@ def compact_kv(k_buffers, v_buffers, src_slots, dst_slots, use_triton=None, chec
             raise ValueError("dst_slots overlap src_slots; compaction is in place and would race")
     if src_slots.numel() == 0:
         return
-    if not want_triton(use_triton, ref):
+    if not want_triton(use_triton, ref, pow2_dim=d):
         return compact_kv_ref(k_buffers, v_buffers, src_slots, dst_slots)
-    if d & (d - 1):
-        raise ValueError(f"D must be a power of two for the Triton path, got {d}")
     n = ref.element_size()
     k_views = [t.view(_INT_VIEW[n]) for t in k_buffers]
     v_views = [t.view(_INT_VIEW[n]) for t in v_buffers]
@@ -174,10 +190,12 @@ def compact_kv(k_buffers, v_buffers, src_slots, dst_slots, use_triton=None, chec
         len(k_buffers), h, k, ref.stride(0), ref.stride(1), ELEM=_TL_INT[n], D=d, BLOCK_T=block_t)
 
 
-def copy_slots(k_buffers, v_buffers, src, dst, use_triton=None):
+def copy_slots(k_buffers, v_buffers, src, dst, use_triton=None, disjoint=False):
     """K_l[dst[i]] = K_l[src[i]] (all heads, and V) for every layer; src, dst [N] int64.
 
-    src and dst may overlap (sources are staged in a workspace); dst must be unique.
+    src and dst may overlap (sources are staged in a workspace); dst must be unique. With
+    ``disjoint=True`` the caller guarantees no dst slot is a src slot (checked on CPU) and rows
+    are copied directly, without the [L, N, H_kv * D] workspace.
     """
     ref = _check_buffers(k_buffers, v_buffers)
     s, h, d = ref.shape
@@ -185,6 +203,8 @@ def copy_slots(k_buffers, v_buffers, src, dst, use_triton=None):
         raise ValueError(f"src and dst must be [N], got {tuple(src.shape)}, {tuple(dst.shape)}")
     _check_slots("src", src, ref.device, s)
     _check_slots("dst", dst, ref.device, s)
+    if disjoint and ref.device.type == "cpu" and torch.isin(dst, src).any():
+        raise ValueError("copy_slots(disjoint=True): dst overlaps src")
     if src.numel() == 0:
         return
     if not want_triton(use_triton, ref):
@@ -193,11 +213,14 @@ def copy_slots(k_buffers, v_buffers, src, dst, use_triton=None):
     es = ref.element_size()
     k_tab = _ptr_table([t.view(_INT_VIEW[es]) for t in k_buffers])
     v_tab = _ptr_table([t.view(_INT_VIEW[es]) for t in v_buffers])
-    k_ws = torch.empty(n_layers, n, row, dtype=_INT_VIEW[es], device=ref.device)
-    v_ws = torch.empty_like(k_ws)
     block = min(1024, triton.next_power_of_2(row))
     grid = (n_layers * n, triton.cdiv(row, block))
     args = (n, row, ref.stride(0))
     meta = dict(ELEM=_TL_INT[es], BLOCK=block)
+    if disjoint:
+        _copy_rows_kernel[grid](k_tab, v_tab, src.contiguous(), dst.contiguous(), *args, **meta)
+        return
+    k_ws = torch.empty(n_layers, n, row, dtype=_INT_VIEW[es], device=ref.device)
+    v_ws = torch.empty_like(k_ws)
     _gather_rows_kernel[grid](k_tab, v_tab, src.contiguous(), k_ws, v_ws, *args, **meta)
     _scatter_rows_kernel[grid](k_tab, v_tab, dst.contiguous(), k_ws, v_ws, *args, **meta)

@@ -166,7 +166,7 @@ def window_scores_paged(q, k_buffer, slots, scale=None, use_triton=None):
     use_triton None: Triton on CUDA or under TRITON_INTERPRET=1, else torch reference.
     """
     _check(q, k_buffer, slots)
-    if not want_triton(use_triton, q):
+    if not want_triton(use_triton, q, pow2_dim=q.shape[-1], min_dim=16):
         return window_scores_paged_ref(q, k_buffer, slots, scale)
     b, w, hq, d = q.shape
     hkv = k_buffer.shape[1]
@@ -175,8 +175,6 @@ def window_scores_paged(q, k_buffer, slots, scale=None, use_triton=None):
         raise ValueError("q must be contiguous [B, W, H_q, D]")
     if k_buffer.stride(2) != 1:
         raise ValueError("k_buffer last dim must be contiguous")
-    if d < 16 or d & (d - 1):
-        raise ValueError(f"D must be a power of two >= 16 for the Triton path, got {d}")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     out = torch.zeros(b, hkv, m, dtype=torch.float32, device=q.device)
     if b == 0 or w == 0 or m == 0:

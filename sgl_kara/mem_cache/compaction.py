@@ -74,8 +74,9 @@ def compact_rows(plan: CompactionPlan, req_to_token: torch.Tensor, k_buffers, v_
         raise
 
     d = M - K
+    row_ids = rows.tolist()  # one device->host read for the group (not one per request)
     for b in range(B):
-        row, a, length = int(rows[b]), plan.starts[b], plan.lengths[b]
+        row, a, length = row_ids[b], plan.starts[b], plan.lengths[b]
         tail = req_to_token[row, a + M : length].clone()
         req_to_token[row, a : a + K] = dst[b].to(req_to_token.dtype)
         req_to_token[row, a + K : length - d] = tail
@@ -133,8 +134,9 @@ def _paged_copy(plan, req_to_token, k_buffers, v_buffers, fresh, spans, rows, pa
 
     new_rows, kept_dst, copy_src, copy_dst = [], [], [], []
     cursor = 0
+    row_ids = rows.tolist()  # one device->host read for the group
     for b, (s, a, length, n_new, n_pages) in enumerate(spans):
-        row = int(rows[b])
+        row = row_ids[b]
         new = fresh[cursor : cursor + n_pages * page][:n_new]
         cursor += n_pages * page
         old_row = req_to_token[row, s:length].to(torch.int64)
@@ -144,5 +146,6 @@ def _paged_copy(plan, req_to_token, k_buffers, v_buffers, fresh, spans, rows, pa
         copy_dst += [new[:head], new[head + K :]]
         new_rows.append((row, s, new, old_row))
     compact_kv(k_buffers, v_buffers, src, torch.stack(kept_dst), use_triton=use_triton)
-    copy_slots(k_buffers, v_buffers, torch.cat(copy_src), torch.cat(copy_dst), use_triton=use_triton)
+    # Old pages -> fresh pages: disjoint, so no staging workspace (it would hold the whole tail).
+    copy_slots(k_buffers, v_buffers, torch.cat(copy_src), torch.cat(copy_dst), use_triton=use_triton, disjoint=True)
     return new_rows

@@ -151,8 +151,7 @@ class EventRunner:
             rt.stats.recompute_fallbacks += len(jobs)
             if rt.metrics is not None:
                 rt.metrics.fallbacks.inc(len(jobs))
-        self._recompute(batch, jobs, rows, scoring)
-        return scoring.result()
+        return self._recompute_scores(batch, jobs, rows, region_slots)
 
     def _crosscheck(self, batch, jobs, rows, region_slots, captured) -> None:
         """On a request's first window both query sources must agree (the prefix is exact)."""
@@ -161,23 +160,38 @@ class EventRunner:
             return
         sub = [jobs[i] for i in first]
         idx = torch.tensor(first, device=rows.device)
-        ref = self._scoring_pass(sub, region_slots[idx])
-        self._recompute(batch, sub, rows[idx], ref)
-        recomputed = ref.result()
+        recomputed = self._recompute_scores(batch, sub, rows[idx], region_slots[idx])
         for n, i in enumerate(first):
             a, b = captured[i], recomputed[n]
             jobs[i].state.crosscheck_err = float(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item())
 
+    def _recompute_scores(self, batch, jobs, rows, region_slots) -> torch.Tensor:
+        """Scores from recompute forwards of at most ``rt.recompute_tokens`` window tokens each
+        (SGLang budgets activation memory for its chunked-prefill size; B x W can exceed it)."""
+        per = max(1, self.rt.recompute_tokens // max(1, jobs[0].region.query_len))
+        parts = []
+        for i in range(0, len(jobs), per):
+            sub = jobs[i : i + per]
+            scoring = self._scoring_pass(sub, region_slots[i : i + per])
+            self._recompute(batch, sub, rows[i : i + per], scoring)
+            parts.append(scoring.result())
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
     def _recompute(self, batch, jobs, rows, scoring: ScoringPass) -> None:
-        """Extra forward over the query windows, reusing cached KV and writing none."""
+        """Extra forward over the query windows, reusing cached KV and writing none. Always eager:
+        a replayed prefill CUDA graph would never call the attention hook (no queries reach the
+        scoring pass) and was recorded with KV writes on."""
         from sgl_kara._sglang import ForwardBatch
 
         rt = self.rt
+        mr = rt.model_runner
         sb = recompute_batch(batch, jobs, rows, rt.req_to_token_pool.req_to_token, scoring)
+        graphs, mr.prefill_cuda_graph_runner = mr.prefill_cuda_graph_runner, None
         rt.forward.scoring = scoring
         try:
-            fb = ForwardBatch.init_new(sb, rt.model_runner, return_hidden_states_before_norm=False)
+            fb = ForwardBatch.init_new(sb, mr, return_hidden_states_before_norm=False)
             with torch.inference_mode():
-                rt.model_runner.forward(fb)
+                mr.forward(fb)
         finally:
             rt.forward.scoring = None
+            mr.prefill_cuda_graph_runner = graphs

@@ -25,7 +25,7 @@ import torch
 from sgl_kara import env
 from sgl_kara.mem_cache.integrity import check_prefix_unchanged, check_row_ownership
 from sgl_kara.policies import base as policy_base
-from sgl_kara.request_options import validate
+from sgl_kara.request_options import check_supported, validate
 from sgl_kara.scheduler.events import EventRunner
 from sgl_kara.scheduler.evictions import EvictionRecorder
 from sgl_kara.scheduler.forward import ForwardContext
@@ -60,6 +60,27 @@ class KaraStats:
     failed_requests: int = 0
 
 
+def warm_up_kernels(kv_pool, layer_ids, policy) -> None:
+    """Compile the Triton kernels at start-up (not at the first event): scoring with the model's
+    head dims and dtype (both key-block sizes), compaction and slot copies, on scratch tensors."""
+    from sgl_kara.kernels.compact import compact_kv, copy_slots
+    from sgl_kara.kernels.window_score import window_scores_paged
+
+    k = kv_pool.get_key_buffer(layer_ids[0])
+    hkv, d, dev, dtype = k.shape[1], k.shape[2], k.device, k.dtype
+    scratch_k = [torch.zeros(128, hkv, d, dtype=dtype, device=dev) for _ in layer_ids]
+    scratch_v = [torch.zeros_like(t) for t in scratch_k]
+    hq = getattr(kv_pool, "head_num", hkv)
+    for w, m in ((64, 48), (8, 24)):  # both block configurations of the scoring kernels
+        q = torch.zeros(1, w, max(hq, hkv), d, dtype=dtype, device=dev)
+        window_scores_paged(q, scratch_k[0], torch.arange(m, device=dev)[None])
+    src = torch.arange(8, device=dev).view(1, 1, 1, 8).expand(1, len(layer_ids), hkv, 8).contiguous()
+    compact_kv(scratch_k, scratch_v, src, torch.arange(64, 72, device=dev)[None])
+    copy_slots(scratch_k, scratch_v, torch.arange(8, device=dev), torch.arange(80, 88, device=dev))
+    copy_slots(scratch_k, scratch_v, torch.arange(8, device=dev), torch.arange(96, 104, device=dev), disjoint=True)
+    torch.cuda.synchronize(dev)
+
+
 class KaraRuntime:
     def __init__(self, cfg, scheduler):
         self.cfg = cfg
@@ -84,6 +105,10 @@ class KaraRuntime:
         self.ring = self._make_ring(capacity) if cfg.query_source == "capture" and capacity else None
         self.forward = ForwardContext(self.policy, self.ring, self.req_to_token_pool.req_to_token, self.kv_pool)
         self.events = EventRunner(self)
+        chunk = getattr(scheduler.server_args, "chunked_prefill_size", None)
+        self.recompute_tokens = chunk if chunk and chunk > 0 else 8192  # tokens per recompute forward
+        if self.req_to_token_pool.req_to_token.device.type == "cuda":
+            warm_up_kernels(self.kv_pool, self.layer_ids, self.policy)
 
     def _make_ring(self, capacity: int) -> QueryRing:
         """The capture ring, allocated now (start-up), one row per running request; refused, naming
@@ -123,6 +148,13 @@ class KaraRuntime:
             for name in ("retention", "budget"):
                 if opts.get(name) is not None and name not in self.policy.request_options:
                     self._refuse_option(req, state, name)
+            try:  # also checked in the tokenizer (plugin); a request that got here anyway is aborted
+                check_supported(req.sampling_params, self.policy.name)
+            except ValueError as e:
+                from sgl_kara._sglang import FINISH_ABORT
+
+                state.enabled = False
+                req.to_finish = FINISH_ABORT(str(e), status_code=400)
         return state
 
     def _refuse_option(self, req, state, name: str) -> None:
