@@ -92,6 +92,10 @@ class Engine(SGLangEngine):
         if "server_args" in kwargs:
             raise TypeError("sgl_kara.Engine takes keyword options, not server_args=")
         self.kara_config, server_args = build_server_args(kwargs)
+        if server_args.device == "cpu":
+            from sgl_kara.cpu_threads import prefer_passive_omp
+
+            prefer_passive_omp()  # the scheduler is spawned: it loads torch with this set
         from sgl_kara.plugin import set_serving_policy
 
         set_serving_policy(self.kara_config.policy)

@@ -12,7 +12,11 @@ import functools
 import os
 import sys
 
-from sgl_kara.config import KaraConfigError, add_cli_args, from_cli_namespace
+from sgl_kara.cpu_threads import prefer_passive_omp
+
+prefer_passive_omp()  # before torch loads (sgl_kara.config imports it); the workers fork from here
+
+from sgl_kara.config import KaraConfigError, add_cli_args, from_cli_namespace  # noqa: E402
 
 
 def _kara_parser(add_help: bool) -> argparse.ArgumentParser:

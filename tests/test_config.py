@@ -100,11 +100,6 @@ def test_prefixed_split_and_unknown_option():
         (["--kara-max-chunk", "2"], "--kara-max-chunk"),
         (["--kara-policy", "h3o"], "--kara-policy"),
         (["--kara-snapkv-budget", "300"], "--kara-snapkv-budget"),
-        (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm"),
-        (["--enable-mixed-chunk"], "--enable-mixed-chunk"),
-        (["--dp-size", "2"], "--dp-size"),
-        (["--pp-size", "2"], "--pp-size"),
-        (["--enable-hierarchical-cache"], "--enable-hierarchical-cache"),
     ],
 )
 def test_launcher_rejects_bad_flags_in_process(argv, needle, capsys):
@@ -138,20 +133,3 @@ def test_auto_query_source_by_device(device, ring, ram, gpu, want):
     from sgl_kara.support import choose_query_source
 
     assert choose_query_source(device, ring, ram, gpu) == want
-
-
-def test_auto_query_source_for_a_cuda_server_without_a_gpu(tiny_llama):
-    """Resolved server args for a CUDA device (no GPU here): recompute, CUDA graphs left on."""
-    import types
-
-    from sgl_kara.support import prepare_server_args
-
-    args = types.SimpleNamespace(model_path=tiny_llama, device="cuda", dtype="bfloat16", max_running_requests=None,
-                                 max_total_tokens=None, radix_cache_backend=None, disable_overlap_schedule=False,
-                                 disable_cuda_graph=False)
-    cfg = prepare_server_args(args, KaraConfig())
-    assert cfg.query_source == "recompute" and args.disable_cuda_graph is False
-    assert args.radix_cache_backend == "kara" and args.disable_overlap_schedule is True
-    args.disable_cuda_graph = False
-    cfg = prepare_server_args(args, KaraConfig.build(query_source="capture"))
-    assert cfg.query_source == "capture" and args.disable_cuda_graph is True

@@ -137,3 +137,24 @@ def test_launcher_applies_cpu_memory_defaults():
     cfg, sa = parse(["--model-path", PROXY_MODEL, "--max-running-requests", "3", "--max-total-tokens", "5000"])
     assert (sa.max_running_requests, sa.max_total_tokens) == (3, 5000)
     assert Path(sa.model_path) == Path(PROXY_MODEL)
+
+
+@pytest.mark.parametrize("user, want", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_launcher_sets_passive_openmp_before_torch_loads(user, want):
+    """The launcher's workers fork from it, and GNU OpenMP reads OMP_WAIT_POLICY when torch
+    loads: importing the launcher must set it first (a user's own value is kept)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if user:
+        env["OMP_WAIT_POLICY"] = user
+    code = ("import os, sys\n"
+            "seen = []\n"
+            "class Spy:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'torch' and not seen:\n"
+            "            seen.append(os.environ.get('OMP_WAIT_POLICY'))\n"
+            "sys.meta_path.insert(0, Spy())\n"
+            "import sgl_kara.launch_server\n"
+            "print(seen[0])")  # the policy in force when torch was first imported
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == want

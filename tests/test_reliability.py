@@ -174,6 +174,8 @@ BAD_JSON_BODIES = [
      400, "The input (5000 tokens) is longer than the model's context length (2048 tokens)"),
     ("prompt-plus-output-beyond-context", {"input_ids": [5] * 2000, "sampling_params": {"max_new_tokens": 100}},
      400, "maximum context length of 2048"),
+    ("beam-search", {"text": "Hi", "sampling_params": {"max_new_tokens": 4, "beam_width": 2}}, 400,
+     "beam_width=2 (beam search) is not supported with --kara-policy kara"),
     # Upstream SGLang 0.5.23 lets these through and its scheduler crashes (index out of range in
     # the embedding); the plugin rejects them before they are queued.
     ("input-ids-out-of-vocab", {"input_ids": [5, 100000, 6], "sampling_params": {"max_new_tokens": 4}},

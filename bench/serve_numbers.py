@@ -1,0 +1,148 @@
+"""The README's numbers for the default server: start-up, memory, decode speed, a compressed answer.
+
+Starts the server exactly as the README's first command does (``python -m sgl_kara.launch_server
+--port P``, no other flag), then measures
+
+    conversion       first start with an empty model cache (--fresh-cache: SGL_KARA_CACHE in a
+                     temporary directory, so the GGUF is converted again)
+    start-up         launch -> /health answers 200, with the model already converted
+    memory           RSS summed over the server's processes, and PSS (shared pages counted once
+                     across processes, from /proc/PID/smaps_rollup), after the requests below
+    decode           one request alone, then 8 at once: completion tokens / wall seconds
+                     (``ignore_eos``, 256 new tokens, the prompt's prefill included)
+    compression      one 700-token answer: meta_info.kara (compressions, physical vs logical KV)
+
+    python bench/serve_numbers.py --out bench/results/session5/serve_numbers [--fresh-cache]
+
+Writes serve_numbers.json and .md under --out. Timings are this machine's, at that moment: run
+it with nothing else on the CPU for the README's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import requests
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tree_memory_mb(pid: int) -> tuple[float, float]:
+    """(RSS summed over the process tree, PSS summed) in MiB."""
+    import psutil
+
+    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    rss = pss = 0
+    for p in procs:
+        try:
+            rss += p.memory_info().rss
+            with open(f"/proc/{p.pid}/smaps_rollup") as f:
+                pss += next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
+        except (OSError, psutil.Error, StopIteration):
+            pass
+    return rss / 2**20, pss / 2**20
+
+
+def start(env: dict, log_path: str, timeout: float) -> tuple[subprocess.Popen, str, float]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    tic = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "sgl_kara.launch_server", "--port", str(port)],
+                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    while time.time() - tic < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
+        try:
+            if requests.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url, time.time() - tic
+        except requests.RequestException:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"server not ready in {timeout}s; see {log_path}")
+
+
+def stop(proc) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def generate(url: str, text: str, n: int) -> dict:
+    r = requests.post(url + "/generate", json={"text": text, "sampling_params": {
+        "max_new_tokens": n, "temperature": 0, "ignore_eos": True}}, timeout=1800)
+    r.raise_for_status()
+    return r.json()
+
+
+def decode_rate(url: str, concurrent: int, n: int) -> float:
+    outs: list[dict] = []
+    prompts = [f"Write a long story about a robot named Unit {i} who learns to paint." for i in range(concurrent)]
+    threads = [threading.Thread(target=lambda p=p: outs.append(generate(url, p, n))) for p in prompts]
+    tic = time.time()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.time() - tic
+    assert len(outs) == concurrent
+    return sum(o["meta_info"]["completion_tokens"] for o in outs) / seconds
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--fresh-cache", action="store_true", help="also time the first conversion")
+    ap.add_argument("--new-tokens", type=int, default=256)
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res: dict = {"machine": f"{platform.node()} {os.cpu_count()} cores", "python": sys.version.split()[0]}
+    if args.fresh_cache:
+        with tempfile.TemporaryDirectory(prefix="sgl_kara_cache_") as cache:
+            proc, _, secs = start({**env, "SGL_KARA_CACHE": cache}, os.path.join(args.out, "first_start.log"), 900)
+            stop(proc)
+            res["first_start_s"] = round(secs, 1)
+            marker = next(iter(os.scandir(cache)), None)
+            done = os.path.join(marker.path, "sgl_kara_conversion.json") if marker else None
+            if done and os.path.exists(done):
+                res["conversion_s"] = json.load(open(done))["seconds"]
+    proc, url, secs = start(env, os.path.join(args.out, "server.log"), 600)
+    try:
+        res["startup_s"] = round(secs, 1)
+        res["rss_idle_mb"], res["pss_idle_mb"] = (round(x) for x in tree_memory_mb(proc.pid))
+        res["decode_1_tok_s"] = round(decode_rate(url, 1, args.new_tokens), 1)
+        res["decode_8_tok_s"] = round(decode_rate(url, 8, args.new_tokens), 1)
+        out = generate(url, "Write a long story about a dragon who learns to cook.", 700)
+        res["long_answer_kara"] = out["meta_info"]["kara"]
+        res["rss_after_mb"], res["pss_after_mb"] = (round(x) for x in tree_memory_mb(proc.pid))
+        res["alive"] = proc.poll() is None
+    finally:
+        stop(proc)
+    with open(os.path.join(args.out, "serve_numbers.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    lines = ["| measure | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in res.items()]
+    with open(os.path.join(args.out, "serve_numbers.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
