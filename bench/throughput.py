@@ -1,6 +1,7 @@
 """Throughput under a memory-constrained KV pool: vanilla SGLang vs sgl_kara, side by side.
 
-One command runs, in one process and one run, vanilla ``sglang.Engine`` and sgl_kara with
+``--grid``: the workload grid of bench/throughput_grid.py (when Kara pays). Otherwise
+one command runs, in one process and one run, vanilla ``sglang.Engine`` and sgl_kara with
 ``policy=kara``, ``policy=snapkv`` (threshold-triggered) and ``policy=none`` on the same
 workload and the same KV pool size, and reports output tokens/s, the ratio to vanilla, mean and
 peak running requests, retractions, compression events and the share of wall time spent
@@ -51,6 +52,12 @@ class RunResult:
     compress_seconds: float
     trace: list
     repeat: int = 0
+    cpu_seconds: float = 0.0  # engine processes' CPU time during the run
+
+    @property
+    def tps_cpu(self) -> float:
+        """Output tokens per engine CPU-second (less sensitive to other load than wall time)."""
+        return self.output_tokens / self.cpu_seconds if self.cpu_seconds else 0.0
 
     @property
     def steps(self) -> int:
@@ -82,7 +89,41 @@ def workload(args):
     return prompts, params
 
 
-def run_system(system: str, args, pool: int, max_running: int, repeat: int = 0) -> RunResult:
+def system_options(system: str, args) -> dict:
+    """sgl_kara.Engine ``kara_*`` options of a system of the single-workload comparison."""
+    kara = {"kara_policy": system}
+    if system == "kara":
+        kara.update(kara_window=args.window, kara_buffer=args.buffer, kara_retention=args.retention,
+                    kara_chunk_budget=args.chunk_budget, kara_period=args.period,
+                    kara_max_seqs=args.max_seqs, kara_query_source=args.query_source)
+    elif system in ("snapkv", "streaming", "h2o", "rkv"):  # threshold policies: the --snapkv-* budget
+        prefix = f"kara_{system}_"
+        kara.update({prefix + "threshold": args.snapkv_threshold, prefix + "budget": args.snapkv_budget,
+                     prefix + "window": args.snapkv_window})
+        if system != "streaming":
+            kara["kara_query_source"] = args.query_source
+    return kara
+
+
+def engine_cpu_seconds() -> float:
+    """CPU seconds used so far by this process and its children (the engine's scheduler and
+    detokenizer; its tokenizer manager runs in this process)."""
+    import psutil
+
+    me = psutil.Process()
+    total = sum(me.cpu_times()[:2])
+    for child in me.children(recursive=True):
+        try:
+            total += sum(child.cpu_times()[:2])
+        except psutil.Error:
+            pass
+    return total
+
+
+def run_system(system: str, args, pool: int, max_running: int, repeat: int = 0, kara: dict | None = None,
+               prompts_params=None, label: str | None = None) -> RunResult:
+    """One engine, one workload. ``kara``: the system's sgl_kara options (default: from args);
+    ``prompts_params``: (prompts, sampling params), default ``workload(args)``."""
     import sglang
 
     import sgl_kara
@@ -102,37 +143,32 @@ def run_system(system: str, args, pool: int, max_running: int, repeat: int = 0) 
 
             engine = sglang.Engine(**{"model_path": default_model_path(), **cpu_defaults(), **common})
         else:
-            kara = {"kara_policy": system}
-            if system == "kara":
-                kara.update(kara_window=args.window, kara_buffer=args.buffer, kara_retention=args.retention,
-                            kara_chunk_budget=args.chunk_budget, kara_period=args.period,
-                            kara_max_seqs=args.max_seqs, kara_query_source=args.query_source)
-            elif system == "snapkv":
-                kara.update(kara_snapkv_threshold=args.snapkv_threshold, kara_snapkv_budget=args.snapkv_budget,
-                            kara_snapkv_window=args.snapkv_window, kara_query_source=args.query_source)
-            engine = sgl_kara.Engine(**common, **kara)
+            engine = sgl_kara.Engine(**common, **(kara if kara is not None else system_options(system, args)))
     try:
-        prompts, params = workload(args)
+        prompts, params = prompts_params or workload(args)
         engine.generate(prompts[:2], {"max_new_tokens": 4})  # warm up
         with open(trace_path, "w"):
             pass
+        cpu0 = engine_cpu_seconds()
         tic = time.perf_counter()
         outs = engine.generate(prompts, params)
         seconds = time.perf_counter() - tic
+        cpu = engine_cpu_seconds() - cpu0
     finally:
         shutdown_cleanly(engine)  # vanilla sglang.Engine too
     trace = [json.loads(line) for line in open(trace_path)]
     os.unlink(trace_path)
     running = [r["running"] for r in trace if r["running"] > 0]
     comp = [o["meta_info"]["completion_tokens"] for o in outs]
+    want = [p["max_new_tokens"] for p in params]
     return RunResult(
-        system=system, pool=pool, max_running=max_running, seconds=seconds,
-        output_tokens=sum(comp), lengths_ok=all(c == args.gen for c in comp),
+        system=label or system, pool=pool, max_running=max_running, seconds=seconds,
+        output_tokens=sum(comp), lengths_ok=comp == want,
         retractions=sum(o["meta_info"].get("num_retractions", 0) or 0 for o in outs),
         mean_running=sum(running) / max(1, len(running)), peak_running=max(running, default=0),
         events=trace[-1]["kara_events"] if trace else 0,
         compress_seconds=(trace[-1]["kara_seconds"] - trace[0]["kara_seconds"]) if trace else 0.0,
-        trace=trace, repeat=repeat,
+        trace=trace, repeat=repeat, cpu_seconds=cpu,
     )
 
 
@@ -151,6 +187,11 @@ def footprint_limit(args, pool: int, system: str) -> float:
 
 
 def main(argv=None):
+    given = sys.argv[1:] if argv is None else argv
+    if "--grid" in given:  # the workload grid: bench/throughput_grid.py
+        import throughput_grid
+
+        return throughput_grid.main(given)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default=None, help="default: the embedded model")
     p.add_argument("--requests", type=int, default=40)
@@ -159,7 +200,8 @@ def main(argv=None):
     p.add_argument("--pool-fractions", type=float, nargs="+", default=[0.125],
                    help="KV pool size as a fraction of the workload's full-length KV")
     p.add_argument("--max-running", type=int, nargs="+", default=[64])
-    p.add_argument("--systems", nargs="+", default=["vanilla", "kara", "snapkv", "none"])
+    p.add_argument("--systems", nargs="+", default=["vanilla", "kara", "snapkv", "none"],
+                   help="vanilla, none, kara, snapkv, streaming, h2o, rkv (threshold policies take --snapkv-*)")
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--buffer", type=int, default=16)
     p.add_argument("--retention", type=float, default=0.25)

@@ -36,6 +36,10 @@ TARGET_SAMPLING_VERIFY = "sglang.srt.sampling.sampling_params.SamplingParams.ver
 TARGET_UPDATE_RUNNING_BATCH = "sglang.srt.managers.scheduler.Scheduler.update_running_batch"
 TARGET_VALIDATE_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 TARGET_SET_ENVS = "sglang.srt.entrypoints.engine._set_envs_and_config"
+TARGET_TORCH_NATIVE_DECODE = (
+    "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_decode")
+TARGET_TORCH_NATIVE_METADATA = (
+    "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.init_forward_metadata")
 ROTARY_BASE_MODULE = "sglang.srt.layers.rotary_embedding.base"
 
 # Attributes of SGLang objects read or written by sgl_kara (and by its tests), by owner, with

@@ -10,6 +10,7 @@ a spawned process sees the value its environment has).
 | SGL_KARA_RECORD_EVICTIONS | path | - | JSON lines: evicted logical positions per event (oracle) |
 | SGL_KARA_TRACE | path | - | JSON lines: running requests and free slots per decode step |
 | SGL_KARA_INJECT_FAULT_RID_PREFIX | str | - | scoring raises for rids with this prefix (tests) |
+| SGL_KARA_FAST_CPU_DECODE | bool | 1 | torch_native decode on CPU gathers K/V once per layer (cpu_attention.py) |
 
 SGLang rewrites any ``SGL_*`` variable to ``SGLANG_*`` with a deprecation warning at import;
 sgl_kara/__init__ silences that warning for these names, and they keep working.
@@ -58,3 +59,7 @@ def trace() -> str | None:
 
 def inject_fault_rid_prefix() -> str:
     return os.environ.get("SGL_KARA_INJECT_FAULT_RID_PREFIX", "")
+
+
+def fast_cpu_decode() -> bool:
+    return _flag("SGL_KARA_FAST_CPU_DECODE", True)

@@ -33,7 +33,7 @@ def _prompts(vocab: int, n: int = 3) -> list[list[int]]:
 
 def run_and_check(model_path: str, tmp_path, page: int, query_source: str, policy: str = "kara",
                   extra: dict | None = None, gen: dict | None = None, integrity: bool = False,
-                  keep_engine: bool = False):
+                  keep_engine: bool = False, tol: float = TOL):
     """Generate with evictions recorded, then compare every step with the masked reference.
     Returns (outputs, the engine if ``keep_engine`` else None)."""
     record = str(tmp_path / f"evictions_{policy}_{page}_{query_source}.jsonl")
@@ -62,15 +62,17 @@ def run_and_check(model_path: str, tmp_path, page: int, query_source: str, polic
         outs = engine.generate(input_ids=prompts, sampling_params=gen or GEN, return_logprob=True, top_logprobs_num=5)
         if not keep_engine:
             engine.shutdown()
-        _check_against_reference(model_path, prompts, outs, read_evictions(record), policy, page, query_source)
+        worst, control = _check_against_reference(model_path, prompts, outs, read_evictions(record), policy, page,
+                                                  query_source, tol)
     except BaseException:
         if keep_engine:
             engine.shutdown()
         raise
-    return outs, engine if keep_engine else None
+    return outs, engine if keep_engine else None, worst, control
 
 
-def _check_against_reference(model_path, prompts, outs, events, policy, page, query_source):
+def _check_against_reference(model_path, prompts, outs, events, policy, page, query_source, tol=TOL):
+    """Returns (worst |dlogprob| vs the masked reference, smallest gap of the unmasked control)."""
     model = load_reference(model_path)
     worst, controls = 0.0, []
     for prompt, out in zip(prompts, outs):
@@ -80,15 +82,16 @@ def _check_against_reference(model_path, prompts, outs, events, policy, page, qu
         tokens = prompt + out["output_ids"]
         err = compare(reference_logprobs(model, tokens, rid_events), len(prompt), out)
         worst = max(worst, float(err.max()))
-        assert float(err.max()) < TOL, f"engine vs masked HF reference: max |dlogprob| {err.max():.2e} at step {int(err.argmax())}"
+        assert float(err.max()) < tol, f"engine vs masked HF reference: max |dlogprob| {err.max():.2e} at step {int(err.argmax())}"
         # The oracle can fail: without the evictions the reference is far off after the first event.
         full = compare(reference_logprobs(model, tokens, []), len(prompt), out)
         first = rid_events[0]["logical_len"] - len(prompt) + 1  # first generated step after an event
-        assert float(full[:first].max()) < TOL  # identical before any eviction
+        assert float(full[:first].max()) < tol  # identical before any eviction
         controls.append(float(full[first:].max()))
-    assert min(controls) > 20 * TOL, f"evictions barely change the output here ({controls}); the check would be vacuous"
+    assert min(controls) > 20 * tol, f"evictions barely change the output here ({controls}); the check would be vacuous"
     print(f"\nORACLE {os.path.basename(model_path)} policy={policy} page={page} {query_source}: "
           f"max err {worst:.2e}, unmasked reference off by >= {min(controls):.2e}")
+    return worst, min(controls)
 
 
 @pytest.mark.parametrize("arch, page, query_source", [

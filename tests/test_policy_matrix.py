@@ -30,8 +30,8 @@ def small_options(name: str) -> dict:
 
 @pytest.mark.parametrize("name", base.names())
 def test_policy_through_the_engine(name, tiny_llama, tmp_path):
-    outs, engine_checks = run_and_check(tiny_llama, tmp_path, 1, "capture", policy=name, extra=small_options(name),
-                                        integrity=True, keep_engine=True)
+    outs, engine_checks, _, _ = run_and_check(tiny_llama, tmp_path, 1, "capture", policy=name, extra=small_options(name),
+                                              integrity=True, keep_engine=True)
     try:
         for out in outs:
             kara = out["meta_info"]["kara"]

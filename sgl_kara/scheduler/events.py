@@ -35,6 +35,10 @@ class EventRunner:
     def run(self, batch, jobs) -> None:
         rt = self.rt
         tic = time.perf_counter()
+        cuda = rt.req_to_token_pool.req_to_token.device.type == "cuda"
+        if cuda:
+            start = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
         done = dropped = 0
         groups: dict[tuple, list] = {}
         for job in jobs:
@@ -54,6 +58,8 @@ class EventRunner:
                 else:
                     self._fail(group[0], e)
         seconds = time.perf_counter() - tic
+        if cuda:
+            rt.stats.event_peak_bytes = max(rt.stats.event_peak_bytes, torch.cuda.max_memory_allocated() - start)
         if done:
             rt.stats.events += 1
             rt.stats.compression_seconds += seconds

@@ -58,6 +58,7 @@ class KaraStats:
     recompute_fallbacks: int = 0
     skipped_no_memory: int = 0
     failed_requests: int = 0
+    event_peak_bytes: int = 0  # CUDA: most device memory an event allocated above its start
 
 
 def warm_up_kernels(kv_pool, layer_ids, policy) -> None:

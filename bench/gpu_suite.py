@@ -1,0 +1,118 @@
+"""The GPU suite as one script: every check of tests/gpu_checks.py, results to one file.
+
+    python bench/gpu_suite.py --out bench/results/gpu            # on a CUDA machine (< 10 min)
+    python bench/gpu_suite.py --cpu --out /tmp/gpu_suite_cpu      # here: the parts that can run
+
+On CUDA: retention 1.0 token-identical to vanilla SGLang on fa3 / FlashInfer / Triton, page 1 and
+64, both query sources (decode CUDA graphs on for recompute); the oracle after events; a retraction
+storm at page 1 and 64; kernels on serving shapes (32 layers, 8 KV heads, d 128, bf16, 1M slots);
+peak device memory per event. With --cpu: the same engine checks on torch_native (page 1 and 16),
+the Triton kernels under TRITON_INTERPRET=1 on scaled shapes; fa3 / FlashInfer are "not run".
+Each check is recorded with its figures, ok / FAILED, and its error if it raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+
+def plan(cpu: bool):
+    """(name, function name, args, pass predicate) for this machine."""
+    if cpu:
+        engines = [("torch_native", 1), ("torch_native", 16)]
+        kernel = dict(layers=2, kv_heads=8, head_dim=128, slots=1 << 14, batch=2, window=64, buffer=8, keep=16)
+    else:
+        engines = [(b, p) for b in ("fa3", "flashinfer", "triton") for p in (1, 64)]
+        kernel = dict(layers=32, kv_heads=8, head_dim=128, slots=1 << 20)
+    checks = []
+    for backend, page in engines:
+        for qs in ("recompute", "capture"):
+            checks.append((f"identity {backend} page {page} {qs}", "token_identity", (backend, page, qs),
+                           lambda r: r["identical"] and min(r["compressions"]) >= 2))
+    for backend, page in engines[:3]:
+        checks.append((f"oracle {backend} page {page}", "oracle", (backend, page, "recompute"),
+                       lambda r: r["max_err"] < r["tol"]))
+    for page in sorted({p for _, p in engines}):
+        backend = engines[0][0] if cpu else "flashinfer"
+        checks.append((f"retraction storm {backend} page {page}", "retraction_storm", (backend, page),
+                       lambda r: r["all_finished"] and r["all_slots_free"] and r["retractions"] > 0))
+    checks.append(("kernels", "kernels", kernel,
+                   lambda r: r["compact_exact"] and r["copy_exact"] and r["score_rel_err"] < 2e-2))
+    if not cpu:
+        checks.append(("event memory fa3", "event_memory", ("fa3", 1), lambda r: r["events"] > 0))
+    return checks
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cpu", action="store_true", help="run what can run without CUDA")
+    ap.add_argument("-k", default=None, help="only checks whose name contains this")
+    args = ap.parse_args(argv)
+    if args.cpu:
+        # @triton.jit reads TRITON_INTERPRET when a kernel module is imported: import them now,
+        # not later inside an engine start (which drops the variable for the engine's processes).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        import sgl_kara.kernels.compact  # noqa: F401
+        import sgl_kara.kernels.window_score  # noqa: F401
+    import torch
+
+    import gpu_checks as gc
+
+    if not args.cpu and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --cpu for the parts that can run here")
+    os.makedirs(args.out, exist_ok=True)
+    model = gc.write_gpu_model(tempfile.mkdtemp(prefix="gpu_llama_"))
+    head = {"machine": platform.node(), "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "mode": "cpu" if args.cpu else "cuda"}
+    try:
+        import sglang
+
+        head["sglang"] = sglang.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    rows = []
+    for name, fn, a, ok in plan(args.cpu):
+        if args.k and args.k not in name:
+            continue
+        tic = time.time()
+        try:
+            f = getattr(gc, fn)
+            if fn == "kernels":
+                r = f(**a)
+            elif fn == "oracle":
+                r = f(model, *a, tempfile.mkdtemp())
+            else:
+                r = f(model, *a)
+            rows.append(dict(check=name, ok=bool(ok(r)), seconds=round(time.time() - tic, 1), **r))
+        except Exception as e:  # noqa: BLE001 - recorded, the suite goes on
+            rows.append(dict(check=name, ok=False, seconds=round(time.time() - tic, 1),
+                             error=f"{type(e).__name__}: {e}"[:500], trace=traceback.format_exc()[-2000:]))
+        print(f"{'ok    ' if rows[-1]['ok'] else 'FAILED'} {name} ({rows[-1]['seconds']} s)", flush=True)
+    if args.cpu:
+        rows += [dict(check=f"{b} backends", ok=None, note="not run: needs CUDA") for b in ("fa3", "flashinfer")]
+    with open(os.path.join(args.out, "gpu_suite.json"), "w") as f:
+        json.dump({"head": head, "checks": rows}, f, indent=1, default=str)
+    lines = [f"{k}: {v}" for k, v in head.items()] + ["", "| check | result | seconds | figures |", "|---|---|---|---|"]
+    for r in rows:
+        figs = {k: v for k, v in r.items() if k not in ("check", "ok", "seconds", "trace")}
+        res = "not run" if r["ok"] is None else ("ok" if r["ok"] else "FAILED")
+        lines.append(f"| {r['check']} | {res} | {r.get('seconds', '-')} | {json.dumps(figs, default=str)[:300]} |")
+    with open(os.path.join(args.out, "gpu_suite.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0 if all(r["ok"] is not False for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

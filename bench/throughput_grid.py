@@ -1,0 +1,229 @@
+"""Throughput across workloads: when does Kara pay? (``python bench/throughput.py --grid ...``)
+
+A grid of cells -- output length G x KV pool (a fraction of the workload's full KV) x Kara window
+W -- and in each cell, one after another in a rotating order, vanilla SGLang, Kara and the
+threshold baselines on the same R requests (``ignore_eos``, sampled) and the same pool:
+
+    pool        = frac * R * (P + G)                       (P: the longest prompt, in tokens)
+    kara        W, U = max(8, W/16), period = max(4, W/4), r = --retention, Token2Chunk default
+    baselines   budget matched per request to Kara's peak footprint (its admission estimate):
+                C_max = min(G, ceil(G K / (W - U)) + W + period),  N = C_max - (W - U),
+                window (observation queries, recent entries kept) = U; nothing to do if G <= C_max
+
+Judged on output tokens per engine CPU-second (scheduler + detokenizer + this process, which runs
+SGLang's tokenizer manager) -- less sensitive to other load on the machine than wall time,
+which is reported beside it. Also per cell: mean running requests against the footprint limit
+(P + G) / (P + r G + W) times vanilla's, retractions, and the share of wall time spent
+compressing. Vanilla does not depend on W: it runs once per (G, frac).
+
+    python bench/throughput.py --grid --model tiny --out bench/results/session5/grid_tiny
+    python bench/throughput.py --grid --model smollm2 --gens 256 512 1024 --windows 64 128 ...
+
+Writes grid.md / grid.json after every run and grid_<system>.png heat maps (ratio to vanilla).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BASELINES = ("snapkv", "streaming", "h2o", "rkv")
+
+
+def tiny_model() -> str:
+    """The random-weight 4-layer Llama of the session 1-3 throughput runs (bench/RESULTS.md)."""
+    from sgl_kara.models.tiny import write_tiny_model
+
+    path = os.path.join(tempfile.gettempdir(), "sgl_kara_tiny_llama_h128_l4_s2026")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        write_tiny_model(path, "llama", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                         intermediate_size=256, vocab_size=512, seed=2026)
+    return path
+
+
+def kara_shape(w: int) -> tuple[int, int]:
+    """(U, period) for window W."""
+    return max(8, w // 16), max(4, w // 4)
+
+
+def kara_peak(gen: int, w: int, retention: float) -> int:
+    """Kara's admission footprint of G generated tokens (policies/kara.py: footprint)."""
+    from sgl_kara.policies.kara import kept_count
+
+    u, period = kara_shape(w)
+    m = w - u
+    return min(gen, math.ceil(gen * kept_count(m, retention) / m) + w + period)
+
+
+def system_spec(system: str, gen: int, w: int | None, args, n: int):
+    """(label, sgl_kara options or None for vanilla, per-request custom_params.kara or None)."""
+    if system == "vanilla":
+        return "vanilla", None, None
+    u, period = kara_shape(w)
+    if system == "kara":
+        return f"kara W={w}", dict(kara_policy="kara", kara_window=w, kara_buffer=u, kara_period=period,
+                                  kara_retention=args.retention, kara_max_seqs=256), None
+    gap = w - u
+    peak = kara_peak(gen, w, args.retention)
+    prefix = f"kara_{system}_"
+    floor = u + 8
+    opts = {"kara_policy": system, prefix + "window": u, prefix + "budget": floor, prefix + "threshold": floor + gap}
+    budget = max(floor, peak - gap)
+    return f"{system} W={w}", opts, [{"budget": budget}] * n
+
+
+def cells(args):
+    return [(g, f) for g in args.gens for f in args.pool_fractions]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--grid", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", default="tiny", help="tiny | smollm2 | a checkpoint path")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--gens", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    ap.add_argument("--pool-fractions", type=float, nargs="+", default=[0.5, 0.25, 0.125])
+    ap.add_argument("--windows", type=int, nargs="+", default=[64, 128, 512])
+    ap.add_argument("--systems", nargs="+", default=["vanilla", "kara", "snapkv", "streaming"])
+    ap.add_argument("--retention", type=float, default=0.25)
+    ap.add_argument("--max-running", type=int, default=256)
+    ap.add_argument("--omp-threads", type=int, default=1)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    sys.path.insert(0, HERE)
+    from throughput import run_system
+
+    from transformers import AutoTokenizer
+
+    if args.model == "tiny":
+        model = tiny_model()
+    elif args.model == "smollm2":
+        from sgl_kara.default_model import default_model_path
+
+        model = default_model_path()
+    else:
+        model = args.model
+    args.model_path = model
+    os.makedirs(args.out, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(model)
+    prompts = [f"Problem {i}: let x{i} = {i % 10}. Think step by step." for i in range(args.requests)]
+    p_len = max(len(tok(p)["input_ids"]) for p in prompts) + 1
+    runs = []
+    for gen, frac in cells(args):
+        specs = [system_spec("vanilla", gen, None, args, args.requests)] if "vanilla" in args.systems else []
+        specs += [system_spec(s, gen, w, args, args.requests) for w in args.windows for s in args.systems
+                  if s != "vanilla"]
+        runs.append((gen, frac, specs))
+    total = sum(len(s) for _, _, s in runs)
+    try:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc="grid runs", file=sys.stdout)
+    except ImportError:
+        bar = None
+    results = []
+    for i, (gen, frac, specs) in enumerate(runs):
+        pool = int(frac * args.requests * (p_len + gen))
+        k = i % len(specs)
+        for label, opts, per_request in specs[k:] + specs[:k]:  # rotate the order per cell
+            params = [{"max_new_tokens": gen, "temperature": 0.8, "ignore_eos": True}
+                      | ({"custom_params": {"kara": per_request[j]}} if per_request else {})
+                      for j in range(args.requests)]
+            system = "vanilla" if opts is None else opts["kara_policy"]
+            r = run_system(system, args, pool, args.max_running, kara=opts, prompts_params=(prompts, params),
+                           label=label)
+            results.append(dict(gen=gen, frac=frac, pool=pool, label=label, system=system,
+                                window=int(label.split("W=")[1]) if "W=" in label else None,
+                                tps=r.tps, tps_cpu=r.tps_cpu, seconds=r.seconds, cpu_seconds=r.cpu_seconds,
+                                mean_running=r.mean_running, peak_running=r.peak_running,
+                                retractions=r.retractions, events=r.events, compress_share=r.compress_share,
+                                lengths_ok=r.lengths_ok, prompt_len=p_len))
+            if bar is not None:
+                bar.set_postfix_str(f"G={gen} pool={frac:g} {label}: {r.tps_cpu:.0f} tok/CPU-s")
+                bar.update(1)
+            write(results, args, argv)
+    if bar is not None:
+        bar.close()
+    write(results, args, argv)
+    heat_maps(results, args)
+    return results
+
+
+def ratios(results):
+    """Each run with its ratios to vanilla's run in the same cell (tokens per CPU-s, per wall s)."""
+    base = {(r["gen"], r["frac"]): r for r in results if r["system"] == "vanilla"}
+    out = []
+    for r in results:
+        b = base.get((r["gen"], r["frac"]))
+        out.append(dict(r, cpu_ratio=r["tps_cpu"] / b["tps_cpu"] if b else None,
+                        wall_ratio=r["tps"] / b["tps"] if b else None,
+                        running_ratio=r["mean_running"] / b["mean_running"] if b and b["mean_running"] else None))
+    return out
+
+
+def footprint_limit(r, retention):
+    """(P + G) / (P + r G + W): how many more requests the pool holds at Kara's footprint."""
+    if r["window"] is None or r["system"] == "vanilla":
+        return None
+    p, g, w = r["prompt_len"], r["gen"], r["window"]
+    return (p + g) / (p + min(g, retention * g + w))
+
+
+def write(results, args, argv):
+    rows = ratios(results)
+    head = ("| G | pool | system | tok/CPU-s | vs vanilla (CPU) | tok/s wall | vs vanilla (wall) | mean / peak running "
+            "| running vs vanilla | footprint limit | retractions | compress share | lengths ok |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lim = footprint_limit(r, args.retention)
+        fmt = lambda x, f="{:.2f}x": "-" if x is None else f.format(x)  # noqa: E731
+        lines.append(
+            f"| {r['gen']} | {r['frac']:g} ({r['pool']}) | {r['label']} | {r['tps_cpu']:.1f} | {fmt(r['cpu_ratio'])} "
+            f"| {r['tps']:.1f} | {fmt(r['wall_ratio'])} | {r['mean_running']:.1f} / {r['peak_running']} "
+            f"| {fmt(r['running_ratio'])} | {fmt(lim)} | {r['retractions']} | {100 * r['compress_share']:.1f}% "
+            f"| {r['lengths_ok']} |")
+    cmd = "python bench/throughput.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    with open(os.path.join(args.out, "grid.md"), "w") as f:
+        f.write(f"command: {cmd}\nmodel: {args.model_path}\n\n" + "\n".join(lines) + "\n")
+    with open(os.path.join(args.out, "grid.json"), "w") as f:
+        json.dump({"args": {k: v for k, v in vars(args).items()}, "runs": rows}, f, indent=1)
+
+
+def heat_maps(results, args):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no heat maps")
+        return
+    rows = ratios(results)
+    for system in [s for s in args.systems if s != "vanilla"]:
+        fig, axes = plt.subplots(1, len(args.windows), figsize=(4.2 * len(args.windows), 3.6), squeeze=False)
+        for ax, w in zip(axes[0], args.windows):
+            grid = [[next((r["cpu_ratio"] for r in rows if r["system"] == system and r["window"] == w
+                           and r["gen"] == g and r["frac"] == f), float("nan")) for g in args.gens]
+                    for f in args.pool_fractions]
+            im = ax.imshow(grid, cmap="RdYlGn", vmin=0.5, vmax=2.5)
+            ax.set_xticks(range(len(args.gens)), [str(g) for g in args.gens])
+            ax.set_yticks(range(len(args.pool_fractions)), [f"{f:g}" for f in args.pool_fractions])
+            ax.set_xlabel("output tokens G")
+            ax.set_ylabel("pool / full KV")
+            ax.set_title(f"{system} W={w}")
+            for yi, line in enumerate(grid):
+                for xi, v in enumerate(line):
+                    if v == v:
+                        ax.text(xi, yi, f"{v:.2f}", ha="center", va="center", fontsize=9)
+        fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="tok / CPU-s vs vanilla")
+        fig.savefig(os.path.join(args.out, f"grid_{system}.png"), dpi=110, bbox_inches="tight")
+        plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

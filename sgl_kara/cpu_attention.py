@@ -1,0 +1,98 @@
+"""Decode attention of SGLang's ``torch_native`` backend with one K/V gather per layer.
+
+SGLang 0.5.23's ``TorchNativeAttnBackend._run_sdpa_forward_decode`` loops over the requests and,
+for each, slices its ``req_to_token`` row and gathers its K and V with advanced indexing
+(``k_cache[slots]``, a fresh tensor per request and layer) before one SDPA call. On CPU with long
+contexts that gather is most of a decode step (py-spy, SmolLM2, 48 requests x ~1,000 tokens:
+52% of the scheduler's time on the two gather lines). Here the slots of all requests are read
+once per forward (not per layer) and each layer gathers them with one ``index_select`` into a
+reused buffer; each request's SDPA call then gets a slice of it with the same shape, strides and
+values as SGLang's own gather, so the output is bit-identical (tests/test_cpu_attention.py) and
+only the cost changes.
+
+    slots   [sum(L_i)] int64: row i's slots req_to_token[r_i, :L_i], rows back to back
+    bounds  [(start_i, end_i)]: request i's slice of slots (host ints, one read per forward)
+    K_buf   [>= sum(L_i), H_kv, D] per (H_kv, D, dtype), grown on demand, reused by every layer
+
+It applies to every torch_native decode on CPU in a process where the plugin is registered (plain
+SGLang too, so that benchmark comparisons run the same attention); cross-attention, sliding
+windows, CUDA tensors and ``SGL_KARA_FAST_CPU_DECODE=0`` take SGLang's own path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+from sgl_kara import env
+
+_META = "_sgl_kara_decode_slots"  # per-forward metadata on the backend instance
+_BUFS = "_sgl_kara_decode_bufs"
+
+
+def reset_metadata_hook(result, backend, *args, **kwargs):
+    """AFTER ``init_forward_metadata``: a new forward, so its slots are read anew."""
+    setattr(backend, _META, None)
+    return result
+
+
+def _slots(backend, req_to_token, req_pool_indices, seq_lens):
+    meta = getattr(backend, _META, None)
+    if meta is not None and meta[0] is seq_lens and meta[1] is req_pool_indices:
+        return meta[2], meta[3]
+    lens = seq_lens.tolist()
+    width = max(lens) if lens else 0
+    rows = req_to_token[req_pool_indices, :width]
+    mask = torch.arange(width, device=rows.device)[None, :] < seq_lens[:, None]
+    slots = rows[mask].to(torch.int64)
+    bounds, start = [], 0
+    for n in lens:
+        bounds.append((start, start + n))
+        start += n
+    setattr(backend, _META, (seq_lens, req_pool_indices, slots, bounds))
+    return slots, bounds
+
+
+def _buffer(backend, cache: torch.Tensor, n: int, which: int) -> torch.Tensor:
+    bufs = getattr(backend, _BUFS, None)
+    if bufs is None:
+        bufs = {}
+        setattr(backend, _BUFS, bufs)
+    key = (which, tuple(cache.shape[1:]), cache.dtype)
+    buf = bufs.get(key)
+    if buf is None or buf.shape[0] < n:
+        buf = torch.empty((max(n, 2 * (buf.shape[0] if buf is not None else 0)), *cache.shape[1:]),
+                          dtype=cache.dtype, device=cache.device)
+        bufs[key] = buf
+    return buf[:n]
+
+
+def run_sdpa_forward_decode(original, backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
+                            seq_lens, encoder_lens=None, scaling=None, enable_gqa=False, causal=False,
+                            is_cross_attn=False, sliding_window_size=None):
+    """AROUND ``TorchNativeAttnBackend._run_sdpa_forward_decode`` (same arguments).
+
+    query [T, H_q, D] (one token per request), output [T, H_q, D_v]; k_cache / v_cache
+    [S, H_kv, D]; req_to_token [R, C]; req_pool_indices, seq_lens [T]."""
+    plain = (encoder_lens is None and not is_cross_attn and query.device.type == "cpu"
+             and (sliding_window_size is None or sliding_window_size <= -1) and env.fast_cpu_decode())
+    if not plain:
+        return original(backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                        encoder_lens, scaling=scaling, enable_gqa=enable_gqa, causal=causal,
+                        is_cross_attn=is_cross_attn, sliding_window_size=sliding_window_size)
+    slots, bounds = _slots(backend, req_to_token, req_pool_indices, seq_lens)
+    n = slots.numel()
+    keys = torch.index_select(k_cache, 0, slots, out=_buffer(backend, k_cache, n, 0))
+    values = torch.index_select(v_cache, 0, slots, out=_buffer(backend, v_cache, n, 1))
+    if keys.dtype != query.dtype:  # as SGLang: SDPA wants one dtype
+        keys, values = keys.to(query.dtype), values.to(query.dtype)
+    q = query.movedim(0, query.dim() - 2)  # [H_q, T, D]
+    for i, (a, b) in enumerate(bounds):
+        out = scaled_dot_product_attention(
+            q[:, i : i + 1, :].unsqueeze(0),
+            keys[a:b].movedim(0, 1).unsqueeze(0),
+            values[a:b].movedim(0, 1).unsqueeze(0),
+            enable_gqa=enable_gqa, scale=scaling, is_causal=causal,
+        )
+        output[i : i + 1] = out.squeeze(0).movedim(1, 0)
+    return output
