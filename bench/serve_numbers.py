@@ -5,7 +5,8 @@ Starts the server exactly as the README's first command does (``python -m sgl_ka
 
     conversion       first start with an empty model cache (--fresh-cache: SGL_KARA_CACHE in a
                      temporary directory, so the GGUF is converted again)
-    start-up         launch -> /health answers 200, with the model already converted
+    start-up         launch -> /health answers 200, with the model already converted (--vanilla:
+                     also plain ``python -m sglang.launch_server`` with the same resolved settings)
     memory           RSS summed over the server's processes, and PSS (shared pages counted once
                      across processes, from /proc/PID/smaps_rollup), after the requests below
     decode           one request alone, then 8 at once: completion tokens / wall seconds
@@ -57,11 +58,12 @@ def tree_memory_mb(pid: int) -> tuple[float, float]:
     return rss / 2**20, pss / 2**20
 
 
-def start(env: dict, log_path: str, timeout: float) -> tuple[subprocess.Popen, str, float]:
+def start(env: dict, log_path: str, timeout: float, command=None) -> tuple[subprocess.Popen, str, float]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     tic = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "sgl_kara.launch_server", "--port", str(port)],
+    command = command or [sys.executable, "-m", "sgl_kara.launch_server"]
+    proc = subprocess.Popen([*command, "--port", str(port)],
                             stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     while time.time() - tic < timeout:
         if proc.poll() is not None:
@@ -111,6 +113,7 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--fresh-cache", action="store_true", help="also time the first conversion")
     ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--vanilla", action="store_true", help="also time plain `python -m sglang.launch_server`")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -124,6 +127,19 @@ def main(argv=None):
             done = os.path.join(marker.path, "sgl_kara_conversion.json") if marker else None
             if done and os.path.exists(done):
                 res["conversion_s"] = json.load(open(done))["seconds"]
+    if args.vanilla:  # plain SGLang with the settings sgl_kara's launcher resolves to, for comparison
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from sgl_kara.launch_server import parse
+
+        _, sa = parse([])
+        command = [sys.executable, "-m", "sglang.launch_server", "--model-path", sa.model_path, "--device", "cpu",
+                   "--attention-backend", "torch_native", "--dtype", "float32", "--page-size", "1",
+                   "--max-total-tokens", str(sa.max_total_tokens),
+                   "--max-running-requests", str(sa.max_running_requests), "--disable-overlap-schedule"]
+        proc, _, secs = start(env, os.path.join(args.out, "vanilla.log"), 600, command)
+        res["vanilla_sglang_startup_s"] = round(secs, 1)
+        res["vanilla_sglang_pss_idle_mb"] = round(tree_memory_mb(proc.pid)[1])
+        stop(proc)
     proc, url, secs = start(env, os.path.join(args.out, "server.log"), 600)
     try:
         res["startup_s"] = round(secs, 1)

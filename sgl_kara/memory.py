@@ -7,7 +7,9 @@ user gave them (or ``--mem-fraction-static``):
     --max-running-requests  CPU_RUNNING_REQUESTS (8: ~50 tok/s in all on 2 cores for SmolLM2)
     --max-total-tokens      min(CPU_KV_SHARE (5%) of physical RAM / KV bytes per token,
                                 max(context length, max_running_requests * CPU_TOKENS_PER_REQUEST))
-                            (SmolLM2, float32, this 24 GB machine: 16,384 tokens, 0.70 GiB)
+                            (SmolLM2, float32, this 24 GB machine: 8,192 tokens, 0.35 GiB: one full-context
+                            request, or 8 of ~1k tokens uncompressed; the whole default server
+                            then stays under 3 GB of PSS, README)
 
 and refuses, naming the flags, a configuration whose weights + KV pool + capture ring do not fit
 in the memory available (plus PROCESS_FLOOR_BYTES for SGLang's three processes, measured here).
@@ -27,7 +29,7 @@ from pathlib import Path
 
 CPU_RUNNING_REQUESTS = 8
 CPU_KV_SHARE = 0.05
-CPU_TOKENS_PER_REQUEST = 2048
+CPU_TOKENS_PER_REQUEST = 1024
 MIN_TOKENS = 4096
 # Measured on this machine: importing torch + SGLang costs ~0.9 GB of private memory in each of
 # the launcher (tokenizer manager), scheduler and detokenizer processes (README, "Memory").

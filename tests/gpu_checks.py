@@ -41,7 +41,8 @@ def device_options(backend: str, page: int) -> dict:
     return dict(device="cpu", attention_backend=backend, page_size=page, dtype="float32")
 
 
-def _engine(kind: str, model: str, **opts):
+def start(kind: str, model: str, **opts):
+    """Vanilla SGLang (kind "sglang") or sgl_kara on this machine (Triton interpreted on CPU)."""
     opts = {**ENGINE_COMMON, **opts}
     interpret = {"TRITON_INTERPRET": "1"} if not cuda() and opts.get("attention_backend") == "triton" else {}
     with engine_env(**interpret):
@@ -63,12 +64,12 @@ def token_identity(model: str, backend: str, page: int, query_source: str, gen: 
     SGLang's greedy tokens with the same backend; CUDA graphs stay on for recompute."""
     greedy = {"max_new_tokens": gen, "temperature": 0.0, "ignore_eos": True}
     opts = device_options(backend, page)
-    ref = _engine("sglang", model, **opts)
+    ref = start("sglang", model, **opts)
     try:
         want = [o["output_ids"] for o in ref.generate(PROMPTS, greedy)]
     finally:
         ref.shutdown()
-    eng = _engine("kara", model, kara_retention=1.0, kara_query_source=query_source, **KARA_SMALL, **opts)
+    eng = start("kara", model, kara_retention=1.0, kara_query_source=query_source, **KARA_SMALL, **opts)
     try:
         outs = eng.generate(PROMPTS, greedy)
         graphs = not eng.server_args.disable_cuda_graph
@@ -98,7 +99,7 @@ def retraction_storm(model: str, backend: str, page: int) -> dict:
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        eng = _engine("kara", model, kara_retention=0.25, max_total_tokens=2048, max_running_requests=6,
+        eng = start("kara", model, kara_retention=0.25, max_total_tokens=2048, max_running_requests=6,
                       **KARA_SMALL, **device_options(backend, page))
     finally:
         for k, v in saved.items():
@@ -119,7 +120,7 @@ def event_memory(model: str, backend: str, page: int, n_requests: int = 16) -> d
     saved = os.environ.get("SGL_KARA_TRACE")
     os.environ["SGL_KARA_TRACE"] = trace
     try:
-        eng = _engine("kara", model, kara_retention=0.25, kara_query_source="recompute",
+        eng = start("kara", model, kara_retention=0.25, kara_query_source="recompute",
                       **KARA_SMALL, **device_options(backend, page))
     finally:
         os.environ.pop("SGL_KARA_TRACE") if saved is None else os.environ.__setitem__("SGL_KARA_TRACE", saved)

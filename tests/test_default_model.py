@@ -89,11 +89,12 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
 def test_cpu_memory_defaults_for_smollm2_on_this_machine_size():
     d = cpu_memory_defaults(SMOLLM2, 4, 24 * GIB, given=set())
     assert d["max_running_requests"] == CPU_RUNNING_REQUESTS == 8
-    # 5% of 24 GiB = 27,962 tokens of 46,080 B; the workload bound 8 x 2,048 = 16,384 is smaller.
+    # 5% of 24 GiB = 27,962 tokens of 46,080 B; the workload bound max(context 8,192, 8 x 1,024)
+    # is smaller.
     assert SMOLLM2.kv_bytes_per_token(4) == 46_080
-    assert d["max_total_tokens"] == 16_384
+    assert d["max_total_tokens"] == 8_192
     # A small machine: the RAM share binds.
-    assert cpu_memory_defaults(SMOLLM2, 4, 8 * GIB, given=set())["max_total_tokens"] == int(0.05 * 8 * GIB) // 46_080
+    assert cpu_memory_defaults(SMOLLM2, 4, 4 * GIB, given=set())["max_total_tokens"] == int(0.05 * 4 * GIB) // 46_080
     # Whatever the user set is left alone; --mem-fraction-static leaves the pool to SGLang.
     assert cpu_memory_defaults(SMOLLM2, 4, 24 * GIB, given={"max_total_tokens", "max_running_requests"}) == {}
     assert "max_total_tokens" not in cpu_memory_defaults(SMOLLM2, 4, 24 * GIB, given={"mem_fraction_static"})

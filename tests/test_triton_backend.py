@@ -7,7 +7,7 @@ with the same backend.
 
 import pytest
 
-from conftest import ENGINE_COMMON, _release_tasks_on_shutdown, _track, engine_env
+import gpu_checks as gc
 
 pytestmark = pytest.mark.slow
 
@@ -17,19 +17,7 @@ GREEDY = {"max_new_tokens": GEN, "temperature": 0.0, "ignore_eos": True}
 
 
 def _engine(kind, path, **kw):
-    opts = {**ENGINE_COMMON, "device": "cpu", "attention_backend": "triton", "page_size": 1, **kw}
-    with engine_env(TRITON_INTERPRET="1"):
-        if kind == "sglang":
-            import sglang
-
-            engine = sglang.Engine(model_path=path, **opts)
-            _release_tasks_on_shutdown(engine)
-        else:
-            import sgl_kara
-
-            engine = sgl_kara.Engine(model_path=path, **opts)
-    _track(engine)
-    return engine
+    return gc.start(kind, path, **gc.device_options("triton", 1), **kw)  # interpreter on CPU
 
 
 def test_triton_backend_over_compacted_rows(tiny_llama):
