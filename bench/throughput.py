@@ -53,11 +53,16 @@ class RunResult:
     trace: list
     repeat: int = 0
     cpu_seconds: float = 0.0  # engine processes' CPU time during the run
+    scheduler_cpu_seconds: float = 0.0  # of which the scheduler's (the model's compute)
 
     @property
     def tps_cpu(self) -> float:
         """Output tokens per engine CPU-second (less sensitive to other load than wall time)."""
         return self.output_tokens / self.cpu_seconds if self.cpu_seconds else 0.0
+
+    @property
+    def tps_scheduler_cpu(self) -> float:
+        return self.output_tokens / self.scheduler_cpu_seconds if self.scheduler_cpu_seconds else 0.0
 
     @property
     def steps(self) -> int:
@@ -105,19 +110,22 @@ def system_options(system: str, args) -> dict:
     return kara
 
 
-def engine_cpu_seconds() -> float:
-    """CPU seconds used so far by this process and its children (the engine's scheduler and
-    detokenizer; its tokenizer manager runs in this process)."""
+def engine_cpu_seconds() -> tuple[float, float]:
+    """(CPU seconds used so far by this process and its children -- the engine's scheduler and
+    detokenizer; its tokenizer manager runs in this process --, of which by the scheduler)."""
     import psutil
 
     me = psutil.Process()
-    total = sum(me.cpu_times()[:2])
+    total, scheduler = sum(me.cpu_times()[:2]), 0.0
     for child in me.children(recursive=True):
         try:
-            total += sum(child.cpu_times()[:2])
+            t = sum(child.cpu_times()[:2])
+            total += t
+            if "scheduler" in " ".join(child.cmdline()):
+                scheduler += t
         except psutil.Error:
             pass
-    return total
+    return total, scheduler
 
 
 def run_system(system: str, args, pool: int, max_running: int, repeat: int = 0, kara: dict | None = None,
@@ -149,11 +157,11 @@ def run_system(system: str, args, pool: int, max_running: int, repeat: int = 0, 
         engine.generate(prompts[:2], {"max_new_tokens": 4})  # warm up
         with open(trace_path, "w"):
             pass
-        cpu0 = engine_cpu_seconds()
+        cpu0, sched0 = engine_cpu_seconds()
         tic = time.perf_counter()
         outs = engine.generate(prompts, params)
         seconds = time.perf_counter() - tic
-        cpu = engine_cpu_seconds() - cpu0
+        cpu1, sched1 = engine_cpu_seconds()
     finally:
         shutdown_cleanly(engine)  # vanilla sglang.Engine too
     trace = [json.loads(line) for line in open(trace_path)]
@@ -168,7 +176,7 @@ def run_system(system: str, args, pool: int, max_running: int, repeat: int = 0, 
         mean_running=sum(running) / max(1, len(running)), peak_running=max(running, default=0),
         events=trace[-1]["kara_events"] if trace else 0,
         compress_seconds=(trace[-1]["kara_seconds"] - trace[0]["kara_seconds"]) if trace else 0.0,
-        trace=trace, repeat=repeat, cpu_seconds=cpu,
+        trace=trace, repeat=repeat, cpu_seconds=cpu1 - cpu0, scheduler_cpu_seconds=sched1 - sched0,
     )
 
 

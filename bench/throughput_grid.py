@@ -10,9 +10,10 @@ threshold baselines on the same R requests (``ignore_eos``, sampled) and the sam
                 C_max = min(G, ceil(G K / (W - U)) + W + period),  N = C_max - (W - U),
                 window (observation queries, recent entries kept) = U; nothing to do if G <= C_max
 
-Judged on output tokens per engine CPU-second (scheduler + detokenizer + this process, which runs
-SGLang's tokenizer manager) -- less sensitive to other load on the machine than wall time,
-which is reported beside it. Also per cell: mean running requests against the footprint limit
+Judged on output tokens per CPU-second: of the scheduler (the process that runs the model; the heat
+maps) and of the whole engine (scheduler + detokenizer + this process, which runs SGLang's
+tokenizer manager and polls) -- less sensitive to other load on the machine than wall time, which
+is reported beside them. With --repeats, medians (the scheduler figures of each run are listed). Also per cell: mean running requests against the footprint limit
 (P + G) / (P + r G + W) times vanilla's, retractions, and the share of wall time spent
 compressing. Vanilla does not depend on W: it runs once per (G, frac).
 
@@ -93,6 +94,7 @@ def main(argv=None):
     ap.add_argument("--retention", type=float, default=0.25)
     ap.add_argument("--max-running", type=int, default=256)
     ap.add_argument("--omp-threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=1, help="runs per system and cell (order rotated); medians")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     sys.path.insert(0, HERE)
@@ -119,7 +121,7 @@ def main(argv=None):
         specs += [system_spec(s, gen, w, args, args.requests) for w in args.windows for s in args.systems
                   if s != "vanilla"]
         runs.append((gen, frac, specs))
-    total = sum(len(s) for _, _, s in runs)
+    total = sum(len(s) for _, _, s in runs) * args.repeats
     try:
         from tqdm import tqdm
 
@@ -127,24 +129,18 @@ def main(argv=None):
     except ImportError:
         bar = None
     results = []
-    for i, (gen, frac, specs) in enumerate(runs):
+    order = [(i, rep) for i in range(len(runs)) for rep in range(args.repeats)]
+    for i, rep in order:
+        gen, frac, specs = runs[i]
         pool = int(frac * args.requests * (p_len + gen))
-        k = i % len(specs)
-        for label, opts, per_request in specs[k:] + specs[:k]:  # rotate the order per cell
-            params = [{"max_new_tokens": gen, "temperature": 0.8, "ignore_eos": True}
-                      | ({"custom_params": {"kara": per_request[j]}} if per_request else {})
-                      for j in range(args.requests)]
-            system = "vanilla" if opts is None else opts["kara_policy"]
-            r = run_system(system, args, pool, args.max_running, kara=opts, prompts_params=(prompts, params),
-                           label=label)
-            results.append(dict(gen=gen, frac=frac, pool=pool, label=label, system=system,
-                                window=int(label.split("W=")[1]) if "W=" in label else None,
-                                tps=r.tps, tps_cpu=r.tps_cpu, seconds=r.seconds, cpu_seconds=r.cpu_seconds,
-                                mean_running=r.mean_running, peak_running=r.peak_running,
-                                retractions=r.retractions, events=r.events, compress_share=r.compress_share,
-                                lengths_ok=r.lengths_ok, prompt_len=p_len))
+        k = (i + rep) % len(specs)
+        for label, opts, per_request in specs[k:] + specs[:k]:  # rotate the order per cell and repeat
+            r = run_one(run_system, args, prompts, gen, pool, label, opts, per_request)
+            results.append(dict(gen=gen, frac=frac, pool=pool, label=label, repeat=rep, prompt_len=p_len,
+                                system="vanilla" if opts is None else opts["kara_policy"],
+                                window=int(label.split("W=")[1]) if "W=" in label else None, **r))
             if bar is not None:
-                bar.set_postfix_str(f"G={gen} pool={frac:g} {label}: {r.tps_cpu:.0f} tok/CPU-s")
+                bar.set_postfix_str(f"G={gen} pool={frac:g} {label}: {r['tps_sched']:.0f} tok/sched-CPU-s")
                 bar.update(1)
             write(results, args, argv)
     if bar is not None:
@@ -154,13 +150,41 @@ def main(argv=None):
     return results
 
 
+def run_one(run_system, args, prompts, gen, pool, label, opts, per_request) -> dict:
+    params = [{"max_new_tokens": gen, "temperature": 0.8, "ignore_eos": True}
+              | ({"custom_params": {"kara": per_request[j]}} if per_request else {}) for j in range(len(prompts))]
+    system = "vanilla" if opts is None else opts["kara_policy"]
+    r = run_system(system, args, pool, args.max_running, kara=opts, prompts_params=(prompts, params), label=label)
+    return dict(tps=r.tps, tps_cpu=r.tps_cpu, tps_sched=r.tps_scheduler_cpu, seconds=r.seconds,
+                cpu_seconds=r.cpu_seconds, scheduler_cpu_seconds=r.scheduler_cpu_seconds,
+                mean_running=r.mean_running, peak_running=r.peak_running, retractions=r.retractions,
+                events=r.events, compress_share=r.compress_share, lengths_ok=r.lengths_ok)
+
+
+METRICS = ("tps", "tps_cpu", "tps_sched", "mean_running", "compress_share")
+
+
 def ratios(results):
-    """Each run with its ratios to vanilla's run in the same cell (tokens per CPU-s, per wall s)."""
-    base = {(r["gen"], r["frac"]): r for r in results if r["system"] == "vanilla"}
-    out = []
+    """Per (cell, system): medians over repeats, and their ratios to vanilla's in the same cell
+    (tokens per engine CPU-s, per scheduler CPU-s, per wall s; mean running requests)."""
+    import statistics
+
+    groups: dict[tuple, list] = {}
     for r in results:
+        groups.setdefault((r["gen"], r["frac"], r["label"]), []).append(r)
+    med = []
+    for runs in groups.values():
+        m = dict(runs[0], runs=len(runs), retractions=sum(r["retractions"] for r in runs),
+                 lengths_ok=all(r["lengths_ok"] for r in runs), peak_running=max(r["peak_running"] for r in runs))
+        m.update({k: statistics.median(r[k] for r in runs) for k in METRICS})
+        m["spread_sched"] = [round(r["tps_sched"]) for r in runs]
+        med.append(m)
+    base = {(r["gen"], r["frac"]): r for r in med if r["system"] == "vanilla"}
+    out = []
+    for r in med:
         b = base.get((r["gen"], r["frac"]))
         out.append(dict(r, cpu_ratio=r["tps_cpu"] / b["tps_cpu"] if b else None,
+                        sched_ratio=r["tps_sched"] / b["tps_sched"] if b else None,
                         wall_ratio=r["tps"] / b["tps"] if b else None,
                         running_ratio=r["mean_running"] / b["mean_running"] if b and b["mean_running"] else None))
     return out
@@ -176,14 +200,16 @@ def footprint_limit(r, retention):
 
 def write(results, args, argv):
     rows = ratios(results)
-    head = ("| G | pool | system | tok/CPU-s | vs vanilla (CPU) | tok/s wall | vs vanilla (wall) | mean / peak running "
-            "| running vs vanilla | footprint limit | retractions | compress share | lengths ok |")
+    head = ("| G | pool | system | runs | tok/sched-CPU-s | vs vanilla (sched CPU) | tok/CPU-s | vs vanilla (CPU) "
+            "| tok/s wall | vs vanilla (wall) | mean / peak running | running vs vanilla | footprint limit "
+            "| retractions | compress share | lengths ok |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lim = footprint_limit(r, args.retention)
         fmt = lambda x, f="{:.2f}x": "-" if x is None else f.format(x)  # noqa: E731
         lines.append(
-            f"| {r['gen']} | {r['frac']:g} ({r['pool']}) | {r['label']} | {r['tps_cpu']:.1f} | {fmt(r['cpu_ratio'])} "
+            f"| {r['gen']} | {r['frac']:g} ({r['pool']}) | {r['label']} | {r['runs']} | {r['tps_sched']:.1f} "
+            f"{r['spread_sched']} | {fmt(r['sched_ratio'])} | {r['tps_cpu']:.1f} | {fmt(r['cpu_ratio'])} "
             f"| {r['tps']:.1f} | {fmt(r['wall_ratio'])} | {r['mean_running']:.1f} / {r['peak_running']} "
             f"| {fmt(r['running_ratio'])} | {fmt(lim)} | {r['retractions']} | {100 * r['compress_share']:.1f}% "
             f"| {r['lengths_ok']} |")
@@ -207,7 +233,7 @@ def heat_maps(results, args):
     for system in [s for s in args.systems if s != "vanilla"]:
         fig, axes = plt.subplots(1, len(args.windows), figsize=(4.2 * len(args.windows), 3.6), squeeze=False)
         for ax, w in zip(axes[0], args.windows):
-            grid = [[next((r["cpu_ratio"] for r in rows if r["system"] == system and r["window"] == w
+            grid = [[next((r["sched_ratio"] for r in rows if r["system"] == system and r["window"] == w
                            and r["gen"] == g and r["frac"] == f), float("nan")) for g in args.gens]
                     for f in args.pool_fractions]
             im = ax.imshow(grid, cmap="RdYlGn", vmin=0.5, vmax=2.5)
@@ -220,7 +246,7 @@ def heat_maps(results, args):
                 for xi, v in enumerate(line):
                     if v == v:
                         ax.text(xi, yi, f"{v:.2f}", ha="center", va="center", fontsize=9)
-        fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="tok / CPU-s vs vanilla")
+        fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="tokens per scheduler CPU-s vs vanilla")
         fig.savefig(os.path.join(args.out, f"grid_{system}.png"), dpi=110, bbox_inches="tight")
         plt.close(fig)
 

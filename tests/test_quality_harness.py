@@ -70,6 +70,7 @@ def test_proxy_model_solves_problems_with_full_kv(tmp_path):
     assert rows["kara"]["n"] == 3 and rows["kara"]["peak_kv"] < rows["none"]["peak_kv"]
 
 
+@pytest.mark.slow
 def test_real_model_path_runs_a_math_jsonl(tmp_path):
     """Plumbing of the GPU path (--jsonl, boxed-answer pass@1) end to end on a tiny MATH-500-style
     file with the proxy: it cannot write \\boxed{}, so nothing is correct, but every problem is
