@@ -37,6 +37,11 @@ PROCESS_FLOOR_BYTES = 3 * 900 * (1 << 20)
 # auto query source: capture on CPU while the ring needs at most this share of available RAM;
 # on CUDA only when the running-request limit is known and the ring fits this share of the GPU.
 CPU_RING_SHARE = 0.25
+# ... and while the ring is no larger than the KV pool it serves: past that, the memory buys more
+# by holding KV than by saving one forward per event (SmolLM2 default server: ring 0.37 GiB for
+# 8 x 640 queries vs pool 0.35 GiB; recompute took the same 52.4 s for a 700-token answer and
+# the server's PSS fell from 3.28 to 2.90 GB; bench/RESULTS.md, session 5).
+CPU_RING_KV_RATIO = 1.0
 CUDA_RING_SHARE = 0.05
 
 _ITEMSIZE = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}

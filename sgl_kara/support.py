@@ -11,6 +11,7 @@ import os
 
 from sgl_kara.config import KaraConfig
 from sgl_kara.memory import (
+    CPU_RING_KV_RATIO,
     CPU_RING_SHARE,
     CUDA_RING_SHARE,
     MemoryConfigError,
@@ -92,15 +93,18 @@ def server_defaults(model_path: str, given: dict) -> dict:
     return out
 
 
-def choose_query_source(device: str, ring_bytes: int | None, available_ram: int, device_memory: int | None) -> str:
+def choose_query_source(device: str, ring_bytes: int | None, available_ram: int, device_memory: int | None,
+                        kv_pool_bytes: int | None = None) -> str:
     """``--kara-query-source auto``: capture (no extra forward per event) on CPU, where compute is
-    the bottleneck, while its ring needs at most CPU_RING_SHARE of the available RAM; on CUDA
-    recompute (SGLang's default request limit makes a ring per request unaffordable) unless the
-    ring is known and within CUDA_RING_SHARE of the device memory."""
+    the bottleneck, while its ring needs at most CPU_RING_SHARE of the available RAM and at most
+    CPU_RING_KV_RATIO x the KV pool (when the pool's size is known); on CUDA recompute (SGLang's
+    default request limit makes a ring per request unaffordable) unless the ring is known and
+    within CUDA_RING_SHARE of the device memory."""
     if ring_bytes is None:
         return "recompute"
     if device == "cpu":
-        return "capture" if ring_bytes <= CPU_RING_SHARE * available_ram else "recompute"
+        fits_kv = kv_pool_bytes is None or ring_bytes <= CPU_RING_KV_RATIO * kv_pool_bytes
+        return "capture" if fits_kv and ring_bytes <= CPU_RING_SHARE * available_ram else "recompute"
     if device_memory is None:
         return "recompute"
     return "capture" if ring_bytes <= CUDA_RING_SHARE * device_memory else "recompute"
@@ -111,16 +115,19 @@ def resolve_query_source(cfg: KaraConfig, server_args, shape: ModelShape | None)
         return cfg
     capacity = cfg.query_ring_capacity
     rows = getattr(server_args, "max_running_requests", None)
-    ring = None
+    ring = kv_pool = None
     if cfg.enabled and capacity and shape is not None and rows:
-        ring = shape.ring_bytes(rows, capacity, shape.itemsize(server_args.dtype))
+        itemsize = shape.itemsize(server_args.dtype)
+        ring = shape.ring_bytes(rows, capacity, itemsize)
+        if server_args.max_total_tokens:
+            kv_pool = server_args.max_total_tokens * shape.kv_bytes_per_token(itemsize)
     device = server_args.device or ("cuda" if cuda_available() else "cpu")
     device_memory = None
     if device != "cpu" and cuda_available():
         import torch
 
         device_memory = torch.cuda.get_device_properties(0).total_memory
-    source = choose_query_source(device, ring, available_ram_bytes(), device_memory)
+    source = choose_query_source(device, ring, available_ram_bytes(), device_memory, kv_pool)
     return dataclasses.replace(cfg, query_source=source)
 
 

@@ -122,14 +122,16 @@ def test_launcher_process_exits_nonzero_naming_flag():
     assert "--kara-retention" in proc.stderr and "(0, 1]" in proc.stderr
 
 
-@pytest.mark.parametrize("device, ring, ram, gpu, want", [
-    ("cpu", 400 << 20, 20 << 30, None, "capture"),       # CPU: compute-bound, small ring
-    ("cpu", 8 << 30, 20 << 30, None, "recompute"),       # CPU: ring over 25% of RAM
-    ("cuda", None, 20 << 30, 80 << 30, "recompute"),     # CUDA, request limit unknown (SGLang's default)
-    ("cuda", 16 << 30, 20 << 30, 80 << 30, "recompute"), # CUDA: ring per slot, 8B model
-    ("cuda", 1 << 30, 20 << 30, 80 << 30, "capture"),    # CUDA: a few running requests
+@pytest.mark.parametrize("device, ring, ram, gpu, want, kv", [
+    ("cpu", 400 << 20, 20 << 30, None, "capture", None),       # CPU: compute-bound, small ring
+    ("cpu", 100 << 20, 20 << 30, None, "capture", 400 << 20),  # CPU: ring smaller than the KV pool
+    ("cpu", 380 << 20, 20 << 30, None, "recompute", 360 << 20),  # CPU: ring larger than the KV pool (SmolLM2 default)
+    ("cpu", 8 << 30, 20 << 30, None, "recompute", None),       # CPU: ring over 25% of RAM
+    ("cuda", None, 20 << 30, 80 << 30, "recompute", None),     # CUDA, request limit unknown (SGLang's default)
+    ("cuda", 16 << 30, 20 << 30, 80 << 30, "recompute", None), # CUDA: ring per slot, 8B model
+    ("cuda", 1 << 30, 20 << 30, 80 << 30, "capture", None),    # CUDA: a few running requests
 ])
-def test_auto_query_source_by_device(device, ring, ram, gpu, want):
+def test_auto_query_source_by_device(device, ring, ram, gpu, want, kv):
     from sgl_kara.support import choose_query_source
 
-    assert choose_query_source(device, ring, ram, gpu) == want
+    assert choose_query_source(device, ring, ram, gpu, kv) == want

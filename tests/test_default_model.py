@@ -134,7 +134,7 @@ def test_launcher_applies_cpu_memory_defaults():
 
     cfg, sa = parse(["--model-path", PROXY_MODEL])
     assert sa.device == "cpu" and sa.max_running_requests == CPU_RUNNING_REQUESTS and sa.max_total_tokens > 0
-    assert cfg.query_source == "capture"  # auto on CPU: the ring is small
+    assert cfg.query_source == "capture"  # auto on CPU: the proxy's ring is small beside its KV pool
     cfg, sa = parse(["--model-path", PROXY_MODEL, "--max-running-requests", "3", "--max-total-tokens", "5000"])
     assert (sa.max_running_requests, sa.max_total_tokens) == (3, 5000)
     assert Path(sa.model_path) == Path(PROXY_MODEL)
