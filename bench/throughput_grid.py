@@ -68,12 +68,14 @@ def system_spec(system: str, gen: int, w: int | None, args, n: int):
     u, period = kara_shape(w)
     if system == "kara":
         return f"kara W={w}", dict(kara_policy="kara", kara_window=w, kara_buffer=u, kara_period=period,
-                                  kara_retention=args.retention, kara_max_seqs=256), None
+                                  kara_retention=args.retention, kara_max_seqs=256,
+                                  kara_query_source=args.query_source), None
     gap = w - u
     peak = kara_peak(gen, w, args.retention)
     prefix = f"kara_{system}_"
     floor = u + 8
-    opts = {"kara_policy": system, prefix + "window": u, prefix + "budget": floor, prefix + "threshold": floor + gap}
+    opts = {"kara_policy": system, prefix + "window": u, prefix + "budget": floor, prefix + "threshold": floor + gap,
+            "kara_query_source": args.query_source}
     budget = max(floor, peak - gap)
     return f"{system} W={w}", opts, [{"budget": budget}] * n
 
@@ -94,6 +96,8 @@ def main(argv=None):
     ap.add_argument("--retention", type=float, default=0.25)
     ap.add_argument("--max-running", type=int, default=256)
     ap.add_argument("--omp-threads", type=int, default=1)
+    ap.add_argument("--query-source", default="auto", choices=("auto", "capture", "recompute"),
+                    help="auto: sgl_kara's rule (with --max-running 256 the ring outgrows these pools: recompute)")
     ap.add_argument("--repeats", type=int, default=1, help="runs per system and cell (order rotated); medians")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
