@@ -1,0 +1,38 @@
+"""bench/throughput.py --grid on one small cell (benchmark-harness layer): the plumbing runs end to
+end and its figures obey the invariants that hold whatever the timing (no timed assertion)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_grid_one_cell(tiny_llama, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    requests, gen = 4, 96
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "throughput.py"), "--grid", "--model", tiny_llama,
+         "--gens", str(gen), "--pool-fractions", "0.5", "--windows", "32", "--systems", "vanilla", "kara",
+         "--requests", str(requests), "--max-running", "8", "--query-source", "capture", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=900, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = {r["system"]: r for r in json.loads((tmp_path / "grid.json").read_text())["runs"]}
+    assert set(runs) == {"vanilla", "kara"}
+    van, kara = runs["vanilla"], runs["kara"]
+    for r in runs.values():
+        assert r["lengths_ok"] and r["runs"] == 1 and r["gen"] == gen
+        assert r["tps_sched"] > 0 and r["tps_cpu"] > 0 and r["tps"] > 0
+        assert 0 < r["mean_running"] <= r["peak_running"] <= requests
+        assert r["pool"] == int(0.5 * requests * (r["prompt_len"] + gen))
+    # ratios are to vanilla in the same cell
+    assert van["sched_ratio"] == 1.0 and abs(kara["sched_ratio"] - kara["tps_sched"] / van["tps_sched"]) < 1e-9
+    # vanilla never compresses; Kara (W=32, 96 tokens) does, and its share of decode time is a fraction
+    assert van["compress_share"] == 0 and van["events"] == 0
+    assert kara["events"] > 0 and 0 < kara["compress_share"] < 1
+    assert kara["window"] == 32
+    assert "| kara W=32 |" in (tmp_path / "grid.md").read_text()
