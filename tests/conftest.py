@@ -176,6 +176,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_bench(script: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    """``python bench/<script> *args`` in a child without TRITON_INTERPRET (engines run torch
+    attention); fails the test with the script's stderr tail when it exits nonzero."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(root, "bench", script), *args],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
 class Server:
     def __init__(self, args: list[str], timeout: float = 240, env: dict | None = None):
         self.port = free_port()

@@ -2,10 +2,11 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from conftest import run_bench
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,14 +24,9 @@ def test_harness_smoke(tiny_llama, tmp_path):
     """Plumbing only: a random tiny model answers nothing right, but every policy runs, budgets
     are matched per sequence, the fidelity pass feeds the full-KV output through every policy
     (exactly reproduced by full KV itself), and the table is written."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", "quality.py"), "--model-path", tiny_llama, "--n", "3",
-         "--ratios", "0.25", "--size-min", "5", "--size-max", "6", "--policies", "none", "kara", "snapkv", "--window", "48", "--buffer", "8",
-         "--chunk-budget", "4", "--fidelity-n", "3", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=900, env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_bench("quality.py", "--model-path", tiny_llama, "--n", "3",
+              "--ratios", "0.25", "--size-min", "5", "--size-max", "6", "--policies", "none", "kara", "snapkv", "--window", "48", "--buffer", "8",
+              "--chunk-budget", "4", "--fidelity-n", "3", "--out", str(tmp_path))
     table = (tmp_path / "quality.md").read_text()
     for policy in ("none", "kara", "snapkv"):
         assert f"| {policy} |" in table
@@ -55,14 +51,9 @@ def test_proxy_model_solves_problems_with_full_kv(tmp_path):
     """The committed proxy, served by sgl_kara.Engine with full KV, answers held-out problems
     (regression check of the weights, its word-level tokenizer and the CPU serving path), and a
     compressing policy runs on it and reports the KV it kept."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", "quality.py"), "--n", "3", "--size-min", "21",
-         "--size-max", "23", "--ratios", "0.25", "--policies", "none", "kara", "--fidelity-n", "0",
-         "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=900, env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_bench("quality.py", "--n", "3", "--size-min", "21",
+              "--size-max", "23", "--ratios", "0.25", "--policies", "none", "kara", "--fidelity-n", "0",
+              "--out", str(tmp_path))
     import json
 
     rows = {r["policy"]: r for r in json.loads((tmp_path / "quality.json").read_text())}
@@ -83,15 +74,10 @@ def test_real_model_path_runs_a_math_jsonl(tmp_path):
         {"problem": "Compute $\\frac{6}{3}$.", "answer": "2", "unique_id": "b"},
         {"problem": "Unused third line", "answer": "0"},
     ]) + "\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", "quality.py"), "--jsonl", str(data), "--n", "2",
-         "--max-new-tokens", "48", "--ratios", "0.5", "--policies", "none", "kara", "--window", "16",
-         "--buffer", "4", "--fidelity-n", "0", "--out", str(out)],
-        capture_output=True, text=True, timeout=900, env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_bench("quality.py", "--jsonl", str(data), "--n", "2",
+              "--max-new-tokens", "48", "--ratios", "0.5", "--policies", "none", "kara", "--window", "16",
+              "--buffer", "4", "--fidelity-n", "0", "--out", str(out))
     rows = {r["policy"]: r for r in json.loads((out / "quality.json").read_text())}
     for policy in ("none", "kara"):
         assert rows[policy]["n"] == 2 and rows[policy]["correct"] == 0
@@ -101,14 +87,9 @@ def test_real_model_path_runs_a_math_jsonl(tmp_path):
 def test_real_lm_mode_smoke(tiny_llama, tmp_path):
     """bench/quality.py --real on 2 prompts (a tiny model stands in for SmolLM2): full-KV output,
     Kara and a budget-matched baseline fed that output, the table, JSON and free generations."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", "quality.py"), "--real", "--model-path", tiny_llama, "--n", "2",
-         "--new-tokens", "64", "--ratios", "0.25", "--policies", "none", "kara", "streaming", "--window", "24",
-         "--buffer", "4", "--period", "4", "--show", "1", "--max-running", "2", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=900, env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_bench("quality.py", "--real", "--model-path", tiny_llama, "--n", "2",
+              "--new-tokens", "64", "--ratios", "0.25", "--policies", "none", "kara", "streaming", "--window", "24",
+              "--buffer", "4", "--period", "4", "--show", "1", "--max-running", "2", "--out", str(tmp_path))
     out = json.loads((tmp_path / "quality_real.json").read_text())
     rows = {r["policy"]: r for r in out["rows"]}
     assert set(rows) == {"kara", "streaming"}

@@ -4,23 +4,15 @@ end and its figures obey the invariants that hold whatever the timing (no timed 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import run_bench
 
 
 def test_grid_one_cell(tiny_llama, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     requests, gen = 4, 96
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", "throughput.py"), "--grid", "--model", tiny_llama,
-         "--gens", str(gen), "--pool-fractions", "0.5", "--windows", "32", "--systems", "vanilla", "kara",
-         "--requests", str(requests), "--max-running", "8", "--query-source", "capture", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=900, env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_bench("throughput.py", "--grid", "--model", tiny_llama, "--gens", str(gen), "--pool-fractions", "0.5",
+              "--windows", "32", "--systems", "vanilla", "kara", "--requests", str(requests), "--max-running", "8",
+              "--query-source", "capture", "--out", str(tmp_path))
     runs = {r["system"]: r for r in json.loads((tmp_path / "grid.json").read_text())["runs"]}
     assert set(runs) == {"vanilla", "kara"}
     van, kara = runs["vanilla"], runs["kara"]
