@@ -216,7 +216,7 @@ def main(argv=None):
     ap.add_argument("--no-full", action="store_true",
                     help="skip the full-KV run (another process runs it; combine with --merge)")
     ap.add_argument("--merge", nargs="+", metavar="JSON", default=None,
-                    help="write one table + plot from these runs' quality.json files and exit")
+                    help="write one table + plot from these runs' quality.json (with --real: quality_real.json) files and exit")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     real = ap.add_argument_group("real LM (--real): fidelity on the default model, bench/quality/real_lm.py")
     real.add_argument("--real", action="store_true", help="real-LM mode (model default: SmolLM2)")
@@ -228,6 +228,9 @@ def main(argv=None):
     real.add_argument("--sample-seed", dest="seed_sample", type=int, default=0)
     real.add_argument("--period", type=int, default=1, help="Kara's event period in the real-LM runs")
     real.add_argument("--show", type=int, default=3, help="prompts decoded freely under every policy")
+    real.add_argument("--ref-dir", default=None,
+                      help="keep the full-KV record (outputs + per-step log-probs: 4 x vocab bytes per token, "
+                           "9.4 GB for SmolLM2 x 48 prompts x 1,000 tokens) here and reuse it when it matches, so rows can be added in later runs")
     args = ap.parse_args(argv)
     if args.real:
         import real_lm
@@ -240,6 +243,8 @@ def main(argv=None):
         if "--max-total-tokens" not in given:  # the proxy's 200k tokens would be 9 GB of SmolLM2 KV
             args.max_total_tokens = args.max_running * (args.new_tokens + 256)
         args.seed = args.seed_sample
+        if args.merge:
+            return real_lm.merge(args.merge, args, argv)
         return real_lm.main(args, argv)
     if args.model_path is None:
         from sgl_kara.default_model import proxy_model_path

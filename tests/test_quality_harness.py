@@ -86,10 +86,12 @@ def test_real_model_path_runs_a_math_jsonl(tmp_path):
 
 def test_real_lm_mode_smoke(tiny_llama, tmp_path):
     """bench/quality.py --real on 2 prompts (a tiny model stands in for SmolLM2): full-KV output,
-    Kara and a budget-matched baseline fed that output, the table, JSON and free generations."""
-    run_bench("quality.py", "--real", "--model-path", tiny_llama, "--n", "2",
-              "--new-tokens", "64", "--ratios", "0.25", "--policies", "none", "kara", "streaming", "--window", "24",
-              "--buffer", "4", "--period", "4", "--show", "1", "--max-running", "2", "--out", str(tmp_path))
+    Kara and a budget-matched baseline fed that output, the table, JSON and free generations;
+    then a second run on the kept record (--ref-dir) adds a row without Kara, and --merge joins
+    the two runs."""
+    common = ["--real", "--model-path", tiny_llama, "--n", "2", "--new-tokens", "64", "--ratios", "0.25",
+              "--window", "24", "--buffer", "4", "--period", "4", "--max-running", "2", "--ref-dir", str(tmp_path / "ref")]
+    run_bench("quality.py", *common, "--policies", "none", "kara", "streaming", "--show", "1", "--out", str(tmp_path))
     out = json.loads((tmp_path / "quality_real.json").read_text())
     rows = {r["policy"]: r for r in out["rows"]}
     assert set(rows) == {"kara", "streaming"}
@@ -99,3 +101,14 @@ def test_real_lm_mode_smoke(tiny_llama, tmp_path):
     assert rows["streaming"]["peak_kv"] <= rows["kara"]["peak_kv"] + 1
     assert len(out["texts"]["none"]) == 1 and len(out["texts"]["kara_0.25"]) == 1
     assert "| kara | 0.25 |" in (tmp_path / "quality_real.md").read_text()
+    # The record is reused (no second full-KV run) and Kara's peaks from the first run set the
+    # baseline's budgets: the same row again, from a run without Kara.
+    again = run_bench("quality.py", *common, "--policies", "none", "streaming", "--show", "0", "--out", str(tmp_path / "b"))
+    assert "reusing the record" in again.stdout
+    (row,) = json.loads((tmp_path / "b" / "quality_real.json").read_text())["rows"]
+    assert {k: row[k] for k in ("agree", "kl", "peak_kv", "shared_prefix")} == \
+        {k: rows["streaming"][k] for k in ("agree", "kl", "peak_kv", "shared_prefix")}
+    run_bench("quality.py", "--real", "--merge", str(tmp_path / "quality_real.json"),
+              str(tmp_path / "b" / "quality_real.json"), "--out", str(tmp_path / "m"))
+    merged = json.loads((tmp_path / "m" / "quality_real.json").read_text())["rows"]
+    assert [(r["policy"], r["ratio"]) for r in merged] == [("kara", 0.25), ("streaming", 0.25)]

@@ -20,10 +20,16 @@ baseline's first trigger), since a threshold baseline compresses first only at K
 Budgets: Kara runs first at each ratio; each threshold baseline (SnapKV, StreamingLLM, H2O,
 R-KV) gets, per prompt, N = Kara's peak generated KV - (W - U), so its peak (N + W - U) equals
 Kara's. A few prompts are also decoded freely under every policy and shown as text.
+
+A long table can be filled over several runs: ``--ref-dir DIR`` keeps the full-KV record (and
+Kara's peaks per ratio) and reuses it when model, prompts, length and decoding match; ``--merge
+A.json B.json ...`` writes one table and plot from the runs' quality_real.json files.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import math
 import os
@@ -54,6 +60,37 @@ def load_problems(args, tok) -> list[dict]:
                                        tokenize=False)
         out.append(dict(r, input_ids=tok(text, add_special_tokens=False)["input_ids"]))
     return out
+
+
+REFERENCE = "reference.json"  # in the record directory: {"key", "tokens"}
+
+
+def reference_key(args, problems) -> str:
+    """What the full-KV record depends on: model, prompts, length, decoding."""
+    ident = dict(model=os.path.abspath(args.model_path), prompts=[p["input_ids"] for p in problems],
+                 new_tokens=args.new_tokens, decoding=args.decoding, temperature=args.temperature,
+                 top_p=args.top_p, seed=args.seed)
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+
+
+def load_reference(d: str, key: str, T: int) -> list[list[int]] | None:
+    """The full-KV outputs recorded in ``d`` for ``key``, or None when absent, stale or partial
+    (every ref file must hold exactly T rows)."""
+    path = os.path.join(d, REFERENCE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        rec = json.load(f)
+    if rec.get("key") != key:
+        return None
+    import fidelity
+
+    tokens = rec["tokens"]
+    for k, t in enumerate(tokens):
+        ref = fidelity.ref_path(d, k)
+        if len(t) != T or not os.path.exists(ref) or not os.path.getsize(ref) or os.path.getsize(ref) % (4 * T):
+            return None
+    return tokens
 
 
 def first_loop(ids: list[int], span: int = 24, repeats: int = 3) -> int:
@@ -173,17 +210,33 @@ def main(args, argv):
 
     rows, texts = [], {}
     tic = time.time()
-    with tempfile.TemporaryDirectory(prefix="kara_real_") as d:
-        rec = [{"mode": "record", "dir": d, "k": k} for k in ks]
-        outs = run_engine(args.model_path, engine_options("none", None, args)[0], problems, full_params,
-                          fidelity=rec, threads=args.omp_threads)
-        tokens = [o["output_ids"] for o in outs]
-        assert all(len(t) == T for t in tokens), [len(t) for t in tokens]
+    with contextlib.ExitStack() as stack:
+        d = args.ref_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="kara_real_"))
+        key = reference_key(args, problems)
+        tokens = load_reference(d, key, T)
+        if tokens is None:
+            os.makedirs(d, exist_ok=True)
+            for name in os.listdir(d):  # a stale or partial record: start over
+                if name.startswith(("ref_", "kara_peaks_")) or name == REFERENCE:
+                    os.remove(os.path.join(d, name))
+            rec = [{"mode": "record", "dir": d, "k": k} for k in ks]
+            outs = run_engine(args.model_path, engine_options("none", None, args)[0], problems, full_params,
+                              fidelity=rec, threads=args.omp_threads)
+            tokens = [o["output_ids"] for o in outs]
+            assert all(len(t) == T for t in tokens), [len(t) for t in tokens]
+            with open(os.path.join(d, REFERENCE), "w") as f:
+                json.dump({"key": key, "tokens": tokens}, f)
+        else:
+            print(f"full KV: reusing the record in {d}", flush=True)
         loops = {k: first_loop(tokens[k]) for k in ks}
         print(f"full KV: {len(ks)} x {T} tokens in {time.time() - tic:.0f}s; outputs with a loop: "
               f"{sum(loops[k] < T for k in ks)}", flush=True)
         texts["none"] = [tok.decode(tokens[k]) for k in ks[: args.show]]
         kara_peaks: dict[float, list[int]] = {}
+        for ratio in args.ratios:  # Kara's peaks from an earlier run on this record (it may not run now)
+            if os.path.exists(os.path.join(d, f"kara_peaks_{ratio}.json")):
+                with open(os.path.join(d, f"kara_peaks_{ratio}.json")) as f:
+                    kara_peaks[ratio] = json.load(f)
         forced_params = lambda i, p: {"max_new_tokens": T, "min_new_tokens": T, "temperature": 0.0}  # noqa: E731
         for name, ratio in run_order(args.policies, args.ratios):
             tag = f"{name}_{ratio}"
@@ -196,6 +249,9 @@ def main(args, argv):
             if name == "kara":
                 kara_peaks[ratio] = [o["meta_info"]["kara"]["kv_peak_len"] - len(p["input_ids"])
                                      for o, p in zip(outs, problems)]
+                if args.ref_dir:  # a later run's baselines and "late" steps use them without Kara
+                    with open(os.path.join(d, f"kara_peaks_{ratio}.json"), "w") as f:
+                        json.dump(kara_peaks[ratio], f)
             late_from = {k: kara_peaks[ratio][k] if ratio in kara_peaks else 0 for k in ks}
             steps = {k: fidelity.load_steps(d, tag, k) for k in ks}
             row = summarize_policy(name, ratio, steps, outs, problems, loops, late_from)
@@ -210,6 +266,30 @@ def main(args, argv):
     write(rows, texts, args, argv)
     plot(rows, args)
     return rows
+
+
+def merge(paths, args, argv) -> list[dict]:
+    """One table + plot from several real-LM runs' quality_real.json (ratios or policies split
+    over runs on the same full-KV record): rows ordered by ratio then policy; a (policy, ratio)
+    given twice must agree on its agreement and KL; free generations are kept from every run."""
+    rows: dict[tuple, dict] = {}
+    texts: dict[str, list] = {}
+    for path in paths:
+        with open(path) as f:
+            run = json.load(f)
+        for r in run["rows"]:
+            key = (r["policy"], r["ratio"])
+            if key in rows and (rows[key]["agree"], rows[key]["kl"]) != (r["agree"], r["kl"]):
+                raise SystemExit(f"--merge: {key} differs between runs ({path})")
+            rows[key] = r
+        texts.update(run.get("texts", {}))
+    order = list(POLICIES)
+    merged = sorted(rows.values(), key=lambda r: (r["ratio"], order.index(r["policy"])))
+    args.policies = [p for p in order if any(r["policy"] == p for r in merged)]
+    os.makedirs(args.out, exist_ok=True)
+    write(merged, texts, args, argv)
+    plot(merged, args)
+    return merged
 
 
 def run_order(names, ratios):
