@@ -205,8 +205,9 @@ def main(argv=None):
     ap.add_argument("--max-chunk", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=8192)
     ap.add_argument("--max-total-tokens", type=int, default=200_000, help="KV pool size (tokens)")
-    ap.add_argument("--match", choices=("peak", "final"), default="peak",
-                    help="baseline budgets: equal peak generated KV to Kara's, or N = Kara's final length")
+    ap.add_argument("--match", choices=("peak", "final", "mean"), default="peak",
+                    help="baseline budgets: equal peak generated KV to Kara's, or N = Kara's final length "
+                         "(proxy mode), or equal mean generated KV = equal KV-token-steps (--real)")
     ap.add_argument("--max-running", type=int, default=64)
     ap.add_argument("--omp-threads", type=int, default=1,
                     help="OMP_NUM_THREADS (+ OMP_WAIT_POLICY=PASSIVE) for the engine; 0 = leave as is")
@@ -243,6 +244,8 @@ def main(argv=None):
         if "--max-total-tokens" not in given:  # the proxy's 200k tokens would be 9 GB of SmolLM2 KV
             args.max_total_tokens = args.max_running * (args.new_tokens + 256)
         args.seed = args.seed_sample
+        if args.match == "final":
+            ap.error("--match final is for the proxy mode; --real takes peak or mean")
         if args.merge:
             return real_lm.merge(args.merge, args, argv)
         return real_lm.main(args, argv)

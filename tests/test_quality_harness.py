@@ -108,7 +108,32 @@ def test_real_lm_mode_smoke(tiny_llama, tmp_path):
     (row,) = json.loads((tmp_path / "b" / "quality_real.json").read_text())["rows"]
     assert {k: row[k] for k in ("agree", "kl", "peak_kv", "shared_prefix")} == \
         {k: rows["streaming"][k] for k in ("agree", "kl", "peak_kv", "shared_prefix")}
+    # Equal mean KV (KV-token-steps): the baseline's measured mean is Kara's (the budget rule's
+    # simulated trajectory is the runtime's).
+    run_bench("quality.py", *common, "--policies", "none", "streaming", "--match", "mean", "--show", "0",
+              "--out", str(tmp_path / "c"))
+    (mean_row,) = json.loads((tmp_path / "c" / "quality_real.json").read_text())["rows"]
+    assert mean_row["match"] == "mean"
+    assert abs(mean_row["mean_kv"] - rows["kara"]["mean_kv"]) <= 2, (mean_row["mean_kv"], rows["kara"]["mean_kv"])
     run_bench("quality.py", "--real", "--merge", str(tmp_path / "quality_real.json"),
-              str(tmp_path / "b" / "quality_real.json"), "--out", str(tmp_path / "m"))
+              str(tmp_path / "b" / "quality_real.json"), str(tmp_path / "c" / "quality_real.json"),
+              "--out", str(tmp_path / "m"))
     merged = json.loads((tmp_path / "m" / "quality_real.json").read_text())["rows"]
-    assert [(r["policy"], r["ratio"]) for r in merged] == [("kara", 0.25), ("streaming", 0.25)]
+    assert [(r["policy"], r["ratio"], r.get("match")) for r in merged] == \
+        [("kara", 0.25, None), ("streaming", 0.25, None), ("streaming", 0.25, "mean")]
+    assert "| streaming (mean-matched) | 0.25 |" in (tmp_path / "m" / "quality_real.md").read_text()
+
+
+def test_threshold_mean_kv_counts_the_runtime_trajectory():
+    """The mean-matching budget rule: the simulated trajectory is 0, 1, .., C_max + 1, then back
+    to N + 1 after each event; budget_for_mean is the smallest N reaching a mean."""
+    sys.path.insert(0, os.path.join(ROOT, "bench", "quality"))
+    from real_lm import budget_for_mean, threshold_mean_kv
+
+    assert threshold_mean_kv(10**6, 5, 11) == sum(range(11)) / 11  # never triggers
+    # N=2, gap=2 (C_max=4): lengths 0 1 2 3 4 5 | 3 4 5 | 3 4 5
+    assert threshold_mean_kv(2, 2, 12) == (0 + 1 + 2 + 3 + 4 + 5 + 3 + 4 + 5 + 3 + 4 + 5) / 12
+    for target in (100.0, 177.4, 300.0):  # above the floor's mean (76.9)
+        n = budget_for_mean(target, 112, 999, 24)
+        assert threshold_mean_kv(n, 112, 999) >= target > threshold_mean_kv(n - 1, 112, 999)
+    assert budget_for_mean(1.0, 112, 999, 24) == 24  # the floor

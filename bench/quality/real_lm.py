@@ -107,8 +107,36 @@ def first_loop(ids: list[int], span: int = 24, repeats: int = 3) -> int:
     return len(ids)
 
 
-def engine_options(name, ratio, args, kara_peaks=None):
-    """(engine keyword options, per-request custom_params.kara list or None)."""
+def threshold_mean_kv(budget: int, gap: int, steps: int) -> float:
+    """Mean generated KV over ``steps`` decode steps of a threshold policy (N = budget, C_max =
+    budget + gap), as the runtime measures it (kv_mean_len: the length at each step, before the
+    step's event and token): 0, 1, ..., C_max + 1, then N + 1 ... C_max + 1 again."""
+    kv = total = 0
+    for _ in range(steps):
+        total += kv
+        if kv > budget + gap:
+            kv = budget
+        kv += 1
+    return total / steps
+
+
+def budget_for_mean(mean: float, gap: int, steps: int, floor: int) -> int:
+    """The smallest N >= floor whose threshold_mean_kv reaches ``mean`` (equal KV-token-steps to
+    a policy of that mean generated KV); the mean grows with N."""
+    lo, hi = floor, max(floor, steps)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if threshold_mean_kv(mid, gap, steps) >= mean:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def engine_options(name, ratio, args, kara_peaks=None, kara_means=None):
+    """(engine keyword options, per-request custom_params.kara list or None). Threshold baselines
+    get per-request budgets from Kara's run at ``ratio``: equal peak generated KV (``--match
+    peak``) or equal mean generated KV (``--match mean``: equal KV-token-steps)."""
     opts = dict(POLICIES[name], max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running)
     if name == "none":
         return opts, None
@@ -121,6 +149,9 @@ def engine_options(name, ratio, args, kara_peaks=None):
     w = 8 if name == "rkv" else args.buffer  # R-KV keeps its own 8 observation queries
     floor = w + 8  # server-wide N only needs to be valid (StreamingLLM's 4 sinks fit); requests bring their own
     opts.update({prefix + "window": w, prefix + "budget": floor, prefix + "threshold": floor + gap})
+    if args.match == "mean":
+        steps = args.new_tokens - 1  # decode steps (the first token comes from prefill)
+        return opts, [{"budget": budget_for_mean(m, gap, steps, floor)} for m in kara_means[ratio]]
     return opts, [{"budget": max(floor, peak - gap)} for peak in kara_peaks[ratio]]
 
 
@@ -217,7 +248,7 @@ def main(args, argv):
         if tokens is None:
             os.makedirs(d, exist_ok=True)
             for name in os.listdir(d):  # a stale or partial record: start over
-                if name.startswith(("ref_", "kara_peaks_")) or name == REFERENCE:
+                if name.startswith(("ref_", "kara_peaks_", "kara_means_")) or name == REFERENCE:
                     os.remove(os.path.join(d, name))
             rec = [{"mode": "record", "dir": d, "k": k} for k in ks]
             outs = run_engine(args.model_path, engine_options("none", None, args)[0], problems, full_params,
@@ -233,15 +264,18 @@ def main(args, argv):
               f"{sum(loops[k] < T for k in ks)}", flush=True)
         texts["none"] = [tok.decode(tokens[k]) for k in ks[: args.show]]
         kara_peaks: dict[float, list[int]] = {}
+        kara_means: dict[float, list[float]] = {}
         for ratio in args.ratios:  # Kara's peaks from an earlier run on this record (it may not run now)
-            if os.path.exists(os.path.join(d, f"kara_peaks_{ratio}.json")):
-                with open(os.path.join(d, f"kara_peaks_{ratio}.json")) as f:
-                    kara_peaks[ratio] = json.load(f)
+            for store, what in ((kara_peaks, "peaks"), (kara_means, "means")):
+                if os.path.exists(os.path.join(d, f"kara_{what}_{ratio}.json")):
+                    with open(os.path.join(d, f"kara_{what}_{ratio}.json")) as f:
+                        store[ratio] = json.load(f)
         forced_params = lambda i, p: {"max_new_tokens": T, "min_new_tokens": T, "temperature": 0.0}  # noqa: E731
         for name, ratio in run_order(args.policies, args.ratios):
-            tag = f"{name}_{ratio}"
+            matched = name in THRESHOLD and args.match != "peak"
+            tag = f"{name}_{ratio}" + (f"_{args.match}" if matched else "")
             forced = [{"mode": "force", "dir": d, "k": k, "tag": tag, "tokens": tokens[k]} for k in ks]
-            opts, per_request = engine_options(name, ratio, args, kara_peaks)
+            opts, per_request = engine_options(name, ratio, args, kara_peaks, kara_means)
             t0 = time.time()
             outs = run_engine(args.model_path, opts, problems, forced_params, per_request, forced, args.omp_threads)
             if any(o["output_ids"] != t for o, t in zip(outs, tokens)):
@@ -249,20 +283,25 @@ def main(args, argv):
             if name == "kara":
                 kara_peaks[ratio] = [o["meta_info"]["kara"]["kv_peak_len"] - len(p["input_ids"])
                                      for o, p in zip(outs, problems)]
+                kara_means[ratio] = [o["meta_info"]["kara"]["kv_mean_len"] - len(p["input_ids"])
+                                     for o, p in zip(outs, problems)]
                 if args.ref_dir:  # a later run's baselines and "late" steps use them without Kara
-                    with open(os.path.join(d, f"kara_peaks_{ratio}.json"), "w") as f:
-                        json.dump(kara_peaks[ratio], f)
+                    for store, what in ((kara_peaks, "peaks"), (kara_means, "means")):
+                        with open(os.path.join(d, f"kara_{what}_{ratio}.json"), "w") as f:
+                            json.dump(store[ratio], f)
             late_from = {k: kara_peaks[ratio][k] if ratio in kara_peaks else 0 for k in ks}
             steps = {k: fidelity.load_steps(d, tag, k) for k in ks}
             row = summarize_policy(name, ratio, steps, outs, problems, loops, late_from)
             row["seconds"] = time.time() - t0
+            if matched:
+                row["match"] = args.match
             rows.append(row)
             write(rows, texts, args, argv)
             print(f"{name:12s} r={ratio} agree {row['agree']:.4f} KL {row['kl']:.4f} PPL {row['ppl']:.3f} "
                   f"shared prefix {row['shared_prefix_median']} identical {row['identical']}/{row['n']} "
                   f"peak KV {row['peak_kv']} ({row['seconds']:.0f}s)", flush=True)
     if args.show:
-        free_generation(args, problems[: args.show], texts, kara_peaks, tok)
+        free_generation(args, problems[: args.show], texts, kara_peaks, kara_means, tok)
     write(rows, texts, args, argv)
     plot(rows, args)
     return rows
@@ -278,13 +317,13 @@ def merge(paths, args, argv) -> list[dict]:
         with open(path) as f:
             run = json.load(f)
         for r in run["rows"]:
-            key = (r["policy"], r["ratio"])
+            key = (r["policy"], r["ratio"], r.get("match"))
             if key in rows and (rows[key]["agree"], rows[key]["kl"]) != (r["agree"], r["kl"]):
                 raise SystemExit(f"--merge: {key} differs between runs ({path})")
             rows[key] = r
         texts.update(run.get("texts", {}))
     order = list(POLICIES)
-    merged = sorted(rows.values(), key=lambda r: (r["ratio"], order.index(r["policy"])))
+    merged = sorted(rows.values(), key=lambda r: (r["ratio"], r.get("match") or "", order.index(r["policy"])))
     args.policies = [p for p in order if any(r["policy"] == p for r in merged)]
     os.makedirs(args.out, exist_ok=True)
     write(merged, texts, args, argv)
@@ -299,7 +338,7 @@ def run_order(names, ratios):
     return sorted(order, key=lambda nr: (ratios.index(nr[1]), nr[0] != "kara"))
 
 
-def free_generation(args, problems, texts, kara_peaks, tok):
+def free_generation(args, problems, texts, kara_peaks, kara_means, tok):
     ratio = 0.25 if 0.25 in args.ratios else args.ratios[0]
     params = lambda i, p: {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens,  # noqa: E731
                            "temperature": 0.0}
@@ -307,9 +346,15 @@ def free_generation(args, problems, texts, kara_peaks, tok):
         if name == "none":
             continue
         peaks = {ratio: kara_peaks.get(ratio, [0] * args.n)[: len(problems)]} if name in THRESHOLD else None
-        opts, per_request = engine_options(name, ratio, args, peaks)
+        means = {ratio: kara_means.get(ratio, [0] * args.n)[: len(problems)]} if name in THRESHOLD else None
+        opts, per_request = engine_options(name, ratio, args, peaks, means)
         outs = run_engine(args.model_path, opts, problems, params, per_request, threads=args.omp_threads)
         texts[f"{name}_{ratio}"] = [o["text"] for o in outs]
+
+
+def label(row) -> str:
+    """The policy's name in tables: budget-matched at equal mean KV rows are marked."""
+    return row["policy"] + (f" ({row['match']}-matched)" if row.get("match") else "")
 
 
 def write(rows, texts, args, argv):
@@ -319,7 +364,7 @@ def write(rows, texts, args, argv):
     for r in rows:
         kv = f"{r['peak_kv']:.0f} | {r['mean_kv']:.0f}" if r["peak_kv"] is not None else "- | -"
         lines.append(
-            f"| {r['policy']} | {r['ratio']} | {r['agree']:.4f} | {r['kl']:.4f} | {r['ppl']:.3f} | "
+            f"| {label(r)} | {r['ratio']} | {r['agree']:.4f} | {r['kl']:.4f} | {r['ppl']:.3f} | "
             f"{r['shared_prefix_median']:.0f} | {r['identical']}/{r['n']} | {r['agree_noloop']:.4f} | "
             f"{r['kl_noloop']:.4f} | {r['agree_late']:.4f} | {r['kl_late']:.4f} | {kv} |")
     cmd = "python bench/quality.py " + " ".join(argv if argv is not None else [])
@@ -342,13 +387,12 @@ def plot(rows, args):
     except ImportError:
         return
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    for ax, field, label in ((axes[0], "agree", "next-token agreement with full KV"), (axes[1], "kl", "KL(full || policy)")):
-        for name in args.policies:
-            pts = sorted((r["ratio"], r[field]) for r in rows if r["policy"] == name)
-            if pts:
-                ax.plot([p for p, _ in pts], [v for _, v in pts], marker="o", label=name)
+    for ax, field, ylabel in ((axes[0], "agree", "next-token agreement with full KV"), (axes[1], "kl", "KL(full || policy)")):
+        for name in dict.fromkeys(label(r) for r in rows):
+            pts = sorted((r["ratio"], r[field]) for r in rows if label(r) == name)
+            ax.plot([p for p, _ in pts], [v for _, v in pts], marker="o", label=name)
         ax.set_xlabel("retention ratio")
-        ax.set_ylabel(label)
+        ax.set_ylabel(ylabel)
         ax.legend()
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, "quality_real.png"), dpi=120)
