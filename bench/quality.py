@@ -222,6 +222,8 @@ def main(argv=None):
     real = ap.add_argument_group("real LM (--real): fidelity on the default model, bench/quality/real_lm.py")
     real.add_argument("--real", action="store_true", help="real-LM mode (model default: SmolLM2)")
     real.add_argument("--prompts", default=os.path.join(HERE, "quality", "real_prompts.jsonl"))
+    real.add_argument("--stride", type=int, default=1,
+                      help="take every k-th prompt (the file is grouped by kind; 3 -> 16 prompts of every kind)")
     real.add_argument("--new-tokens", type=int, default=1000, help="full-KV output length (EOS suppressed)")
     real.add_argument("--decoding", choices=("greedy", "sample"), default="greedy")
     real.add_argument("--temperature", type=float, default=0.7)
@@ -229,6 +231,9 @@ def main(argv=None):
     real.add_argument("--sample-seed", dest="seed_sample", type=int, default=0)
     real.add_argument("--period", type=int, default=1, help="Kara's event period in the real-LM runs")
     real.add_argument("--show", type=int, default=3, help="prompts decoded freely under every policy")
+    real.add_argument("--free-only", action="store_true",
+                      help="only the free generations of --show prompts (needs --ref-dir with Kara's stored peaks "
+                           "for the threshold baselines)")
     real.add_argument("--ref-dir", default=None,
                       help="keep the full-KV record (outputs + per-step log-probs: 4 x vocab bytes per token, "
                            "9.4 GB for SmolLM2 x 48 prompts x 1,000 tokens) here and reuse it when it matches, so rows can be added in later runs")
@@ -248,6 +253,10 @@ def main(argv=None):
             ap.error("--match final is for the proxy mode; --real takes peak or mean")
         if args.merge:
             return real_lm.merge(args.merge, args, argv)
+        if args.stride < 1:
+            ap.error(f"--stride must be >= 1 (got {args.stride})")
+        if args.free_only and not (args.ref_dir and args.show):
+            ap.error("--free-only needs --ref-dir (the record with Kara's peaks) and --show >= 1")
         return real_lm.main(args, argv)
     if args.model_path is None:
         from sgl_kara.default_model import proxy_model_path

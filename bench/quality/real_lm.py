@@ -23,7 +23,10 @@ Kara's. A few prompts are also decoded freely under every policy and shown as te
 
 A long table can be filled over several runs: ``--ref-dir DIR`` keeps the full-KV record (and
 Kara's peaks per ratio) and reuses it when model, prompts, length and decoding match; ``--merge
-A.json B.json ...`` writes one table and plot from the runs' quality_real.json files.
+A.json B.json ...`` writes one table and plot from the runs' quality_real.json files;
+``--free-only`` adds the free generations to a kept record without rerunning rows; ``--stride k``
+takes every k-th prompt (the file is grouped by kind). ``bench/quality/paired.py`` compares two
+rows of one kept record prompt by prompt (bootstrap intervals over prompts).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -53,7 +57,7 @@ THRESHOLD = ("snapkv", "streaming", "h2o", "rkv")
 
 
 def load_problems(args, tok) -> list[dict]:
-    rows = [json.loads(line) for line in open(args.prompts) if line.strip()][: args.n]
+    rows = [json.loads(line) for line in open(args.prompts) if line.strip()][:: args.stride][: args.n]
     out = []
     for r in rows:
         text = tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
@@ -271,7 +275,11 @@ def main(args, argv):
                     with open(os.path.join(d, f"kara_{what}_{ratio}.json")) as f:
                         store[ratio] = json.load(f)
         forced_params = lambda i, p: {"max_new_tokens": T, "min_new_tokens": T, "temperature": 0.0}  # noqa: E731
-        for name, ratio in run_order(args.policies, args.ratios):
+        if args.free_only:  # the rows come from earlier runs on this record
+            missing = [r for r in args.ratios if r not in kara_peaks]
+            if missing and any(n in THRESHOLD for n in args.policies):
+                raise SystemExit(f"--free-only: no Kara peaks stored in {d} for ratios {missing}; run kara there first")
+        for name, ratio in [] if args.free_only else run_order(args.policies, args.ratios):
             matched = name in THRESHOLD and args.match != "peak"
             tag = f"{name}_{ratio}" + (f"_{args.match}" if matched else "")
             forced = [{"mode": "force", "dir": d, "k": k, "tag": tag, "tokens": tokens[k]} for k in ks]
@@ -367,13 +375,13 @@ def write(rows, texts, args, argv):
             f"| {label(r)} | {r['ratio']} | {r['agree']:.4f} | {r['kl']:.4f} | {r['ppl']:.3f} | "
             f"{r['shared_prefix_median']:.0f} | {r['identical']}/{r['n']} | {r['agree_noloop']:.4f} | "
             f"{r['kl_noloop']:.4f} | {r['agree_late']:.4f} | {r['kl_late']:.4f} | {kv} |")
-    cmd = "python bench/quality.py " + " ".join(argv if argv is not None else [])
+    cmd = "python bench/quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
     with open(os.path.join(args.out, "quality_real.md"), "w") as f:
         f.write(f"command: {cmd}\n\n" + "\n".join(lines) + "\n")
         for key, outs in texts.items():
             f.write(f"\n### Free generation: {key}\n\n")
             for i, t in enumerate(outs):
-                f.write(f"**prompt {i}**: {json.dumps(t[:600])}\n\n")
+                f.write(f"**prompt {i}**: {json.dumps(t[:1500])}\n\n")
     with open(os.path.join(args.out, "quality_real.json"), "w") as f:
         json.dump({"rows": rows, "texts": texts, "args": {k: v for k, v in vars(args).items()}}, f, indent=1)
 
