@@ -54,6 +54,8 @@ class RunResult:
     repeat: int = 0
     cpu_seconds: float = 0.0  # engine processes' CPU time during the run
     scheduler_cpu_seconds: float = 0.0  # of which the scheduler's (the model's compute)
+    ring_bytes: int = 0  # capture query ring (memory beyond the KV pool; 0 with recompute)
+    fallbacks: int = 0  # windows scored by recompute although capture was on (no ring row)
 
     @property
     def tps_cpu(self) -> float:
@@ -177,6 +179,9 @@ def run_system(system: str, args, pool: int, max_running: int, repeat: int = 0, 
         events=trace[-1]["kara_events"] if trace else 0,
         compress_seconds=(trace[-1]["kara_seconds"] - trace[0]["kara_seconds"]) if trace else 0.0,
         trace=trace, repeat=repeat, cpu_seconds=cpu1 - cpu0, scheduler_cpu_seconds=sched1 - sched0,
+        ring_bytes=trace[-1].get("kara_ring_bytes", 0) if trace else 0,
+        fallbacks=(trace[-1].get("kara_recompute_fallbacks", 0) - trace[0].get("kara_recompute_fallbacks", 0))
+        if trace else 0,
     )
 
 

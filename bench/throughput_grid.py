@@ -162,7 +162,16 @@ def run_one(run_system, args, prompts, gen, pool, label, opts, per_request) -> d
     return dict(tps=r.tps, tps_cpu=r.tps_cpu, tps_sched=r.tps_scheduler_cpu, seconds=r.seconds,
                 cpu_seconds=r.cpu_seconds, scheduler_cpu_seconds=r.scheduler_cpu_seconds,
                 mean_running=r.mean_running, peak_running=r.peak_running, retractions=r.retractions,
-                events=r.events, compress_share=r.compress_share, lengths_ok=r.lengths_ok)
+                events=r.events, compress_share=r.compress_share, lengths_ok=r.lengths_ok,
+                ring_bytes=r.ring_bytes, fallbacks=r.fallbacks, pool_bytes=pool * kv_bytes_per_token(args.model_path))
+
+
+def kv_bytes_per_token(model_path: str) -> int:
+    """KV bytes per token of the served model (float32 on CPU), for the ring-vs-pool column."""
+    from sgl_kara.memory import ModelShape
+
+    shape = ModelShape.from_model_path(model_path)
+    return shape.kv_bytes_per_token(4) if shape is not None else 0
 
 
 METRICS = ("tps", "tps_cpu", "tps_sched", "mean_running", "compress_share")
@@ -202,11 +211,19 @@ def footprint_limit(r, retention):
     return (p + g) / (p + min(g, retention * g + w))
 
 
+def ring(r) -> str:
+    """The capture ring's memory beside the KV pool's (memory Kara uses beyond the pool)."""
+    if not r.get("ring_bytes"):
+        return "-"
+    share = f"{r['ring_bytes'] / r['pool_bytes']:.2f}x" if r.get("pool_bytes") else f"{r['ring_bytes'] >> 20} MiB"
+    return f"{share} ({r.get('fallbacks', 0)})"
+
+
 def write(results, args, argv):
     rows = ratios(results)
     head = ("| G | pool | system | runs | tok/sched-CPU-s | vs vanilla (sched CPU) | tok/CPU-s | vs vanilla (CPU) "
             "| tok/s wall | vs vanilla (wall) | mean / peak running | running vs vanilla | footprint limit "
-            "| retractions | compress share | lengths ok |")
+            "| retractions | compress share | capture ring / pool (fallbacks) | lengths ok |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lim = footprint_limit(r, args.retention)
@@ -216,7 +233,7 @@ def write(results, args, argv):
             f"{r['spread_sched']} | {fmt(r['sched_ratio'])} | {r['tps_cpu']:.1f} | {fmt(r['cpu_ratio'])} "
             f"| {r['tps']:.1f} | {fmt(r['wall_ratio'])} | {r['mean_running']:.1f} / {r['peak_running']} "
             f"| {fmt(r['running_ratio'])} | {fmt(lim)} | {r['retractions']} | {100 * r['compress_share']:.1f}% "
-            f"| {r['lengths_ok']} |")
+            f"| {ring(r)} | {r['lengths_ok']} |")
     cmd = "python bench/throughput.py " + " ".join(argv if argv is not None else sys.argv[1:])
     with open(os.path.join(args.out, "grid.md"), "w") as f:
         f.write(f"command: {cmd}\nmodel: {args.model_path}\n\n" + "\n".join(lines) + "\n")

@@ -11,6 +11,7 @@ a spawned process sees the value its environment has).
 | SGL_KARA_TRACE | path | - | JSON lines: running requests and free slots per decode step |
 | SGL_KARA_INJECT_FAULT_RID_PREFIX | str | - | scoring raises for rids with this prefix (tests) |
 | SGL_KARA_FAST_CPU_DECODE | bool | 1 | torch_native decode on CPU gathers K/V once per layer (cpu_attention.py) |
+| SGL_KARA_RING_ROWS | int | - | caps the capture ring's rows (tests: requests beyond take the recompute fallback) |
 
 SGLang rewrites any ``SGL_*`` variable to ``SGLANG_*`` with a deprecation warning at import;
 sgl_kara/__init__ silences that warning for these names, and they keep working.
@@ -63,3 +64,12 @@ def inject_fault_rid_prefix() -> str:
 
 def fast_cpu_decode() -> bool:
     return _flag("SGL_KARA_FAST_CPU_DECODE", True)
+
+
+def ring_rows_cap() -> int | None:
+    value = os.environ.get("SGL_KARA_RING_ROWS")
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"SGL_KARA_RING_ROWS must be an integer >= 1 (got {value!r})")
+    return int(value)

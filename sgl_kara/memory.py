@@ -109,6 +109,19 @@ class ModelShape:
         return self.weight_file_bytes * itemsize // stored
 
 
+def ring_rows(max_running: int, pool_tokens: int | None, capacity: int) -> int:
+    """Rows of the capture query ring: one per request that can be decoding at once, and no
+    more than the KV pool can hold requests of ``capacity`` tokens each (a row keeps ``capacity``
+    = window + period queries; a request whose window is scored holds at least that window in the
+    pool, and Kara's admission reserves it). A request that finds no free row is scored from
+    recomputed queries at its event (runtime: the ring's ``assign`` fails), so the pool bound
+    only trades a rare recompute for a ring that does not outgrow the pool it serves (a grid with
+    ``--max-running 256`` and a 4k-token pool sized 257 rows, which pushed ``auto`` to recompute)."""
+    if pool_tokens is None or pool_tokens <= 0 or capacity <= 0:
+        return max_running
+    return max(1, min(max_running, -(-pool_tokens // capacity)))
+
+
 def total_ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 

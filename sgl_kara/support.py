@@ -20,6 +20,7 @@ from sgl_kara.memory import (
     check_cpu_fit,
     cpu_memory_defaults,
     gib,
+    ring_rows,
     total_ram_bytes,
 )
 
@@ -118,7 +119,7 @@ def resolve_query_source(cfg: KaraConfig, server_args, shape: ModelShape | None)
     ring = kv_pool = None
     if cfg.enabled and capacity and shape is not None and rows:
         itemsize = shape.itemsize(server_args.dtype)
-        ring = shape.ring_bytes(rows, capacity, itemsize)
+        ring = shape.ring_bytes(ring_rows(rows, server_args.max_total_tokens, capacity), capacity, itemsize)
         if server_args.max_total_tokens:
             kv_pool = server_args.max_total_tokens * shape.kv_bytes_per_token(itemsize)
     device = server_args.device or ("cuda" if cuda_available() else "cpu")
@@ -162,7 +163,8 @@ def prepare_server_args(server_args, cfg: KaraConfig) -> KaraConfig:
         # Captured queries are written by a hook that a CUDA graph would freeze.
         server_args.disable_cuda_graph = True
     if server_args.device == "cpu" and shape is not None and server_args.max_total_tokens:
-        rows = server_args.max_running_requests if cfg.query_source == "capture" else 0
+        rows = (ring_rows(server_args.max_running_requests, server_args.max_total_tokens, cfg.query_ring_capacity)
+                if cfg.query_source == "capture" and server_args.max_running_requests else 0)
         try:
             sizes = check_cpu_fit(shape, shape.itemsize(server_args.dtype), server_args.max_total_tokens,
                                   rows or 0, cfg.query_ring_capacity, available_ram_bytes())

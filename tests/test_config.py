@@ -135,3 +135,34 @@ def test_auto_query_source_by_device(device, ring, ram, gpu, want, kv):
     from sgl_kara.support import choose_query_source
 
     assert choose_query_source(device, ring, ram, gpu, kv) == want
+
+
+def test_capture_ring_rows_are_bounded_by_the_pool():
+    """One ring row per request that can run at once: the request limit, bounded by what the pool
+    holds at one ring row's worth of tokens each. A run with --max-running 256 on a 4k-token pool
+    used to size 257 rows and outgrow the pool, so ``auto`` picked recompute; with the bound a
+    multi-head-attention model's ring is about half its pool and ``auto`` picks capture. (With
+    GQA, H_q = g x H_kv, the bounded ring is ~g/2 of the pool: still recompute from g = 2.)"""
+    import types
+
+    from sgl_kara.memory import ModelShape, available_ram_bytes, ring_rows
+    from sgl_kara.support import choose_query_source, resolve_query_source
+
+    assert ring_rows(8, 8192, 640) == 8        # SmolLM2 default server: the request limit binds
+    assert ring_rows(256, 4300, 160) == 27     # ceil(4300 / 160): the pool binds
+    assert ring_rows(256, 160, 160) == 1 and ring_rows(256, 1, 160) == 1
+    assert ring_rows(256, None, 160) == 256    # pool unknown (CUDA before SGLang sizes it)
+    cfg = KaraConfig.build(window=128, buffer=8, period=32)
+    cap = cfg.query_ring_capacity
+    assert cap == 160
+    mha = ModelShape(layers=4, q_heads=4, kv_heads=4, head_dim=32, context_len=4096, checkpoint_dtype="float32",
+                     weight_file_bytes=1 << 20)
+    args = types.SimpleNamespace(max_running_requests=256, max_total_tokens=4300, dtype="float32", device="cpu")
+    pool_bytes = 4300 * mha.kv_bytes_per_token(4)
+    # a row per request slot outgrows the pool; the bounded ring does not
+    assert choose_query_source("cpu", mha.ring_bytes(256, cap, 4), available_ram_bytes(), None, pool_bytes) == "recompute"
+    assert mha.ring_bytes(27, cap, 4) <= 0.55 * pool_bytes
+    assert resolve_query_source(cfg, args, mha).query_source == "capture"
+    gqa3 = ModelShape(layers=4, q_heads=12, kv_heads=4, head_dim=32, context_len=4096, checkpoint_dtype="float32",
+                      weight_file_bytes=1 << 20)
+    assert resolve_query_source(cfg, args, gqa3).query_source == "recompute"

@@ -33,7 +33,7 @@ def _prompts(vocab: int, n: int = 3) -> list[list[int]]:
 
 def run_and_check(model_path: str, tmp_path, page: int, query_source: str, policy: str = "kara",
                   extra: dict | None = None, gen: dict | None = None, integrity: bool = False,
-                  keep_engine: bool = False, tol: float = TOL):
+                  keep_engine: bool = False, tol: float = TOL, env_extra: dict | None = None):
     """Generate with evictions recorded, then compare every step with the masked reference.
     Returns (outputs, the engine if ``keep_engine`` else None)."""
     record = str(tmp_path / f"evictions_{policy}_{page}_{query_source}.jsonl")
@@ -44,6 +44,7 @@ def run_and_check(model_path: str, tmp_path, page: int, query_source: str, polic
     env = {"SGL_KARA_RECORD_EVICTIONS": record}  # read by the spawned scheduler
     if integrity:
         env["SGL_KARA_CHECK_INTEGRITY"] = "1"
+    env.update(env_extra or {})
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -102,6 +103,28 @@ def _check_against_reference(model_path, prompts, outs, events, policy, page, qu
 ])
 def test_kara_matches_masked_reference(arch, page, query_source, tiny_llama, tiny_qwen3, tmp_path):
     run_and_check({"llama": tiny_llama, "qwen3": tiny_qwen3}[arch], tmp_path, page, query_source)
+
+
+def test_requests_without_a_ring_row_fall_back_to_recompute(tiny_llama, tmp_path):
+    """A capture ring with fewer rows than running requests (memory.ring_rows bounds it by the
+    pool; SGL_KARA_RING_ROWS=1 forces it here): the requests without a row are scored from
+    recomputed queries, the decode stays exact, and the evictions are those of a recompute run."""
+    import json
+
+    trace = tmp_path / "trace.jsonl"
+    fell_back = run_and_check(tiny_llama, tmp_path, 1, "capture", integrity=True,
+                              env_extra={"SGL_KARA_RING_ROWS": "1", "SGL_KARA_TRACE": str(trace)})[0]
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert max(s["running"] for s in steps) == 3
+    assert steps[-1]["kara_recompute_fallbacks"] > 0
+    recomputed = run_and_check(tiny_llama, tmp_path, 1, "recompute")[0]
+
+    def per_prompt(outs, query_source):
+        events = read_evictions(str(tmp_path / f"evictions_kara_1_{query_source}.jsonl"))
+        return [[(e["logical_len"], e["evicted"]) for e in events[o["meta_info"]["id"]]] for o in outs]
+
+    assert per_prompt(fell_back, "capture") == per_prompt(recomputed, "recompute")
+    assert [o["output_ids"] for o in fell_back] == [o["output_ids"] for o in recomputed]
 
 
 @pytest.mark.slow

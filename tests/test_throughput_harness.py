@@ -27,4 +27,6 @@ def test_grid_one_cell(tiny_llama, tmp_path):
     assert van["compress_share"] == 0 and van["events"] == 0
     assert kara["events"] > 0 and 0 < kara["compress_share"] < 1
     assert kara["window"] == 32
+    # capture: the ring is memory beyond the pool, reported beside it; vanilla has none
+    assert van["ring_bytes"] == 0 and kara["ring_bytes"] > 0 and kara["pool_bytes"] > 0 and kara["fallbacks"] >= 0
     assert "| kara W=32 |" in (tmp_path / "grid.md").read_text()
