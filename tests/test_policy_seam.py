@@ -104,6 +104,54 @@ def test_kara_region_schedule_and_per_request_retention():
     assert p.query_capacity() == 64 + 8
 
 
+def test_kara_leaves_a_window_that_finishes_within_its_charged_tail():
+    p = _policy("kara", window=64, buffer=16, period=8, retention=0.25)
+    due = _row(10 + 64, frontier=10)  # tail = W: its first window is complete
+    assert p.region(due) is not None
+    assert p.worth_compressing(due, 9)  # tail would reach 73 > W + period
+    assert not p.worth_compressing(due, 8)  # 72 = W + period: admission charged exactly that
+    assert not p.worth_compressing(due, 1)
+    assert p.worth_compressing(_row(10 + 200, frontier=10), 8)  # a long tail (re-prefilled) is compressed
+
+
+def _simulate(p, gen, skip=True, prompt=10):
+    """One request through Kara's schedule as the runtime runs it (plan_jobs, events before each
+    decode step's forward): its peak generated KV and its events."""
+    state = KaraReqState()
+    frontier, length, peak, events = prompt, prompt, 0, 0  # after the prefill: P entries, 1 token out
+    for step in range(1, gen):  # decode step `step` writes token `step` (0-based output index)
+        remaining = gen - step
+        if p.due(step):
+            row = RowView(prompt, frontier, length, 0, state)
+            region = p.region(row)
+            if region is not None and remaining > 1 and (not skip or p.worth_compressing(row, remaining)):
+                length -= region.length - region.keep
+                frontier = region.start + region.keep
+                events += 1
+        length += 1
+        peak = max(peak, length - prompt)
+    return peak, events
+
+
+@pytest.mark.parametrize("window,buffer,period,saves", [(64, 16, 8, False), (128, 8, 32, True), (128, 16, 1, False),
+                                                      (512, 32, 128, True)])
+def test_kara_never_holds_more_than_admission_charged(window, buffer, period, saves):
+    """Peak generated KV <= footprint(G) (what the admission reserved) for every G, with and
+    without leaving the last window of a finishing request; leaving it saves events only. It
+    saves some when the window cycle W - U is not a multiple of the period (at 64/16/8 every
+    event finds a tail of W + period - 1, so only a request finishing next step is left alone)."""
+    p = _policy("kara", window=window, buffer=buffer, period=period, retention=0.25)
+    saved = 0
+    for gen in range(2, 3 * window + 40, 3):
+        charged = p.footprint(gen, KaraReqState())
+        peak, events = _simulate(p, gen)
+        peak_all, events_all = _simulate(p, gen, skip=False)
+        assert peak_all <= charged and peak <= charged, (gen, peak, peak_all, charged)
+        assert events <= events_all
+        saved += events_all - events
+    assert (saved > 0) == saves
+
+
 @pytest.mark.parametrize("name", [n for n in POLICIES if n != "kara"])
 def test_threshold_regions_use_the_request_budget(name):
     p = _policy(name, threshold=80, budget=60, window=8)

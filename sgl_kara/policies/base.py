@@ -141,6 +141,11 @@ class Policy(ABC):
         """Queries per request a capture ring must keep for this policy (0: none)."""
         return 0
 
+    def worth_compressing(self, row: RowView, remaining: int) -> bool:
+        """False: leave this request's due region alone, it finishes within ``remaining`` more
+        tokens before the freed slots matter (still within what admission charged it)."""
+        return remaining > 1
+
     # -- what ---------------------------------------------------------------------------------
     @abstractmethod
     def score(self, inp: ScoreInput) -> torch.Tensor:

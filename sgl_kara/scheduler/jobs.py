@@ -3,7 +3,8 @@ uncompressed tail first, at most ``max_seqs`` of them.
 
 A request takes part once its row has reached its protected length P (fixed here, at the first
 check after the prefill: the tree-owned prefix and the prompt, rounded up to a page), when it is
-not finishing anyway, and when its KV is fully committed.
+not finishing anyway (``policy.worth_compressing``: Kara leaves a request whose uncompressed
+tail stays within W + period until its max_new_tokens), and when its KV is fully committed.
 """
 
 from __future__ import annotations
@@ -48,15 +49,17 @@ def plan_jobs(policy, reqs, state_of, page_size: int, max_seqs: int, on_protecte
         length = int(req.kv.kv_committed_len)
         if length != int(req.kv.kv_allocated_len):
             continue
-        if req.sampling_params.max_new_tokens - len(req.output_ids) <= 1:
+        remaining = req.sampling_params.max_new_tokens - len(req.output_ids)
+        if remaining <= 1:
             continue  # about to finish: its slots are freed anyway
         fixed_now = state.protected < 0
         if not fix_protected(req, state, length, page_size):
             continue
         if fixed_now and on_protected is not None:
             on_protected(req, state)
-        region = policy.region(RowView(state.protected, state.frontier, length, state.pos_offset, state))
-        if region is not None:
+        row = RowView(state.protected, state.frontier, length, state.pos_offset, state)
+        region = policy.region(row)
+        if region is not None and policy.worth_compressing(row, remaining):
             cands.append((length - state.frontier, Job(i, req, state, region)))
     cands.sort(key=lambda c: -c[0])  # longest uncompressed tail first (stable)
     return [job for _, job in cands[:max_seqs]]
