@@ -130,6 +130,31 @@ def engine_cpu_seconds() -> tuple[float, float]:
     return total, scheduler
 
 
+def pin_scheduler() -> tuple[set[int], list] | None:
+    """Give the engine's scheduler (the process that runs the model) the last core to itself and
+    every other engine process (this one: tokenizer manager; the detokenizer) the others, so the
+    processes do not trade cores mid-run. Returns what to restore, or None on a 1-core machine."""
+    import psutil
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return None
+    me = psutil.Process()
+    saved = set(cores)
+    for child in me.children(recursive=True):
+        try:
+            child.cpu_affinity([cores[-1]] if "scheduler" in " ".join(child.cmdline()) else cores[:-1])
+        except psutil.Error:
+            pass
+    me.cpu_affinity(cores[:-1])
+    return saved, cores
+
+
+def unpin(pinned) -> None:
+    if pinned is not None:
+        os.sched_setaffinity(0, pinned[0])
+
+
 def run_system(system: str, args, pool: int, max_running: int, repeat: int = 0, kara: dict | None = None,
                prompts_params=None, label: str | None = None) -> RunResult:
     """One engine, one workload. ``kara``: the system's sgl_kara options (default: from args);
@@ -154,6 +179,7 @@ def run_system(system: str, args, pool: int, max_running: int, repeat: int = 0, 
             engine = sglang.Engine(**{"model_path": default_model_path(), **cpu_defaults(), **common})
         else:
             engine = sgl_kara.Engine(**common, **(kara if kara is not None else system_options(system, args)))
+    pinned = pin_scheduler() if getattr(args, "pin", False) else None
     try:
         prompts, params = prompts_params or workload(args)
         engine.generate(prompts[:2], {"max_new_tokens": 4})  # warm up
@@ -166,6 +192,7 @@ def run_system(system: str, args, pool: int, max_running: int, repeat: int = 0, 
         cpu1, sched1 = engine_cpu_seconds()
     finally:
         shutdown_cleanly(engine)  # vanilla sglang.Engine too
+        unpin(pinned)
     trace = [json.loads(line) for line in open(trace_path)]
     os.unlink(trace_path)
     running = [r["running"] for r in trace if r["running"] > 0]
@@ -227,6 +254,8 @@ def main(argv=None):
     p.add_argument("--snapkv-window", type=int, default=16)
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per system; the order of systems rotates each repeat (interleaved)")
+    p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                   help="scheduler on the last core alone, the other engine processes on the rest")
     p.add_argument("--omp-threads", type=int, default=1,
                    help="OMP_NUM_THREADS (+ OMP_WAIT_POLICY=PASSIVE) for the engines; 0 = leave as is")
     p.add_argument("--out", default=os.path.join(HERE, "results"))

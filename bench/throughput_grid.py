@@ -6,6 +6,7 @@ threshold baselines on the same R requests (``ignore_eos``, sampled) and the sam
 
     pool        = frac * R * (P + G)                       (P: the longest prompt, in tokens)
     kara        W, U = max(8, W/16), period = max(4, W/4), r = --retention, Token2Chunk default
+    kara-pressure  the same with --kara-trigger pressure (events only while memory binds)
     baselines   budget matched per request to Kara's peak footprint (its admission estimate):
                 C_max = min(G, ceil(G K / (W - U)) + W + period),  N = C_max - (W - U),
                 window (observation queries, recent entries kept) = U; nothing to do if G <= C_max
@@ -47,6 +48,31 @@ def tiny_model() -> str:
     return path
 
 
+def model_path(name: str) -> str:
+    """tiny | smollm2 | a checkpoint path -> a checkpoint path."""
+    if name == "tiny":
+        return tiny_model()
+    if name == "smollm2":
+        from sgl_kara.default_model import default_model_path
+
+        return default_model_path()
+    return name
+
+
+def grid_prompts(n: int) -> list[str]:
+    return [f"Problem {i}: let x{i} = {i % 10}. Think step by step." for i in range(n)]
+
+
+def parse_value(text: str):
+    """A --kara-opt value: int, float, or the string itself."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 def kara_shape(w: int) -> tuple[int, int]:
     """(U, period) for window W."""
     return max(8, w // 16), max(4, w // 4)
@@ -66,10 +92,11 @@ def system_spec(system: str, gen: int, w: int | None, args, n: int):
     if system == "vanilla":
         return "vanilla", None, None
     u, period = kara_shape(w)
-    if system == "kara":
-        return f"kara W={w}", dict(kara_policy="kara", kara_window=w, kara_buffer=u, kara_period=period,
-                                  kara_retention=args.retention, kara_max_seqs=256,
-                                  kara_query_source=args.query_source), None
+    if system in ("kara", "kara-pressure"):
+        trigger = "pressure" if system == "kara-pressure" else "schedule"
+        return f"{system} W={w}", dict(kara_policy="kara", kara_window=w, kara_buffer=u, kara_period=period,
+                                       kara_retention=args.retention, kara_max_seqs=256, kara_trigger=trigger,
+                                       kara_query_source=args.query_source), None
     gap = w - u
     peak = kara_peak(gen, w, args.retention)
     prefix = f"kara_{system}_"
@@ -97,8 +124,10 @@ def main(argv=None):
     ap.add_argument("--max-running", type=int, default=256)
     ap.add_argument("--omp-threads", type=int, default=1)
     ap.add_argument("--query-source", default="auto", choices=("auto", "capture", "recompute"),
-                    help="auto: sgl_kara's rule (with --max-running 256 the ring outgrows these pools: recompute)")
+                    help="auto: sgl_kara's rule (ring rows bounded by the pool; with GQA, g >= 2, the ring is about g/2 of the pool or more: recompute)")
     ap.add_argument("--repeats", type=int, default=1, help="runs per system and cell (order rotated); medians")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                    help="scheduler on the last core alone, the other engine processes on the rest (steadier CPU times)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     sys.path.insert(0, HERE)
@@ -106,18 +135,11 @@ def main(argv=None):
 
     from transformers import AutoTokenizer
 
-    if args.model == "tiny":
-        model = tiny_model()
-    elif args.model == "smollm2":
-        from sgl_kara.default_model import default_model_path
-
-        model = default_model_path()
-    else:
-        model = args.model
+    model = model_path(args.model)
     args.model_path = model
     os.makedirs(args.out, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(model)
-    prompts = [f"Problem {i}: let x{i} = {i % 10}. Think step by step." for i in range(args.requests)]
+    prompts = grid_prompts(args.requests)
     p_len = max(len(tok(p)["input_ids"]) for p in prompts) + 1
     runs = []
     for gen, frac in cells(args):
@@ -141,7 +163,7 @@ def main(argv=None):
         for label, opts, per_request in specs[k:] + specs[:k]:  # rotate the order per cell and repeat
             r = run_one(run_system, args, prompts, gen, pool, label, opts, per_request)
             results.append(dict(gen=gen, frac=frac, pool=pool, label=label, repeat=rep, prompt_len=p_len,
-                                system="vanilla" if opts is None else opts["kara_policy"],
+                                system=label.split(" W=")[0],
                                 window=int(label.split("W=")[1]) if "W=" in label else None, **r))
             if bar is not None:
                 bar.set_postfix_str(f"G={gen} pool={frac:g} {label}: {r['tps_sched']:.0f} tok/sched-CPU-s")

@@ -38,6 +38,8 @@ TARGET_VALIDATE_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManage
 TARGET_SET_ENVS = "sglang.srt.entrypoints.engine._set_envs_and_config"
 TARGET_TORCH_NATIVE_DECODE = (
     "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_decode")
+TARGET_TORCH_NATIVE_EXTEND = (
+    "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_extend")
 TARGET_TORCH_NATIVE_METADATA = (
     "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.init_forward_metadata")
 ROTARY_BASE_MODULE = "sglang.srt.layers.rotary_embedding.base"
@@ -68,7 +70,7 @@ ATTRIBUTES = {
     "sglang.srt.managers.scheduler.Scheduler": [
         "update_running_batch", "get_prefill_adder_class", "get_output_streamer_class",
         "token_to_kv_pool_allocator", "req_to_token_pool", "tp_worker", "tree_cache", "max_running_requests",
-        "server_args", "metrics_reporter"],
+        "server_args", "metrics_reporter", "waiting_queue"],
     "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter": ["num_retracted_reqs"],
     "sglang.srt.managers.schedule_policy.PrefillAdder": ["add_one_req", "_get_running_request_total_token_offset"],
     "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer": [
@@ -77,7 +79,7 @@ ATTRIBUTES = {
         "get_key_buffer", "get_value_buffer", "start_layer", "layer_num", "head_num"],
     "sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator": [
         "alloc", "free", "available_size", "get_all_free_pages", "get_kvcache", "page_size"],
-    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache": ["checkpoint"],
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache": ["checkpoint", "evictable_size"],
     "sglang.srt.sampling.sampling_params.SamplingParams": ["verify", "max_new_tokens", "custom_params"],
     # engine.py (shutdown): the engine's watchdog and event-loop tasks
     "sglang.srt.entrypoints.engine.Engine": ["shutdown", "run_scheduler_process_func", "tokenizer_manager"],

@@ -29,6 +29,7 @@ from sgl_kara.policies.kara import kept_count  # noqa: F401  (re-exported: K of 
 
 NONE = "none"  # plain SGLang: no compression
 QUERY_SOURCES = ("auto", "recompute", "capture")
+TRIGGERS = ("schedule", "pressure")
 
 
 def policy_names() -> tuple[str, ...]:
@@ -53,6 +54,9 @@ COMMON_HELP = {
     "query_source": f"window queries: {QUERY_SOURCES} (auto: capture on CPU, recompute on CUDA unless "
                     "the ring is small; resolved at start-up)",
     "max_seqs": "N: max requests compressed per event",
+    "trigger": f"when due events run: {TRIGGERS} (schedule: always, the paper's periodic policy; pressure: "
+               "only while memory binds -- requests wait for admission, or the pool cannot take the running "
+               "requests' growth until the next due step)",
 }
 
 
@@ -61,18 +65,20 @@ class KaraConfig:
     policy: str = "kara"
     query_source: str = "auto"
     max_seqs: int = 30
+    trigger: str = "schedule"
     options: Any = field(default=None, compare=True)  # the selected policy's Options (None: its defaults)
 
     def __post_init__(self):
-        _check_type("policy", self.policy, str)
-        _check_type("query_source", self.query_source, str)
-        _check_type("max_seqs", self.max_seqs, int)
+        for name, kind in COMMON_TYPES.items():
+            _check_type(name, getattr(self, name), kind)
         if self.policy not in policy_names():
             raise KaraConfigError("policy", f"must be one of {', '.join(policy_names())} (got {self.policy!r})")
         if self.query_source not in QUERY_SOURCES:
             raise KaraConfigError("query_source", f"must be one of {', '.join(QUERY_SOURCES)} (got {self.query_source!r})")
         if not 1 <= self.max_seqs <= 65536:
             raise KaraConfigError("max_seqs", f"must be an integer in [1, 65536] (got {self.max_seqs!r})")
+        if self.trigger not in TRIGGERS:
+            raise KaraConfigError("trigger", f"must be one of {', '.join(TRIGGERS)} (got {self.trigger!r})")
         if self.enabled and self.options is None:
             object.__setattr__(self, "options", _build_options(self.policy_class, {}))
 
@@ -97,7 +103,7 @@ class KaraConfig:
 
     def flat(self) -> dict:
         """Every knob of this config by flat name (common + the selected policy's options)."""
-        out = {"policy": self.policy, "query_source": self.query_source, "max_seqs": self.max_seqs}
+        out = {name: getattr(self, name) for name in COMMON_TYPES}
         if self.options is not None:
             prefix = self.policy_class.prefix
             out.update({prefix + f.name: getattr(self.options, f.name) for f in fields(self.options)})
@@ -112,7 +118,7 @@ class KaraConfig:
     def build(cls, **flat) -> "KaraConfig":
         """From flat names: common knobs and options of the selected policy (others refused)."""
         policy = flat.pop("policy", "kara")
-        common = {k: flat.pop(k) for k in ("query_source", "max_seqs") if k in flat}
+        common = {k: flat.pop(k) for k in COMMON_TYPES if k != "policy" and k in flat}
         cfg = cls(policy=policy, **common)  # validates the policy name first
         if not cfg.enabled:
             if flat:
@@ -142,6 +148,10 @@ class KaraConfig:
         return cls.build(**mine), rest
 
 
+# The knobs every policy shares (flat names = field names), in CLI order.
+COMMON_TYPES = {"policy": str, "query_source": str, "max_seqs": int, "trigger": str}
+
+
 def _owner(name: str):
     """The policy class whose option this flat name is (None: no policy's); longest prefix first."""
     for pcls in sorted(policy_base.policies(), key=lambda p: -len(p.prefix)):
@@ -151,7 +161,7 @@ def _owner(name: str):
 
 
 def all_option_names() -> list[str]:
-    names = ["policy", "query_source", "max_seqs"]
+    names = list(COMMON_TYPES)
     for pcls in policy_base.policies():
         names += [pcls.prefix + f.name for f in fields(pcls.Options)]
     return names
@@ -184,9 +194,10 @@ def _check_type(name: str, value, want):
 # ------------------------------------------------------------------------------------ CLI
 def _cli_fields():
     """(flat name, type, default, help) of every knob of every registered policy."""
-    out = [("policy", str, "kara", COMMON_HELP["policy"].format(policies=", ".join(policy_names()))),
-           ("query_source", str, "auto", COMMON_HELP["query_source"]),
-           ("max_seqs", int, 30, COMMON_HELP["max_seqs"])]
+    defaults = KaraConfig.__dataclass_fields__
+    out = [(name, kind, defaults[name].default,
+            COMMON_HELP[name].format(policies=", ".join(policy_names())) if name == "policy" else COMMON_HELP[name])
+           for name, kind in COMMON_TYPES.items()]
     for pcls in policy_base.policies():
         hints = typing.get_type_hints(pcls.Options)
         for f in fields(pcls.Options):

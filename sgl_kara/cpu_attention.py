@@ -1,4 +1,5 @@
-"""Decode attention of SGLang's ``torch_native`` backend with one K/V gather per layer.
+"""torch_native attention on CPU: decode with one K/V gather per layer, and the recompute pass's
+window extend without SGLang's padded L x L attention.
 
 SGLang 0.5.23's ``TorchNativeAttnBackend._run_sdpa_forward_decode`` loops over the requests and,
 for each, slices its ``req_to_token`` row and gathers its K and V with advanced indexing
@@ -17,6 +18,19 @@ only the cost changes.
 It applies to every torch_native decode on CPU in a process where the plugin is registered (plain
 SGLang too, so that benchmark comparisons run the same attention); cross-attention, sliding
 windows, CUDA tensors and ``SGL_KARA_FAST_CPU_DECODE=0`` take SGLang's own path.
+
+Window extend (``run_window_extend``, Kara's recompute forward only: plugin.py calls it while a
+scoring pass is in flight). SGLang's ``_run_sdpa_forward_extend`` pads each request's E extend
+queries to its whole row (an uninitialised ``[H, L, D]`` query) and runs an L x L causal SDPA,
+then keeps the last E rows of the output: for a 64-query window over a 600-entry row, ~9x the
+work, plus a K/V gather per request and layer. Here each request's E queries attend to its L
+keys directly, with the causal mask aligned to the end of the row:
+
+    row pos:  0 ............ p ............ L          p = extend_prefix_len, L = p + E
+    query t (row pos p + t) attends keys [0, p + t]     mask[t, j] = j <= p + t
+
+Same attention, different float summation order than SGLang's padded call (float32: ~1e-7
+relative, tests/test_cpu_attention.py); every layer of the forward shares one read of the slots.
 """
 
 from __future__ import annotations
@@ -95,4 +109,38 @@ def run_sdpa_forward_decode(original, backend, query, output, k_cache, v_cache, 
             enable_gqa=enable_gqa, scale=scaling, is_causal=causal,
         )
         output[i : i + 1] = out.squeeze(0).movedim(1, 0)
+    return output
+
+
+def run_window_extend(backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                      extend_prefix_lens, extend_seq_lens, scaling=None, enable_gqa=False) -> torch.Tensor:
+    """Causal extend attention of the recompute pass (arguments as SGLang's
+    ``_run_sdpa_forward_extend``): query [T, H_q, D], the E_i queries of request i back to back,
+    at row positions [p_i, p_i + E_i) with p_i + E_i = seq_lens[i]; output [T, H_q, D_v]."""
+    slots, bounds = _slots(backend, req_to_token, req_pool_indices, seq_lens)
+    prefix, extend = extend_prefix_lens.tolist(), extend_seq_lens.tolist()
+    for i, (a, b) in enumerate(bounds):
+        if prefix[i] + extend[i] != b - a:
+            raise ValueError(f"extend of request {i}: prefix {prefix[i]} + extend {extend[i]} != row length {b - a}")
+    n = slots.numel()
+    keys = torch.index_select(k_cache, 0, slots, out=_buffer(backend, k_cache, n, 0))
+    values = torch.index_select(v_cache, 0, slots, out=_buffer(backend, v_cache, n, 1))
+    if keys.dtype != query.dtype:
+        keys, values = keys.to(query.dtype), values.to(query.dtype)
+    q = query.movedim(0, query.dim() - 2)  # [H_q, T, D]
+    start = 0
+    masks: dict[tuple[int, int], torch.Tensor] = {}
+    for i, (a, b) in enumerate(bounds):
+        p, e = prefix[i], extend[i]
+        mask = masks.get((p, e))
+        if mask is None:
+            mask = masks[(p, e)] = torch.ones(e, p + e, dtype=torch.bool, device=query.device).tril(diagonal=p)
+        out = scaled_dot_product_attention(
+            q[:, start : start + e, :].unsqueeze(0),
+            keys[a:b].movedim(0, 1).unsqueeze(0),
+            values[a:b].movedim(0, 1).unsqueeze(0),
+            attn_mask=mask, enable_gqa=enable_gqa, scale=scaling,
+        )
+        output[start : start + e] = out.squeeze(0).movedim(1, 0)
+        start += e
     return output

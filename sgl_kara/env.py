@@ -10,7 +10,7 @@ a spawned process sees the value its environment has).
 | SGL_KARA_RECORD_EVICTIONS | path | - | JSON lines: evicted logical positions per event (oracle) |
 | SGL_KARA_TRACE | path | - | JSON lines: running requests and free slots per decode step |
 | SGL_KARA_INJECT_FAULT_RID_PREFIX | str | - | scoring raises for rids with this prefix (tests) |
-| SGL_KARA_FAST_CPU_DECODE | bool | 1 | torch_native decode on CPU gathers K/V once per layer (cpu_attention.py) |
+| SGL_KARA_FAST_CPU_DECODE | bool | 1 | torch_native on CPU: decode gathers K/V once per layer; the recompute pass attends its window queries only (cpu_attention.py) |
 | SGL_KARA_RING_ROWS | int | - | caps the capture ring's rows (tests: requests beyond take the recompute fallback) |
 
 SGLang rewrites any ``SGL_*`` variable to ``SGLANG_*`` with a deprecation warning at import;

@@ -6,7 +6,8 @@ upstream change (see patches/) and is inert unless a Kara scheduler runs in this
 behaves exactly like SGLang -- except two hooks that act for every request: the input-ids
 validation, which rejects out-of-vocabulary ids with a 400 (SGLang 0.5.23 would crash its
 scheduler), and torch_native's CPU decode attention, which gathers K/V once per layer instead of
-once per request and layer (bit-identical outputs, less time: sgl_kara/cpu_attention.py).
+once per request and layer (bit-identical outputs, less time: sgl_kara/cpu_attention.py). The
+torch_native extend hook acts only inside Kara's recompute pass.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def register() -> None:
 
     sg.HookRegistry.register(sg.TARGET_TORCH_NATIVE_METADATA, reset_metadata_hook, sg.HookType.AFTER)
     sg.HookRegistry.register(sg.TARGET_TORCH_NATIVE_DECODE, run_sdpa_forward_decode, sg.HookType.AROUND)
+    sg.HookRegistry.register(sg.TARGET_TORCH_NATIVE_EXTEND, _recompute_extend_hook, sg.HookType.AROUND)
     if env.trace():
         # Benchmark instrument (vanilla and Kara alike): one line per decode scheduling step.
         sg.HookRegistry.register(sg.TARGET_UPDATE_RUNNING_BATCH, _trace_hook, sg.HookType.AFTER)
@@ -106,6 +108,24 @@ def _attention_hook(original, layer, q, k, v, forward_batch, save_kv_cache=True,
     return rt.forward.on_attention(original, layer, q, k, v, forward_batch, save_kv_cache, *args, **kwargs)
 
 
+def _recompute_extend_hook(original, backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
+                           seq_lens, extend_prefix_lens, extend_seq_lens, encoder_lens=None, scaling=None,
+                           enable_gqa=False, causal=False, is_cross_attn=False, sliding_window_size=None):
+    """torch_native extend: Kara's recompute pass on CPU takes cpu_attention.run_window_extend
+    (window queries only); every other extend (prefills, plain SGLang) takes SGLang's path."""
+    rt = _active()
+    if (rt is not None and rt.forward.scoring is not None and causal and encoder_lens is None and not is_cross_attn
+            and query.device.type == "cpu" and (sliding_window_size is None or sliding_window_size <= -1)
+            and env.fast_cpu_decode()):
+        from sgl_kara.cpu_attention import run_window_extend
+
+        return run_window_extend(backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                                 extend_prefix_lens, extend_seq_lens, scaling=scaling, enable_gqa=enable_gqa)
+    return original(backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                    extend_prefix_lens, extend_seq_lens, encoder_lens, scaling=scaling, enable_gqa=enable_gqa,
+                    causal=causal, is_cross_attn=is_cross_attn, sliding_window_size=sliding_window_size)
+
+
 _trace_file = None
 
 
@@ -123,6 +143,7 @@ def _trace_hook(result, scheduler, batch, *args, **kwargs):
         "retracted": int(getattr(scheduler.metrics_reporter, "num_retracted_reqs", 0) or 0),
         "kara_seconds": rt.stats.compression_seconds if rt is not None else 0.0,
         "kara_events": rt.stats.events if rt is not None else 0,
+        "kara_deferred": rt.stats.deferred_events if rt is not None else 0,
         "kara_event_peak_bytes": rt.stats.event_peak_bytes if rt is not None else 0,
         "kara_recompute_fallbacks": rt.stats.recompute_fallbacks if rt is not None else 0,
         "kara_ring_bytes": rt.ring.nbytes if rt is not None and rt.ring is not None else 0,

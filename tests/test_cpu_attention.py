@@ -84,3 +84,51 @@ def test_unsupported_cases_take_sglang_path(monkeypatch):
     monkeypatch.setenv("SGL_KARA_FAST_CPU_DECODE", "0")
     assert run_sdpa_forward_decode(original, b, q, q, k, v, rtt, idx, lens, None) == "sglang"
     assert len(calls) == 3
+
+
+def _sglang_extend():
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    fn = TorchNativeAttnBackend._run_sdpa_forward_extend
+    return getattr(fn, "__wrapped__", fn)
+
+
+@pytest.mark.parametrize("batch, hq, hkv, d, window, dtype, tol", [
+    (1, 4, 4, 16, 8, torch.float32, 2e-6),
+    (6, 9, 3, 64, 64, torch.float32, 2e-6),
+    (5, 8, 2, 32, 1, torch.float32, 2e-6),
+    (4, 4, 1, 64, 40, torch.bfloat16, 2e-2),
+])
+def test_window_extend_matches_sglang(batch, hq, hkv, d, window, dtype, tol):
+    """The recompute pass's extend (E window queries at the end of each row, causal) equals
+    SGLang's padded L x L extend, up to float summation order; rows of different lengths, the
+    slots shared by the layers of one forward."""
+    from sgl_kara.cpu_attention import run_window_extend
+
+    q1, k, v, rtt, idx, _ = _case(batch * 11 + d, batch, hq, hkv, d, dtype)
+    g = torch.Generator().manual_seed(batch + window)
+    prefix = torch.randint(0, 250, (batch,), generator=g)
+    extend = torch.full((batch,), window)
+    lens = prefix + extend
+    q = torch.randn(batch * window, hq, d, generator=g).to(dtype)
+    kw = dict(scaling=d ** -0.5, enable_gqa=hq != hkv, causal=True)
+    want = torch.empty_like(q)
+    _sglang_extend()(_Backend(), q, want, k, v, rtt, idx, lens, prefix, extend, None, **kw)
+    backend = _Backend()
+    reset_metadata_hook(None, backend)
+    for _ in range(2):
+        got = torch.full_like(q, float("nan"))
+        run_window_extend(backend, q, got, k, v, rtt, idx, lens, prefix, extend, scaling=kw["scaling"],
+                          enable_gqa=kw["enable_gqa"])
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_window_extend_refuses_a_row_that_is_not_prefix_plus_window():
+    from sgl_kara.cpu_attention import run_window_extend
+
+    q1, k, v, rtt, idx, _ = _case(4, 2, 4, 2, 16, torch.float32)
+    prefix, extend = torch.tensor([10, 20]), torch.tensor([4, 4])
+    q = torch.randn(8, 4, 16)
+    with pytest.raises(ValueError, match="prefix 20 \\+ extend 4 != row length 25"):
+        run_window_extend(_Backend(), q, torch.empty_like(q), k, v, rtt, idx, torch.tensor([14, 25]), prefix, extend,
+                          enable_gqa=True)

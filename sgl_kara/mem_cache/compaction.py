@@ -43,6 +43,16 @@ class OutOfSlots(RuntimeError):
     pass
 
 
+def fresh_slots_needed(start: int, length: int, region: int, keep: int, page_size: int = 1) -> int:
+    """Fresh slots compacting rows [start, start + region) of a row of ``length`` to ``keep``
+    entries allocates before it frees the old ones: ``keep`` with page size 1; with pages, every
+    row from the region's page start to the new end, in whole pages (see _compact_rows_paged)."""
+    if page_size <= 1:
+        return keep
+    s = start - start % page_size
+    return -(-(length - (region - keep) - s) // page_size) * page_size
+
+
 def compact_rows(plan: CompactionPlan, req_to_token: torch.Tensor, k_buffers, v_buffers, alloc, free, page_size: int = 1,
                  use_triton: bool | None = None):
     """Apply ``plan``; returns the per-request drop count d (same for every request).
@@ -103,8 +113,7 @@ def _compact_rows_paged(plan, req_to_token, k_buffers, v_buffers, alloc, free, p
     spans = []  # (s, a, L, n_new, n_pages)
     for a, length in zip(plan.starts, plan.lengths):
         s = a - a % page
-        n_new = length - d - s
-        spans.append((s, a, length, n_new, -(-n_new // page)))
+        spans.append((s, a, length, length - d - s, fresh_slots_needed(a, length, M, K, page) // page))
     total = sum(sp[4] for sp in spans) * page
     fresh = alloc(total)
     if fresh is None:

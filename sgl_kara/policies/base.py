@@ -5,6 +5,7 @@ the runtime does everything else (state, scheduling, queries, compaction, admiss
 no policy by name:
 
     when      ``due(step)``            is an event due at this global decode step?
+              ``event_interval()``     at most how many steps apart due steps are
     where     ``region(row)``          which rows [start, start + length) to compress now, how
                                        many entries to keep, which queries score them (or None)
     what      ``score(inp)``           importance of each region key, per layer and KV head
@@ -140,6 +141,11 @@ class Policy(ABC):
     def query_capacity(self) -> int:
         """Queries per request a capture ring must keep for this policy (0: none)."""
         return 0
+
+    def event_interval(self) -> int:
+        """Most decode steps between two due steps (``--kara-trigger pressure`` looks this far
+        ahead: memory the running requests need before the next chance to compress)."""
+        return 1
 
     def worth_compressing(self, row: RowView, remaining: int) -> bool:
         """False: leave this request's due region alone, it finishes within ``remaining`` more

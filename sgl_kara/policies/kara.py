@@ -223,6 +223,9 @@ class KaraPolicy(Policy):
         # A window becomes due at most `period` steps before its event.
         return self.options.window + self.options.period
 
+    def event_interval(self) -> int:
+        return self.options.period
+
     def worth_compressing(self, row: RowView, remaining: int) -> bool:
         """A request whose uncompressed tail stays within W + period until it finishes is left
         alone: admission (``footprint``) charged it that tail, and the event would score a whole

@@ -23,7 +23,7 @@ import torch
 from sgl_kara import env
 from sgl_kara.mem_cache.compaction import CompactionPlan, OutOfSlots, compact_rows
 from sgl_kara.policies.base import RowView
-from sgl_kara.scheduler.queries import ScoringPass, recompute_batch
+from sgl_kara.scheduler.queries import ScoringComplete, ScoringPass, recompute_batch
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +184,8 @@ class EventRunner:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _recompute(self, batch, jobs, rows, scoring: ScoringPass) -> None:
-        """Extra forward over the query windows, reusing cached KV and writing none. Always eager:
+        """Extra forward over the query windows, reusing cached KV and writing none, stopped once
+        the last layer's queries are scored (queries.ScoringComplete). Always eager:
         a replayed prefill CUDA graph would never call the attention hook (no queries reach the
         scoring pass) and was recorded with KV writes on."""
         from sgl_kara._sglang import ForwardBatch
@@ -198,6 +199,8 @@ class EventRunner:
             fb = ForwardBatch.init_new(sb, mr, return_hidden_states_before_norm=False)
             with torch.inference_mode():
                 mr.forward(fb)
+        except ScoringComplete:
+            pass  # every layer scored: the forward stopped before the last layer's attention
         finally:
             rt.forward.scoring = None
             mr.prefill_cuda_graph_runner = graphs

@@ -7,7 +7,8 @@ carry over, extra attributes would not, so the per-forward side data lives here:
     on_forward_batch (after ForwardBatch.init_new)   decode: positions += pos_offset of each row
                                                      (a device gather from ``offsets``, no host
                                                      copy), capture rows; recompute: positions
-    on_attention (around RadixAttention.forward)     recompute: no KV write, queries -> scoring;
+    on_attention (around RadixAttention.forward)     recompute: queries -> scoring, no KV write,
+                                                     stop after the last layer's (ScoringComplete);
                                                      decode: queries -> ring; observer -> policy
 
 ``offsets`` [req slots] (device) mirrors every running request's ``state.pos_offset`` at its
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from sgl_kara.policies.base import ObserveInput
+from sgl_kara.scheduler.queries import ScoringComplete
 from sgl_kara.scheduler.state import get_state
 
 
@@ -84,10 +86,11 @@ class ForwardContext:
     def on_attention(self, original, layer, q, k, v, fb, save_kv_cache, *args, **kwargs):
         scoring = self.scoring
         if scoring is not None:
-            out = original(layer, q, k, v, fb, False, *args, **kwargs)
             qv = q.reshape(scoring.B, q.shape[0] // scoring.B, layer.tp_q_head_num, layer.qk_head_dim)
             scoring.score_layer(layer.layer_id, qv)
-            return out
+            if scoring.complete:
+                raise ScoringComplete  # the rest of the forward feeds no score (queries.py)
+            return original(layer, q, k, v, fb, False, *args, **kwargs)
         out = original(layer, q, k, v, fb, save_kv_cache, *args, **kwargs)
         if fb.forward_mode.is_decode():
             q3 = q.reshape(q.shape[0], layer.tp_q_head_num, layer.qk_head_dim)

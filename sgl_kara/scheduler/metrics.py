@@ -18,6 +18,9 @@ class KaraMetrics:
         self.fallbacks = Counter(
             "sglang:kara_recompute_fallbacks_total", "Windows scored by recompute because captured queries were gone."
         )
+        self.deferred = Counter(
+            "sglang:kara_deferred_events_total", "Due events not run because memory did not bind (--kara-trigger pressure)."
+        )
 
     def record_event(self, requests: int, dropped: int, seconds: float) -> None:
         self.events.inc()

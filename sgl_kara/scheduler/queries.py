@@ -7,7 +7,10 @@ the region's keys (read through the requests' slot indices).
 The recompute forward (paper App. C.2) is an EXTEND batch over the requests' real rows: prefix =
 rows [0, query_start), extend = the query window's tokens, whose KV is already cached at their
 rows; positions are logical. The attention hook forces ``save_kv_cache=False`` and hands each
-layer's queries to the scoring pass, so nothing in the pool changes.
+layer's queries to the scoring pass, so nothing in the pool changes. Once the last layer's queries
+are scored, the hook raises ``ScoringComplete`` and the forward stops there: that layer's
+attention and MLP, the final norm and the logits are never needed (a quarter of the pass on a
+4-layer model, ~3% on a 30-layer one).
 """
 
 from __future__ import annotations
@@ -17,6 +20,11 @@ import copy
 import torch
 
 from sgl_kara.policies.base import ScoreInput
+
+
+class ScoringComplete(Exception):
+    """Raised inside a recompute forward once every layer's queries are scored (caught by the
+    event code): nothing after that point feeds the scores."""
 
 
 class ScoringPass:
@@ -45,6 +53,10 @@ class ScoringPass:
                                       device=s.device)
         self.scores[:, self.layer_index[layer_id]] = s
         self.seen.add(layer_id)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.seen) == len(self.layer_index)
 
     def score_without_queries(self) -> torch.Tensor:
         for lid in self.layer_index:

@@ -1,0 +1,177 @@
+"""Where the scheduler's time goes: one grid workload, one system, py-spy on the scheduler process.
+
+    python bench/profile_scheduler.py --model tiny --gen 256 --pool-fraction 0.5 --window 64 \
+        --system kara --out /tmp/prof
+
+Runs the workload of ``bench/throughput.py --grid`` (same prompts, pool and Kara shape) once,
+samples the scheduler with ``py-spy record --format raw`` (collapsed stacks; ``pip install
+py-spy``) and writes ``stacks.txt`` plus ``summary.md``: the share of samples in each stage below
+(a sample counts for the first stage, in this order, that one of its frames matches) and the
+heaviest leaf frames inside compression events.
+
+    event: recompute forward   EventRunner._recompute           (the extra forward, App. C.2)
+    event: scoring             ScoringPass / window_scores      (captured queries, or hooks)
+    event: select              policy select / top_k
+    event: compaction          compact_rows / compact_kv
+    event: other               the rest of EventRunner.run / plan_jobs
+    per-step Kara              on_decode_step, forward hooks (offsets, ring writes)
+    decode attention           torch_native decode (cpu_attention.py or SGLang's)
+    forward (other)            the model's forward outside attention
+    scheduler (other)          everything else (batching, sampling, IPC)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+EVENT_STAGES = [  # inside EventRunner.run; the innermost matching frame decides
+    ("event: recompute forward", ("EventRunner._recompute ",)),
+    ("event: scoring", ("score_layer ", "window_scores", "ScoringPass.")),
+    ("event: select", ("select (", "top_k (")),
+    ("event: compaction", ("compact_rows ", "compact_kv ", "copy_slots ")),
+]
+STEP_STAGES = [  # outside events; the innermost matching frame decides
+    ("decode attention", ("run_sdpa_forward_decode ", "_run_sdpa_forward_decode ")),
+    ("attention (extend)", ("forward_extend ",)),
+    ("ring writes / observers", ("QueryRing.write ", "observe (")),
+    ("per-step Kara", ("on_decode_step ", "on_forward_batch ", "sync_offset ", "plan_jobs ")),
+    ("model forward (other)", ("ModelRunner.forward ",)),
+]
+ORDER = [n for n, _ in EVENT_STAGES] + ["event: other"] + [n for n, _ in STEP_STAGES] + ["scheduler (other)"]
+
+
+def stage_of(stack: str) -> str:
+    frames = stack.split(";")
+    if any(f.startswith("EventRunner.run ") for f in frames):
+        stages, fallback = EVENT_STAGES, "event: other"
+    else:
+        stages, fallback = STEP_STAGES, "scheduler (other)"
+    for frame in reversed(frames):
+        for name, keys in stages:
+            if any(frame.startswith(k) or f";{k}" in f";{frame}" for k in keys):
+                return name
+    return fallback
+
+
+def summarize(stacks_path: str) -> str:
+    per_stage: collections.Counter = collections.Counter()
+    event_leaves: collections.Counter = collections.Counter()
+    total = 0
+    for line in open(stacks_path):
+        line = line.rstrip("\n")
+        if not line or " " not in line:
+            continue
+        stack, count = line.rsplit(" ", 1)
+        if "event_loop" not in stack:
+            continue  # start-up (model load), other threads (watchdog, IPC)
+        n = int(count)
+        total += n
+        stage = stage_of(stack)
+        per_stage[stage] += n
+        if stage.startswith("event"):
+            event_leaves[";".join(stack.split(";")[-2:])] += n
+    lines = [f"samples in the scheduler's event loop: {total}", "", "| stage | samples | share |", "|---|---|---|"]
+    for name in ORDER:
+        lines.append(f"| {name} | {per_stage[name]} | {100 * per_stage[name] / max(1, total):.1f}% |")
+    lines += ["", "heaviest frames inside events (last two frames):", ""]
+    lines += [f"- {n} {leaf}" for leaf, n in event_leaves.most_common(15)]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="tiny", help="tiny | smollm2 | a checkpoint path")
+    ap.add_argument("--system", default="kara", help="vanilla | kara | snapkv | streaming | h2o | rkv")
+    ap.add_argument("--gen", type=int, default=256)
+    ap.add_argument("--pool-fraction", type=float, default=0.5)
+    ap.add_argument("--window", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--max-running", type=int, default=256)
+    ap.add_argument("--retention", type=float, default=0.25)
+    ap.add_argument("--omp-threads", type=int, default=1)
+    ap.add_argument("--query-source", default="auto", choices=("auto", "capture", "recompute"))
+    ap.add_argument("--kara-opt", action="append", default=[], metavar="NAME=VALUE",
+                    help="extra sgl_kara option for the kara system, e.g. trigger=pressure (repeatable)")
+    ap.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    sys.path.insert(0, HERE)
+    import psutil
+    import throughput_grid as grid
+    from throughput import run_system
+    from transformers import AutoTokenizer
+
+    model = grid.model_path(args.model)
+    args.model_path = model
+    os.makedirs(args.out, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(model)
+    prompts = grid.grid_prompts(args.requests)
+    p_len = max(len(tok(p)["input_ids"]) for p in prompts) + 1
+    pool = int(args.pool_fraction * args.requests * (p_len + args.gen))
+    label, opts, per_request = grid.system_spec(args.system, args.gen, args.window, args, args.requests)
+    for item in args.kara_opt:
+        if opts is None:
+            ap.error("--kara-opt applies to a compression system, not vanilla")
+        name, value = item.split("=", 1)
+        opts["kara_" + name] = grid.parse_value(value)
+    stacks = os.path.join(args.out, "stacks.txt")
+    stop = threading.Event()
+    spy: list = []
+
+    def attach():
+        # The scheduler is a child of this process: wait until it exists, then sample it until
+        # told to stop (py-spy writes its stacks when interrupted).
+        me = psutil.Process()
+        while not stop.is_set():
+            for child in me.children(recursive=True):
+                try:
+                    if "scheduler" in " ".join(child.cmdline()):
+                        # Detached (sh exits, py-spy is re-parented): SGLang's Engine.shutdown kills every
+                        # child of this process, which would kill py-spy before it writes.
+                        spy_bin = os.path.join(os.path.dirname(sys.executable), "py-spy")
+                        pid_file = os.path.join(args.out, "py-spy.pid")
+                        subprocess.run(["sh", "-c", f"'{spy_bin}' record --pid {child.pid} --rate {args.rate} --format raw "
+                                        f"--output '{stacks}' --nonblocking > '{args.out}/py-spy.log' 2>&1 & "
+                                        f"echo $! > '{pid_file}'"], check=True)
+                        spy.append(int(open(pid_file).read()))
+                        return
+                except psutil.Error:
+                    pass
+            time.sleep(0.2)
+
+    t = threading.Thread(target=attach, daemon=True)
+    t.start()
+    try:
+        r = grid.run_one(run_system, args, prompts, args.gen, pool, label, opts, per_request)
+    finally:
+        stop.set()
+        t.join(timeout=10)
+        for pid in spy:
+            try:
+                os.kill(pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+            for _ in range(600):  # py-spy writes its stacks, then exits
+                if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                    break
+                time.sleep(0.1)
+    text = (f"model {model}, {label}, G={args.gen}, pool {pool} ({args.pool_fraction:g}), {args.requests} requests\n"
+            f"tok/sched-CPU-s {r['tps_sched']:.1f}, mean running {r['mean_running']:.1f}, events {r['events']}, "
+            f"compress share {100 * r['compress_share']:.1f}%\n\n")
+    text += summarize(stacks) if os.path.exists(stacks) else "py-spy wrote no stacks\n"
+    with open(os.path.join(args.out, "summary.md"), "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

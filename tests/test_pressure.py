@@ -1,0 +1,119 @@
+"""``--kara-trigger pressure`` (sgl_kara/scheduler/pressure.py): a due event runs only while memory
+binds. The rule itself, the fresh-slot count it charges (what compaction really allocates), and
+two engines: one whose pool has room (nothing is compressed: the output is full KV's, token for
+token) and one whose pool runs short mid-generation (deferred events, then compression; every
+decode step checked against the masked Hugging Face reference of tests/oracle.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sgl_kara.config import KaraConfig, KaraConfigError
+from sgl_kara.mem_cache.compaction import CompactionPlan, compact_rows, fresh_slots_needed
+from sgl_kara.scheduler.pressure import growth_until_next_event, memory_binds
+
+
+def test_waiting_requests_bind_only_below_the_running_limit():
+    assert memory_binds(free=10_000, growth=10, fresh=10, waiting=1, running=3, max_running=8)
+    assert not memory_binds(free=10_000, growth=10, fresh=10, waiting=5, running=8, max_running=8)
+    assert not memory_binds(free=10_000, growth=10, fresh=10, waiting=0, running=3, max_running=8)
+
+
+def test_pool_binds_when_growth_and_fresh_slots_exceed_free():
+    assert not memory_binds(free=100, growth=60, fresh=40, waiting=0, running=3, max_running=8)
+    assert memory_binds(free=99, growth=60, fresh=40, waiting=0, running=3, max_running=8)
+
+
+def test_growth_is_remaining_up_to_the_interval_with_partial_pages():
+    assert growth_until_next_event([100, 3, 0, -2], interval=16) == 16 + 3
+    assert growth_until_next_event([100, 3], interval=16, page_size=16) == (16 + 15) + (3 + 15)
+
+
+def test_trigger_is_a_validated_common_knob():
+    assert KaraConfig().trigger == "schedule"
+    cfg = KaraConfig.build(policy="snapkv", trigger="pressure")
+    assert cfg.trigger == "pressure" and cfg.flat()["trigger"] == "pressure"
+    assert KaraConfig.build(**cfg.flat()) == cfg
+    with pytest.raises(KaraConfigError, match=r"--kara-trigger \(kara_trigger\): must be one of schedule, pressure"):
+        KaraConfig.build(trigger="sometimes")
+
+
+@pytest.mark.parametrize("page", [1, 4, 16])
+def test_fresh_slots_needed_is_what_compaction_allocates(page):
+    """The pressure rule charges an event the fresh slots of its compaction: count them."""
+    g = torch.Generator().manual_seed(page)
+    slots, layers, hkv, d = 4096, 2, 2, 8
+    k = [torch.randn(slots, hkv, d, generator=g) for _ in range(layers)]
+    v = [torch.randn(slots, hkv, d, generator=g) for _ in range(layers)]
+    free = list(range(page, slots))  # slot 0..page-1 reserved, as SGLang's page 0
+    req_to_token = torch.zeros(4, 512, dtype=torch.int32)
+    starts, lengths, M, K = [16, 37, 64], [120, 95, 200], 40, 10
+    for row, length in enumerate(lengths):
+        n = -(-length // page) * page
+        got, free = free[:n], free[n:]
+        req_to_token[row, :length] = torch.tensor(got[:length], dtype=torch.int32)
+    allocated = []
+
+    def alloc(n):
+        nonlocal free
+        got, free = free[:n], free[n:]
+        allocated.append(n)
+        return torch.tensor(got, dtype=torch.int64)
+
+    kept = torch.stack([torch.sort(torch.randperm(M, generator=g)[:K]).values for _ in range(3 * layers * hkv)])
+    plan = CompactionPlan(rows=torch.arange(3), starts=starts, lengths=lengths, region=M,
+                          kept=kept.view(3, layers, hkv, K))
+    compact_rows(plan, req_to_token, k, v, alloc, lambda s: None, page_size=page, use_triton=False)
+    assert sum(allocated) == sum(fresh_slots_needed(a, n, M, K, page) for a, n in zip(starts, lengths))
+
+
+def test_pressure_leaves_a_request_exact_while_the_pool_has_room(tiny_llama, tmp_path):
+    """One long request in a pool that holds it uncompressed: every due event is deferred, the
+    output is full KV's token for token."""
+    from conftest import start_engine
+
+    trace = tmp_path / "trace.jsonl"
+    prompt = [[11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
+    gen = {"max_new_tokens": 180, "temperature": 0.0, "ignore_eos": True}
+    outs = {}
+    for policy, extra in (("none", {}), ("kara", dict(kara_trigger="pressure", kara_window=40, kara_buffer=8,
+                                                     kara_period=4, kara_retention=0.25))):
+        import os
+
+        os.environ["SGL_KARA_TRACE"] = str(trace)
+        try:
+            engine = start_engine("kara", tiny_llama, kara_policy=policy, max_total_tokens=4096, **extra)
+        finally:
+            os.environ.pop("SGL_KARA_TRACE", None)
+        try:
+            outs[policy] = engine.generate(input_ids=prompt, sampling_params=gen)[0]
+        finally:
+            engine.shutdown()
+    kara = outs["kara"]["meta_info"]["kara"]
+    assert kara["compressions"] == 0 and kara["kv_physical_len"] == kara["kv_logical_len"]
+    assert outs["kara"]["output_ids"] == outs["none"]["output_ids"]
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert steps[-1]["kara_deferred"] >= 30  # (180 - 40) / 4 due steps found a full window
+
+
+def test_pressure_compresses_when_the_pool_binds_and_stays_exact(tiny_llama, tmp_path):
+    """Three requests in a pool that holds them uncompressed only part of the way: events are first
+    deferred, then run when the pool would run short -- at times the periodic schedule never picks,
+    compressing windows with a long uncompressed tail behind them. Every decode step still equals
+    the masked reference; no request is retracted and every one finishes."""
+    from test_oracle import run_and_check
+
+    trace = tmp_path / "trace.jsonl"
+    outs = run_and_check(tiny_llama, tmp_path, 1, "recompute", integrity=True,
+                         extra=dict(kara_trigger="pressure", max_total_tokens=420),
+                         gen={"max_new_tokens": 220, "temperature": 0.0, "ignore_eos": True},
+                         env_extra={"SGL_KARA_TRACE": str(trace)})[0]
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert steps[-1]["kara_deferred"] > 0 and steps[-1]["kara_events"] > 0
+    assert steps[-1]["retracted"] == 0 and all(s["retracted"] == 0 for s in steps)
+    assert all(len(o["output_ids"]) == 220 for o in outs)
+    first_event = next(i for i, s in enumerate(steps) if s["kara_events"] > 0)
+    assert steps[first_event]["kara_deferred"] > 0  # deferred before the pool bound
