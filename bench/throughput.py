@@ -56,6 +56,8 @@ class RunResult:
     scheduler_cpu_seconds: float = 0.0  # of which the scheduler's (the model's compute)
     ring_bytes: int = 0  # capture query ring (memory beyond the KV pool; 0 with recompute)
     fallbacks: int = 0  # windows scored by recompute although capture was on (no ring row)
+    mean_kv: float = 0.0  # KV rows a request held per decode step, mean over requests (what attention reads)
+    skipped: int = 0  # requests an event scored but could not compact (no fresh slots: OutOfSlots)
 
     @property
     def tps_cpu(self) -> float:
@@ -197,6 +199,9 @@ def run_system(system: str, args, pool: int, max_running: int, repeat: int = 0, 
     os.unlink(trace_path)
     running = [r["running"] for r in trace if r["running"] > 0]
     comp = [o["meta_info"]["completion_tokens"] for o in outs]
+    kv = [o["meta_info"]["kara"]["kv_mean_len"] for o in outs if (o["meta_info"].get("kara") or {}).get("kv_mean_len")]
+    if not kv:  # vanilla: every row grows by one per step, prompt + half the output on average
+        kv = [o["meta_info"]["prompt_tokens"] + o["meta_info"]["completion_tokens"] / 2 for o in outs]
     want = [p["max_new_tokens"] for p in params]
     return RunResult(
         system=label or system, pool=pool, max_running=max_running, seconds=seconds,
@@ -209,6 +214,8 @@ def run_system(system: str, args, pool: int, max_running: int, repeat: int = 0, 
         ring_bytes=trace[-1].get("kara_ring_bytes", 0) if trace else 0,
         fallbacks=(trace[-1].get("kara_recompute_fallbacks", 0) - trace[0].get("kara_recompute_fallbacks", 0))
         if trace else 0,
+        mean_kv=sum(kv) / len(kv),
+        skipped=(trace[-1].get("kara_skipped_no_memory", 0) - trace[0].get("kara_skipped_no_memory", 0)) if trace else 0,
     )
 
 

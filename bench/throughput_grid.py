@@ -129,7 +129,10 @@ def main(argv=None):
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
                     help="scheduler on the last core alone, the other engine processes on the rest (steadier CPU times)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--rewrite", action="store_true", help="only render --out's grid.json again (table, heat maps)")
     args = ap.parse_args(argv)
+    if args.rewrite:
+        return rewrite(args.out)
     sys.path.insert(0, HERE)
     from throughput import run_system
 
@@ -172,7 +175,7 @@ def main(argv=None):
     if bar is not None:
         bar.close()
     write(results, args, argv)
-    heat_maps(results, args)
+    heat_maps(ratios(results), args)
     return results
 
 
@@ -185,7 +188,8 @@ def run_one(run_system, args, prompts, gen, pool, label, opts, per_request) -> d
                 cpu_seconds=r.cpu_seconds, scheduler_cpu_seconds=r.scheduler_cpu_seconds,
                 mean_running=r.mean_running, peak_running=r.peak_running, retractions=r.retractions,
                 events=r.events, compress_share=r.compress_share, lengths_ok=r.lengths_ok,
-                ring_bytes=r.ring_bytes, fallbacks=r.fallbacks, pool_bytes=pool * kv_bytes_per_token(args.model_path))
+                ring_bytes=r.ring_bytes, fallbacks=r.fallbacks, pool_bytes=pool * kv_bytes_per_token(args.model_path),
+                mean_kv=r.mean_kv, skipped=r.skipped)
 
 
 def kv_bytes_per_token(model_path: str) -> int:
@@ -196,7 +200,7 @@ def kv_bytes_per_token(model_path: str) -> int:
     return shape.kv_bytes_per_token(4) if shape is not None else 0
 
 
-METRICS = ("tps", "tps_cpu", "tps_sched", "mean_running", "compress_share")
+METRICS = ("tps", "tps_cpu", "tps_sched", "mean_running", "compress_share", "mean_kv")
 
 
 def ratios(results):
@@ -210,6 +214,7 @@ def ratios(results):
     med = []
     for runs in groups.values():
         m = dict(runs[0], runs=len(runs), retractions=sum(r["retractions"] for r in runs),
+                 skipped=sum(r.get("skipped", 0) for r in runs),
                  lengths_ok=all(r["lengths_ok"] for r in runs), peak_running=max(r["peak_running"] for r in runs))
         m.update({k: statistics.median(r[k] for r in runs) for k in METRICS})
         m["spread_sched"] = [round(r["tps_sched"]) for r in runs]
@@ -233,6 +238,19 @@ def footprint_limit(r, retention):
     return (p + g) / (p + min(g, retention * g + w))
 
 
+def wave_bound(r, requests: int, retention: float):
+    """(gain, n_vanilla, n_kara): R equal-length requests arriving together run in waves of n =
+    pool // (per-request charge) -- vanilla's charge P + G, Kara's P + its admission footprint --
+    so mean running is R / ceil(R / n) and the concurrency gain Kara can reach is
+    ceil(R / n_vanilla) / ceil(R / n_kara), however far its footprint limit lies above it."""
+    if r["window"] is None or not r["system"].startswith("kara"):
+        return None
+    p, g, pool = r["prompt_len"], r["gen"], r["pool"]
+    n_v = min(requests, max(1, pool // (p + g)))
+    n_k = min(requests, max(1, pool // (p + kara_peak(g, r["window"], retention))))
+    return math.ceil(requests / n_v) / math.ceil(requests / n_k), n_v, n_k
+
+
 def ring(r) -> str:
     """The capture ring's memory beside the KV pool's (memory Kara uses beyond the pool)."""
     if not r.get("ring_bytes"):
@@ -243,27 +261,53 @@ def ring(r) -> str:
 
 def write(results, args, argv):
     rows = ratios(results)
+    cmd = "python bench/throughput.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    write_table(rows, args, cmd)
+    with open(os.path.join(args.out, "grid.json"), "w") as f:
+        json.dump({"args": {k: v for k, v in vars(args).items()}, "command": cmd, "runs": rows}, f, indent=1)
+
+
+def write_table(rows, args, cmd: str) -> None:
     head = ("| G | pool | system | runs | tok/sched-CPU-s | vs vanilla (sched CPU) | tok/CPU-s | vs vanilla (CPU) "
-            "| tok/s wall | vs vanilla (wall) | mean / peak running | running vs vanilla | footprint limit "
-            "| retractions | compress share | capture ring / pool (fallbacks) | lengths ok |")
+            "| tok/s wall | vs vanilla (wall) | mean / peak running | running vs vanilla | mean KV rows / request "
+            "| footprint limit "
+            "| wave bound (per wave: vanilla, kara) | retractions (requests an event could not compact) "
+            "| compress share | capture ring / pool (fallbacks) "
+            "| lengths ok |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    fmt = lambda x, f="{:.2f}x": "-" if x is None else f.format(x)  # noqa: E731
     for r in rows:
         lim = footprint_limit(r, args.retention)
-        fmt = lambda x, f="{:.2f}x": "-" if x is None else f.format(x)  # noqa: E731
+        waves = wave_bound(r, args.requests, args.retention)
+        kv = "-" if r.get("mean_kv") is None else f"{r['mean_kv']:.0f}"
         lines.append(
             f"| {r['gen']} | {r['frac']:g} ({r['pool']}) | {r['label']} | {r['runs']} | {r['tps_sched']:.1f} "
             f"{r['spread_sched']} | {fmt(r['sched_ratio'])} | {r['tps_cpu']:.1f} | {fmt(r['cpu_ratio'])} "
             f"| {r['tps']:.1f} | {fmt(r['wall_ratio'])} | {r['mean_running']:.1f} / {r['peak_running']} "
-            f"| {fmt(r['running_ratio'])} | {fmt(lim)} | {r['retractions']} | {100 * r['compress_share']:.1f}% "
-            f"| {ring(r)} | {r['lengths_ok']} |")
-    cmd = "python bench/throughput.py " + " ".join(argv if argv is not None else sys.argv[1:])
+            f"| {fmt(r['running_ratio'])} | {kv} "
+            f"| {fmt(lim)} "
+            f"| {'-' if waves is None else f'{waves[0]:.2f}x ({waves[1]}, {waves[2]})'} "
+            f"| {r['retractions']} ({r.get('skipped', '-')}) | {100 * r['compress_share']:.1f}% | {ring(r)} "
+            f"| {r['lengths_ok']} |")
     with open(os.path.join(args.out, "grid.md"), "w") as f:
         f.write(f"command: {cmd}\nmodel: {args.model_path}\n\n" + "\n".join(lines) + "\n")
-    with open(os.path.join(args.out, "grid.json"), "w") as f:
-        json.dump({"args": {k: v for k, v in vars(args).items()}, "runs": rows}, f, indent=1)
 
 
-def heat_maps(results, args):
+def rewrite(out: str) -> None:
+    """Render grid.md and the heat maps again from a finished grid's grid.json (new columns)."""
+    with open(os.path.join(out, "grid.json")) as f:
+        data = json.load(f)
+    args = argparse.Namespace(**data["args"])
+    args.out = out
+    cmd = data.get("command")
+    if cmd is None:  # grids written before the command was saved: keep grid.md's first line
+        with open(os.path.join(out, "grid.md")) as f:
+            cmd = f.readline().removeprefix("command: ").strip()
+    write_table(data["runs"], args, cmd)
+    heat_maps(data["runs"], args)
+
+
+def heat_maps(rows, args):
     try:
         import matplotlib
 
@@ -272,10 +316,9 @@ def heat_maps(results, args):
     except ImportError:
         print("matplotlib not installed: no heat maps")
         return
-    rows = ratios(results)
     for system in [s for s in args.systems if s != "vanilla"]:
-        fig, axes = plt.subplots(1, len(args.windows), figsize=(4.2 * len(args.windows), 3.6), squeeze=False)
-        for ax, w in zip(axes[0], args.windows):
+        fig, axes = plt.subplots(1, len(args.windows), figsize=(4.6 * len(args.windows), 3.6), squeeze=False)
+        for i, (ax, w) in enumerate(zip(axes[0], args.windows)):
             grid = [[next((r["sched_ratio"] for r in rows if r["system"] == system and r["window"] == w
                            and r["gen"] == g and r["frac"] == f), float("nan")) for g in args.gens]
                     for f in args.pool_fractions]
@@ -283,7 +326,8 @@ def heat_maps(results, args):
             ax.set_xticks(range(len(args.gens)), [str(g) for g in args.gens])
             ax.set_yticks(range(len(args.pool_fractions)), [f"{f:g}" for f in args.pool_fractions])
             ax.set_xlabel("output tokens G")
-            ax.set_ylabel("pool / full KV")
+            if i == 0:
+                ax.set_ylabel("pool / full KV")
             ax.set_title(f"{system} W={w}")
             for yi, line in enumerate(grid):
                 for xi, v in enumerate(line):

@@ -144,6 +144,7 @@ def _trace_hook(result, scheduler, batch, *args, **kwargs):
         "kara_seconds": rt.stats.compression_seconds if rt is not None else 0.0,
         "kara_events": rt.stats.events if rt is not None else 0,
         "kara_deferred": rt.stats.deferred_events if rt is not None else 0,
+        "kara_skipped_no_memory": rt.stats.skipped_no_memory if rt is not None else 0,
         "kara_event_peak_bytes": rt.stats.event_peak_bytes if rt is not None else 0,
         "kara_recompute_fallbacks": rt.stats.recompute_fallbacks if rt is not None else 0,
         "kara_ring_bytes": rt.ring.nbytes if rt is not None and rt.ring is not None else 0,

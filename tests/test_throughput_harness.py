@@ -30,3 +30,27 @@ def test_grid_one_cell(tiny_llama, tmp_path):
     # capture: the ring is memory beyond the pool, reported beside it; vanilla has none
     assert van["ring_bytes"] == 0 and kara["ring_bytes"] > 0 and kara["pool_bytes"] > 0 and kara["fallbacks"] >= 0
     assert "| kara W=32 |" in (tmp_path / "grid.md").read_text()
+    # compression shortens what attention reads: mean KV rows per request below vanilla's P + G/2
+    assert gen / 2 < van["mean_kv"] <= van["prompt_len"] + gen / 2
+    assert 0 < kara["mean_kv"] < van["mean_kv"]
+    # the wave bound: R equal requests run in waves; vanilla none, Kara's from the pool and footprints
+    md = (tmp_path / "grid.md").read_text()
+    assert "wave bound" in md
+
+
+def test_wave_bound_is_the_concurrency_of_whole_waves():
+    """32 requests, pool 1/4: vanilla holds 8 (4 waves), Kara's footprint 18 (2 waves): 2.00x,
+    however far the footprint limit lies above; a window as long as the output gains nothing."""
+    import sys
+
+    sys.path.insert(0, "bench")
+    from throughput_grid import footprint_limit, kara_peak, wave_bound
+
+    p, g, requests = 20, 512, 32
+    pool = int(0.25 * requests * (p + g))
+    row = dict(window=64, system="kara", prompt_len=p, gen=g, pool=pool)
+    gain, n_v, n_k = wave_bound(row, requests, 0.25)
+    assert (n_v, n_k) == (pool // (p + g), pool // (p + kara_peak(g, 64, 0.25))) == (8, 18)
+    assert gain == 4 / 2 and footprint_limit(row, 0.25) > 2.3
+    assert wave_bound(dict(row, window=512), requests, 0.25)[0] == 1.0
+    assert wave_bound(dict(row, system="vanilla", window=None), requests, 0.25) is None

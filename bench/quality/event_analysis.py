@@ -173,6 +173,14 @@ def region_methods(args):
                              for q, k in zip(ctx["qs"], ctx["ks"])])
         return kara_select(a, ctx["K"], ctx["M"], args.chunk_budget if alpha is None else alpha, args.max_chunk)
 
+    def kara_sinks(ctx):
+        """Kara, and the first ``--sinks`` generated entries are never dropped (StreamingLLM's
+        attention sinks, applied to the request's own output: only its first window holds them)."""
+        a = torch.stack([window_scores(q, k)[0] for q, k in zip(ctx["qs"], ctx["ks"])])
+        if ctx["g"] == ctx["P"]:
+            a[..., : min(args.sinks, ctx["K"] - 1)] = a.amax(-1, keepdim=True) + 1.0
+        return kara_select(a, ctx["K"], ctx["M"], args.chunk_budget, args.max_chunk)
+
     def recency(ctx):
         L, H = len(ctx["qs"]), ctx["ks"][0].shape[2]
         return torch.arange(ctx["M"] - ctx["K"], ctx["M"]).expand(L, H, ctx["K"])
@@ -196,6 +204,7 @@ def region_methods(args):
         "kara-buffer": lambda c: kara(c, rows=slice(args.window - U, None)),
         "kara-global": lambda c: kara(c, norm="global"),
         "kara-max": lambda c: kara(c, agg="max"),
+        "kara-sinks": kara_sinks,
         "recency": recency,
         "random": rand,
         "snapkv-window": snapkv_window,
@@ -235,7 +244,7 @@ def simulate(model, tokens, P, args, method, methods, matched=None):
             fm = torch.stack([PROBE.probs[l][:, :, g : g + M].mean(1) for l in sorted(PROBE.probs)])  # [L, H_q, M]
             grp = cfg.num_attention_heads // cfg.num_key_value_heads
             fm_kv = fm.reshape(fm.shape[0], -1, grp, M).sum(2)
-            ctx = dict(g=g, W=W, M=M, K=K, qs=qs, ks=ks, vis=vis, future_mass=fm_kv)
+            ctx = dict(g=g, P=P, W=W, M=M, K=K, qs=qs, ks=ks, vis=vis, future_mass=fm_kv)
             kept = methods[method](ctx)
             if matched is not None:
                 matched.append(_matched_record(ctx, methods, L, P, args, vis, kept_gen))

@@ -60,11 +60,15 @@ class EventRunner:
         seconds = time.perf_counter() - tic
         if cuda:
             rt.stats.event_peak_bytes = max(rt.stats.event_peak_bytes, torch.cuda.max_memory_allocated() - start)
+        # Every attempt's time is compression time, also one that found no fresh slots after
+        # scoring (OutOfSlots): its work was spent all the same.
+        rt.stats.compression_seconds += seconds
+        if rt.metrics is not None:
+            rt.metrics.seconds.inc(seconds)
         if done:
             rt.stats.events += 1
-            rt.stats.compression_seconds += seconds
             if rt.metrics is not None:
-                rt.metrics.record_event(done, dropped, seconds)
+                rt.metrics.record_event(done, dropped)
             logger.info("Kara event #%d: %d requests compressed, %d KV entries freed, %.1f ms, %d free slots",
                         rt.stats.events, done, dropped, seconds * 1e3, rt.allocator.available_size())
 

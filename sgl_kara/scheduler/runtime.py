@@ -23,13 +23,13 @@ from dataclasses import dataclass
 import torch
 
 from sgl_kara import env
+from sgl_kara.mem_cache.compaction import fresh_slots_needed
 from sgl_kara.mem_cache.integrity import check_prefix_unchanged, check_row_ownership
 from sgl_kara.policies import base as policy_base
 from sgl_kara.request_options import check_supported, validate
 from sgl_kara.scheduler.events import EventRunner
 from sgl_kara.scheduler.evictions import EvictionRecorder
 from sgl_kara.scheduler.forward import ForwardContext
-from sgl_kara.mem_cache.compaction import fresh_slots_needed
 from sgl_kara.scheduler.jobs import plan_jobs
 from sgl_kara.scheduler.pressure import growth_until_next_event, memory_binds
 from sgl_kara.scheduler.queries import QueryRing
