@@ -1,6 +1,7 @@
 """Event accounting (scheduler/events.py): an attempt whose compaction finds no fresh slots
 (OutOfSlots) changes nothing and is not an event, but the time it spent scoring is compression
-time all the same (the throughput grid's compress share undercounted it before session 8)."""
+time all the same (the throughput grid's compress share undercounted it before session 8); and a
+job whose fresh slots the pool cannot give is skipped before it is scored."""
 
 from __future__ import annotations
 
@@ -14,17 +15,19 @@ from sgl_kara.scheduler.events import EventRunner
 from sgl_kara.scheduler.runtime import KaraStats
 
 
-def _runner(compress):
-    rt = SimpleNamespace(stats=KaraStats(), metrics=None,
+def _runner(compress, free=1000):
+    rt = SimpleNamespace(stats=KaraStats(), metrics=None, page_size=1, free_slots=lambda: free,
                          req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(2, 8, dtype=torch.int32)),
-                         allocator=SimpleNamespace(available_size=lambda: 0))
+                         allocator=SimpleNamespace(available_size=lambda: free))
     runner = EventRunner(rt)
     runner._compress_group = compress
     return rt, runner
 
 
-def _jobs(n):
-    return [SimpleNamespace(region=SimpleNamespace(shape=(8, 2, 8))) for _ in range(n)]
+def _jobs(n, start=8, length=8, keep=2, row=40):
+    """Jobs compacting rows [start, start + length) of a row of ``row`` entries to ``keep``."""
+    return [SimpleNamespace(id=i, region=SimpleNamespace(shape=(length, keep, 8), start=start, length=length, keep=keep),
+                            req=SimpleNamespace(kv=SimpleNamespace(kv_committed_len=row))) for i in range(n)]
 
 
 def test_an_attempt_without_slots_counts_its_time_but_no_event():
@@ -48,3 +51,37 @@ def test_a_compressed_group_is_one_event_with_its_time():
     runner.run(None, _jobs(2))
     assert rt.stats.events == 1 and rt.stats.skipped_no_memory == 0
     assert rt.stats.compression_seconds >= 0.01
+
+
+def test_jobs_the_pool_cannot_take_are_skipped_unscored():
+    """Page size 1: compacting to K = 2 allocates 2 fresh slots per request. With 5 free slots,
+    two of three requests fit; the third is skipped before any scoring (only the fitting jobs
+    reach _compress_group), and with no free slot nothing is scored at all."""
+    seen = []
+
+    def ok(batch, group):
+        seen.append([j.id for j in group])
+        return len(group), 6
+
+    rt, runner = _runner(ok, free=5)
+    runner.run(None, _jobs(3))
+    assert seen == [[0, 1]]
+    assert rt.stats.skipped_no_memory == 1 and rt.stats.events == 1 and rt.stats.requests_compressed == 0
+
+    seen.clear()
+    rt, runner = _runner(ok, free=1)
+    runner.run(None, _jobs(3))
+    assert seen == [] and rt.stats.skipped_no_memory == 3 and rt.stats.events == 0
+
+
+def test_paged_jobs_are_fitted_in_whole_pages():
+    """Page size 16: the rewritten part of the row goes to fresh pages (fresh_slots_needed):
+    region [16, 48) of a 60-entry row kept to 8 -> rows [16, 36) -> 2 pages = 32 slots."""
+    from sgl_kara.mem_cache.compaction import fresh_slots_needed
+
+    assert fresh_slots_needed(16, 60, 32, 8, 16) == 32
+    seen = []
+    rt, runner = _runner(lambda b, g: (seen.append(len(g)), (len(g), 24))[1], free=63)
+    rt.page_size = 16
+    runner.run(None, _jobs(2, start=16, length=32, keep=8, row=60))
+    assert seen == [1] and rt.stats.skipped_no_memory == 1

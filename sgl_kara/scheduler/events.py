@@ -3,7 +3,12 @@
 Jobs are grouped by region shape (one batched score / select / compaction per group). A group
 that fails is retried request by request so the failing request is found; that request finishes
 with an error (HTTP 500) and its row is left untouched (SGLang frees it as usual); the others are
-compressed. A group that cannot get fresh slots is skipped (OutOfSlots: nothing changed).
+compressed. Before a group is scored, its jobs are fitted to the pool: compaction allocates
+fresh slots before it frees the old ones, so a job whose fresh slots the pool (free + evictable)
+cannot give now is skipped *unscored* -- scoring it would be wasted, and on a full pool a
+threshold policy's due request would otherwise be scored again at every step (session 8: 51,344
+wasted scorings in one SnapKV run). A group that still cannot get its slots is skipped
+(OutOfSlots: nothing changed).
 
     score    ScoringPass over the policy's query window: captured queries when every job's
              window is still in the ring, else a recompute forward (paper App. C.2); or the
@@ -21,7 +26,7 @@ import time
 import torch
 
 from sgl_kara import env
-from sgl_kara.mem_cache.compaction import CompactionPlan, OutOfSlots, compact_rows
+from sgl_kara.mem_cache.compaction import CompactionPlan, OutOfSlots, compact_rows, fresh_slots_needed
 from sgl_kara.policies.base import RowView
 from sgl_kara.scheduler.queries import ScoringComplete, ScoringPass, recompute_batch
 
@@ -45,7 +50,13 @@ class EventRunner:
             groups.setdefault(job.region.shape, []).append(job)
         pending = list(groups.values())
         while pending:
-            group = pending.pop()
+            group, short = self._fit(pending.pop())
+            if short:
+                rt.stats.skipped_no_memory += len(short)
+                logger.info("Kara event skipped %d requests unscored: the pool cannot give their fresh slots",
+                            len(short))
+            if not group:
+                continue
             try:
                 n, d = self._compress_group(batch, group)
                 done, dropped = done + n, dropped + n * d
@@ -71,6 +82,22 @@ class EventRunner:
                 rt.metrics.record_event(done, dropped)
             logger.info("Kara event #%d: %d requests compressed, %d KV entries freed, %.1f ms, %d free slots",
                         rt.stats.events, done, dropped, seconds * 1e3, rt.allocator.available_size())
+
+    def _fit(self, group) -> tuple[list, list]:
+        """(jobs whose fresh slots fit the pool now, in order; the rest). Read per group: a
+        compacted group frees more slots than it took."""
+        rt = self.rt
+        free = rt.free_slots()
+        fit, short = [], []
+        for job in group:
+            need = fresh_slots_needed(job.region.start, int(job.req.kv.kv_committed_len), job.region.length,
+                                      job.region.keep, rt.page_size)
+            if need <= free:
+                fit.append(job)
+                free -= need
+            else:
+                short.append(job)
+        return fit, short
 
     def _fail(self, job, error: Exception) -> None:
         """Finish one request with an error; its row is untouched, so SGLang frees it as usual."""

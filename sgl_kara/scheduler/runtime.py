@@ -244,13 +244,16 @@ class KaraRuntime:
         growth = growth_until_next_event(remaining, self.policy.event_interval(), self.page_size)
         fresh = sum(fresh_slots_needed(j.region.start, int(j.req.kv.kv_committed_len), j.region.length, j.region.keep,
                                        self.page_size) for j in jobs)
-        free = self.allocator.available_size() + sched.tree_cache.evictable_size()
-        return memory_binds(free, growth, fresh, len(sched.waiting_queue), len(batch.reqs),
+        return memory_binds(self.free_slots(), growth, fresh, len(sched.waiting_queue), len(batch.reqs),
                             int(sched.max_running_requests))
 
     def _plan(self, reqs):
         return plan_jobs(self.policy, reqs, self.state_of, self.page_size, self.cfg.max_seqs,
                          on_protected=self._snapshot_prefix if self.check else None)
+
+    def free_slots(self) -> int:
+        """Slots an allocation can get now: free, plus what ``alloc_slots`` may evict from the tree."""
+        return int(self.allocator.available_size()) + int(self.scheduler.tree_cache.evictable_size())
 
     def alloc_slots(self, n: int):
         """The allocator's ``alloc``, evicting from the radix tree once when the pool is short."""
