@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from oracle import visibility  # noqa: E402  (the oracle's masking, shared on purpose)
 
-from sgl_kara.policies.kara import kept_count, select, window_scores  # noqa: E402
+from sgl_kara.policies.kara import default_chunk_budget, kept_count, select, window_scores  # noqa: E402
 from sgl_kara.policies.snapkv import snapkv_pool  # noqa: E402
 
 ATTN = "sgl_kara_event_analysis"
@@ -339,8 +339,6 @@ def main(argv=None):
     args = ap.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     if args.chunk_budget is None:
-        from sgl_kara.config import default_chunk_budget
-
         args.chunk_budget = default_chunk_budget(kept_count(args.window - args.buffer, args.retention))
     if args.model_path is None:
         from sgl_kara.default_model import default_model_path
