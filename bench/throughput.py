@@ -57,7 +57,7 @@ class RunResult:
     ring_bytes: int = 0  # capture query ring (memory beyond the KV pool; 0 with recompute)
     fallbacks: int = 0  # windows scored by recompute although capture was on (no ring row)
     mean_kv: float = 0.0  # KV rows a request held per decode step, mean over requests (what attention reads)
-    skipped: int = 0  # requests an event scored but could not compact (no fresh slots: OutOfSlots)
+    skipped: int = 0  # due requests an event could not compact (no fresh slots), mostly skipped unscored
 
     @property
     def tps_cpu(self) -> float:

@@ -11,7 +11,9 @@ from types import SimpleNamespace
 import torch
 
 from sgl_kara.mem_cache.compaction import OutOfSlots
+from sgl_kara.policies.base import Region
 from sgl_kara.scheduler.events import EventRunner
+from sgl_kara.scheduler.jobs import Job
 from sgl_kara.scheduler.runtime import KaraStats
 
 
@@ -26,8 +28,8 @@ def _runner(compress, free=1000):
 
 def _jobs(n, start=8, length=8, keep=2, row=40):
     """Jobs compacting rows [start, start + length) of a row of ``row`` entries to ``keep``."""
-    return [SimpleNamespace(id=i, region=SimpleNamespace(shape=(length, keep, 8), start=start, length=length, keep=keep),
-                            req=SimpleNamespace(kv=SimpleNamespace(kv_committed_len=row))) for i in range(n)]
+    return [Job(i, SimpleNamespace(kv=SimpleNamespace(kv_committed_len=row)), None, Region(start, length, keep, 0, 8))
+            for i in range(n)]
 
 
 def test_an_attempt_without_slots_counts_its_time_but_no_event():
@@ -60,7 +62,7 @@ def test_jobs_the_pool_cannot_take_are_skipped_unscored():
     seen = []
 
     def ok(batch, group):
-        seen.append([j.id for j in group])
+        seen.append([j.index for j in group])
         return len(group), 6
 
     rt, runner = _runner(ok, free=5)

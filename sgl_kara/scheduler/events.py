@@ -26,7 +26,7 @@ import time
 import torch
 
 from sgl_kara import env
-from sgl_kara.mem_cache.compaction import CompactionPlan, OutOfSlots, compact_rows, fresh_slots_needed
+from sgl_kara.mem_cache.compaction import CompactionPlan, OutOfSlots, compact_rows
 from sgl_kara.policies.base import RowView
 from sgl_kara.scheduler.queries import ScoringComplete, ScoringPass, recompute_batch
 
@@ -90,8 +90,7 @@ class EventRunner:
         free = rt.free_slots()
         fit, short = [], []
         for job in group:
-            need = fresh_slots_needed(job.region.start, int(job.req.kv.kv_committed_len), job.region.length,
-                                      job.region.keep, rt.page_size)
+            need = job.fresh_slots(rt.page_size)
             if need <= free:
                 fit.append(job)
                 free -= need

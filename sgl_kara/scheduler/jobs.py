@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sgl_kara.mem_cache.compaction import fresh_slots_needed
 from sgl_kara.policies.base import Region, RowView
 from sgl_kara.scheduler.state import KaraReqState
 
@@ -23,6 +24,11 @@ class Job:
     req: object
     state: KaraReqState
     region: Region
+
+    def fresh_slots(self, page_size: int) -> int:
+        """Slots compacting this job allocates before it frees the old ones."""
+        r = self.region
+        return fresh_slots_needed(r.start, int(self.req.kv.kv_committed_len), r.length, r.keep, page_size)
 
 
 def fix_protected(req, state: KaraReqState, length: int, page_size: int) -> bool:

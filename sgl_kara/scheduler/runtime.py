@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 
 from sgl_kara import env
-from sgl_kara.mem_cache.compaction import fresh_slots_needed
 from sgl_kara.mem_cache.integrity import check_prefix_unchanged, check_row_ownership
 from sgl_kara.policies import base as policy_base
 from sgl_kara.request_options import check_supported, validate
@@ -242,8 +241,7 @@ class KaraRuntime:
         sched = self.scheduler
         remaining = [r.sampling_params.max_new_tokens - len(r.output_ids) for r in batch.reqs]
         growth = growth_until_next_event(remaining, self.policy.event_interval(), self.page_size)
-        fresh = sum(fresh_slots_needed(j.region.start, int(j.req.kv.kv_committed_len), j.region.length, j.region.keep,
-                                       self.page_size) for j in jobs)
+        fresh = sum(j.fresh_slots(self.page_size) for j in jobs)
         return memory_binds(self.free_slots(), growth, fresh, len(sched.waiting_queue), len(batch.reqs),
                             int(sched.max_running_requests))
 
