@@ -5,6 +5,9 @@ W -- and in each cell, one after another in a rotating order, vanilla SGLang, Ka
 threshold baselines on the same R requests (``ignore_eos``, sampled) and the same pool:
 
     pool        = frac * R * (P + G)                       (P: the longest prompt, in tokens)
+    --spread S  output lengths spread evenly over [G (1 - S), G (1 + S)] (mean G, shuffled with a
+                fixed seed) instead of all G: requests finish at different times, so the pool is
+                refilled request by request rather than in whole waves (default 0: equal lengths)
     kara        W, U = max(8, W/16), period = max(4, W/4), r = --retention, Token2Chunk default
     kara-pressure  the same with --kara-trigger pressure (events only while memory binds)
     baselines   budget matched per request to Kara's peak footprint (its admission estimate):
@@ -107,6 +110,20 @@ def system_spec(system: str, gen: int, w: int | None, args, n: int):
     return f"{system} W={w}", opts, [{"budget": budget}] * n
 
 
+def output_lengths(gen: int, n: int, spread: float) -> list[int]:
+    """Per-request output lengths: all ``gen`` (spread 0), or evenly over [gen (1 - spread),
+    gen (1 + spread)], mean ``gen`` within rounding, in a fixed shuffled order."""
+    import random
+
+    if not 0.0 <= spread < 1.0:
+        raise ValueError(f"--spread must be in [0, 1) (got {spread})")
+    if spread == 0 or n == 1:
+        return [gen] * n
+    lengths = [round(gen * (1 - spread + 2 * spread * j / (n - 1))) for j in range(n)]
+    random.Random(0).shuffle(lengths)
+    return lengths
+
+
 def cells(args):
     return [(g, f) for g in args.gens for f in args.pool_fractions]
 
@@ -126,6 +143,8 @@ def main(argv=None):
     ap.add_argument("--query-source", default="auto", choices=("auto", "capture", "recompute"),
                     help="auto: sgl_kara's rule (ring rows bounded by the pool; with GQA, g >= 2, the ring is about g/2 of the pool or more: recompute)")
     ap.add_argument("--repeats", type=int, default=1, help="runs per system and cell (order rotated); medians")
+    ap.add_argument("--spread", type=float, default=0.0,
+                    help="output lengths spread evenly over [G(1-S), G(1+S)], mean G (0: all G; waves)")
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
                     help="scheduler on the last core alone, the other engine processes on the rest (steadier CPU times)")
     ap.add_argument("--out", required=True)
@@ -180,7 +199,8 @@ def main(argv=None):
 
 
 def run_one(run_system, args, prompts, gen, pool, label, opts, per_request) -> dict:
-    params = [{"max_new_tokens": gen, "temperature": 0.8, "ignore_eos": True}
+    lengths = output_lengths(gen, len(prompts), getattr(args, "spread", 0.0))
+    params = [{"max_new_tokens": lengths[j], "temperature": 0.8, "ignore_eos": True}
               | ({"custom_params": {"kara": per_request[j]}} if per_request else {}) for j in range(len(prompts))]
     system = "vanilla" if opts is None else opts["kara_policy"]
     r = run_system(system, args, pool, args.max_running, kara=opts, prompts_params=(prompts, params), label=label)
@@ -278,7 +298,8 @@ def write_table(rows, args, cmd: str) -> None:
     fmt = lambda x, f="{:.2f}x": "-" if x is None else f.format(x)  # noqa: E731
     for r in rows:
         lim = footprint_limit(r, args.retention)
-        waves = wave_bound(r, args.requests, args.retention)
+        # whole waves only when every request has the same length
+        waves = None if getattr(args, "spread", 0.0) else wave_bound(r, args.requests, args.retention)
         kv = "-" if r.get("mean_kv") is None else f"{r['mean_kv']:.0f}"
         lines.append(
             f"| {r['gen']} | {r['frac']:g} ({r['pool']}) | {r['label']} | {r['runs']} | {r['tps_sched']:.1f} "

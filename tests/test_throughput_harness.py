@@ -54,3 +54,24 @@ def test_wave_bound_is_the_concurrency_of_whole_waves():
     assert gain == 4 / 2 and footprint_limit(row, 0.25) > 2.3
     assert wave_bound(dict(row, window=512), requests, 0.25)[0] == 1.0
     assert wave_bound(dict(row, system="vanilla", window=None), requests, 0.25) is None
+
+
+def test_spread_output_lengths():
+    """--spread: lengths evenly over [G(1-S), G(1+S)], mean G, same every call; 0 keeps all G;
+    a spread outside [0, 1) is refused naming the flag."""
+    import sys
+
+    import pytest
+
+    sys.path.insert(0, "bench")
+    from throughput_grid import output_lengths
+
+    assert output_lengths(512, 32, 0.0) == [512] * 32
+    lengths = output_lengths(512, 32, 0.5)
+    assert lengths == output_lengths(512, 32, 0.5)  # fixed seed: every system gets the same workload
+    assert sorted(lengths) == [round(512 * (0.5 + j / 31)) for j in range(32)]
+    assert min(lengths) == 256 and max(lengths) == 768 and abs(sum(lengths) / 32 - 512) <= 0.5
+    assert lengths != sorted(lengths)  # shuffled: long and short requests share every wave
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="--spread"):
+            output_lengths(512, 32, bad)
