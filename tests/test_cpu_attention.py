@@ -132,3 +132,55 @@ def test_window_extend_refuses_a_row_that_is_not_prefix_plus_window():
     with pytest.raises(ValueError, match="prefix 20 \\+ extend 4 != row length 25"):
         run_window_extend(_Backend(), q, torch.empty_like(q), k, v, rtt, idx, torch.tensor([14, 25]), prefix, extend,
                           enable_gqa=True)
+
+
+@pytest.mark.parametrize("batch, hq, hkv, d, dtype, tol", [
+    (1, 4, 4, 16, torch.float32, 1e-5),
+    (7, 9, 3, 64, torch.float32, 1e-5),
+    (16, 8, 2, 32, torch.bfloat16, 3e-2),
+    (33, 4, 1, 64, torch.float32, 1e-5),
+])
+def test_batched_decode_matches_sglang(monkeypatch, batch, hq, hkv, d, dtype, tol):
+    """SGL_KARA_BATCHED_CPU_DECODE=1: one padded SDPA for the batch equals SGLang's per-request
+    attention up to summation order; padding never leaks (rows of very different lengths, pool
+    entries beyond each row set to huge values)."""
+    from sgl_kara.cpu_attention import _PADDED
+
+    monkeypatch.setenv("SGL_KARA_BATCHED_CPU_DECODE", "1")
+    original = _sglang_decode()
+    q, k, v, rtt, idx, lens = _case(batch * 5 + d, batch, hq, hkv, d, dtype)
+    lens = torch.randint(150, 300, (batch,), generator=torch.Generator().manual_seed(batch))
+    # every slot a row does not read holds a huge value: a padded entry that leaked would show
+    used = torch.zeros(k.shape[0], dtype=torch.bool)
+    for r, n in zip(idx.tolist(), lens.tolist()):
+        used[rtt[r, :n].long()] = True
+    k[~used], v[~used] = 1e4, 1e4
+    kw = dict(scaling=d ** -0.5, enable_gqa=hq != hkv, causal=False)
+    want = torch.empty_like(q)
+    original(_Backend(), q, want, k, v, rtt, idx, lens, None, **kw)
+    backend = _Backend()
+    reset_metadata_hook(None, backend)
+    for _ in range(2):
+        got = torch.full_like(q, float("nan"))
+        run_sdpa_forward_decode(original, backend, q, got, k, v, rtt, idx, lens, None, **kw)
+        assert getattr(backend, _PADDED)[2] is not None  # the batched path ran
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_batched_decode_falls_back_to_the_loop_when_padding_dominates(monkeypatch):
+    """One long row among short ones: padding would exceed the rows' own entries, so the loop
+    runs and the output stays bit-identical to SGLang's."""
+    from sgl_kara.cpu_attention import _PADDED
+
+    monkeypatch.setenv("SGL_KARA_BATCHED_CPU_DECODE", "1")
+    original = _sglang_decode()
+    q, k, v, rtt, idx, lens = _case(11, 8, 4, 2, 16, torch.float32)
+    lens = torch.tensor([290] + [5] * 7)
+    kw = dict(scaling=16 ** -0.5, enable_gqa=True, causal=False)
+    want = torch.empty_like(q)
+    original(_Backend(), q, want, k, v, rtt, idx, lens, None, **kw)
+    backend = _Backend()
+    reset_metadata_hook(None, backend)
+    got = torch.full_like(q, float("nan"))
+    run_sdpa_forward_decode(original, backend, q, got, k, v, rtt, idx, lens, None, **kw)
+    assert getattr(backend, _PADDED)[2] is None and torch.equal(got, want)
