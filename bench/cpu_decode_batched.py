@@ -1,6 +1,7 @@
 """CPU decode attention: the per-request SDPA loop (sgl_kara/cpu_attention.py, as SGLang's
-torch_native backend) against one padded SDPA call for the whole batch. Microbenchmark only: the
-runtime still runs the loop (bench/RESULTS.md, session 9).
+torch_native backend) against one padded SDPA call for the whole batch, in isolation. The runtime
+runs the loop by default and the padded call with ``SGL_KARA_BATCHED_CPU_DECODE=1``
+(bench/RESULTS.md, session 9).
 
     python bench/cpu_decode_batched.py                      # the shapes of RESULTS.md
     python bench/cpu_decode_batched.py --shapes 48x650x9x3x64 --threads 1
