@@ -199,7 +199,7 @@ def main(argv=None):
 
 
 def run_one(run_system, args, prompts, gen, pool, label, opts, per_request) -> dict:
-    lengths = output_lengths(gen, len(prompts), getattr(args, "spread", 0.0))
+    lengths = output_lengths(gen, len(prompts), args.spread)
     params = [{"max_new_tokens": lengths[j], "temperature": 0.8, "ignore_eos": True}
               | ({"custom_params": {"kara": per_request[j]}} if per_request else {}) for j in range(len(prompts))]
     system = "vanilla" if opts is None else opts["kara_policy"]
@@ -298,7 +298,7 @@ def write_table(rows, args, cmd: str) -> None:
     fmt = lambda x, f="{:.2f}x": "-" if x is None else f.format(x)  # noqa: E731
     for r in rows:
         lim = footprint_limit(r, args.retention)
-        # whole waves only when every request has the same length
+        # whole waves only when every request has the same length (grids saved before --spread: equal)
         waves = None if getattr(args, "spread", 0.0) else wave_bound(r, args.requests, args.retention)
         kv = "-" if r.get("mean_kv") is None else f"{r['mean_kv']:.0f}"
         lines.append(

@@ -50,32 +50,54 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from sgl_kara import env
 
-_META = "_sgl_kara_decode_slots"  # per-forward metadata on the backend instance
+_META = "_sgl_kara_decode_rows"  # per-forward metadata on the backend instance
 _BUFS = "_sgl_kara_decode_bufs"
+_UNSET = object()
 
 
 def reset_metadata_hook(result, backend, *args, **kwargs):
-    """AFTER ``init_forward_metadata``: a new forward, so its slots are read anew."""
+    """AFTER ``init_forward_metadata``: a new forward, so its rows are read anew."""
     setattr(backend, _META, None)
-    setattr(backend, _PADDED, None)
     return result
 
 
-def _slots(backend, req_to_token, req_pool_indices, seq_lens):
+class _Rows:
+    """The rows of one forward, read once and shared by every layer:
+
+    rows    [T, L_max] int64   req_to_token[r_i, :L_max]; mask [T, L_max] bool: j < L_i
+    slots   [sum(L_i)] int64   row i's slots back to back; bounds [(start_i, end_i)] host ints
+    padded  (idx [T * L_max], mask [T, 1, 1, L_max], L_max) for the batched decode, or None
+            when padding would cost more than the rows hold; built on first use"""
+
+    def __init__(self, req_to_token, req_pool_indices, seq_lens):
+        self.seq_lens, self.req_pool_indices = seq_lens, req_pool_indices
+        lens = seq_lens.tolist()
+        self.width = max(lens) if lens else 0
+        self.rows = req_to_token[req_pool_indices, : self.width].to(torch.int64)
+        self.mask = torch.arange(self.width, device=self.rows.device)[None, :] < seq_lens[:, None]
+        self.slots = self.rows[self.mask]
+        self.bounds, start = [], 0
+        for n in lens:
+            self.bounds.append((start, start + n))
+            start += n
+        self._padded = _UNSET
+
+    def padded(self):
+        if self._padded is _UNSET:
+            t, width = self.rows.shape
+            self._padded = None
+            if t and width and t * width <= 2 * self.slots.numel():
+                idx = torch.where(self.mask, self.rows, self.rows[:, :1]).reshape(-1)  # padding reads the row's own slot
+                self._padded = (idx, self.mask[:, None, None, :], width)
+        return self._padded
+
+
+def _rows(backend, req_to_token, req_pool_indices, seq_lens) -> _Rows:
     meta = getattr(backend, _META, None)
-    if meta is not None and meta[0] is seq_lens and meta[1] is req_pool_indices:
-        return meta[2], meta[3]
-    lens = seq_lens.tolist()
-    width = max(lens) if lens else 0
-    rows = req_to_token[req_pool_indices, :width]
-    mask = torch.arange(width, device=rows.device)[None, :] < seq_lens[:, None]
-    slots = rows[mask].to(torch.int64)
-    bounds, start = [], 0
-    for n in lens:
-        bounds.append((start, start + n))
-        start += n
-    setattr(backend, _META, (seq_lens, req_pool_indices, slots, bounds))
-    return slots, bounds
+    if meta is None or meta.seq_lens is not seq_lens or meta.req_pool_indices is not req_pool_indices:
+        meta = _Rows(req_to_token, req_pool_indices, seq_lens)
+        setattr(backend, _META, meta)
+    return meta
 
 
 def _buffer(backend, cache: torch.Tensor, n: int, which: int) -> torch.Tensor:
@@ -105,12 +127,13 @@ def run_sdpa_forward_decode(original, backend, query, output, k_cache, v_cache, 
         return original(backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                         encoder_lens, scaling=scaling, enable_gqa=enable_gqa, causal=causal,
                         is_cross_attn=is_cross_attn, sliding_window_size=sliding_window_size)
-    slots, bounds = _slots(backend, req_to_token, req_pool_indices, seq_lens)
-    n = slots.numel()
+    meta = _rows(backend, req_to_token, req_pool_indices, seq_lens)
     if env.batched_cpu_decode() and not causal and query.shape[1] % k_cache.shape[1] == 0:
-        padded = _padded(backend, req_to_token, req_pool_indices, seq_lens, n)
+        padded = meta.padded()
         if padded is not None:
             return _decode_padded(backend, padded, query, output, k_cache, v_cache, scaling)
+    slots, bounds = meta.slots, meta.bounds
+    n = slots.numel()
     keys = torch.index_select(k_cache, 0, slots, out=_buffer(backend, k_cache, n, 0))
     values = torch.index_select(v_cache, 0, slots, out=_buffer(backend, v_cache, n, 1))
     if keys.dtype != query.dtype:  # as SGLang: SDPA wants one dtype
@@ -125,27 +148,6 @@ def run_sdpa_forward_decode(original, backend, query, output, k_cache, v_cache, 
         )
         output[i : i + 1] = out.squeeze(0).movedim(1, 0)
     return output
-
-
-_PADDED = "_sgl_kara_decode_padded"
-
-
-def _padded(backend, req_to_token, req_pool_indices, seq_lens, n: int):
-    """(idx [T * L_max] int64, mask [T, 1, 1, L_max], L_max) for this forward, read once; None when
-    padding would cost more than the rows hold (then the loop runs)."""
-    meta = getattr(backend, _PADDED, None)
-    if meta is not None and meta[0] is seq_lens and meta[1] is req_pool_indices:
-        return meta[2]
-    t = seq_lens.numel()
-    width = int(seq_lens.max()) if t else 0
-    value = None
-    if t and width and t * width <= 2 * n:
-        rows = req_to_token[req_pool_indices, :width].to(torch.int64)
-        mask = torch.arange(width, device=rows.device)[None, :] < seq_lens[:, None]
-        idx = torch.where(mask, rows, rows[:, :1]).reshape(-1)  # padding reads a slot of the row itself
-        value = (idx, mask[:, None, None, :], width)
-    setattr(backend, _PADDED, (seq_lens, req_pool_indices, value))
-    return value
 
 
 def _decode_padded(backend, padded, query, output, k_cache, v_cache, scaling):
@@ -170,7 +172,8 @@ def run_window_extend(backend, query, output, k_cache, v_cache, req_to_token, re
     """Causal extend attention of the recompute pass (arguments as SGLang's
     ``_run_sdpa_forward_extend``): query [T, H_q, D], the E_i queries of request i back to back,
     at row positions [p_i, p_i + E_i) with p_i + E_i = seq_lens[i]; output [T, H_q, D_v]."""
-    slots, bounds = _slots(backend, req_to_token, req_pool_indices, seq_lens)
+    meta = _rows(backend, req_to_token, req_pool_indices, seq_lens)
+    slots, bounds = meta.slots, meta.bounds
     prefix, extend = extend_prefix_lens.tolist(), extend_seq_lens.tolist()
     for i, (a, b) in enumerate(bounds):
         if prefix[i] + extend[i] != b - a:

@@ -144,7 +144,7 @@ def test_batched_decode_matches_sglang(monkeypatch, batch, hq, hkv, d, dtype, to
     """SGL_KARA_BATCHED_CPU_DECODE=1: one padded SDPA for the batch equals SGLang's per-request
     attention up to summation order; padding never leaks (rows of very different lengths, pool
     entries beyond each row set to huge values)."""
-    from sgl_kara.cpu_attention import _PADDED
+    from sgl_kara.cpu_attention import _META
 
     monkeypatch.setenv("SGL_KARA_BATCHED_CPU_DECODE", "1")
     original = _sglang_decode()
@@ -163,14 +163,14 @@ def test_batched_decode_matches_sglang(monkeypatch, batch, hq, hkv, d, dtype, to
     for _ in range(2):
         got = torch.full_like(q, float("nan"))
         run_sdpa_forward_decode(original, backend, q, got, k, v, rtt, idx, lens, None, **kw)
-        assert getattr(backend, _PADDED)[2] is not None  # the batched path ran
+        assert getattr(backend, _META).padded() is not None  # the batched path ran
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
 def test_batched_decode_falls_back_to_the_loop_when_padding_dominates(monkeypatch):
     """One long row among short ones: padding would exceed the rows' own entries, so the loop
     runs and the output stays bit-identical to SGLang's."""
-    from sgl_kara.cpu_attention import _PADDED
+    from sgl_kara.cpu_attention import _META
 
     monkeypatch.setenv("SGL_KARA_BATCHED_CPU_DECODE", "1")
     original = _sglang_decode()
@@ -183,4 +183,4 @@ def test_batched_decode_falls_back_to_the_loop_when_padding_dominates(monkeypatc
     reset_metadata_hook(None, backend)
     got = torch.full_like(q, float("nan"))
     run_sdpa_forward_decode(original, backend, q, got, k, v, rtt, idx, lens, None, **kw)
-    assert getattr(backend, _PADDED)[2] is None and torch.equal(got, want)
+    assert getattr(backend, _META).padded() is None and torch.equal(got, want)
