@@ -1,100 +1,136 @@
-"""CPU decode attention: the per-request SDPA loop (sgl_kara/cpu_attention.py, as SGLang's
-torch_native backend) against one padded SDPA call for the whole batch, in isolation. The runtime
-runs the loop by default and the padded call with ``SGL_KARA_BATCHED_CPU_DECODE=1``
-(bench/RESULTS.md, session 9).
+"""CPU decode attention in isolation: SGLang 0.5.23's own per-request loop, the runtime's loop
+(sgl_kara/cpu_attention.py, default) and the runtime's padded call (``SGL_KARA_BATCHED_CPU_DECODE=1``),
+all three through the functions the server runs: SGLang's ``_run_sdpa_forward_decode`` and
+``sgl_kara.cpu_attention.run_sdpa_forward_decode`` with the flag toggled (bench/RESULTS.md).
 
     python bench/cpu_decode_batched.py                      # the shapes of RESULTS.md
-    python bench/cpu_decode_batched.py --shapes 48x650x9x3x64 --threads 1
+    python bench/cpu_decode_batched.py --shapes 48x650x9x3x64 --threads 1 --spread 0.5
 
-Both read K/V from a pool twice the rows' size, at slots scattered at random (rows of equal
-length); times include the K/V gather. The padded call folds the GQA group into the query axis:
+K/V live in a pool twice the rows' size, at slots scattered at random; row lengths are L, or spread
+evenly over [L(1-S), L(1+S)] with ``--spread S``. One "forward" is ``--layers`` calls: the runtime
+reads the rows once per forward (as after ``init_forward_metadata``) and gathers K/V per call, so
+times are per layer, gather included. The padded call folds the GQA group into the query axis:
 
     q      [T, H_kv, g, D]       (H_q = H_kv * g; query head h uses KV head h // g, as SGLang)
     K, V   [T, H_kv, L_max, D]   gathered with padding pointed at each row's first slot
     mask   [T, 1, 1, L_max]      True where the key is in the row
 
-so K/V are never repeated per query head (``enable_gqa=True`` on padded [T, H_q, 1, D] queries
-repeats them; session 7's padded call, 2.4x slower than the loop, is not recorded in detail).
+and is taken only while T x L_max <= PAD_RATIO sum(L_i) + T CALL_UNITS / (H_q D) (cpu_attention.py; else
+the runtime loops; the table says which ran). ``--spread`` checks that rule.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
 import torch
-from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+from sgl_kara import cpu_attention
 
 SHAPES = ["4x280x4x2x32", "16x120x4x2x32", "16x280x4x2x32", "32x300x4x2x32", "16x1000x4x2x32",
           "8x145x9x3x64", "48x650x9x3x64"]
+FLAG = "SGL_KARA_BATCHED_CPU_DECODE"
 
 
-def looped(q, k_cache, v_cache, slots, bounds, out):
-    """Per request: one SDPA over its gathered row (the runtime's path)."""
-    keys, values = k_cache.index_select(0, slots), v_cache.index_select(0, slots)
-    qh = q.movedim(0, 1)  # [H_q, T, D]
-    gqa = q.shape[1] != k_cache.shape[1]
-    for i, (a, b) in enumerate(bounds):
-        o = sdpa(qh[:, i : i + 1].unsqueeze(0), keys[a:b].movedim(0, 1).unsqueeze(0),
-                 values[a:b].movedim(0, 1).unsqueeze(0), enable_gqa=gqa)
-        out[i : i + 1] = o.squeeze(0).movedim(1, 0)
-    return out
+def _sglang_decode():
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    fn = TorchNativeAttnBackend._run_sdpa_forward_decode
+    return getattr(fn, "__wrapped__", fn)  # SGLang's own, whether or not the plugin hooked it
 
 
-def padded(q, k_cache, v_cache, rows, lens, out):
-    """One SDPA for the batch: rows [T, L_max] of slots, lens [T]."""
-    t, hq, d = q.shape
-    hkv = k_cache.shape[1]
-    width = rows.shape[1]
-    mask = torch.arange(width)[None, :] < lens[:, None]
-    idx = torch.where(mask, rows, rows[:, :1]).reshape(-1)
-    k = k_cache.index_select(0, idx).view(t, width, hkv, d).transpose(1, 2)
-    v = v_cache.index_select(0, idx).view(t, width, hkv, -1).transpose(1, 2)
-    o = sdpa(q.view(t, hkv, hq // hkv, d), k, v, attn_mask=mask[:, None, None, :])
-    out.copy_(o.reshape(t, hq, -1))
-    return out
+class _Backend:  # the instance state the runtime keeps (SGLang's backend needs a model runner)
+    pass
 
 
-def measure(shape: str, reps: int, calls: int) -> tuple[float, float, float]:
-    """(loop µs, padded µs, max |difference|) for one T x L x H_q x H_kv x D shape."""
+def lengths(t: int, length: int, spread: float) -> list[int]:
+    """t row lengths evenly over [L(1-S), L(1+S)] (all L when S = 0), at least 1."""
+    if t == 1 or spread == 0:
+        return [length] * t
+    lo, hi = length * (1 - spread), length * (1 + spread)
+    return [max(1, round(lo + (hi - lo) * i / (t - 1))) for i in range(t)]
+
+
+def measure(shape: str, spread: float, layers: int, reps: int, forwards: int, original):
+    """({system: µs per layer call}, max |padded - SGLang|, padded taken) for T x L x H_q x H_kv x D."""
     t, length, hq, hkv, d = (int(x) for x in shape.split("x"))
-    pool = 2 * t * length + 1
+    lens = lengths(t, length, spread)
+    width = max(lens)
+    pool = 2 * sum(lens) + 1
     gen = torch.Generator().manual_seed(0)
     k_cache, v_cache = torch.randn(pool, hkv, d, generator=gen), torch.randn(pool, hkv, d, generator=gen)
-    rows = torch.randperm(pool - 1, generator=gen)[: t * length].view(t, length) + 1
-    lens = torch.full((t,), length)
+    req_to_token = (torch.randperm(pool - 1, generator=gen)[: t * width].view(t, width) + 1).to(torch.int32)
+    req_pool_indices, seq_lens = torch.arange(t), torch.tensor(lens)
     q = torch.randn(t, hq, d, generator=gen)
-    slots = rows.reshape(-1)
-    bounds = [(i * length, (i + 1) * length) for i in range(t)]
-    out_a, out_b = torch.empty(t, hq, d), torch.empty(t, hq, d)
-    runs = {"loop": lambda: looped(q, k_cache, v_cache, slots, bounds, out_a),
-            "padded": lambda: padded(q, k_cache, v_cache, rows, lens, out_b)}
-    times = {name: [] for name in runs}
-    for _ in range(reps):
-        for name, fn in runs.items():
-            tic = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times[name].append((time.perf_counter() - tic) / calls * 1e6)
-    return statistics.median(times["loop"]), statistics.median(times["padded"]), float((out_a - out_b).abs().max())
+    kw = dict(scaling=d ** -0.5, enable_gqa=hq != hkv, causal=False)
+    outs = {name: torch.empty(t, hq, d) for name in ("sglang", "loop", "padded")}
+
+    def runtime(name):
+        backend = _Backend()  # lives across forwards, as SGLang's backend (K/V buffers reused)
+
+        def forward():
+            os.environ[FLAG] = "1" if name == "padded" else "0"
+            cpu_attention.reset_metadata_hook(None, backend)
+            for _ in range(layers):
+                cpu_attention.run_sdpa_forward_decode(original, backend, q, outs[name], k_cache, v_cache,
+                                                      req_to_token, req_pool_indices, seq_lens, None, **kw)
+            return backend
+        return forward
+
+    def sglang():
+        for _ in range(layers):
+            original(_Backend(), q, outs["sglang"], k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                     None, **kw)
+
+    runs = {"sglang": sglang, "loop": runtime("loop"), "padded": runtime("padded")}
+    saved = os.environ.get(FLAG)
+    try:
+        taken = getattr(runs["padded"](), cpu_attention._META).padded(hq * d) is not None
+        times = {name: [] for name in runs}
+        for _ in range(reps):
+            for name, fn in runs.items():
+                tic = time.perf_counter()
+                for _ in range(forwards):
+                    fn()
+                times[name].append((time.perf_counter() - tic) / (forwards * layers) * 1e6)
+    finally:
+        if saved is None:
+            os.environ.pop(FLAG, None)
+        else:
+            os.environ[FLAG] = saved
+    if not torch.equal(outs["loop"], outs["sglang"]):
+        raise AssertionError(f"{shape}: the runtime loop is not bit-identical to SGLang's")
+    err = float((outs["padded"] - outs["sglang"]).abs().max())
+    return {name: statistics.median(v) for name, v in times.items()}, err, taken
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=SHAPES, help="T x L x H_q x H_kv x D")
+    ap.add_argument("--spread", type=float, default=0.0, help="row lengths over [L(1-S), L(1+S)], 0 <= S < 1")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--layers", type=int, default=4, help="calls per forward (rows read once per forward)")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--forwards", type=int, default=12)
     args = ap.parse_args(argv)
+    if not 0 <= args.spread < 1:
+        ap.error(f"--spread must be in [0, 1) (got {args.spread})")
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} thread(s), medians of {args.reps} x {args.calls} calls")
-    print("| requests x row | H_q / H_kv, D | loop µs | padded µs | speed-up | max |diff| |")
-    print("|---|---|---|---|---|---|")
+    original = _sglang_decode()
+    print(f"torch {torch.__version__}, {args.threads} thread(s), spread {args.spread}, medians of "
+          f"{args.reps} x {args.forwards} forwards x {args.layers} layers, µs per layer")
+    print("| requests x row | H_q / H_kv, D | SGLang µs | loop µs | padded µs | padded / loop speed-up "
+          "| max |padded - SGLang| |")
+    print("|---|---|---|---|---|---|---|")
     for shape in args.shapes:
-        a, b, err = measure(shape, args.reps, args.calls)
+        us, err, taken = measure(shape, args.spread, args.layers, args.reps, args.forwards, original)
         t, length, hq, hkv, d = shape.split("x")
-        print(f"| {t} x {length} | {hq} / {hkv}, {d} | {a:,.0f} | {b:,.0f} | {a / b:.2f}x | {err:.1e} |")
+        note = "" if taken else " (loop taken: padding costs more)"
+        print(f"| {t} x {length} | {hq} / {hkv}, {d} | {us['sglang']:,.0f} | {us['loop']:,.0f} | "
+              f"{us['padded']:,.0f} | {us['loop'] / us['padded']:.2f}x{note} | {err:.1e} |")
 
 
 if __name__ == "__main__":

@@ -1,33 +1,37 @@
-"""torch_native attention on CPU: decode with one K/V gather per layer, and the recompute pass's
-window extend without SGLang's padded L x L attention.
+"""torch_native attention on CPU: decode with one K/V gather and (by default) one SDPA call per
+layer for the whole batch, and the recompute pass's window extend without SGLang's padded L x L
+attention.
 
 SGLang 0.5.23's ``TorchNativeAttnBackend._run_sdpa_forward_decode`` loops over the requests and,
 for each, slices its ``req_to_token`` row and gathers its K and V with advanced indexing
 (``k_cache[slots]``, a fresh tensor per request and layer) before one SDPA call. On CPU with long
 contexts that gather is most of a decode step (py-spy, SmolLM2, 48 requests x ~1,000 tokens:
-52% of the scheduler's time on the two gather lines). Here the slots of all requests are read
-once per forward (not per layer) and each layer gathers them with one ``index_select`` into a
-reused buffer; each request's SDPA call then gets a slice of it with the same shape, strides and
-values as SGLang's own gather, so the output is bit-identical (tests/test_cpu_attention.py) and
-only the cost changes.
+52% of the scheduler's time on the two gather lines). Here the rows of all requests are read once
+per forward (not per layer) and shared by every layer:
 
     slots   [sum(L_i)] int64: row i's slots req_to_token[r_i, :L_i], rows back to back
     bounds  [(start_i, end_i)]: request i's slice of slots (host ints, one read per forward)
     K_buf   [>= sum(L_i), H_kv, D] per (H_kv, D, dtype), grown on demand, reused by every layer
 
-It applies to every torch_native decode on CPU in a process where the plugin is registered (plain
-SGLang too, so that benchmark comparisons run the same attention); cross-attention, sliding
-windows, CUDA tensors and ``SGL_KARA_FAST_CPU_DECODE=0`` take SGLang's own path.
-
-Opt-in (``SGL_KARA_BATCHED_CPU_DECODE=1``, off by default): one SDPA call per layer for the whole
-batch instead of the per-request loop, the GQA group folded into the query axis so K/V are not
-repeated per query head (bench/cpu_decode_batched.py: 1.2-2.1x faster than the loop in isolation).
-Same attention, different summation order (float32 ~1e-7, tests/test_cpu_attention.py); taken
-only while padding costs at most as many entries as the rows hold (T x L_max <= 2 sum(L_i)):
+Batched decode (default; ``SGL_KARA_BATCHED_CPU_DECODE=0`` turns it off): one SDPA call per layer
+for the whole batch, the GQA group folded into the query axis so K/V are not repeated per query
+head (bench/cpu_decode_batched.py: 1.3-2.3x faster than the loop on equal rows, this CPU). Same
+attention, different float summation order (float32 ~1e-7, tests/test_cpu_attention.py; the
+HF masked-forward oracle passes with it, tests/test_oracle.py):
 
     q      [T, H_kv, g, D]          (H_q = H_kv g; query head h reads KV head h // g, as SGLang)
     K, V   [T, H_kv, L_max, D]      padded entries point at the row's first slot
     mask   [T, 1, 1, L_max] bool    True where the entry is in the row
+
+Padding costs work, so the padded call is taken only while the cost rule (PAD_RATIO, CALL_UNITS
+below, measured with bench/cpu_decode_batched.py --spread) says it beats the loop; otherwise,
+and with the flag off, the per-request loop runs: one ``index_select`` per layer into a reused
+buffer, each request's SDPA call on a slice of it with the same shape, strides and values as
+SGLang's own gather, so that output is bit-identical to SGLang's (tests/test_cpu_attention.py).
+
+It applies to every torch_native decode on CPU in a process where the plugin is registered (plain
+SGLang too, so that benchmark comparisons run the same attention); cross-attention, sliding
+windows, CUDA tensors and ``SGL_KARA_FAST_CPU_DECODE=0`` take SGLang's own path.
 
 Window extend (``run_window_extend``, Kara's recompute forward only: plugin.py calls it while a
 scoring pass is in flight). SGLang's ``_run_sdpa_forward_extend`` pads each request's E extend
@@ -52,7 +56,6 @@ from sgl_kara import env
 
 _META = "_sgl_kara_decode_rows"  # per-forward metadata on the backend instance
 _BUFS = "_sgl_kara_decode_bufs"
-_UNSET = object()
 
 
 def reset_metadata_hook(result, backend, *args, **kwargs):
@@ -61,13 +64,21 @@ def reset_metadata_hook(result, backend, *args, **kwargs):
     return result
 
 
+# When the padded call beats the loop (bench/cpu_decode_batched.py, this CPU, float32, one thread):
+# per query-head x head-dim unit the padded call costs ~0.70 ns a padded entry, the loop ~0.85 ns a
+# row entry plus ~18 us of per-request call overhead, so padded wins while
+#     T x L_max <= PAD_RATIO x sum(L_i) + T x CALL_UNITS / (H_q x D)
+PAD_RATIO = 1.2
+CALL_UNITS = 25_000
+
+
 class _Rows:
     """The rows of one forward, read once and shared by every layer:
 
     rows    [T, L_max] int64   req_to_token[r_i, :L_max]; mask [T, L_max] bool: j < L_i
     slots   [sum(L_i)] int64   row i's slots back to back; bounds [(start_i, end_i)] host ints
     padded  (idx [T * L_max], mask [T, 1, 1, L_max], L_max) for the batched decode, or None
-            when padding would cost more than the rows hold; built on first use"""
+            when padding would cost more than the loop (PAD_RATIO, CALL_UNITS); built on first use"""
 
     def __init__(self, req_to_token, req_pool_indices, seq_lens):
         self.seq_lens, self.req_pool_indices = seq_lens, req_pool_indices
@@ -80,16 +91,18 @@ class _Rows:
         for n in lens:
             self.bounds.append((start, start + n))
             start += n
-        self._padded = _UNSET
+        self._padded = {}
 
-    def padded(self):
-        if self._padded is _UNSET:
+    def padded(self, head_units: int):
+        """head_units = H_q x D of the layer asking (one value per model in practice)."""
+        if head_units not in self._padded:
             t, width = self.rows.shape
-            self._padded = None
-            if t and width and t * width <= 2 * self.slots.numel():
+            entry = None
+            if t and width and t * width <= PAD_RATIO * self.slots.numel() + t * CALL_UNITS / head_units:
                 idx = torch.where(self.mask, self.rows, self.rows[:, :1]).reshape(-1)  # padding reads the row's own slot
-                self._padded = (idx, self.mask[:, None, None, :], width)
-        return self._padded
+                entry = (idx, self.mask[:, None, None, :], width)
+            self._padded[head_units] = entry
+        return self._padded[head_units]
 
 
 def _rows(backend, req_to_token, req_pool_indices, seq_lens) -> _Rows:
@@ -129,7 +142,7 @@ def run_sdpa_forward_decode(original, backend, query, output, k_cache, v_cache, 
                         is_cross_attn=is_cross_attn, sliding_window_size=sliding_window_size)
     meta = _rows(backend, req_to_token, req_pool_indices, seq_lens)
     if env.batched_cpu_decode() and not causal and query.shape[1] % k_cache.shape[1] == 0:
-        padded = meta.padded()
+        padded = meta.padded(query.shape[1] * query.shape[2])
         if padded is not None:
             return _decode_padded(backend, padded, query, output, k_cache, v_cache, scaling)
     slots, bounds = meta.slots, meta.bounds
