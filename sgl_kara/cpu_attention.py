@@ -121,8 +121,11 @@ def _buffer(backend, cache: torch.Tensor, n: int, which: int) -> torch.Tensor:
     key = (which, tuple(cache.shape[1:]), cache.dtype)
     buf = bufs.get(key)
     if buf is None or buf.shape[0] < n:
-        buf = torch.empty((max(n, 2 * (buf.shape[0] if buf is not None else 0)), *cache.shape[1:]),
-                          dtype=cache.dtype, device=cache.device)
+        # A normal tensor even when first needed inside the recompute pass's inference_mode: the
+        # decode forward, outside it, writes into the same buffer (an inference tensor would refuse).
+        with torch.inference_mode(False):
+            buf = torch.empty((max(n, 2 * (buf.shape[0] if buf is not None else 0)), *cache.shape[1:]),
+                              dtype=cache.dtype, device=cache.device)
         bufs[key] = buf
     return buf[:n]
 
