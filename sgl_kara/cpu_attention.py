@@ -49,6 +49,8 @@ relative, tests/test_cpu_attention.py); every layer of the forward shares one re
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
@@ -77,28 +79,38 @@ class _Rows:
 
     rows    [T, L_max] int64   req_to_token[r_i, :L_max]; mask [T, L_max] bool: j < L_i
     slots   [sum(L_i)] int64   row i's slots back to back; bounds [(start_i, end_i)] host ints
+            (both built on first use: the loop and the window extend need them)
     padded  (idx [T * L_max], mask [T, 1, 1, L_max], L_max) for the batched decode, or None
             when padding would cost more than the loop (PAD_RATIO, CALL_UNITS); built on first use"""
 
     def __init__(self, req_to_token, req_pool_indices, seq_lens):
         self.seq_lens, self.req_pool_indices = seq_lens, req_pool_indices
-        lens = seq_lens.tolist()
-        self.width = max(lens) if lens else 0
+        self.lens = seq_lens.tolist()
+        self.width = max(self.lens) if self.lens else 0
         self.rows = req_to_token[req_pool_indices, : self.width].to(torch.int64)
         self.mask = torch.arange(self.width, device=self.rows.device)[None, :] < seq_lens[:, None]
-        self.slots = self.rows[self.mask]
-        self.bounds, start = [], 0
-        for n in lens:
-            self.bounds.append((start, start + n))
-            start += n
         self._padded = {}
+
+    # slots and bounds serve the loop and the window extend only: the padded decode (the default)
+    # never builds them
+    @cached_property
+    def slots(self) -> torch.Tensor:
+        return self.rows[self.mask]
+
+    @cached_property
+    def bounds(self) -> list[tuple[int, int]]:
+        bounds, start = [], 0
+        for n in self.lens:
+            bounds.append((start, start + n))
+            start += n
+        return bounds
 
     def padded(self, head_units: int):
         """head_units = H_q x D of the layer asking (one value per model in practice)."""
         if head_units not in self._padded:
             t, width = self.rows.shape
             entry = None
-            if t and width and t * width <= PAD_RATIO * self.slots.numel() + t * CALL_UNITS / head_units:
+            if t and width and t * width <= PAD_RATIO * sum(self.lens) + t * CALL_UNITS / head_units:
                 idx = torch.where(self.mask, self.rows, self.rows[:, :1]).reshape(-1)  # padding reads the row's own slot
                 entry = (idx, self.mask[:, None, None, :], width)
             self._padded[head_units] = entry
