@@ -95,6 +95,8 @@ def main(argv=None):
     ap.add_argument("--pool-fraction", type=float, default=0.5)
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--spread", type=float, default=0.0,
+                    help="output lengths spread evenly over [G(1-S), G(1+S)], as throughput.py --grid --spread")
     ap.add_argument("--max-running", type=int, default=256)
     ap.add_argument("--retention", type=float, default=0.25)
     ap.add_argument("--omp-threads", type=int, default=1)
@@ -164,9 +166,13 @@ def main(argv=None):
                 if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
                     break
                 time.sleep(0.1)
-    text = (f"model {model}, {label}, G={args.gen}, pool {pool} ({args.pool_fraction:g}), {args.requests} requests\n"
+    text = (f"model {model}, {label}, G={args.gen} (spread {args.spread:g}), pool {pool} ({args.pool_fraction:g}), "
+            f"{args.requests} requests\n"
             f"tok/sched-CPU-s {r['tps_sched']:.1f}, mean running {r['mean_running']:.1f}, events {r['events']}, "
-            f"compress share {100 * r['compress_share']:.1f}%\n\n")
+            f"compress share {100 * r['compress_share']:.1f}%\n"
+            f"steps with a request waiting: {100 * r.get('waiting_share', 0):.0f}%, mean running then "
+            f"{r.get('running_while_waiting')}, after {r.get('running_after_waiting')}; "
+            f"mean running by tenth of the steps: {r.get('running_by_tenth')}\n\n")
     text += summarize(stacks) if os.path.exists(stacks) else "py-spy wrote no stacks\n"
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write(text)

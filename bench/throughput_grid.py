@@ -10,6 +10,8 @@ threshold baselines on the same R requests (``ignore_eos``, sampled) and the sam
                 refilled request by request rather than in whole waves (default 0: equal lengths)
     kara        W, U = max(8, W/16), period = max(4, W/4), r = --retention, Token2Chunk default
     kara-pressure  the same with --kara-trigger pressure (events only while memory binds)
+    kara-headroom  the same with --kara-trigger headroom (events skipped only while the pool holds
+                every running request's uncompressed remainder and nobody waits)
     baselines   budget matched per request to Kara's peak footprint (its admission estimate):
                 C_max = min(G, ceil(G K / (W - U)) + W + period),  N = C_max - (W - U),
                 window (observation queries, recent entries kept) = U; nothing to do if G <= C_max
@@ -95,8 +97,8 @@ def system_spec(system: str, gen: int, w: int | None, args, n: int):
     if system == "vanilla":
         return "vanilla", None, None
     u, period = kara_shape(w)
-    if system in ("kara", "kara-pressure"):
-        trigger = "pressure" if system == "kara-pressure" else "schedule"
+    if system in ("kara", "kara-pressure", "kara-headroom"):
+        trigger = system.partition("-")[2] or "schedule"
         return f"{system} W={w}", dict(kara_policy="kara", kara_window=w, kara_buffer=u, kara_period=period,
                                        kara_retention=args.retention, kara_max_seqs=256, kara_trigger=trigger,
                                        kara_query_source=args.query_source), None
@@ -209,7 +211,24 @@ def run_one(run_system, args, prompts, gen, pool, label, opts, per_request) -> d
                 mean_running=r.mean_running, peak_running=r.peak_running, retractions=r.retractions,
                 events=r.events, compress_share=r.compress_share, lengths_ok=r.lengths_ok,
                 ring_bytes=r.ring_bytes, fallbacks=r.fallbacks, pool_bytes=pool * kv_bytes_per_token(args.model_path),
-                mean_kv=r.mean_kv, skipped=r.skipped)
+                mean_kv=r.mean_kv, skipped=r.skipped, **concurrency_profile(r.trace))
+
+
+def concurrency_profile(trace: list[dict]) -> dict:
+    """From the per-step trace (SGL_KARA_TRACE lines): the share of decode steps at which a request
+    waited for admission, mean running requests at those steps (the admission-bound phase) and
+    after them (the drain), and mean running by tenth of the run's steps."""
+    steps = [s for s in trace if s["running"] > 0]
+    if not steps:
+        return {}
+    waiting = [s["running"] for s in steps if s.get("waiting", 0) > 0]
+    drain = [s["running"] for s in steps if s.get("waiting", 0) == 0]
+    k = -(-len(steps) // 10)
+    return dict(waiting_share=len(waiting) / len(steps),
+                running_while_waiting=sum(waiting) / len(waiting) if waiting else None,
+                running_after_waiting=sum(drain) / len(drain) if drain else None,
+                running_by_tenth=[round(sum(s["running"] for s in steps[i:i + k]) / len(steps[i:i + k]), 1)
+                                  for i in range(0, len(steps), k)])
 
 
 def kv_bytes_per_token(model_path: str) -> int:

@@ -29,7 +29,7 @@ from sgl_kara.policies.kara import kept_count  # noqa: F401  (re-exported: K of 
 
 NONE = "none"  # plain SGLang: no compression
 QUERY_SOURCES = ("auto", "recompute", "capture")
-TRIGGERS = ("schedule", "pressure")
+TRIGGERS = ("schedule", "pressure", "headroom")
 
 
 def policy_names() -> tuple[str, ...]:
@@ -56,7 +56,8 @@ COMMON_HELP = {
     "max_seqs": "N: max requests compressed per event",
     "trigger": f"when due events run: {TRIGGERS} (schedule: always, the paper's periodic policy; pressure: "
                "only while memory binds -- requests wait for admission, or the pool cannot take the running "
-               "requests' growth until the next due step)",
+               "requests' growth until the next due step; headroom: only while requests wait for admission or "
+               "the pool cannot take the running requests' whole uncompressed remainder)",
 }
 
 

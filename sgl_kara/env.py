@@ -8,7 +8,7 @@ a spawned process sees the value its environment has).
 | SGL_KARA_CHECK_INTEGRITY | bool | 0 | check prefixes, slot ownership, ring, offsets at every event |
 | SGL_KARA_CROSSCHECK_QUERIES | bool | 0 | compare capture and recompute scores on first windows |
 | SGL_KARA_RECORD_EVICTIONS | path | - | JSON lines: evicted logical positions per event (oracle) |
-| SGL_KARA_TRACE | path | - | JSON lines: running requests and free slots per decode step |
+| SGL_KARA_TRACE | path | - | JSON lines: running and waiting requests and free slots per decode step |
 | SGL_KARA_INJECT_FAULT_RID_PREFIX | str | - | scoring raises for rids with this prefix (tests) |
 | SGL_KARA_FAST_CPU_DECODE | bool | 1 | torch_native on CPU: decode gathers K/V once per layer; the recompute pass attends its window queries only (cpu_attention.py) |
 | SGL_KARA_BATCHED_CPU_DECODE | bool | 1 | with the fast decode: one padded SDPA call per layer for the whole batch, GQA group folded into the query axis (not bit-identical to SGLang's: float summation order; 0 = the per-request loop, bit-identical; bench/cpu_decode_batched.py) |

@@ -130,7 +130,7 @@ _trace_file = None
 
 
 def _trace_hook(result, scheduler, batch, *args, **kwargs):
-    """SGL_KARA_TRACE=path: append {t, running, free, retracted} per decode step (JSON lines)."""
+    """SGL_KARA_TRACE=path: append {t, running, waiting, free, retracted, kara_*} per decode step (JSON lines)."""
     global _trace_file
     if _trace_file is None:
         _trace_file = open(env.trace(), "a", buffering=1)
@@ -139,6 +139,7 @@ def _trace_hook(result, scheduler, batch, *args, **kwargs):
     record = {
         "t": time.perf_counter(),
         "running": running,
+        "waiting": len(scheduler.waiting_queue),
         "free": int(scheduler.token_to_kv_pool_allocator.available_size()),
         "retracted": int(getattr(scheduler.metrics_reporter, "num_retracted_reqs", 0) or 0),
         "kara_seconds": rt.stats.compression_seconds if rt is not None else 0.0,

@@ -1,8 +1,10 @@
-"""``--kara-trigger pressure`` (sgl_kara/scheduler/pressure.py): a due event runs only while memory
-binds. The rule itself, the fresh-slot count it charges (what compaction really allocates), and
-two engines: one whose pool has room (nothing is compressed: the output is full KV's, token for
-token) and one whose pool runs short mid-generation (deferred events, then compression; every
-decode step checked against the masked Hugging Face reference of tests/oracle.py)."""
+"""``--kara-trigger pressure`` / ``headroom`` (sgl_kara/scheduler/pressure.py): a due event runs only
+while memory binds. The rule itself, the fresh-slot count it charges (what compaction really
+allocates), and engines: one whose pool has room (nothing is compressed under either trigger: the
+output is full KV's, token for token), one whose pool runs short mid-generation (pressure: deferred
+events, then compression) and one whose pool cannot hold the requests' remainder from the start
+(headroom: events from the first due step, as the schedule, then deferred once the remainder fits);
+every decode step checked against the masked Hugging Face reference of tests/oracle.py."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 
 from sgl_kara.config import KaraConfig, KaraConfigError
 from sgl_kara.mem_cache.compaction import CompactionPlan, compact_rows, fresh_slots_needed
-from sgl_kara.scheduler.pressure import growth_until_next_event, memory_binds
+from sgl_kara.scheduler.pressure import growth_until_next_event, horizon, memory_binds
 
 
 def test_waiting_requests_bind_only_below_the_running_limit():
@@ -32,12 +34,25 @@ def test_growth_is_remaining_up_to_the_interval_with_partial_pages():
     assert growth_until_next_event([100, 3], interval=16, page_size=16) == (16 + 15) + (3 + 15)
 
 
+def test_headroom_looks_to_the_requests_end_and_pressure_to_the_next_due_step():
+    assert horizon("pressure", 16) == 16 and horizon("headroom", 16) is None
+    assert growth_until_next_event([100, 3, 0, -2], interval=None) == 103
+    assert growth_until_next_event([100, 3], interval=None, page_size=16) == (100 + 15) + (3 + 15)
+    # a pool with room for the next 16 steps but not for the whole remainder: pressure defers,
+    # headroom compresses
+    growth = {t: growth_until_next_event([100, 100], horizon(t, 16)) for t in ("pressure", "headroom")}
+    assert not memory_binds(free=150, growth=growth["pressure"], fresh=10, waiting=0, running=2, max_running=8)
+    assert memory_binds(free=150, growth=growth["headroom"], fresh=10, waiting=0, running=2, max_running=8)
+
+
 def test_trigger_is_a_validated_common_knob():
     assert KaraConfig().trigger == "schedule"
     cfg = KaraConfig.build(policy="snapkv", trigger="pressure")
     assert cfg.trigger == "pressure" and cfg.flat()["trigger"] == "pressure"
     assert KaraConfig.build(**cfg.flat()) == cfg
-    with pytest.raises(KaraConfigError, match=r"--kara-trigger \(kara_trigger\): must be one of schedule, pressure"):
+    assert KaraConfig.build(trigger="headroom").trigger == "headroom"
+    with pytest.raises(KaraConfigError,
+                       match=r"--kara-trigger \(kara_trigger\): must be one of schedule, pressure, headroom"):
         KaraConfig.build(trigger="sometimes")
 
 
@@ -70,33 +85,37 @@ def test_fresh_slots_needed_is_what_compaction_allocates(page):
     assert sum(allocated) == sum(fresh_slots_needed(a, n, M, K, page) for a, n in zip(starts, lengths))
 
 
-def test_pressure_leaves_a_request_exact_while_the_pool_has_room(tiny_llama, tmp_path):
-    """One long request in a pool that holds it uncompressed: every due event is deferred, the
-    output is full KV's token for token."""
+def test_deferring_triggers_leave_a_request_exact_while_the_pool_has_room(tiny_llama, tmp_path):
+    """One long request in a pool that holds it uncompressed: under pressure and headroom every due
+    event is deferred, the output is full KV's token for token."""
+    import os
+
     from conftest import start_engine
 
-    trace = tmp_path / "trace.jsonl"
     prompt = [[11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
     gen = {"max_new_tokens": 180, "temperature": 0.0, "ignore_eos": True}
-    outs = {}
-    for policy, extra in (("none", {}), ("kara", dict(kara_trigger="pressure", kara_window=40, kara_buffer=8,
-                                                     kara_period=4, kara_retention=0.25))):
-        import os
-
+    outs, deferred = {}, {}
+    for system in ("none", "pressure", "headroom"):
+        extra = {} if system == "none" else dict(kara_trigger=system, kara_window=40, kara_buffer=8,
+                                                 kara_period=4, kara_retention=0.25)
+        trace = tmp_path / f"trace_{system}.jsonl"
         os.environ["SGL_KARA_TRACE"] = str(trace)
         try:
-            engine = start_engine("kara", tiny_llama, kara_policy=policy, max_total_tokens=4096, **extra)
+            engine = start_engine("kara", tiny_llama, kara_policy="none" if system == "none" else "kara",
+                                  max_total_tokens=4096, **extra)
         finally:
             os.environ.pop("SGL_KARA_TRACE", None)
         try:
-            outs[policy] = engine.generate(input_ids=prompt, sampling_params=gen)[0]
+            outs[system] = engine.generate(input_ids=prompt, sampling_params=gen)[0]
         finally:
             engine.shutdown()
-    kara = outs["kara"]["meta_info"]["kara"]
-    assert kara["compressions"] == 0 and kara["kv_physical_len"] == kara["kv_logical_len"]
-    assert outs["kara"]["output_ids"] == outs["none"]["output_ids"]
-    steps = [json.loads(line) for line in trace.read_text().splitlines()]
-    assert steps[-1]["kara_deferred"] >= 30  # (180 - 40) / 4 due steps found a full window
+        if system != "none":
+            deferred[system] = json.loads(trace.read_text().splitlines()[-1])["kara_deferred"]
+    for system in ("pressure", "headroom"):
+        kara = outs[system]["meta_info"]["kara"]
+        assert kara["compressions"] == 0 and kara["kv_physical_len"] == kara["kv_logical_len"], system
+        assert outs[system]["output_ids"] == outs["none"]["output_ids"], system
+        assert deferred[system] >= 30, system  # (180 - 40) / 4 due steps found a full window
 
 
 def test_pressure_compresses_when_the_pool_binds_and_stays_exact(tiny_llama, tmp_path):
@@ -117,3 +136,23 @@ def test_pressure_compresses_when_the_pool_binds_and_stays_exact(tiny_llama, tmp
     assert all(len(o["output_ids"]) == 220 for o in outs)
     first_event = next(i for i, s in enumerate(steps) if s["kara_events"] > 0)
     assert steps[first_event]["kara_deferred"] > 0  # deferred before the pool bound
+
+
+def test_headroom_compresses_from_the_first_due_step_when_the_remainder_does_not_fit(tiny_llama, tmp_path):
+    """Three requests whose whole remainder (3 x 233-251 slots) never fits the 480-slot pool at the
+    start: headroom runs the first due event (nothing deferred before it), as the schedule would;
+    once what is left fits beside the compressed rows, later events are deferred. Every decode step
+    equals the masked reference; no retraction; every request finishes."""
+    from test_oracle import run_and_check
+
+    trace = tmp_path / "trace.jsonl"
+    outs = run_and_check(tiny_llama, tmp_path, 1, "recompute", integrity=True,
+                         extra=dict(kara_trigger="headroom", max_total_tokens=480),
+                         gen={"max_new_tokens": 220, "temperature": 0.0, "ignore_eos": True},
+                         env_extra={"SGL_KARA_TRACE": str(trace)})[0]
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    first_event = next(i for i, s in enumerate(steps) if s["kara_events"] > 0)
+    assert steps[first_event]["kara_deferred"] == 0
+    assert steps[-1]["kara_deferred"] > 0  # the tail: the remainder fits, events skipped
+    assert all(s["retracted"] == 0 for s in steps)
+    assert all(len(o["output_ids"]) == 220 for o in outs)

@@ -36,6 +36,26 @@ def test_grid_one_cell(tiny_llama, tmp_path):
     # the wave bound: R equal requests run in waves; vanilla none, Kara's from the pool and footprints
     md = (tmp_path / "grid.md").read_text()
     assert "wave bound" in md
+    # the per-step trace: vanilla's pool holds 2-3 of the 4 requests, so some wait for admission
+    for r in runs.values():
+        assert 0 <= r["waiting_share"] <= 1 and 1 <= len(r["running_by_tenth"]) <= 10
+        assert all(0 < x <= r["peak_running"] for x in r["running_by_tenth"])
+    assert van["waiting_share"] > 0 and van["running_while_waiting"] <= van["peak_running"]
+
+
+def test_concurrency_profile_splits_the_admission_bound_phase_from_the_drain():
+    import sys
+
+    sys.path.insert(0, "bench")
+    from throughput_grid import concurrency_profile
+
+    trace = [dict(running=0, waiting=4)] + [dict(running=8, waiting=2)] * 6 + [dict(running=r, waiting=0)
+                                                                               for r in (6, 4, 2, 2)]
+    prof = concurrency_profile(trace)
+    assert prof["waiting_share"] == 0.6  # the idle step (nothing running) is not a decode step
+    assert prof["running_while_waiting"] == 8 and prof["running_after_waiting"] == 3.5
+    assert prof["running_by_tenth"] == [8, 8, 8, 8, 8, 8, 6, 4, 2, 2]
+    assert concurrency_profile([]) == {}
 
 
 def test_wave_bound_is_the_concurrency_of_whole_waves():

@@ -20,7 +20,7 @@ class KaraMetrics:
             "sglang:kara_recompute_fallbacks_total", "Windows scored by recompute because captured queries were gone."
         )
         self.deferred = Counter(
-            "sglang:kara_deferred_events_total", "Due events not run because memory did not bind (--kara-trigger pressure)."
+            "sglang:kara_deferred_events_total", "Due events not run because memory did not bind (--kara-trigger pressure / headroom)."
         )
 
     def record_event(self, requests: int, dropped: int) -> None:

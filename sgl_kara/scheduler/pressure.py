@@ -1,15 +1,25 @@
-"""``--kara-trigger pressure``: a due event runs only while memory binds.
+"""``--kara-trigger pressure`` and ``headroom``: a due event runs only while memory binds.
 
 An event costs time (a recompute forward or a ring read, scoring, compaction) and, with a lossy
 policy, fidelity; what it buys is free KV slots. Under ``trigger=schedule`` (the default, the
-paper's periodic policy) every due event runs. Under ``trigger=pressure`` a due event runs only
+paper's periodic policy) every due event runs. Under the two other triggers a due event runs only
 when the slots it frees are needed:
 
     waiting requests  and  running < --max-running-requests      freed slots admit them
  or free + evictable  <  growth + fresh                          the pool would run short
-       growth = sum over running requests of min(remaining_i, interval) + page_size - 1
-                (what they add before the policy's next due step, ``policy.event_interval()``)
+       growth = sum over running requests of min(remaining_i, horizon) + page_size - 1
        fresh  = the event's own fresh slots (compaction allocates before it frees)
+
+They differ in the horizon, how far ahead "would run short" looks:
+
+    pressure   horizon = ``policy.event_interval()``: what the running requests add before the
+               policy's next due step. Events wait until the pool is nearly full, so rows stay
+               long (uncompressed) for most of a memory-bound run.
+    headroom   horizon = everything they may still generate (``max_new_tokens - len(output)``).
+               Where memory binds at all, every due event runs, as under the schedule; events
+               are skipped only where the pool could hold every running request to its end
+               uncompressed and nobody waits -- there the freed slots have no use (the tail of
+               a run, a lightly loaded server).
 
 Otherwise the event is deferred (``KaraStats.deferred_events``) and the requests' windows stay
 exact; a later event that finds memory binding compresses the backlog, several windows of a
@@ -28,7 +38,13 @@ def memory_binds(free: int, growth: int, fresh: int, waiting: int, running: int,
     return free < growth + fresh
 
 
-def growth_until_next_event(remaining: list[int], interval: int, page_size: int = 1) -> int:
-    """Slots the running requests (``remaining`` tokens each still to generate) take before the
-    next due step, ``interval`` decode steps away at most (a started page counted whole)."""
-    return sum(min(max(r, 0), interval) + page_size - 1 for r in remaining)
+def growth_until_next_event(remaining: list[int], interval: int | None, page_size: int = 1) -> int:
+    """Slots the running requests (``remaining`` tokens each still to generate) take within the
+    next ``interval`` decode steps (None: to their end), a started page counted whole."""
+    ahead = [max(r, 0) for r in remaining]
+    return sum((r if interval is None else min(r, interval)) + page_size - 1 for r in ahead)
+
+
+def horizon(trigger: str, event_interval: int) -> int | None:
+    """Decode steps ahead a deferring trigger checks the pool for (None: to the requests' end)."""
+    return event_interval if trigger == "pressure" else None

@@ -6,7 +6,7 @@
 | admitted | ``PrefillAdder.add_one_req`` | charged its compressed footprint, ``policy.footprint`` (admission.py) |
 | prefilled | extend forward | nothing: the row is exact, positions are SGLang's |
 | decoding | ``update_running_batch``, every step | ``on_decode_step``: state, stats, ring row, device offset (forward.py) |
-| compressed | an event when ``policy.due(step)`` (``--kara-trigger pressure``: and memory binds, pressure.py), before SGLang's decode memory check | P fixed, regions planned (jobs.py), scored / selected / compacted (events.py); pos_offset grows |
+| compressed | an event when ``policy.due(step)`` (``--kara-trigger pressure / headroom``: and memory binds, pressure.py), before SGLang's decode memory check | P fixed, regions planned (jobs.py), scored / selected / compacted (events.py); pos_offset grows |
 | retracted | ``Req.reset_for_retract`` | ``on_retract``: ``state.reset_row()``; its ring row returns at the next step |
 | re-prefilled | extend forward | exact again; the radix tree takes its prompt only (mem_cache/radix.py); its windows are compressed again promptly (catch-up) |
 | finished | ``release_kv_cache`` -> radix checkpoint | the tree takes the exact prefix only; ``meta_info["kara"]`` (output.py) |
@@ -30,15 +30,15 @@ from sgl_kara.scheduler.events import EventRunner
 from sgl_kara.scheduler.evictions import EvictionRecorder
 from sgl_kara.scheduler.forward import ForwardContext
 from sgl_kara.scheduler.jobs import plan_jobs
-from sgl_kara.scheduler.pressure import growth_until_next_event, memory_binds
+from sgl_kara.scheduler.pressure import growth_until_next_event, horizon, memory_binds
 from sgl_kara.scheduler.queries import QueryRing
 from sgl_kara.scheduler.state import KaraReqState, get_state
 
 logger = logging.getLogger(__name__)
 
 MAX_CATCH_UP_PASSES = 8
-# trigger=pressure: a deferred backlog (several windows per request) is compressed while memory
-# binds, at most this many windows per request in one event.
+# trigger=pressure / headroom: a deferred backlog (several windows per request) is compressed
+# while memory binds, at most this many windows per request in one event.
 MAX_PRESSURE_PASSES = 64
 _ACTIVE: "KaraRuntime | None" = None
 
@@ -61,7 +61,7 @@ class KaraStats:
     compression_seconds: float = 0.0
     recompute_fallbacks: int = 0
     skipped_no_memory: int = 0
-    deferred_events: int = 0  # trigger=pressure: due events not run (memory did not bind)
+    deferred_events: int = 0  # trigger=pressure / headroom: due events not run (memory did not bind)
     failed_requests: int = 0
     event_peak_bytes: int = 0  # CUDA: most device memory an event allocated above its start
 
@@ -214,7 +214,7 @@ class KaraRuntime:
         if not self.policy.due(self.decode_steps):
             return
         jobs = self._plan(batch.reqs)
-        pressure = self.cfg.trigger == "pressure"
+        pressure = self.cfg.trigger in ("pressure", "headroom")  # deferring triggers (pressure.py)
         if jobs and pressure and not self.memory_binds(batch, jobs):
             self.stats.deferred_events += 1
             if self.metrics is not None:
@@ -226,7 +226,7 @@ class KaraRuntime:
             if self.check:
                 self.check_integrity(batch)
             # Catch-up: a request still due after its compression (re-prefilled after a retraction,
-            # left out by max_seqs, or a backlog deferred under trigger=pressure) is compressed
+            # left out by max_seqs, or a backlog deferred under trigger=pressure / headroom) is compressed
             # again in this event.
             passes += 1
             if passes >= (MAX_PRESSURE_PASSES if pressure else MAX_CATCH_UP_PASSES):
@@ -237,10 +237,11 @@ class KaraRuntime:
                 break
 
     def memory_binds(self, batch, jobs) -> bool:
-        """trigger=pressure: are the slots these jobs free needed (pressure.py)?"""
+        """trigger=pressure / headroom: are the slots these jobs free needed (pressure.py)?"""
         sched = self.scheduler
         remaining = [r.sampling_params.max_new_tokens - len(r.output_ids) for r in batch.reqs]
-        growth = growth_until_next_event(remaining, self.policy.event_interval(), self.page_size)
+        ahead = horizon(self.cfg.trigger, self.policy.event_interval())
+        growth = growth_until_next_event(remaining, ahead, self.page_size)
         fresh = sum(j.fresh_slots(self.page_size) for j in jobs)
         return memory_binds(self.free_slots(), growth, fresh, len(sched.waiting_queue), len(batch.reqs),
                             int(sched.max_running_requests))
