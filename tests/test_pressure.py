@@ -118,22 +118,30 @@ def test_deferring_triggers_leave_a_request_exact_while_the_pool_has_room(tiny_l
         assert deferred[system] >= 30, system  # (180 - 40) / 4 due steps found a full window
 
 
+def _three_requests_checked(model, tmp_path, trigger: str, pool: int):
+    """Three 220-token requests under ``trigger`` in a ``pool``-slot pool, every decode step checked
+    against the masked reference (integrity checks on). Returns (outputs, per-step trace); asserts
+    no retraction and that every request finished."""
+    from test_oracle import run_and_check
+
+    trace = tmp_path / "trace.jsonl"
+    outs = run_and_check(model, tmp_path, 1, "recompute", integrity=True,
+                         extra=dict(kara_trigger=trigger, max_total_tokens=pool),
+                         gen={"max_new_tokens": 220, "temperature": 0.0, "ignore_eos": True},
+                         env_extra={"SGL_KARA_TRACE": str(trace)})[0]
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert all(s["retracted"] == 0 for s in steps)
+    assert all(len(o["output_ids"]) == 220 for o in outs)
+    return outs, steps
+
+
 def test_pressure_compresses_when_the_pool_binds_and_stays_exact(tiny_llama, tmp_path):
     """Three requests in a pool that holds them uncompressed only part of the way: events are first
     deferred, then run when the pool would run short -- at times the periodic schedule never picks,
     compressing windows with a long uncompressed tail behind them. Every decode step still equals
     the masked reference; no request is retracted and every one finishes."""
-    from test_oracle import run_and_check
-
-    trace = tmp_path / "trace.jsonl"
-    outs = run_and_check(tiny_llama, tmp_path, 1, "recompute", integrity=True,
-                         extra=dict(kara_trigger="pressure", max_total_tokens=420),
-                         gen={"max_new_tokens": 220, "temperature": 0.0, "ignore_eos": True},
-                         env_extra={"SGL_KARA_TRACE": str(trace)})[0]
-    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    _, steps = _three_requests_checked(tiny_llama, tmp_path, "pressure", 420)
     assert steps[-1]["kara_deferred"] > 0 and steps[-1]["kara_events"] > 0
-    assert steps[-1]["retracted"] == 0 and all(s["retracted"] == 0 for s in steps)
-    assert all(len(o["output_ids"]) == 220 for o in outs)
     first_event = next(i for i, s in enumerate(steps) if s["kara_events"] > 0)
     assert steps[first_event]["kara_deferred"] > 0  # deferred before the pool bound
 
@@ -143,16 +151,7 @@ def test_headroom_compresses_from_the_first_due_step_when_the_remainder_does_not
     start: headroom runs the first due event (nothing deferred before it), as the schedule would;
     once what is left fits beside the compressed rows, later events are deferred. Every decode step
     equals the masked reference; no retraction; every request finishes."""
-    from test_oracle import run_and_check
-
-    trace = tmp_path / "trace.jsonl"
-    outs = run_and_check(tiny_llama, tmp_path, 1, "recompute", integrity=True,
-                         extra=dict(kara_trigger="headroom", max_total_tokens=480),
-                         gen={"max_new_tokens": 220, "temperature": 0.0, "ignore_eos": True},
-                         env_extra={"SGL_KARA_TRACE": str(trace)})[0]
-    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    _, steps = _three_requests_checked(tiny_llama, tmp_path, "headroom", 480)
     first_event = next(i for i, s in enumerate(steps) if s["kara_events"] > 0)
     assert steps[first_event]["kara_deferred"] == 0
     assert steps[-1]["kara_deferred"] > 0  # the tail: the remainder fits, events skipped
-    assert all(s["retracted"] == 0 for s in steps)
-    assert all(len(o["output_ids"]) == 220 for o in outs)
