@@ -87,7 +87,8 @@ def summarize(stacks_path: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
+    """The options; the parsed namespace is also what the grid's runner reads (``run_one``)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny", help="tiny | smollm2 | a checkpoint path")
     ap.add_argument("--system", default="kara", help="vanilla | kara | snapkv | streaming | h2o | rkv")
@@ -105,6 +106,11 @@ def main(argv=None):
                     help="extra sgl_kara option for the kara system, e.g. trigger=pressure (repeatable)")
     ap.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     ap.add_argument("--out", required=True)
+    return ap
+
+
+def main(argv=None):
+    ap = build_parser()
     args = ap.parse_args(argv)
     sys.path.insert(0, HERE)
     import psutil

@@ -95,3 +95,33 @@ def test_spread_output_lengths():
     for bad in (-0.1, 1.0):
         with pytest.raises(ValueError, match="--spread"):
             output_lengths(512, 32, bad)
+
+
+def test_profile_scheduler_options_drive_the_grid_runner(tiny_llama):
+    """bench/profile_scheduler.py hands its own namespace to the grid's runner; every option that
+    runner reads must exist there (it lacked --spread and crashed before sampling anything)."""
+    import sys
+
+    sys.path.insert(0, "bench")
+    import profile_scheduler
+    import throughput_grid as grid
+    from throughput import RunResult
+
+    args = profile_scheduler.build_parser().parse_args(["--out", "unused", "--requests", "4", "--gen", "40",
+                                                        "--spread", "0.5", "--window", "32"])
+    args.model_path = tiny_llama
+    label, opts, per_request = grid.system_spec(args.system, args.gen, args.window, args, args.requests)
+    seen = {}
+
+    def run_system(system, a, pool, max_running, kara=None, prompts_params=None, label=None):
+        seen.update(system=system, pool=pool, max_running=max_running, kara=kara, params=prompts_params[1])
+        trace = [dict(running=4, waiting=0, kara_events=0, kara_seconds=0.0)]
+        return RunResult(system=label, pool=pool, max_running=max_running, seconds=1.0, output_tokens=160,
+                         lengths_ok=True, retractions=0, mean_running=4.0, peak_running=4, events=0,
+                         compress_seconds=0.0, trace=trace, cpu_seconds=2.0, scheduler_cpu_seconds=1.0)
+
+    r = grid.run_one(run_system, args, grid.grid_prompts(4), args.gen, 500, label, opts, per_request)
+    assert seen["system"] == "kara" and seen["kara"]["kara_window"] == 32 and seen["max_running"] == 256
+    lengths = [p["max_new_tokens"] for p in seen["params"]]
+    assert lengths == grid.output_lengths(40, 4, 0.5) and sorted(lengths) == [20, 33, 47, 60]  # --spread 0.5
+    assert r["tps_sched"] == 160.0 and r["waiting_share"] == 0 and r["running_by_tenth"] == [4.0]
