@@ -13,9 +13,9 @@ import json
 import pytest
 import torch
 
-from sgl_kara.config import KaraConfig, KaraConfigError
+from sgl_kara.config import TRIGGERS, KaraConfig, KaraConfigError
 from sgl_kara.mem_cache.compaction import CompactionPlan, compact_rows, fresh_slots_needed
-from sgl_kara.scheduler.pressure import growth_until_next_event, horizon, memory_binds
+from sgl_kara.scheduler.pressure import DEFERRING, growth_within, horizon, memory_binds
 
 
 def test_waiting_requests_bind_only_below_the_running_limit():
@@ -30,17 +30,18 @@ def test_pool_binds_when_growth_and_fresh_slots_exceed_free():
 
 
 def test_growth_is_remaining_up_to_the_interval_with_partial_pages():
-    assert growth_until_next_event([100, 3, 0, -2], interval=16) == 16 + 3
-    assert growth_until_next_event([100, 3], interval=16, page_size=16) == (16 + 15) + (3 + 15)
+    assert growth_within([100, 3, 0, -2], horizon=16) == 16 + 3
+    assert growth_within([100, 3], horizon=16, page_size=16) == (16 + 15) + (3 + 15)
 
 
 def test_headroom_looks_to_the_requests_end_and_pressure_to_the_next_due_step():
     assert horizon("pressure", 16) == 16 and horizon("headroom", 16) is None
-    assert growth_until_next_event([100, 3, 0, -2], interval=None) == 103
-    assert growth_until_next_event([100, 3], interval=None, page_size=16) == (100 + 15) + (3 + 15)
+    assert TRIGGERS == ("schedule", *DEFERRING)  # every trigger but the schedule defers, with a horizon
+    assert growth_within([100, 3, 0, -2], horizon=None) == 103
+    assert growth_within([100, 3], horizon=None, page_size=16) == (100 + 15) + (3 + 15)
     # a pool with room for the next 16 steps but not for the whole remainder: pressure defers,
     # headroom compresses
-    growth = {t: growth_until_next_event([100, 100], horizon(t, 16)) for t in ("pressure", "headroom")}
+    growth = {t: growth_within([100, 100], horizon(t, 16)) for t in ("pressure", "headroom")}
     assert not memory_binds(free=150, growth=growth["pressure"], fresh=10, waiting=0, running=2, max_running=8)
     assert memory_binds(free=150, growth=growth["headroom"], fresh=10, waiting=0, running=2, max_running=8)
 

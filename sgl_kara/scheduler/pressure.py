@@ -38,13 +38,18 @@ def memory_binds(free: int, growth: int, fresh: int, waiting: int, running: int,
     return free < growth + fresh
 
 
-def growth_until_next_event(remaining: list[int], interval: int | None, page_size: int = 1) -> int:
+# the triggers that defer events (config.TRIGGERS less the schedule); each looks this far ahead
+DEFERRING = ("pressure", "headroom")
+
+
+def growth_within(remaining: list[int], horizon: int | None, page_size: int = 1) -> int:
     """Slots the running requests (``remaining`` tokens each still to generate) take within the
-    next ``interval`` decode steps (None: to their end), a started page counted whole."""
+    next ``horizon`` decode steps (None: to their end), a started page counted whole."""
     ahead = [max(r, 0) for r in remaining]
-    return sum((r if interval is None else min(r, interval)) + page_size - 1 for r in ahead)
+    return sum((r if horizon is None else min(r, horizon)) + page_size - 1 for r in ahead)
 
 
 def horizon(trigger: str, event_interval: int) -> int | None:
-    """Decode steps ahead a deferring trigger checks the pool for (None: to the requests' end)."""
-    return event_interval if trigger == "pressure" else None
+    """Decode steps ahead a deferring trigger checks the pool for: pressure up to the policy's next
+    due step, headroom to the requests' end (None). Only the triggers in ``DEFERRING`` have one."""
+    return {"pressure": event_interval, "headroom": None}[trigger]

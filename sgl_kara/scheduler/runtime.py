@@ -30,7 +30,7 @@ from sgl_kara.scheduler.events import EventRunner
 from sgl_kara.scheduler.evictions import EvictionRecorder
 from sgl_kara.scheduler.forward import ForwardContext
 from sgl_kara.scheduler.jobs import plan_jobs
-from sgl_kara.scheduler.pressure import growth_until_next_event, horizon, memory_binds
+from sgl_kara.scheduler.pressure import DEFERRING, growth_within, horizon, memory_binds
 from sgl_kara.scheduler.queries import QueryRing
 from sgl_kara.scheduler.state import KaraReqState, get_state
 
@@ -214,8 +214,8 @@ class KaraRuntime:
         if not self.policy.due(self.decode_steps):
             return
         jobs = self._plan(batch.reqs)
-        pressure = self.cfg.trigger in ("pressure", "headroom")  # deferring triggers (pressure.py)
-        if jobs and pressure and not self.memory_binds(batch, jobs):
+        deferring = self.cfg.trigger in DEFERRING
+        if jobs and deferring and not self.memory_binds(batch, jobs):
             self.stats.deferred_events += 1
             if self.metrics is not None:
                 self.metrics.deferred.inc()
@@ -229,19 +229,18 @@ class KaraRuntime:
             # left out by max_seqs, or a backlog deferred under trigger=pressure / headroom) is compressed
             # again in this event.
             passes += 1
-            if passes >= (MAX_PRESSURE_PASSES if pressure else MAX_CATCH_UP_PASSES):
+            if passes >= (MAX_PRESSURE_PASSES if deferring else MAX_CATCH_UP_PASSES):
                 break
             compressed = {id(j.req) for j in jobs}
             jobs = [j for j in self._plan(batch.reqs) if id(j.req) in compressed]
-            if jobs and pressure and not self.memory_binds(batch, jobs):
+            if jobs and deferring and not self.memory_binds(batch, jobs):
                 break
 
     def memory_binds(self, batch, jobs) -> bool:
         """trigger=pressure / headroom: are the slots these jobs free needed (pressure.py)?"""
         sched = self.scheduler
         remaining = [r.sampling_params.max_new_tokens - len(r.output_ids) for r in batch.reqs]
-        ahead = horizon(self.cfg.trigger, self.policy.event_interval())
-        growth = growth_until_next_event(remaining, ahead, self.page_size)
+        growth = growth_within(remaining, horizon(self.cfg.trigger, self.policy.event_interval()), self.page_size)
         fresh = sum(j.fresh_slots(self.page_size) for j in jobs)
         return memory_binds(self.free_slots(), growth, fresh, len(sched.waiting_queue), len(batch.reqs),
                             int(sched.max_running_requests))
