@@ -26,7 +26,14 @@ compressing. Vanilla does not depend on W: it runs once per (G, frac).
     python bench/throughput.py --grid --model tiny --out bench/results/session5/grid_tiny
     python bench/throughput.py --grid --model smollm2 --gens 256 512 1024 --windows 64 128 ...
 
-Writes grid.md / grid.json after every run and grid_<system>.png heat maps (ratio to vanilla).
+Also per run, from the per-step trace (bench/step_costs.py): the rate while a request waits for
+admission (the saturated phase: what a server whose queue does not empty sees, without the finite
+batch's drain), and per cell a step-cost model (CPU per decode step = fixed + per request x B + per
+KV row x rows, fitted jointly to the cell's runs) that splits each ratio into concurrency, shorter
+rows and compression and gives the ratio at Kara's footprint limit (costs.md).
+
+Writes grid.md / costs.md / grid.json after every run and grid_<system>.png heat maps (ratio to
+vanilla).
 """
 
 from __future__ import annotations
@@ -211,7 +218,19 @@ def run_one(run_system, args, prompts, gen, pool, label, opts, per_request) -> d
                 mean_running=r.mean_running, peak_running=r.peak_running, retractions=r.retractions,
                 events=r.events, compress_share=r.compress_share, lengths_ok=r.lengths_ok,
                 ring_bytes=r.ring_bytes, fallbacks=r.fallbacks, pool_bytes=pool * kv_bytes_per_token(args.model_path),
-                mean_kv=r.mean_kv, skipped=r.skipped, **concurrency_profile(r.trace))
+                mean_kv=r.mean_kv, skipped=r.skipped, **concurrency_profile(r.trace), **step_profile(r.trace))
+
+
+def step_profile(trace: list[dict]) -> dict:
+    """From the per-step trace (bench/step_costs.py): the saturated phase's rate (intervals at which
+    a request waited for admission; ``sat_tps`` tokens per scheduler CPU-second), the whole run's
+    rate from the same intervals, and the step-cost fit statistics."""
+    import step_costs
+
+    ivs = step_costs.intervals(trace)
+    sat = step_costs.saturated(ivs)
+    return dict(saturated=sat, sat_tps=sat["tps"] if sat else None, steps_rate=step_costs.rate(ivs),
+                fit_stats=step_costs.fit_stats(ivs))
 
 
 def concurrency_profile(trace: list[dict]) -> dict:
@@ -257,6 +276,8 @@ def ratios(results):
                  lengths_ok=all(r["lengths_ok"] for r in runs), peak_running=max(r["peak_running"] for r in runs))
         m.update({k: statistics.median(r[k] for r in runs) for k in METRICS})
         m["spread_sched"] = [round(r["tps_sched"]) for r in runs]
+        sat = [r["sat_tps"] for r in runs if r.get("sat_tps")]
+        m["sat_tps"] = statistics.median(sat) if sat else None
         med.append(m)
     base = {(r["gen"], r["frac"]): r for r in med if r["system"] == "vanilla"}
     out = []
@@ -265,7 +286,8 @@ def ratios(results):
         out.append(dict(r, cpu_ratio=r["tps_cpu"] / b["tps_cpu"] if b else None,
                         sched_ratio=r["tps_sched"] / b["tps_sched"] if b else None,
                         wall_ratio=r["tps"] / b["tps"] if b else None,
-                        running_ratio=r["mean_running"] / b["mean_running"] if b and b["mean_running"] else None))
+                        running_ratio=r["mean_running"] / b["mean_running"] if b and b["mean_running"] else None,
+                        sat_ratio=r["sat_tps"] / b["sat_tps"] if b and r.get("sat_tps") and b.get("sat_tps") else None))
     return out
 
 
@@ -302,8 +324,10 @@ def write(results, args, argv):
     rows = ratios(results)
     cmd = "python bench/throughput.py " + " ".join(argv if argv is not None else sys.argv[1:])
     write_table(rows, args, cmd)
+    write_costs(results, args, cmd)
     with open(os.path.join(args.out, "grid.json"), "w") as f:
-        json.dump({"args": {k: v for k, v in vars(args).items()}, "command": cmd, "runs": rows}, f, indent=1)
+        json.dump({"args": {k: v for k, v in vars(args).items()}, "command": cmd, "runs": rows,
+                   "all_runs": results}, f, indent=1)
 
 
 def write_table(rows, args, cmd: str) -> None:
@@ -312,6 +336,7 @@ def write_table(rows, args, cmd: str) -> None:
             "| footprint limit "
             "| wave bound (per wave: vanilla, kara) | retractions (requests an event could not compact) "
             "| compress share | capture ring / pool (fallbacks) "
+            "| while requests wait: tok/sched-CPU-s, vs vanilla (running) "
             "| lengths ok |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     fmt = lambda x, f="{:.2f}x": "-" if x is None else f.format(x)  # noqa: E731
@@ -328,8 +353,61 @@ def write_table(rows, args, cmd: str) -> None:
             f"| {fmt(lim)} "
             f"| {'-' if waves is None else f'{waves[0]:.2f}x ({waves[1]}, {waves[2]})'} "
             f"| {r['retractions']} ({r.get('skipped', '-')}) | {100 * r['compress_share']:.1f}% | {ring(r)} "
+            f"| {saturated_cell(r)} "
             f"| {r['lengths_ok']} |")
     with open(os.path.join(args.out, "grid.md"), "w") as f:
+        f.write(f"command: {cmd}\nmodel: {args.model_path}\n\n" + "\n".join(lines) + "\n")
+
+
+def saturated_cell(r) -> str:
+    """The saturated phase's rate, its ratio to vanilla's and its mean running requests."""
+    sat = r.get("saturated")
+    if not sat:
+        return "-"
+    ratio = "" if r.get("sat_ratio") is None else f", {r['sat_ratio']:.2f}x"
+    return f"{sat['tps']:.1f}{ratio} ({sat['running']:.1f})"
+
+
+def cost_rows(results, retention: float) -> list[dict]:
+    """Per cell, the step-cost model fitted jointly to every run of every system in it, and for each
+    compressing system the parts of its saturated ratio (bench/step_costs.py: explain)."""
+    import step_costs
+
+    rows = ratios(results)
+    out = []
+    for gen, frac in dict.fromkeys((r["gen"], r["frac"]) for r in rows):
+        cell = [r for r in results if r["gen"] == gen and r["frac"] == frac and r.get("fit_stats")]
+        model = step_costs.fit([r["fit_stats"] for r in cell])
+        base = next((r for r in rows if (r["gen"], r["frac"]) == (gen, frac) and r["system"] == "vanilla"), None)
+        for r in rows:
+            if (r["gen"], r["frac"]) != (gen, frac) or r["system"] == "vanilla":
+                continue
+            parts = None
+            if model is not None and base and base.get("saturated") and r.get("saturated"):
+                lim = footprint_limit(r, retention)
+                parts = step_costs.explain(model, base["saturated"], r["saturated"],
+                                           None if lim is None else lim * base["saturated"]["running"])
+            out.append(dict(gen=gen, frac=frac, label=r["label"], model=model, parts=parts,
+                            sat_ratio=r.get("sat_ratio"), sched_ratio=r["sched_ratio"]))
+    return out
+
+
+def write_costs(results, args, cmd: str) -> None:
+    """costs.md: each cell's step-cost model and what each ratio is made of."""
+    head = ("| G | pool | system | step = fixed + per request x B + per row x rows (ms, ms, us; R^2, steps) "
+            "| fixed share of vanilla's step | ratio, whole run | ratio while requests wait | model's ratio there "
+            "| rows alone (vanilla's B) | batch alone (vanilla's rows) | at the footprint limit, no events |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    fmt = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
+    for c in cost_rows(results, args.retention):
+        m, p = c["model"], c["parts"] or {}
+        model = "-" if m is None else (f"{1e3 * m.fixed:.1f} + {1e3 * m.per_request:.2f} B + {1e6 * m.per_row:.3f} rows "
+                                       f"({m.r2:.3f}, {m.n})")
+        share = "-" if not p else f"{100 * p['fixed_share']:.0f}%"
+        lines.append(f"| {c['gen']} | {c['frac']:g} | {c['label']} | {model} | {share} | {fmt(c['sched_ratio'])} "
+                     f"| {fmt(c['sat_ratio'])} | {fmt(p.get('predicted'))} | {fmt(p.get('same_batch'))} "
+                     f"| {fmt(p.get('batching'))} | {fmt(p.get('at_limit'))} |")
+    with open(os.path.join(args.out, "costs.md"), "w") as f:
         f.write(f"command: {cmd}\nmodel: {args.model_path}\n\n" + "\n".join(lines) + "\n")
 
 
@@ -344,6 +422,8 @@ def rewrite(out: str) -> None:
         with open(os.path.join(out, "grid.md")) as f:
             cmd = f.readline().removeprefix("command: ").strip()
     write_table(data["runs"], args, cmd)
+    if "all_runs" in data:  # grids saved before the step costs were recorded have no per-run statistics
+        write_costs(data["all_runs"], args, cmd)
     heat_maps(data["runs"], args)
 
 

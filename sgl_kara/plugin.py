@@ -130,14 +130,19 @@ _trace_file = None
 
 
 def _trace_hook(result, scheduler, batch, *args, **kwargs):
-    """SGL_KARA_TRACE=path: append {t, running, waiting, free, retracted, kara_*} per decode step (JSON lines)."""
+    """SGL_KARA_TRACE=path: append {t, cpu, running, rows, waiting, free, retracted, kara_*} per decode
+    step (JSON lines). ``cpu``: this (scheduler) process's CPU clock; ``rows``: KV rows the running
+    requests hold (physical, what decode attention reads); bench/step_costs.py reads both."""
     global _trace_file
     if _trace_file is None:
         _trace_file = open(env.trace(), "a", buffering=1)
     running = 0 if result is None or result.is_empty() else len(result.reqs)
+    lens = None if running == 0 else result.seq_lens_cpu
     rt = _active()
     record = {
         "t": time.perf_counter(),
+        "cpu": time.process_time(),
+        "rows": 0 if lens is None else int(lens.sum()),
         "running": running,
         "waiting": len(scheduler.waiting_queue),
         "free": int(scheduler.token_to_kv_pool_allocator.available_size()),
