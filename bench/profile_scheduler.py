@@ -16,8 +16,12 @@ heaviest leaf frames inside compression events.
     event: other               the rest of EventRunner.run / plan_jobs
     per-step Kara              on_decode_step, forward hooks (offsets, ring writes)
     decode attention           torch_native decode (cpu_attention.py or SGLang's)
-    forward (other)            the model's forward outside attention
-    scheduler (other)          everything else (batching, sampling, IPC)
+    forward: projections + MLP, logits (lm_head), norms, rotary, activation
+                               the model's forward by SGLang layer file
+    forward (other)            the model's forward outside attention and those layers
+    sampling                   SGLang's Sampler
+    result processing          the scheduler's per-request output handling
+    scheduler (other)          everything else (batching, IPC)
 """
 
 from __future__ import annotations
@@ -44,9 +48,23 @@ STEP_STAGES = [  # outside events; the innermost matching frame decides
     ("attention (extend)", ("forward_extend ",)),
     ("ring writes / observers", ("QueryRing.write ", "observe (")),
     ("per-step Kara", ("on_decode_step ", "on_forward_batch ", "sync_offset ", "plan_jobs ")),
+    # the model's forward by SGLang layer file: a key ending in '/' or '.py:' names a file (py-spy
+    # writes the shortest unique path suffix, e.g. "forward (linear.py:626)")
+    ("forward: projections + MLP (linear)", ("linear.py:", "unquant.py:")),
+    ("forward: logits (lm_head)", ("logits_processor.py:",)),
+    ("forward: norms", ("layernorm.py:",)),
+    ("forward: rotary", ("rotary_embedding/", "rotary_embedding.py:")),
+    ("forward: activation", ("activation.py:",)),
     ("model forward (other)", ("ModelRunner.forward ",)),
+    ("sampling", ("sampler.py:",)),
+    ("result processing", ("scheduler_output_processor_mixin.py:",)),
 ]
 ORDER = [n for n, _ in EVENT_STAGES] + ["event: other"] + [n for n, _ in STEP_STAGES] + ["scheduler (other)"]
+
+
+def _in_file(frame: str, key: str) -> bool:
+    """Does ``frame`` ("function (path/file.py:line)") lie in the file or folder ``key`` names?"""
+    return f"({key}" in frame or f"/{key}" in frame
 
 
 def stage_of(stack: str) -> str:
@@ -57,12 +75,14 @@ def stage_of(stack: str) -> str:
         stages, fallback = STEP_STAGES, "scheduler (other)"
     for frame in reversed(frames):
         for name, keys in stages:
-            if any(frame.startswith(k) or f";{k}" in f";{frame}" for k in keys):
+            if any(_in_file(frame, k) if k.endswith(("/", ".py:")) else frame.startswith(k) for k in keys):
                 return name
     return fallback
 
 
-def summarize(stacks_path: str) -> str:
+def summarize(stacks_path: str, step_ms: float | None = None) -> str:
+    """Samples per stage; with ``step_ms`` (the run's mean scheduler CPU per decode step) also each
+    stage's CPU ms per step, which runs at different batch sizes can be compared by."""
     per_stage: collections.Counter = collections.Counter()
     event_leaves: collections.Counter = collections.Counter()
     total = 0
@@ -79,9 +99,13 @@ def summarize(stacks_path: str) -> str:
         per_stage[stage] += n
         if stage.startswith("event"):
             event_leaves[";".join(stack.split(";")[-2:])] += n
-    lines = [f"samples in the scheduler's event loop: {total}", "", "| stage | samples | share |", "|---|---|---|"]
+    ms = f", CPU per decode step {step_ms:.1f} ms" if step_ms else ""
+    lines = [f"samples in the scheduler's event loop: {total}{ms}", "", "| stage | samples | share | ms per step |",
+             "|---|---|---|---|"]
     for name in ORDER:
-        lines.append(f"| {name} | {per_stage[name]} | {100 * per_stage[name] / max(1, total):.1f}% |")
+        share = per_stage[name] / max(1, total)
+        lines.append(f"| {name} | {per_stage[name]} | {100 * share:.1f}% | "
+                     f"{'-' if not step_ms else f'{share * step_ms:.2f}'} |")
     lines += ["", "heaviest frames inside events (last two frames):", ""]
     lines += [f"- {n} {leaf}" for leaf, n in event_leaves.most_common(15)]
     return "\n".join(lines) + "\n"
@@ -106,12 +130,28 @@ def build_parser() -> argparse.ArgumentParser:
                     help="extra sgl_kara option for the kara system, e.g. trigger=pressure (repeatable)")
     ap.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--resummarize", action="store_true",
+                    help="only render --out's summary.md again from its stacks.txt (new stages)")
     return ap
+
+
+def resummarize(out: str) -> None:
+    """summary.md again from stacks.txt, keeping the run's header and its CPU per decode step."""
+    import re
+
+    path = os.path.join(out, "summary.md")
+    text = open(path).read()
+    head = text.split("samples in the scheduler's event loop")[0]
+    found = re.search(r"CPU per decode step ([0-9.]+) ms", text)
+    with open(path, "w") as f:
+        f.write(head + summarize(os.path.join(out, "stacks.txt"), float(found.group(1)) if found else None))
 
 
 def main(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
+    if args.resummarize:
+        return resummarize(args.out)
     sys.path.insert(0, HERE)
     import psutil
     import throughput_grid as grid
@@ -179,7 +219,9 @@ def main(argv=None):
             f"steps with a request waiting: {100 * r.get('waiting_share', 0):.0f}%, mean running then "
             f"{r.get('running_while_waiting')}, after {r.get('running_after_waiting')}; "
             f"mean running by tenth of the steps: {r.get('running_by_tenth')}\n\n")
-    text += summarize(stacks) if os.path.exists(stacks) else "py-spy wrote no stacks\n"
+    steps = r.get("steps_rate")
+    step_ms = 1e3 * steps["cpu"] / steps["steps"] if steps else None
+    text += summarize(stacks, step_ms) if os.path.exists(stacks) else "py-spy wrote no stacks\n"
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write(text)
     print(text)

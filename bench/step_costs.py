@@ -91,8 +91,12 @@ def fit_stats(ivs: list[dict]) -> dict:
 
 
 def fit(stats: list[dict]) -> StepCost | None:
-    """The step-cost model from one or more runs' ``fit_stats``. None when they do not determine
-    three coefficients (fewer than 8 intervals, or B and rows never vary independently)."""
+    """The step-cost model from one or more runs' ``fit_stats``, the same coefficients for every run
+    (the systems run the same model through the same code; a compressing system's own per-step
+    hooks are measured by bench/profile_scheduler.py, not fitted: with equal output lengths
+    vanilla's batch is constant and such a term would trade off against the per-request cost).
+    None when the runs do not determine the coefficients (fewer than 8 intervals, or B and rows
+    never vary independently)."""
     import numpy as np
 
     n = sum(s["n"] for s in stats)
@@ -118,7 +122,8 @@ def explain(model: StepCost, base: dict, other: dict, limit_running: float | Non
     model's ratio at the measured batches and rows, less ``other``'s event share; ``same_batch`` the
     ratio at vanilla's batch (what shorter rows alone buy), ``batching`` the gain of running
     ``other``'s batch at vanilla's rows (what concurrency alone buys on this machine), and
-    ``at_limit`` the ratio at ``limit_running`` requests (the footprint limit) with no event time."""
+    ``at_limit`` the ratio at ``limit_running`` requests (the footprint limit) with no event time:
+    what the machine allows at that concurrency."""
     b0 = model.tps(base["running"], base["rows_per_request"])
     out = dict(
         predicted=model.tps(other["running"], other["rows_per_request"]) * (1 - other["event_share"]) / b0,

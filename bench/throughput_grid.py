@@ -278,6 +278,9 @@ def ratios(results):
         m["spread_sched"] = [round(r["tps_sched"]) for r in runs]
         sat = [r["sat_tps"] for r in runs if r.get("sat_tps")]
         m["sat_tps"] = statistics.median(sat) if sat else None
+        if sat:  # the saturated phase (batch, rows, events) of the run nearest the median rate
+            m["saturated"] = min((r for r in runs if r.get("sat_tps")),
+                                 key=lambda r: abs(r["sat_tps"] - m["sat_tps"]))["saturated"]
         med.append(m)
     base = {(r["gen"], r["frac"]): r for r in med if r["system"] == "vanilla"}
     out = []
@@ -369,19 +372,20 @@ def saturated_cell(r) -> str:
 
 
 def cost_rows(results, retention: float) -> list[dict]:
-    """Per cell, the step-cost model fitted jointly to every run of every system in it, and for each
-    compressing system the parts of its saturated ratio (bench/step_costs.py: explain)."""
+    """Per cell and compressing system, the step-cost model fitted jointly to vanilla's runs and the
+    system's, and the parts of its saturated ratio (bench/step_costs.py: explain)."""
     import step_costs
 
     rows = ratios(results)
     out = []
     for gen, frac in dict.fromkeys((r["gen"], r["frac"]) for r in rows):
         cell = [r for r in results if r["gen"] == gen and r["frac"] == frac and r.get("fit_stats")]
-        model = step_costs.fit([r["fit_stats"] for r in cell])
         base = next((r for r in rows if (r["gen"], r["frac"]) == (gen, frac) and r["system"] == "vanilla"), None)
         for r in rows:
             if (r["gen"], r["frac"]) != (gen, frac) or r["system"] == "vanilla":
                 continue
+            pair = [x for x in cell if x["label"] in ("vanilla", r["label"])]  # vanilla's runs and this system's
+            model = step_costs.fit([x["fit_stats"] for x in pair])
             parts = None
             if model is not None and base and base.get("saturated") and r.get("saturated"):
                 lim = footprint_limit(r, retention)
@@ -395,7 +399,8 @@ def cost_rows(results, retention: float) -> list[dict]:
 def write_costs(results, args, cmd: str) -> None:
     """costs.md: each cell's step-cost model and what each ratio is made of."""
     head = ("| G | pool | system | step = fixed + per request x B + per row x rows (ms, ms, us; R^2, steps) "
-            "| fixed share of vanilla's step | ratio, whole run | ratio while requests wait | model's ratio there "
+            "| fixed share of vanilla's step "
+            "| ratio, whole run | ratio while requests wait | model's ratio there "
             "| rows alone (vanilla's B) | batch alone (vanilla's rows) | at the footprint limit, no events |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     fmt = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731

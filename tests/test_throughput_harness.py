@@ -203,3 +203,37 @@ def test_step_costs_recover_the_model_and_split_a_ratio():
     # the whole run includes the drain: below the saturated ratio
     assert sc.rate(iv_k)["tps"] / sc.rate(iv_v)["tps"] < measured
     assert sc.intervals([dict(running=4, waiting=0)] * 3) == []  # traces recorded without a CPU clock
+
+
+def test_profile_stages_split_the_forward_by_layer_file(tmp_path):
+    """bench/profile_scheduler.py: the innermost frame that names a stage decides (an event's own
+    forward stays an event), layer stages match SGLang's file names, and the summary turns
+    sample shares into CPU ms per decode step."""
+    import sys
+
+    sys.path.insert(0, "bench")
+    from profile_scheduler import stage_of, summarize
+
+    # frames as py-spy writes them: the shortest unique path suffix of each file
+    loop, fwd = "event_loop (scheduler.py:1)", "ModelRunner.forward (model_executor/model_runner.py:2)"
+    linear = "ColumnParallelLinear.forward (linear.py:626);UnquantizedLinearMethod.apply (quantization/unquant.py:614)"
+    stacks = {
+        f"{loop};{fwd};{linear}": 50,
+        f"{loop};{fwd};LogitsProcessor._compute_lm_head (logits_processor.py:1200);Module.__getattr__ "
+        "(torch/nn/modules/module.py:1963)": 10,
+        f"{loop};{fwd};run_sdpa_forward_decode (cpu_attention.py:3)": 20,
+        f"{loop};Sampler.forward (sampler.py:301)": 10,
+        f"{loop};EventRunner.run (events.py:1);EventRunner._recompute (events.py:3);{fwd};{linear}": 10,
+    }
+    assert [stage_of(s) for s in stacks] == ["forward: projections + MLP (linear)", "forward: logits (lm_head)",
+                                             "decode attention", "sampling", "event: recompute forward"]
+    assert stage_of(f"{loop};{fwd};RMSNorm.forward_native (layernorm.py:840)") == "forward: norms"
+    assert stage_of(f"{loop};{fwd};forward_native (rotary_embedding/base.py:9)") == "forward: rotary"
+    assert stage_of(f"{loop};{fwd};LlamaModel.forward (models/llama.py:487)") == "model forward (other)"
+    assert stage_of(f"{loop};{fwd};Module.forward (torch/nn/modules/nonlinear.py:1)") == "model forward (other)"
+    path = tmp_path / "stacks.txt"
+    path.write_text("".join(f"{s} {n}\n" for s, n in stacks.items()) + "watchdog (w.py:1) 99\n")
+    text = summarize(str(path), step_ms=200.0)
+    assert "samples in the scheduler's event loop: 100" in text  # the watchdog thread is not the loop
+    assert "| forward: projections + MLP (linear) | 50 | 50.0% | 100.00 |" in text
+    assert "| sampling | 10 | 10.0% | 20.00 |" in text
