@@ -161,6 +161,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.rewrite:
         return rewrite(args.out)
+    args.env = {k: v for k, v in os.environ.items() if k.startswith("SGL_KARA_") and k != "SGL_KARA_TRACE"}
     sys.path.insert(0, HERE)
     from throughput import run_system
 
@@ -359,7 +360,13 @@ def write_table(rows, args, cmd: str) -> None:
             f"| {saturated_cell(r)} "
             f"| {r['lengths_ok']} |")
     with open(os.path.join(args.out, "grid.md"), "w") as f:
-        f.write(f"command: {cmd}\nmodel: {args.model_path}\n\n" + "\n".join(lines) + "\n")
+        f.write(f"command: {cmd}\nmodel: {args.model_path}\n{settings(args)}\n" + "\n".join(lines) + "\n")
+
+
+def settings(args) -> str:
+    """The sgl_kara variables the engines ran with (they change what vanilla runs too), as recorded."""
+    env = getattr(args, "env", None) or {}
+    return "".join(f"environment: {k}={v}\n" for k, v in sorted(env.items()))
 
 
 def saturated_cell(r) -> str:
@@ -413,7 +420,7 @@ def write_costs(results, args, cmd: str) -> None:
                      f"| {fmt(c['sat_ratio'])} | {fmt(p.get('predicted'))} | {fmt(p.get('same_batch'))} "
                      f"| {fmt(p.get('batching'))} | {fmt(p.get('at_limit'))} |")
     with open(os.path.join(args.out, "costs.md"), "w") as f:
-        f.write(f"command: {cmd}\nmodel: {args.model_path}\n\n" + "\n".join(lines) + "\n")
+        f.write(f"command: {cmd}\nmodel: {args.model_path}\n{settings(args)}\n" + "\n".join(lines) + "\n")
 
 
 def rewrite(out: str) -> None:

@@ -9,6 +9,7 @@ sgl_kara.kernels / sgl_kara.config.
 
 from sglang.srt.entrypoints.engine import Engine as SGLangEngine  # noqa: F401
 from sglang.srt.entrypoints.http_server import launch_server as sglang_launch_server  # noqa: F401
+from sglang.srt.layers.logits_processor import should_apply_lm_head_quant_method  # noqa: F401
 from sglang.srt.layers.radix_attention import RadixAttention  # noqa: F401
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch  # noqa: F401
 from sglang.srt.managers.scheduler import Scheduler, run_scheduler_process  # noqa: F401
@@ -25,6 +26,7 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: 
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: F401
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: F401
 from sglang.srt.server_args import ServerArgs, prepare_server_args  # noqa: F401
+from sglang.srt.utils.common import use_intel_amx_backend  # noqa: F401
 
 # Hook targets (dotted paths), one per touch point; see patches/*.md.
 TARGET_INIT_NEW = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
@@ -40,6 +42,8 @@ TARGET_TORCH_NATIVE_DECODE = (
     "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_decode")
 TARGET_TORCH_NATIVE_EXTEND = (
     "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_extend")
+TARGET_LINEAR_APPLY = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply"
+TARGET_LM_HEAD = "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head"
 TARGET_TORCH_NATIVE_METADATA = (
     "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.init_forward_metadata")
 ROTARY_BASE_MODULE = "sglang.srt.layers.rotary_embedding.base"
@@ -47,6 +51,10 @@ ROTARY_BASE_MODULE = "sglang.srt.layers.rotary_embedding.base"
 # Attributes of SGLang objects read or written by sgl_kara (and by its tests), by owner, with
 # where: checked to exist (class attribute, dataclass field, or ``self.<name>`` in the class source).
 ATTRIBUTES = {
+    # cpu_linear.py: the lm_head hook takes SGLang's plain matmul branch only
+    "sglang.srt.layers.logits_processor.LogitsProcessor": [
+        "_compute_lm_head", "use_fp32_lm_head", "rl_on_policy_target"],
+    "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod": ["apply"],
     # request KV bookkeeping: scheduler/jobs.py, events.py, runtime.py; mem_cache/radix.py
     "sglang.srt.managers.schedule_batch.Req": [
         "kv", "rid", "origin_input_ids", "output_ids", "sampling_params", "finished", "to_finish",

@@ -48,6 +48,14 @@ def register() -> None:
     sg.HookRegistry.register(sg.TARGET_TORCH_NATIVE_METADATA, reset_metadata_hook, sg.HookType.AFTER)
     sg.HookRegistry.register(sg.TARGET_TORCH_NATIVE_DECODE, run_sdpa_forward_decode, sg.HookType.AROUND)
     sg.HookRegistry.register(sg.TARGET_TORCH_NATIVE_EXTEND, _recompute_extend_hook, sg.HookType.AROUND)
+    if env.packed_cpu_linear():
+        from sgl_kara import cpu_linear
+
+        if cpu_linear.available():
+            sg.HookRegistry.register(sg.TARGET_LINEAR_APPLY, cpu_linear.linear_apply_hook, sg.HookType.AROUND)
+            sg.HookRegistry.register(sg.TARGET_LM_HEAD, cpu_linear.lm_head_hook, sg.HookType.AROUND)
+        else:
+            logger.warning("sgl_kara: SGL_KARA_PACKED_CPU_LINEAR=1 but this torch has no oneDNN linear; F.linear stays")
     if env.trace():
         # Benchmark instrument (vanilla and Kara alike): one line per decode scheduling step.
         sg.HookRegistry.register(sg.TARGET_UPDATE_RUNNING_BATCH, _trace_hook, sg.HookType.AFTER)
@@ -154,9 +162,18 @@ def _trace_hook(result, scheduler, batch, *args, **kwargs):
         "kara_event_peak_bytes": rt.stats.event_peak_bytes if rt is not None else 0,
         "kara_recompute_fallbacks": rt.stats.recompute_fallbacks if rt is not None else 0,
         "kara_ring_bytes": rt.ring.nbytes if rt is not None and rt.ring is not None else 0,
+        "packed_weights": _packed_weights(),
     }
     _trace_file.write(json.dumps(record) + "\n")
     return result
+
+
+def _packed_weights() -> int:
+    """Weights with a oneDNN copy (SGL_KARA_PACKED_CPU_LINEAR: cpu_linear.py), 0 without."""
+    import sys
+
+    mod = sys.modules.get("sgl_kara.cpu_linear")
+    return len(mod._packed) if mod is not None else 0
 
 
 _SERVING_POLICY: str | None = None  # set in the process that validates requests (launcher / Engine)

@@ -1,0 +1,93 @@
+"""Decode-step weight matmuls on CPU: MKL's sgemm (``F.linear``) vs oneDNN on a prepacked weight
+(``sgl_kara.cpu_linear``), by batch rows. One thread, float32, a model's shapes (default:
+SmolLM2-135M: 30 layers of qkv [960, 576], o [576, 576], gate_up [3072, 576], down [576, 1536]
+and the lm_head [49152, 576] -- 540 MB, more than this machine's caches, as in serving).
+
+    python bench/cpu_linear.py --out bench/results/session12/cpu_linear.txt
+    python bench/cpu_linear.py --model-path /path/to/hf/checkpoint --rows 1 2 4 8 16 32
+
+Each row count times one pass over every weight, both forms interleaved, ``--repeats`` passes per
+form; medians. Also the largest absolute difference between the two forms' outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, vocab_size=49152)
+
+
+def shapes(cfg: dict) -> list[tuple[int, int]]:
+    """[out, in] of every weight matmul of one decode step (fused qkv and gate_up, as SGLang runs)."""
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    qkv = (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * d
+    layer = [(qkv, h), (cfg["num_attention_heads"] * d, h), (2 * i, h), (h, i)]
+    return layer * cfg["num_hidden_layers"] + [(cfg["vocab_size"], h)]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model-path", default=None, help="an HF checkpoint's config.json shapes (default: SmolLM2-135M)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    import torch
+    import torch.nn.functional as F
+
+    from sgl_kara import cpu_linear
+
+    torch.set_num_threads(args.threads)
+    cfg = SMOLLM2
+    if args.model_path:
+        with open(os.path.join(args.model_path, "config.json")) as f:
+            cfg = json.load(f)
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(o, i, generator=g) * 0.02 for o, i in shapes(cfg)]
+    mb = sum(w.numel() for w in weights) * 4 / 2**20
+    inputs = {i: None for _, i in shapes(cfg)}
+
+    def one_pass(form, rows):
+        xs = {i: torch.randn(rows, i, generator=g) for i in inputs}
+        fn = F.linear if form == "F.linear" else cpu_linear.linear
+        tic = time.perf_counter()
+        for w in weights:
+            fn(xs[w.shape[1]], w)
+        return 1e3 * (time.perf_counter() - tic)
+
+    lines = [f"weights {mb:.0f} MiB float32, {len(weights)} matmuls per step, {args.threads} thread(s), "
+             f"torch {torch.__version__}, median of {args.repeats} passes per form (interleaved); packed for rows in "
+             f"{cpu_linear.PACKED_ROWS}", "",
+             "| rows | F.linear (ms) | per row | sgl_kara.cpu_linear (ms) | per row | F.linear / cpu_linear | max abs diff |",
+             "|---|---|---|---|---|---|---|"]
+    for rows in args.rows:
+        for form in ("F.linear", "packed"):  # warm-up: packs the weights, touches every page
+            one_pass(form, rows)
+        times = {"F.linear": [], "packed": []}
+        for _ in range(args.repeats):
+            for form in times:
+                times[form].append(one_pass(form, rows))
+        a, b = statistics.median(times["F.linear"]), statistics.median(times["packed"])
+        x = torch.randn(rows, cfg["hidden_size"], generator=g)
+        diff = (F.linear(x, weights[-1]) - cpu_linear.linear(x, weights[-1])).abs().max().item()
+        lines.append(f"| {rows} | {a:.1f} | {a / rows:.1f} | {b:.1f} | {b / rows:.1f} | {a / b:.2f}x | {diff:.1e} |")
+        print(lines[-1], flush=True)
+    text = "\n".join(lines) + "\n"
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(f"command: python bench/cpu_linear.py {' '.join(sys.argv[1:] if argv is None else argv)}\n\n" + text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
