@@ -15,8 +15,8 @@ Two uses (bench/throughput_grid.py):
   drain (the last requests finishing with few companions);
 - **step-cost model**: a decode step costs ``a + b B + c rows`` CPU-seconds (fixed per step: weights
   read, per-step Python; per request: the matmuls of one token; per KV row: attention), fitted by
-  least squares to the event-free, admission-free intervals of both systems of one cell (same model,
-  same code). It predicts a system's rate at any (B, rows per request), hence each ratio's parts:
+  least squares to the event-free, admission-free intervals of vanilla's and one compressing
+  system's runs in a cell (same model, same code). It predicts a system's rate at any (B, rows per request), hence each ratio's parts:
   concurrency, shorter rows, compression -- and the ratio Kara would reach at its footprint limit.
 
 No SGLang import: pure functions on trace dicts (tests/test_throughput_harness.py).
@@ -50,7 +50,8 @@ def rate(ivs: list[dict]) -> dict | None:
     if not ivs or cpu <= 0:
         return None
     tokens = sum(iv["running"] for iv in ivs)
-    return dict(tps=tokens / cpu, tokens=tokens, running=tokens / len(ivs), rows_per_request=sum(iv["rows"] for iv in ivs) / tokens,
+    return dict(tps=tokens / cpu, tokens=tokens, running=tokens / len(ivs),
+                rows_per_request=sum(iv["rows"] for iv in ivs) / tokens,
                 event_share=sum(iv["event"] for iv in ivs) / cpu, steps=len(ivs), cpu=cpu)
 
 

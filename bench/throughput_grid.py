@@ -28,9 +28,10 @@ compressing. Vanilla does not depend on W: it runs once per (G, frac).
 
 Also per run, from the per-step trace (bench/step_costs.py): the rate while a request waits for
 admission (the saturated phase: what a server whose queue does not empty sees, without the finite
-batch's drain), and per cell a step-cost model (CPU per decode step = fixed + per request x B + per
-KV row x rows, fitted jointly to the cell's runs) that splits each ratio into concurrency, shorter
-rows and compression and gives the ratio at Kara's footprint limit (costs.md).
+batch's drain), and per cell and system a step-cost model (CPU per decode step = fixed + per
+request x B + per KV row x rows, fitted jointly to vanilla's and the system's runs) that splits
+each ratio into concurrency, shorter rows and compression and gives the ratio at Kara's footprint
+limit (costs.md).
 
 Writes grid.md / costs.md / grid.json after every run and grid_<system>.png heat maps (ratio to
 vanilla).
