@@ -2,11 +2,11 @@
 oneDNN with the weight reordered once to its blocked layout, instead of ``F.linear`` (MKL sgemm).
 
 Why (bench/cpu_linear.py; one thread, float32, SmolLM2-135M's 30 layers of projections + MLP and
-its lm_head, 540 MB of weights, more than the cache): MKL takes ~43 ms for 1-2 rows -- the
-weights streamed once -- but 73-148 ms for 4-12 rows, a kernel regime that does not reuse what it
+its lm_head, 540 MB of weights, more than the cache): MKL takes 37-42 ms for 1-2 rows -- the
+weights streamed once -- but 72-127 ms for 4-12 rows, a kernel regime that does not reuse what it
 streams, so on this CPU each running request adds ~10-19 ms to a decode step (bench/RESULTS.md,
 session 12: the projections, MLP and lm_head are two thirds of that per-request cost). oneDNN on
-the prepacked weight stays near the streaming cost from 4 to 32 rows. Outside ``PACKED_ROWS``
+the prepacked weight takes 49-64 ms from 4 to 12 rows. Outside ``PACKED_ROWS``
 (one or two decode rows, prefill chunks) ``F.linear`` runs as before.
 
 Not bit-identical to ``F.linear`` (float summation order; ~1e-6 on SmolLM2's logits), and the
@@ -50,17 +50,19 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     return hit[1]
 
 
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight(weight), bias, "none", [], "")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; x [T, in], weight [out, in], bias [out] -> [T, out]."""
-    if takes_packed(x, weight):
-        return torch.ops.mkldnn._linear_pointwise(x, packed_weight(weight), bias, "none", [], "")
-    return F.linear(x, weight, bias)
+    return _packed_linear(x, weight, bias) if takes_packed(x, weight) else F.linear(x, weight, bias)
 
 
 def linear_apply_hook(original, method, layer, x, bias=None, *args, **kwargs):
     """AROUND ``UnquantizedLinearMethod.apply(layer, x, bias)``."""
     if not args and not kwargs and takes_packed(x, layer.weight):
-        return linear(x, layer.weight, bias)
+        return _packed_linear(x, layer.weight, bias)
     return original(method, layer, x, bias, *args, **kwargs)
 
 
@@ -69,13 +71,14 @@ def lm_head_hook(original, processor, hidden_states, lm_head, embedding_bias=Non
     from sgl_kara._sglang import should_apply_lm_head_quant_method, use_intel_amx_backend
 
     weight = getattr(lm_head, "weight", None)
-    plain = (
-        not args and not kwargs and out is None and embedding_bias is None and weight is not None
+    plain = (  # the row check first: prefill and 1-2-row steps skip SGLang's branch conditions
+        weight is not None and takes_packed(hidden_states, weight)
+        and not args and not kwargs and out is None and embedding_bias is None
         and not (hasattr(lm_head, "set_lora") and hasattr(lm_head, "apply_lora"))
         and not should_apply_lm_head_quant_method(lm_head, getattr(lm_head, "quant_method", None))
         and not processor.use_fp32_lm_head and processor.rl_on_policy_target is None
         and not use_intel_amx_backend(lm_head)
     )
-    if plain and takes_packed(hidden_states, weight):
-        return linear(hidden_states, weight)
+    if plain:
+        return _packed_linear(hidden_states, weight)
     return original(processor, hidden_states, lm_head, embedding_bias, *args, out=out, **kwargs)
