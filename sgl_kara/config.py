@@ -53,6 +53,9 @@ COMMON_HELP = {
     "policy": "compression policy: {policies}",
     "query_source": f"window queries: {QUERY_SOURCES} (auto: capture on CPU, recompute on CUDA unless "
                     "the ring is small; resolved at start-up)",
+    "query_ring_rows": "capture ring rows at most (0: one per request that can run at once, bounded by the "
+                       "pool; auto sets it on CPU to the rows that fit beside the pool when a full ring would not); "
+                       "a running request without a row is scored from a recompute forward",
     "max_seqs": "N: max requests compressed per event",
     "trigger": f"when due events run: {TRIGGERS} (schedule: always, the paper's periodic policy; pressure: "
                "only while memory binds -- requests wait for admission, or the pool cannot take the running "
@@ -65,6 +68,7 @@ COMMON_HELP = {
 class KaraConfig:
     policy: str = "kara"
     query_source: str = "auto"
+    query_ring_rows: int = 0
     max_seqs: int = 30
     trigger: str = "schedule"
     options: Any = field(default=None, compare=True)  # the selected policy's Options (None: its defaults)
@@ -76,6 +80,11 @@ class KaraConfig:
             raise KaraConfigError("policy", f"must be one of {', '.join(policy_names())} (got {self.policy!r})")
         if self.query_source not in QUERY_SOURCES:
             raise KaraConfigError("query_source", f"must be one of {', '.join(QUERY_SOURCES)} (got {self.query_source!r})")
+        if not 0 <= self.query_ring_rows <= 65536:
+            raise KaraConfigError("query_ring_rows",
+                                  f"must be an integer in [0, 65536] (got {self.query_ring_rows!r})")
+        if self.query_ring_rows and self.query_source == "recompute":
+            raise KaraConfigError("query_ring_rows", "applies to --kara-query-source capture or auto, not recompute")
         if not 1 <= self.max_seqs <= 65536:
             raise KaraConfigError("max_seqs", f"must be an integer in [1, 65536] (got {self.max_seqs!r})")
         if self.trigger not in TRIGGERS:
@@ -150,7 +159,7 @@ class KaraConfig:
 
 
 # The knobs every policy shares (flat names = field names), in CLI order.
-COMMON_TYPES = {"policy": str, "query_source": str, "max_seqs": int, "trigger": str}
+COMMON_TYPES = {"policy": str, "query_source": str, "query_ring_rows": int, "max_seqs": int, "trigger": str}
 
 
 def _owner(name: str):

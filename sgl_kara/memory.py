@@ -109,17 +109,28 @@ class ModelShape:
         return self.weight_file_bytes * itemsize // stored
 
 
-def ring_rows(max_running: int, pool_tokens: int | None, capacity: int) -> int:
+def ring_rows(max_running: int, pool_tokens: int | None, capacity: int, limit: int = 0) -> int:
     """Rows of the capture query ring: one per request that can be decoding at once, and no
     more than the KV pool can hold requests of ``capacity`` tokens each (a row keeps ``capacity``
     = window + period queries; a request whose window is scored holds at least that window in the
     pool, and Kara's admission reserves it). A request that finds no free row is scored from
     recomputed queries at its event (runtime: the ring's ``assign`` fails), so the pool bound
     only trades a rare recompute for a ring that does not outgrow the pool it serves (a grid with
-    ``--max-running 256`` and a 4k-token pool sized 257 rows, which pushed ``auto`` to recompute)."""
-    if pool_tokens is None or pool_tokens <= 0 or capacity <= 0:
-        return max_running
-    return max(1, min(max_running, -(-pool_tokens // capacity)))
+    ``--max-running 256`` and a 4k-token pool sized 257 rows, which pushed ``auto`` to recompute).
+    ``limit`` (``--kara-query-ring-rows``; 0: none) caps the rows further."""
+    rows = max_running
+    if pool_tokens is not None and pool_tokens > 0 and capacity > 0:
+        rows = max(1, min(max_running, -(-pool_tokens // capacity)))
+    return min(rows, limit) if limit else rows
+
+
+def cpu_ring_budget(available_ram: int, kv_pool_bytes: int | None = None) -> int:
+    """Bytes a CPU capture ring may take: CPU_RING_SHARE of the available RAM and, when the KV
+    pool's size is known, CPU_RING_KV_RATIO x the pool."""
+    budget = CPU_RING_SHARE * available_ram
+    if kv_pool_bytes is not None:
+        budget = min(budget, CPU_RING_KV_RATIO * kv_pool_bytes)
+    return int(budget)
 
 
 def total_ram_bytes() -> int:

@@ -11,14 +11,13 @@ import os
 
 from sgl_kara.config import KaraConfig
 from sgl_kara.memory import (
-    CPU_RING_KV_RATIO,
-    CPU_RING_SHARE,
     CUDA_RING_SHARE,
     MemoryConfigError,
     ModelShape,
     available_ram_bytes,
     check_cpu_fit,
     cpu_memory_defaults,
+    cpu_ring_budget,
     gib,
     ring_rows,
     total_ram_bytes,
@@ -104,14 +103,16 @@ def choose_query_source(device: str, ring_bytes: int | None, available_ram: int,
     if ring_bytes is None:
         return "recompute"
     if device == "cpu":
-        fits_kv = kv_pool_bytes is None or ring_bytes <= CPU_RING_KV_RATIO * kv_pool_bytes
-        return "capture" if fits_kv and ring_bytes <= CPU_RING_SHARE * available_ram else "recompute"
+        return "capture" if ring_bytes <= cpu_ring_budget(available_ram, kv_pool_bytes) else "recompute"
     if device_memory is None:
         return "recompute"
     return "capture" if ring_bytes <= CUDA_RING_SHARE * device_memory else "recompute"
 
 
 def resolve_query_source(cfg: KaraConfig, server_args, shape: ModelShape | None) -> KaraConfig:
+    """``auto`` -> capture or recompute (choose_query_source), for the ring ``--kara-query-ring-rows``
+    leaves. A ring over budget is not shrunk to fit: on CPU its memory sits beside the KV pool,
+    and where memory binds it buys more as KV than as saved forwards (bench/RESULTS.md, session 13)."""
     if cfg.query_source != "auto":
         return cfg
     capacity = cfg.query_ring_capacity
@@ -119,7 +120,8 @@ def resolve_query_source(cfg: KaraConfig, server_args, shape: ModelShape | None)
     ring = kv_pool = None
     if cfg.enabled and capacity and shape is not None and rows:
         itemsize = shape.itemsize(server_args.dtype)
-        ring = shape.ring_bytes(ring_rows(rows, server_args.max_total_tokens, capacity), capacity, itemsize)
+        rows = ring_rows(rows, server_args.max_total_tokens, capacity, cfg.query_ring_rows)
+        ring = shape.ring_bytes(rows, capacity, itemsize)
         if server_args.max_total_tokens:
             kv_pool = server_args.max_total_tokens * shape.kv_bytes_per_token(itemsize)
     device = server_args.device or ("cuda" if cuda_available() else "cpu")
@@ -129,7 +131,7 @@ def resolve_query_source(cfg: KaraConfig, server_args, shape: ModelShape | None)
 
         device_memory = torch.cuda.get_device_properties(0).total_memory
     source = choose_query_source(device, ring, available_ram_bytes(), device_memory, kv_pool)
-    return dataclasses.replace(cfg, query_source=source)
+    return dataclasses.replace(cfg, query_source=source, query_ring_rows=cfg.query_ring_rows if source == "capture" else 0)
 
 
 def prepare_server_args(server_args, cfg: KaraConfig) -> KaraConfig:
@@ -163,7 +165,8 @@ def prepare_server_args(server_args, cfg: KaraConfig) -> KaraConfig:
         # Captured queries are written by a hook that a CUDA graph would freeze.
         server_args.disable_cuda_graph = True
     if server_args.device == "cpu" and shape is not None and server_args.max_total_tokens:
-        rows = (ring_rows(server_args.max_running_requests, server_args.max_total_tokens, cfg.query_ring_capacity)
+        rows = (ring_rows(server_args.max_running_requests, server_args.max_total_tokens, cfg.query_ring_capacity,
+                          cfg.query_ring_rows)
                 if cfg.query_source == "capture" and server_args.max_running_requests else 0)
         try:
             sizes = check_cpu_fit(shape, shape.itemsize(server_args.dtype), server_args.max_total_tokens,

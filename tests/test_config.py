@@ -1,5 +1,6 @@
 """KaraConfig validation and the launcher's refusal of bad flags (before any model loads)."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -142,7 +143,8 @@ def test_capture_ring_rows_are_bounded_by_the_pool():
     holds at one ring row's worth of tokens each. A run with --max-running 256 on a 4k-token pool
     used to size 257 rows and outgrow the pool, so ``auto`` picked recompute; with the bound a
     multi-head-attention model's ring is about half its pool and ``auto`` picks capture. (With
-    GQA, H_q = g x H_kv, the bounded ring is ~g/2 of the pool: still recompute from g = 2.)"""
+    GQA, H_q = g x H_kv, the bounded ring is ~g/2 of the pool: still recompute from g = 2, unless
+    ``--kara-query-ring-rows`` caps the ring within the pool.)"""
     import types
 
     from sgl_kara.memory import ModelShape, available_ram_bytes, ring_rows
@@ -166,3 +168,18 @@ def test_capture_ring_rows_are_bounded_by_the_pool():
     gqa3 = ModelShape(layers=4, q_heads=12, kv_heads=4, head_dim=32, context_len=4096, checkpoint_dtype="float32",
                       weight_file_bytes=1 << 20)
     assert resolve_query_source(cfg, args, gqa3).query_source == "recompute"
+    # --kara-query-ring-rows: a ring capped within the pool is chosen, and keeps its cap
+    capped = resolve_query_source(dataclasses.replace(cfg, query_ring_rows=16), args, gqa3)
+    assert (capped.query_source, capped.query_ring_rows) == ("capture", 16)
+    assert gqa3.ring_bytes(16, cap, 4) <= 4300 * gqa3.kv_bytes_per_token(4) < gqa3.ring_bytes(17, cap, 4)
+    too_many = resolve_query_source(dataclasses.replace(cfg, query_ring_rows=17), args, gqa3)
+    assert (too_many.query_source, too_many.query_ring_rows) == ("recompute", 0)
+    assert ring_rows(256, 4300, cap, 16) == 16 and ring_rows(8, 4300, cap, 16) == 8
+
+
+def test_query_ring_rows_is_validated():
+    with pytest.raises(KaraConfigError, match=r"--kara-query-ring-rows.*\[0, 65536\]"):
+        KaraConfig.build(query_ring_rows=-1)
+    with pytest.raises(KaraConfigError, match=r"--kara-query-ring-rows.*not recompute"):
+        KaraConfig.build(query_source="recompute", query_ring_rows=4)
+    assert KaraConfig.build(query_source="capture", query_ring_rows=4).to_dict()["query_ring_rows"] == 4

@@ -10,9 +10,9 @@ threshold policy's due request would otherwise be scored again at every step (se
 wasted scorings in one SnapKV run). A group that still cannot get its slots is skipped
 (OutOfSlots: nothing changed).
 
-    score    ScoringPass over the policy's query window: captured queries when every job's
-             window is still in the ring, else a recompute forward (paper App. C.2); or the
-             policy's own scores when it needs no queries
+    score    ScoringPass over the policy's query window: captured queries for the jobs whose
+             window is still in the ring, a recompute forward (paper App. C.2) for the others
+             (no ring row, or queries gone); or the policy's own scores when it needs no queries
     select   policy.select(scores [B, L, H_kv, M], K) -> kept [B, L, H_kv, K]
     compact  mem_cache.compaction: kept entries and the shifted tail into fresh slots
     shrink   lengths in SGLang's request / batch state, pos_offset (host and device), frontier
@@ -164,30 +164,49 @@ class EventRunner:
         fault = env.inject_fault_rid_prefix()
         if fault and any(str(j.req.rid).startswith(fault) for j in jobs):
             raise RuntimeError("injected fault (SGL_KARA_INJECT_FAULT_RID_PREFIX)")
-        scoring = self._scoring_pass(jobs, region_slots)
         if not rt.policy.needs_queries:
-            return scoring.score_without_queries()
-        q_len = jobs[0].region.query_len
-        q_starts = [j.region.query_start + j.state.pos_offset for j in jobs]  # logical
+            return self._scoring_pass(jobs, region_slots).score_without_queries()
         ring = rt.ring
-        if ring is not None and all(
+        if ring is None:
+            return self._recompute_scores(batch, jobs, rows, region_slots)
+        q_starts = [j.region.query_start + j.state.pos_offset for j in jobs]  # logical
+        held = [
             j.state.capture_from is not None and s >= j.state.capture_from and ring.holds(j.req)
             and (int(j.req.kv.kv_committed_len) + j.state.pos_offset) - s <= ring.capacity
             for s, j in zip(q_starts, jobs)
-        ):
-            starts = torch.tensor(q_starts, dtype=torch.int64, device=rows.device)
-            ring_rows = ring.rows_for(rows)
-            for lid in rt.layer_ids:
-                scoring.score_layer(lid, ring.read(lid, ring_rows, starts, q_len))
-            captured = scoring.result()
-            if env.crosscheck_queries():
-                self._crosscheck(batch, jobs, rows, region_slots, captured)
-            return captured
-        if ring is not None:
-            rt.stats.recompute_fallbacks += len(jobs)
+        ]
+        fallbacks = held.count(False)
+        if fallbacks:
+            rt.stats.recompute_fallbacks += fallbacks
             if rt.metrics is not None:
-                rt.metrics.fallbacks.inc(len(jobs))
-        return self._recompute_scores(batch, jobs, rows, region_slots)
+                rt.metrics.fallbacks.inc(fallbacks)
+        if fallbacks == len(jobs):
+            return self._recompute_scores(batch, jobs, rows, region_slots)
+        if not fallbacks:
+            return self._captured_scores(batch, jobs, rows, region_slots, q_starts)
+        # Some requests hold their window's queries in the ring, others (no free row, or their
+        # queries left it): each part from its own source, in the jobs' order.
+        parts = [[i for i, h in enumerate(held) if h], [i for i, h in enumerate(held) if not h]]
+        idx = [torch.tensor(p, device=rows.device) for p in parts]
+        captured = self._captured_scores(batch, [jobs[i] for i in parts[0]], rows[idx[0]], region_slots[idx[0]],
+                                         [q_starts[i] for i in parts[0]])
+        recomputed = self._recompute_scores(batch, [jobs[i] for i in parts[1]], rows[idx[1]], region_slots[idx[1]])
+        out = captured.new_empty((len(jobs), *captured.shape[1:]))
+        out[idx[0]] = captured
+        out[idx[1]] = recomputed
+        return out
+
+    def _captured_scores(self, batch, jobs, rows, region_slots, q_starts) -> torch.Tensor:
+        rt = self.rt
+        scoring = self._scoring_pass(jobs, region_slots)
+        starts = torch.tensor(q_starts, dtype=torch.int64, device=rows.device)
+        ring_rows = rt.ring.rows_for(rows)
+        for lid in rt.layer_ids:
+            scoring.score_layer(lid, rt.ring.read(lid, ring_rows, starts, jobs[0].region.query_len))
+        captured = scoring.result()
+        if env.crosscheck_queries():
+            self._crosscheck(batch, jobs, rows, region_slots, captured)
+        return captured
 
     def _crosscheck(self, batch, jobs, rows, region_slots, captured) -> None:
         """On a request's first window both query sources must agree (the prefix is exact)."""
