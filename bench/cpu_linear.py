@@ -5,6 +5,7 @@ and the lm_head [49152, 576] -- 540 MB, more than this machine's caches, as in s
 
     python bench/cpu_linear.py --out bench/results/session12/cpu_linear.txt
     python bench/cpu_linear.py --model-path /path/to/hf/checkpoint --rows 1 2 4 8 16 32
+    python bench/cpu_linear.py --any-rows --rows 64 128 192 256 512   # recompute-forward sizes
 
 Each row count times one pass over every weight, both forms interleaved, ``--repeats`` passes per
 form; medians. Also the largest absolute difference between the two forms' outputs.
@@ -38,6 +39,9 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--any-rows", action="store_true",
+                    help="time the packed call at every row count, outside PACKED_ROWS too (e.g. a recompute "
+                         "forward's 128-512 window rows)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -58,7 +62,7 @@ def main(argv=None):
 
     def one_pass(form, rows):
         xs = {i: torch.randn(rows, i, generator=g) for i in in_sizes}
-        fn = F.linear if form == "F.linear" else cpu_linear.linear
+        fn = F.linear if form == "F.linear" else cpu_linear._packed_linear if args.any_rows else cpu_linear.linear
         tic = time.perf_counter()
         for w in weights:
             fn(xs[w.shape[1]], w)
@@ -66,7 +70,7 @@ def main(argv=None):
 
     lines = [f"weights {mb:.0f} MiB float32, {len(weights)} matmuls per step, {args.threads} thread(s), "
              f"torch {torch.__version__}, median of {args.repeats} passes per form (interleaved); packed for rows in "
-             f"{cpu_linear.PACKED_ROWS}", "",
+             f"{'any rows (--any-rows)' if args.any_rows else cpu_linear.PACKED_ROWS}", "",
              "| rows | F.linear (ms) | per row | sgl_kara.cpu_linear (ms) | per row | F.linear / cpu_linear | max abs diff |",
              "|---|---|---|---|---|---|---|"]
     for rows in args.rows:
@@ -78,7 +82,8 @@ def main(argv=None):
                 times[form].append(one_pass(form, rows))
         a, b = statistics.median(times["F.linear"]), statistics.median(times["packed"])
         x = torch.randn(rows, cfg["hidden_size"], generator=g)
-        diff = (F.linear(x, weights[-1]) - cpu_linear.linear(x, weights[-1])).abs().max().item()
+        packed = cpu_linear._packed_linear if args.any_rows else cpu_linear.linear
+        diff = (F.linear(x, weights[-1]) - packed(x, weights[-1])).abs().max().item()
         lines.append(f"| {rows} | {a:.1f} | {a / rows:.1f} | {b:.1f} | {b / rows:.1f} | {a / b:.2f}x | {diff:.1e} |")
         print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"

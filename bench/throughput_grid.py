@@ -48,6 +48,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BASELINES = ("snapkv", "streaming", "h2o", "rkv")
+QUERY_SOURCES = ("auto", "capture", "recompute")  # --systems kara:recompute: a system's own source
 
 
 def tiny_model() -> str:
@@ -104,20 +105,25 @@ def system_spec(system: str, gen: int, w: int | None, args, n: int):
     """(label, sgl_kara options or None for vanilla, per-request custom_params.kara or None)."""
     if system == "vanilla":
         return "vanilla", None, None
+    name = system
+    system, _, source = system.partition(":")  # "kara:recompute": this system's own query source
+    source = source or args.query_source
+    if source not in QUERY_SOURCES:
+        raise ValueError(f"--systems {name}: the query source after ':' must be one of {', '.join(QUERY_SOURCES)}")
     u, period = kara_shape(w)
     if system in ("kara", "kara-pressure", "kara-headroom"):
         trigger = system.partition("-")[2] or "schedule"
-        return f"{system} W={w}", dict(kara_policy="kara", kara_window=w, kara_buffer=u, kara_period=period,
-                                       kara_retention=args.retention, kara_max_seqs=256, kara_trigger=trigger,
-                                       kara_query_source=args.query_source), None
+        return f"{name} W={w}", dict(kara_policy="kara", kara_window=w, kara_buffer=u, kara_period=period,
+                                     kara_retention=args.retention, kara_max_seqs=256, kara_trigger=trigger,
+                                     kara_query_source=source), None
     gap = w - u
     peak = kara_peak(gen, w, args.retention)
     prefix = f"kara_{system}_"
     floor = u + 8
     opts = {"kara_policy": system, prefix + "window": u, prefix + "budget": floor, prefix + "threshold": floor + gap,
-            "kara_query_source": args.query_source}
+            "kara_query_source": source}
     budget = max(floor, peak - gap)
-    return f"{system} W={w}", opts, [{"budget": budget}] * n
+    return f"{name} W={w}", opts, [{"budget": budget}] * n
 
 
 def output_lengths(gen: int, n: int, spread: float) -> list[int]:
@@ -146,11 +152,13 @@ def main(argv=None):
     ap.add_argument("--gens", type=int, nargs="+", default=[256, 512, 1024, 2048])
     ap.add_argument("--pool-fractions", type=float, nargs="+", default=[0.5, 0.25, 0.125])
     ap.add_argument("--windows", type=int, nargs="+", default=[64, 128, 512])
-    ap.add_argument("--systems", nargs="+", default=["vanilla", "kara", "snapkv", "streaming"])
+    ap.add_argument("--systems", nargs="+", default=["vanilla", "kara", "snapkv", "streaming"],
+                    help="vanilla, kara, kara-pressure, kara-headroom, or a baseline; ':<source>' after a name "
+                         "(kara:recompute) gives that system its own query source")
     ap.add_argument("--retention", type=float, default=0.25)
     ap.add_argument("--max-running", type=int, default=256)
     ap.add_argument("--omp-threads", type=int, default=1)
-    ap.add_argument("--query-source", default="auto", choices=("auto", "capture", "recompute"),
+    ap.add_argument("--query-source", default="auto", choices=QUERY_SOURCES,
                     help="auto: sgl_kara's rule (ring rows bounded by the pool; with GQA, g >= 2, the ring is about g/2 of the pool or more: recompute)")
     ap.add_argument("--repeats", type=int, default=1, help="runs per system and cell (order rotated); medians")
     ap.add_argument("--spread", type=float, default=0.0,
@@ -467,7 +475,7 @@ def heat_maps(rows, args):
                     if v == v:
                         ax.text(xi, yi, f"{v:.2f}", ha="center", va="center", fontsize=9)
         fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="tokens per scheduler CPU-s vs vanilla")
-        fig.savefig(os.path.join(args.out, f"grid_{system}.png"), dpi=110, bbox_inches="tight")
+        fig.savefig(os.path.join(args.out, f"grid_{system.replace(':', '_')}.png"), dpi=110, bbox_inches="tight")
         plt.close(fig)
 
 

@@ -237,3 +237,26 @@ def test_profile_stages_split_the_forward_by_layer_file(tmp_path):
     assert "samples in the scheduler's event loop: 100" in text  # the watchdog thread is not the loop
     assert "| forward: projections + MLP (linear) | 50 | 50.0% | 100.00 |" in text
     assert "| sampling | 10 | 10.0% | 20.00 |" in text
+
+
+def test_grid_system_with_its_own_query_source():
+    """``--systems kara kara:recompute``: the same policy under two query sources in one invocation
+    (session 13: capture's ring is memory beside the pool, recompute's is none). The label keeps
+    the source, so the two runs are separate rows of one cell; a bad source is refused."""
+    import sys
+    import types
+
+    import pytest
+
+    sys.path.insert(0, "bench")
+    import throughput_grid as grid
+
+    args = types.SimpleNamespace(query_source="auto", retention=0.25)
+    label, opts, _ = grid.system_spec("kara:recompute", 1024, 64, args, 2)
+    assert label == "kara:recompute W=64" and opts["kara_query_source"] == "recompute"
+    label, opts, _ = grid.system_spec("kara", 1024, 64, args, 2)
+    assert label == "kara W=64" and opts["kara_query_source"] == "auto"
+    label, opts, per_request = grid.system_spec("snapkv:capture", 1024, 64, args, 2)
+    assert opts["kara_query_source"] == "capture" and opts["kara_policy"] == "snapkv" and len(per_request) == 2
+    with pytest.raises(ValueError, match="kara:ring"):
+        grid.system_spec("kara:ring", 1024, 64, args, 2)
