@@ -204,6 +204,8 @@ class EventRunner:
         for lid in rt.layer_ids:
             scoring.score_layer(lid, rt.ring.read(lid, ring_rows, starts, jobs[0].region.query_len))
         captured = scoring.result()
+        if rt.check and not bool(torch.isfinite(captured).all()):  # the ring is NaN-poisoned in integrity mode
+            raise AssertionError("scores from the capture ring are not finite: a window read queries never written")
         if env.crosscheck_queries():
             self._crosscheck(batch, jobs, rows, region_slots, captured)
         return captured

@@ -129,15 +129,26 @@ class QueryRing:
 
     Rows are handed out at a request's decode steps (``assign``) and taken back when it leaves
     the running batch (``sweep``); ``owner`` (host) is the one record of who holds which row.
+
+    The buffers are left unwritten (``torch.empty``): a window is read only from positions its
+    request wrote (events check ``capture_from`` and the capacity), so on CPU a row's pages become
+    resident only once a request writes them, and rows are reused last-in first-out, so the
+    resident ring follows the requests that actually ran at once rather than the row count
+    (``--max-running 32`` sized 32 rows where at most 11 ran, session 13). ``poison`` (integrity
+    mode) fills them with NaN instead, so a read of an unwritten query would turn the scores NaN.
     """
 
-    def __init__(self, layers: dict[int, tuple[int, int]], rows: int, capacity: int, req_slots: int, dtype, device):
+    def __init__(self, layers: dict[int, tuple[int, int]], rows: int, capacity: int, req_slots: int, dtype, device,
+                 poison: bool = False):
         """layers: layer_id -> (H_q, D)."""
         self.rows = rows
         self.capacity = capacity
         self.buffers = {
-            lid: torch.zeros((rows + 1, capacity, hq, d), dtype=dtype, device=device) for lid, (hq, d) in layers.items()
+            lid: torch.empty((rows + 1, capacity, hq, d), dtype=dtype, device=device) for lid, (hq, d) in layers.items()
         }
+        if poison:
+            for b in self.buffers.values():
+                b.fill_(float("nan"))
         self.row_of = torch.full((req_slots,), rows, dtype=torch.int64, device=device)
         self.owner: dict[int, tuple[int, object]] = {}  # req_pool_idx -> (ring row, request)
         self.free_rows = list(range(rows - 1, -1, -1))

@@ -143,7 +143,8 @@ class KaraRuntime:
                 "the KV pool: use --kara-query-source recompute, or lower --max-running-requests / --kara-window / "
                 "--kara-period / --max-total-tokens"
             )
-        ring = QueryRing(layers, rows, capacity, self.req_to_token_pool.req_to_token.shape[0], dtype, device)
+        ring = QueryRing(layers, rows, capacity, self.req_to_token_pool.req_to_token.shape[0], dtype, device,
+                         poison=self.check)
         logger.info("sgl_kara: capture query ring allocated: %d rows x %d queries x %d layers, %s",
                     rows, capacity, len(layers), gib(ring.nbytes))
         return ring

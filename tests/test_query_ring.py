@@ -1,0 +1,73 @@
+"""QueryRing (sgl_kara/scheduler/queries.py) on its own: rows handed out last-in first-out, the
+integrity check, poisoned buffers in integrity mode, and -- on Linux CPU -- resident memory that
+follows the rows written rather than the rows allocated (session 13: a 32-row ring where at most
+11 requests ran). The engine-level guarantee that no unwritten query is ever read is the oracle
+tests' (test_oracle.py: capture runs in integrity mode, i.e. on a NaN-poisoned ring, match the
+masked HF forward)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from sgl_kara.scheduler.queries import QueryRing
+
+
+def _req(slot: int):
+    return types.SimpleNamespace(kv=types.SimpleNamespace(req_pool_idx=slot))
+
+
+def test_rows_are_reused_last_in_first_out():
+    ring = QueryRing({0: (2, 4)}, rows=3, capacity=8, req_slots=6, dtype=torch.float32, device="cpu")
+    a, b, c, d = (_req(i) for i in range(4))
+    assert ring.assign(a) and ring.assign(b) and ring.assign(c)
+    assert not ring.assign(d)  # every row held
+    ring.check()
+    rows = {r.kv.req_pool_idx: int(ring.rows_for(torch.tensor([r.kv.req_pool_idx]))) for r in (a, b, c)}
+    assert sorted(rows.values()) == [0, 1, 2] and rows[0] == 0
+    ring.sweep({0, 2})  # b left the batch: its row is the next one handed out
+    assert ring.assign(d) and int(ring.rows_for(torch.tensor([3]))) == rows[1]
+    ring.check()
+    assert int(ring.rows_for(torch.tensor([1]))) == 3  # b's slot points at the trash row
+
+
+def test_poisoned_ring_is_nan_until_written():
+    ring = QueryRing({0: (2, 4), 1: (2, 4)}, rows=2, capacity=8, req_slots=4, dtype=torch.float32, device="cpu",
+                     poison=True)
+    assert all(torch.isnan(b).all() for b in ring.buffers.values())
+    ring.assign(_req(0))
+    q = torch.randn(3, 2, 4)
+    rows = ring.rows_for(torch.tensor([0, 0, 0]))
+    ring.write(0, q, rows, torch.tensor([5, 6, 7]))
+    assert torch.equal(ring.read(0, ring.rows_for(torch.tensor([0])), torch.tensor([5]), 3)[0], q)
+    assert torch.isnan(ring.read(0, ring.rows_for(torch.tensor([0])), torch.tensor([2]), 3)).all()  # never written
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_resident_memory_follows_the_rows_written():
+    """An 8-row ring of 64 MB per row (one layer; well above glibc's mmap threshold, so its pages
+    come from the kernel untouched): allocating it makes almost nothing resident, and writing two
+    rows' queries makes about two rows resident."""
+    capacity, hq, d = 2048, 64, 128  # 2,048 x 64 x 128 x 4 B = 64 MiB per row
+    row_bytes = capacity * hq * d * 4
+    before = _rss()
+    ring = QueryRing({0: (hq, d)}, rows=8, capacity=capacity, req_slots=8, dtype=torch.float32, device="cpu")
+    allocated = _rss() - before
+    assert ring.nbytes == 9 * row_bytes
+    assert allocated < row_bytes / 4, (allocated, row_bytes)
+    q = torch.ones(256, hq, d)
+    for slot in (0, 1):
+        ring.assign(_req(slot))
+        rows = ring.rows_for(torch.full((256,), slot))
+        for start in range(0, capacity, 256):
+            ring.write(0, q, rows, torch.arange(start, start + 256))
+    written = _rss() - before - q.numel() * 4
+    assert 1.8 * row_bytes < written < 3 * row_bytes, (written / row_bytes)
