@@ -1,0 +1,77 @@
+"""Resident memory of the capture ring in a serving run: the default-model server with a ring sized
+for many more rows than requests run (``--max-running-requests 32``, a 4,172-token pool: the
+SmolLM2 G = 1,024, pool 1/4 grid cell of bench/RESULTS.md, session 13), once with ``capture`` and
+once with ``recompute`` (no ring), the same requests through each. The ring's buffers are
+allocated unwritten, so only the rows requests write become resident (scheduler/queries.py).
+
+    python bench/ring_resident.py --out bench/results/session13/ring_resident.md
+
+Reports each server's memory (RSS and PSS summed over its processes) idle and after the requests,
+and the ring's allocated size from the server log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import tempfile
+import threading
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from serve_numbers import generate, start, stop, tree_memory_mb  # noqa: E402
+
+FLAGS = ["--max-total-tokens", "4172", "--max-running-requests", "32", "--kara-window", "64", "--kara-buffer", "8",
+         "--kara-period", "16"]
+
+
+def serve(source: str, requests: int, tokens: int, log: str) -> dict:
+    proc, url, _ = start(dict(os.environ), log, 600,
+                         command=[sys.executable, "-m", "sgl_kara.launch_server", *FLAGS, "--kara-query-source", source])
+    try:
+        idle = tree_memory_mb(proc.pid)
+        outs = []
+        prompts = [f"Write a long story about a robot named Unit {i} who learns to paint." for i in range(requests)]
+        threads = [threading.Thread(target=lambda p=p: outs.append(generate(url, p, tokens))) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        after = tree_memory_mb(proc.pid)
+    finally:
+        stop(proc)
+    text = open(log).read()
+    ring = re.search(r"capture query ring allocated: (\d+) rows x (\d+) queries x (\d+) layers, ([\d.]+ \w+)", text)
+    return dict(source=source, idle=idle, after=after, compressions=sum(o["meta_info"]["kara"]["compressions"] for o in outs),
+                ring=f"{ring.group(1)} rows x {ring.group(2)} x {ring.group(3)} layers, {ring.group(4)}" if ring else "-")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=160)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    tmp = tempfile.mkdtemp()
+    rows = [serve(s, args.requests, args.tokens, os.path.join(tmp, f"{s}.log")) for s in ("capture", "recompute")]
+    lines = [f"{args.requests} concurrent requests x {args.tokens} tokens, flags: {' '.join(FLAGS)}", "",
+             "| query source | ring allocated | windows compressed | RSS idle (MiB) | PSS idle | RSS after | PSS after |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['source']} | {r['ring']} | {r['compressions']} | {r['idle'][0]:.0f} | {r['idle'][1]:.0f} "
+                     f"| {r['after'][0]:.0f} | {r['after'][1]:.0f} |")
+    cap, rec = rows
+    lines += ["", f"capture - recompute, after the requests: RSS {cap['after'][0] - rec['after'][0]:+.0f} MiB, "
+                  f"PSS {cap['after'][1] - rec['after'][1]:+.0f} MiB"]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(f"command: python bench/ring_resident.py {' '.join(sys.argv[1:] if argv is None else argv)}\n\n" + text)
+
+
+if __name__ == "__main__":
+    main()
