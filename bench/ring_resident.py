@@ -17,12 +17,11 @@ import os
 import re
 import sys
 import tempfile
-import threading
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from serve_numbers import generate, start, stop, tree_memory_mb  # noqa: E402
+from serve_numbers import generate_concurrently, start, stop, tree_memory_mb  # noqa: E402
 
 FLAGS = ["--max-total-tokens", "4172", "--max-running-requests", "32", "--kara-window", "64", "--kara-buffer", "8",
          "--kara-period", "16"]
@@ -33,13 +32,7 @@ def serve(source: str, requests: int, tokens: int, log: str) -> dict:
                          command=[sys.executable, "-m", "sgl_kara.launch_server", *FLAGS, "--kara-query-source", source])
     try:
         idle = tree_memory_mb(proc.pid)
-        outs = []
-        prompts = [f"Write a long story about a robot named Unit {i} who learns to paint." for i in range(requests)]
-        threads = [threading.Thread(target=lambda p=p: outs.append(generate(url, p, tokens))) for p in prompts]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        outs = generate_concurrently(url, requests, tokens)
         after = tree_memory_mb(proc.pid)
     finally:
         stop(proc)

@@ -94,18 +94,23 @@ def generate(url: str, text: str, n: int) -> dict:
     return r.json()
 
 
-def decode_rate(url: str, concurrent: int, n: int) -> float:
+def generate_concurrently(url: str, concurrent: int, n: int) -> list[dict]:
+    """``concurrent`` different story prompts of ``n`` tokens each, sent at once; their outputs."""
     outs: list[dict] = []
     prompts = [f"Write a long story about a robot named Unit {i} who learns to paint." for i in range(concurrent)]
     threads = [threading.Thread(target=lambda p=p: outs.append(generate(url, p, n))) for p in prompts]
-    tic = time.time()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    seconds = time.time() - tic
     assert len(outs) == concurrent
-    return sum(o["meta_info"]["completion_tokens"] for o in outs) / seconds
+    return outs
+
+
+def decode_rate(url: str, concurrent: int, n: int) -> float:
+    tic = time.time()
+    outs = generate_concurrently(url, concurrent, n)
+    return sum(o["meta_info"]["completion_tokens"] for o in outs) / (time.time() - tic)
 
 
 def main(argv=None):

@@ -48,7 +48,6 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BASELINES = ("snapkv", "streaming", "h2o", "rkv")
-QUERY_SOURCES = ("auto", "capture", "recompute")  # --systems kara:recompute: a system's own source
 
 
 def tiny_model() -> str:
@@ -105,6 +104,8 @@ def system_spec(system: str, gen: int, w: int | None, args, n: int):
     """(label, sgl_kara options or None for vanilla, per-request custom_params.kara or None)."""
     if system == "vanilla":
         return "vanilla", None, None
+    from sgl_kara.config import QUERY_SOURCES
+
     name = system
     system, _, source = system.partition(":")  # "kara:recompute": this system's own query source
     source = source or args.query_source
@@ -158,7 +159,7 @@ def main(argv=None):
     ap.add_argument("--retention", type=float, default=0.25)
     ap.add_argument("--max-running", type=int, default=256)
     ap.add_argument("--omp-threads", type=int, default=1)
-    ap.add_argument("--query-source", default="auto", choices=QUERY_SOURCES,
+    ap.add_argument("--query-source", default="auto", choices=("auto", "capture", "recompute"),
                     help="auto: sgl_kara's rule (ring rows bounded by the pool; with GQA, g >= 2, the ring is about g/2 of the pool or more: recompute)")
     ap.add_argument("--repeats", type=int, default=1, help="runs per system and cell (order rotated); medians")
     ap.add_argument("--spread", type=float, default=0.0,

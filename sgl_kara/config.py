@@ -54,8 +54,8 @@ COMMON_HELP = {
     "query_source": f"window queries: {QUERY_SOURCES} (auto: capture on CPU, recompute on CUDA unless "
                     "the ring is small; resolved at start-up)",
     "query_ring_rows": "capture ring rows at most (0: one per request that can run at once, bounded by the "
-                       "pool; auto sets it on CPU to the rows that fit beside the pool when a full ring would not); "
-                       "a running request without a row is scored from a recompute forward",
+                       "pool); auto judges the capped ring; a running request without a row is scored from a "
+                       "recompute forward",
     "max_seqs": "N: max requests compressed per event",
     "trigger": f"when due events run: {TRIGGERS} (schedule: always, the paper's periodic policy; pressure: "
                "only while memory binds -- requests wait for admission, or the pool cannot take the running "
@@ -84,7 +84,8 @@ class KaraConfig:
             raise KaraConfigError("query_ring_rows",
                                   f"must be an integer in [0, 65536] (got {self.query_ring_rows!r})")
         if self.query_ring_rows and self.query_source == "recompute":
-            raise KaraConfigError("query_ring_rows", "applies to --kara-query-source capture or auto, not recompute")
+            raise KaraConfigError("query_ring_rows",
+                                  "applies to --kara-query-source capture or auto, not recompute")
         if not 1 <= self.max_seqs <= 65536:
             raise KaraConfigError("max_seqs", f"must be an integer in [1, 65536] (got {self.max_seqs!r})")
         if self.trigger not in TRIGGERS:

@@ -131,7 +131,8 @@ def resolve_query_source(cfg: KaraConfig, server_args, shape: ModelShape | None)
 
         device_memory = torch.cuda.get_device_properties(0).total_memory
     source = choose_query_source(device, ring, available_ram_bytes(), device_memory, kv_pool)
-    return dataclasses.replace(cfg, query_source=source, query_ring_rows=cfg.query_ring_rows if source == "capture" else 0)
+    rows_cap = cfg.query_ring_rows if source == "capture" else 0  # a cap is refused with recompute
+    return dataclasses.replace(cfg, query_source=source, query_ring_rows=rows_cap)
 
 
 def prepare_server_args(server_args, cfg: KaraConfig) -> KaraConfig:

@@ -137,8 +137,8 @@ class KaraRuntime:
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_ram_bytes()
         if need > 0.9 * free:
             raise UnsupportedFeature(
-                f"the capture query ring needs {gib(need)} ({rows} rows (--max-running-requests, bounded by the pool and --kara-query-ring-rows) x "
-                f"{capacity} queries of "
+                f"the capture query ring needs {gib(need)} ({rows} rows (--max-running-requests, bounded by the pool "
+                f"and --kara-query-ring-rows) x {capacity} queries of "
                 f"{len(layers)} layers, set by the policy's window and period) but only {gib(free)} is free after "
                 "the KV pool: use --kara-query-source recompute, or lower --max-running-requests / --kara-window / "
                 "--kara-period / --max-total-tokens"
