@@ -1,11 +1,12 @@
 """Decode-step weight matmuls on CPU: MKL's sgemm (``F.linear``) vs oneDNN on a prepacked weight
-(``sgl_kara.cpu_linear``), by batch rows. One thread, float32, a model's shapes (default:
+(``sgl_kara.cpu_linear``, as served: every linear weight packed, the lm_head's packed copy for
+``LM_HEAD_ROWS`` only), by batch rows. One thread, float32, a model's shapes (default:
 SmolLM2-135M: 30 layers of qkv [960, 576], o [576, 576], gate_up [3072, 576], down [576, 1536]
 and the lm_head [49152, 576] -- 540 MB, more than this machine's caches, as in serving).
 
     python bench/cpu_linear.py --out bench/results/session12/cpu_linear.txt
     python bench/cpu_linear.py --model-path /path/to/hf/checkpoint --rows 1 2 4 8 16 32
-    python bench/cpu_linear.py --any-rows --rows 64 128 192 256 512   # recompute-forward sizes
+    python bench/cpu_linear.py --rows 64 128 192 256 512   # recompute-forward sizes
 
 Each row count times one pass over every weight, both forms interleaved, ``--repeats`` passes per
 form; medians. Also the largest absolute difference between the two forms' outputs.
@@ -39,9 +40,6 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--any-rows", action="store_true",
-                    help="time the packed call at every row count, outside PACKED_ROWS too (e.g. a recompute "
-                         "forward's 128-512 window rows)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -60,18 +58,28 @@ def main(argv=None):
     mb = sum(w.numel() for w in weights) * 4 / 2**20
     in_sizes = {w.shape[1] for w in weights}
 
+    lm_head = weights[-1]
+    packed = [cpu_linear.packed_copy(w) for w in weights[:-1]]  # in serving: in place, no dense copy left
+
+    def served(x, i):
+        """Weight i's matmul as the hooks run it (i = len(weights) - 1: the lm_head)."""
+        if i < len(packed):
+            return cpu_linear.packed_linear(x, packed[i])
+        if cpu_linear.lm_head_takes_copy(x, lm_head):
+            return cpu_linear.packed_linear(x, cpu_linear.packed_copy(lm_head))
+        return F.linear(x, lm_head)
+
     def one_pass(form, rows):
         xs = {i: torch.randn(rows, i, generator=g) for i in in_sizes}
-        fn = F.linear if form == "F.linear" else cpu_linear._packed_linear if args.any_rows else cpu_linear.linear
         tic = time.perf_counter()
-        for w in weights:
-            fn(xs[w.shape[1]], w)
+        for i, w in enumerate(weights):
+            F.linear(xs[w.shape[1]], w) if form == "F.linear" else served(xs[w.shape[1]], i)
         return 1e3 * (time.perf_counter() - tic)
 
     lines = [f"weights {mb:.0f} MiB float32, {len(weights)} matmuls per step, {args.threads} thread(s), "
-             f"torch {torch.__version__}, median of {args.repeats} passes per form (interleaved); packed for rows in "
-             f"{'any rows (--any-rows)' if args.any_rows else cpu_linear.PACKED_ROWS}", "",
-             "| rows | F.linear (ms) | per row | sgl_kara.cpu_linear (ms) | per row | F.linear / cpu_linear | max abs diff |",
+             f"torch {torch.__version__}, median of {args.repeats} passes per form (interleaved); linear weights packed "
+             f"at every row count, the lm_head for rows in {cpu_linear.LM_HEAD_ROWS}", "",
+             "| rows | F.linear (ms) | per row | sgl_kara.cpu_linear (ms) | per row | F.linear / cpu_linear | max abs diff (first weight) |",
              "|---|---|---|---|---|---|---|"]
     for rows in args.rows:
         for form in ("F.linear", "packed"):  # warm-up: packs the weights, touches every page
@@ -81,9 +89,8 @@ def main(argv=None):
             for form in times:
                 times[form].append(one_pass(form, rows))
         a, b = statistics.median(times["F.linear"]), statistics.median(times["packed"])
-        x = torch.randn(rows, cfg["hidden_size"], generator=g)
-        packed = cpu_linear._packed_linear if args.any_rows else cpu_linear.linear
-        diff = (F.linear(x, weights[-1]) - packed(x, weights[-1])).abs().max().item()
+        x = torch.randn(rows, weights[0].shape[1], generator=g)
+        diff = (F.linear(x, weights[0]) - served(x, 0)).abs().max().item()
         lines.append(f"| {rows} | {a:.1f} | {a / rows:.1f} | {b:.1f} | {b / rows:.1f} | {a / b:.2f}x | {diff:.1e} |")
         print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"

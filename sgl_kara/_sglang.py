@@ -43,6 +43,11 @@ TARGET_TORCH_NATIVE_DECODE = (
 TARGET_TORCH_NATIVE_EXTEND = (
     "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_extend")
 TARGET_LINEAR_APPLY = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply"
+TARGET_LINEAR_APPLY_INTO = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply_into"
+TARGET_LINEAR_PROCESS_WEIGHTS = (
+    "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.process_weights_after_loading")
+TARGET_LINEAR_RESTORE_WEIGHTS = (
+    "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.restore_weights_before_loading")
 TARGET_LM_HEAD = "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head"
 TARGET_TORCH_NATIVE_METADATA = (
     "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.init_forward_metadata")
@@ -54,7 +59,8 @@ ATTRIBUTES = {
     # cpu_linear.py: the lm_head hook takes SGLang's plain matmul branch only
     "sglang.srt.layers.logits_processor.LogitsProcessor": [
         "_compute_lm_head", "use_fp32_lm_head", "rl_on_policy_target"],
-    "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod": ["apply"],
+    "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod": [
+        "apply", "apply_into", "process_weights_after_loading", "restore_weights_before_loading"],
     # request KV bookkeeping: scheduler/jobs.py, events.py, runtime.py; mem_cache/radix.py
     "sglang.srt.managers.schedule_batch.Req": [
         "kv", "rid", "origin_input_ids", "output_ids", "sampling_params", "finished", "to_finish",

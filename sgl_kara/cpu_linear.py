@@ -1,69 +1,173 @@
-"""CPU serving, opt-in (``SGL_KARA_PACKED_CPU_LINEAR=1``): decode-sized weight matmuls through
-oneDNN with the weight reordered once to its blocked layout, instead of ``F.linear`` (MKL sgemm).
+"""CPU serving (on by default; ``SGL_KARA_PACKED_CPU_LINEAR=0`` turns it off): float32 weight
+matmuls through oneDNN on weights reordered once, after loading, to oneDNN's blocked layout --
+in place, as SGLang's own AMX path does for bfloat16 (``_amx_process_weight_after_loading``) --
+instead of ``F.linear`` (MKL sgemm).
 
 Why (bench/cpu_linear.py; one thread, float32, SmolLM2-135M's 30 layers of projections + MLP and
 its lm_head, 540 MB of weights, more than the cache): MKL takes 37-42 ms for 1-2 rows -- the
 weights streamed once -- but 72-127 ms for 4-12 rows, a kernel regime that does not reuse what it
 streams, so on this CPU each running request adds ~10-19 ms to a decode step (bench/RESULTS.md,
 session 12: the projections, MLP and lm_head are two thirds of that per-request cost). oneDNN on
-the prepacked weight takes 49-64 ms from 4 to 12 rows. Outside ``PACKED_ROWS``
-(one or two decode rows, prefill chunks) ``F.linear`` runs as before.
+the packed weights takes 38-44 ms from 4 to 8 rows and 1.0-1.1x less than MKL from 64 to 256 rows,
+but ~9% more at 1 row (34 vs 31 ms): a lone request decodes a little slower, every batch faster
+(session 14).
 
-Not bit-identical to ``F.linear`` (float summation order; ~1e-6 on SmolLM2's logits), and the
-packed copies double the memory of the weights they cover, which is why it is opt-in. Hooks
-(registered by plugin.py only when the variable is set when the plugin loads):
-``UnquantizedLinearMethod.apply`` and ``LogitsProcessor._compute_lm_head`` (its plain matmul
-branch only: every other branch -- LoRA, quantized or AMX lm_head, float32 upcast, ``out=`` --
-runs SGLang's own code).
+Layout of the state (one owner each):
+
+    linear layers (UnquantizedLinearMethod)  layer.weight replaced after loading by a Parameter
+        holding oneDNN's opaque packed tensor (``is_mkldnn``; same shape and dtype, the
+        loader's attributes copied over); no second copy. ``restore_weights_before_loading``
+        (SGLang's hook before a weight update) turns it back into a dense Parameter, and the
+        update's ``process_weights_after_loading`` packs it again.
+    the lm_head                               a packed *copy* (``_copies``), made on first use:
+        its weight is usually tied to the input embedding, whose lookup needs the dense tensor.
+        Only for decode-sized rows (``LM_HEAD_ROWS``), renewed when the weight is written in place.
+
+Not bit-identical to ``F.linear`` (float summation order; ~2e-6 on SmolLM2's activations, ~1e-6
+on its logits). Hooks (registered by plugin.py unless the variable is 0 when the plugin loads):
+``UnquantizedLinearMethod.process_weights_after_loading`` / ``restore_weights_before_loading`` /
+``apply`` / ``apply_into`` and ``LogitsProcessor._compute_lm_head`` (its plain matmul branch
+only: every other branch -- LoRA, quantized or AMX lm_head, float32 upcast, ``out=`` -- runs
+SGLang's own code). Not covered: reading a packed linear weight's values back
+(``get_weights_by_name``) -- serve with ``SGL_KARA_PACKED_CPU_LINEAR=0`` for that.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
-# Rows (tokens in the forward) for which the packed call runs: from 3 (MKL's 1-2 row path streams
-# the weights once already) to 64 (decode batches; larger prefill chunks keep MKL's GEMM).
-PACKED_ROWS = (3, 64)
+# Rows (tokens in the forward) for which the lm_head's packed copy is used: decode batches. One or
+# two rows stream the weights once in MKL already; prefill computes logits of a few rows only.
+LM_HEAD_ROWS = (3, 64)
 
-_packed: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # id(weight) -> (weight, packed copy, its version)
+# oneDNN picks the packed layout for a batch-size hint. 16 was within 1% of the best hint tried
+# (none, 4, 8, 16, 32) at every row count from 1 to 256 and 4-14% faster than no hint from 1 to 8
+# rows (bench/RESULTS.md, session 14).
+PACK_HINT_ROWS = 16
+
+_copies: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # id(weight) -> (weight, packed copy, its version)
+_packed_layers: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # layers whose weight is packed in place
 
 
 def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def takes_packed(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Does this matmul take the packed path: float32 on CPU, 2-D input within ``PACKED_ROWS``."""
-    return (x.dim() == 2 and PACKED_ROWS[0] <= x.shape[0] <= PACKED_ROWS[1] and x.device.type == "cpu"
-            and x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.dim() == 2
-            and not weight.requires_grad)
+def packable(weight: torch.Tensor) -> bool:
+    """A dense float32 2-D CPU weight that takes no gradient."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+            and not weight.is_mkldnn and not weight.requires_grad and weight.numel() > 0)
 
 
-def packed_weight(weight: torch.Tensor) -> torch.Tensor:
-    """oneDNN's blocked copy of ``weight`` [out, in], made on first use and kept while the weight
-    lives (a weight written in place -- a reload -- gets a new copy: identity and version are checked)."""
-    hit = _packed.get(id(weight))
+def packed_count() -> int:
+    """Weights held packed in this process: linear layers packed in place + lm_head copies."""
+    return len(_packed_layers) + len(_copies)
+
+
+def _replace_weight(layer: torch.nn.Module, data: torch.Tensor) -> None:
+    """``layer.weight`` becomes a Parameter over ``data``, keeping the loader's attributes
+    (``weight_loader``, ``input_dim``, ``output_dim``, ... set by SGLang's ``set_weight_attrs``)."""
+    old = layer.weight
+    new = torch.nn.Parameter(data, requires_grad=False)
+    for name, value in vars(old).items():
+        setattr(new, name, value)
+    layer.weight = new
+
+
+def _reorder(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size=PACK_HINT_ROWS)
+
+
+def pack_in_place(layer: torch.nn.Module) -> bool:
+    """Replace a packable ``layer.weight`` [out, in] by its oneDNN packed form; True if it was."""
+    weight = getattr(layer, "weight", None)
+    if not isinstance(weight, torch.Tensor) or not packable(weight) or getattr(layer, "use_intel_amx_backend", False):
+        return False
+    _replace_weight(layer, _reorder(weight))
+    _packed_layers.add(layer)
+    return True
+
+
+def unpack_in_place(layer: torch.nn.Module) -> bool:
+    """Undo ``pack_in_place`` (exact: the packed form is a reordering); True if it was packed."""
+    weight = getattr(layer, "weight", None)
+    if not isinstance(weight, torch.Tensor) or not weight.is_mkldnn:
+        return False
+    _replace_weight(layer, weight.to_dense())
+    _packed_layers.discard(layer)
+    return True
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` with a packed weight: x [..., in] (any rows, any leading dims) -> [..., out]."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]) if x.dim() != 2 else x
+    dtype = x2.dtype
+    if dtype != torch.float32:
+        x2 = x2.float()
+    if bias is not None and bias.dtype != torch.float32:
+        bias = bias.float()
+    if x2.shape[0] == 0:
+        out = x2.new_empty((0, packed.shape[0]))
+    else:
+        out = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), packed, bias, "none", [], "")
+    if dtype != torch.float32:
+        out = out.to(dtype)
+    return out.reshape(*shape[:-1], packed.shape[0]) if x.dim() != 2 else out
+
+
+def packed_copy(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked copy of a dense ``weight`` [out, in], made on first use and kept while the
+    weight lives (a weight written in place -- a reload -- gets a new copy: identity and version
+    are checked)."""
+    hit = _copies.get(id(weight))
     if hit is None or hit[0] is not weight or weight._version != hit[2]:
-        hit = (weight, torch.ops.mkldnn._reorder_linear_weight(weight, batch_size=None), weight._version)
-        _packed[id(weight)] = hit
+        hit = (weight, _reorder(weight), weight._version)
+        _copies[id(weight)] = hit
     return hit[1]
 
 
-def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight(weight), bias, "none", [], "")
+def lm_head_takes_copy(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.dim() == 2 and LM_HEAD_ROWS[0] <= x.shape[0] <= LM_HEAD_ROWS[1] and x.device.type == "cpu" \
+        and x.dtype == torch.float32 and packable(weight)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; x [T, in], weight [out, in], bias [out] -> [T, out]."""
-    return _packed_linear(x, weight, bias) if takes_packed(x, weight) else F.linear(x, weight, bias)
+# --- hooks (plugin.py) --------------------------------------------------------------------------
+
+def process_weights_hook(original, method, layer, *args, **kwargs):
+    """AROUND ``UnquantizedLinearMethod.process_weights_after_loading``: SGLang's own processing
+    (AMX packing where the CPU has AMX), then the float32 packing if the weight is still dense."""
+    result = original(method, layer, *args, **kwargs)
+    pack_in_place(layer)
+    return result
+
+
+def restore_weights_hook(original, method, layer, *args, **kwargs):
+    """AROUND ``restore_weights_before_loading``: a weight update loads into a dense weight."""
+    unpack_in_place(layer)
+    return original(method, layer, *args, **kwargs)
 
 
 def linear_apply_hook(original, method, layer, x, bias=None, *args, **kwargs):
     """AROUND ``UnquantizedLinearMethod.apply(layer, x, bias)``."""
-    if not args and not kwargs and takes_packed(x, layer.weight):
-        return _packed_linear(x, layer.weight, bias)
+    weight = layer.weight
+    if weight.is_mkldnn:
+        return packed_linear(x, weight, bias)
     return original(method, layer, x, bias, *args, **kwargs)
+
+
+def linear_apply_into_hook(original, method, layer, x, output, bias=None, *args, **kwargs):
+    """AROUND ``UnquantizedLinearMethod.apply_into(layer, x, output, bias)`` (caller-owned output)."""
+    weight = layer.weight
+    if weight.is_mkldnn:
+        out = packed_linear(x, weight, bias)
+        if output.shape != out.shape:
+            raise ValueError(f"linear output has shape {tuple(output.shape)}, expected {tuple(out.shape)}")
+        return output.copy_(out)
+    return original(method, layer, x, output, bias, *args, **kwargs)
 
 
 def lm_head_hook(original, processor, hidden_states, lm_head, embedding_bias=None, *args, out=None, **kwargs):
@@ -72,7 +176,7 @@ def lm_head_hook(original, processor, hidden_states, lm_head, embedding_bias=Non
 
     weight = getattr(lm_head, "weight", None)
     plain = (  # the row check first: prefill and 1-2-row steps skip SGLang's branch conditions
-        weight is not None and takes_packed(hidden_states, weight)
+        weight is not None and lm_head_takes_copy(hidden_states, weight)
         and not args and not kwargs and out is None and embedding_bias is None
         and not (hasattr(lm_head, "set_lora") and hasattr(lm_head, "apply_lora"))
         and not should_apply_lm_head_quant_method(lm_head, getattr(lm_head, "quant_method", None))
@@ -80,5 +184,5 @@ def lm_head_hook(original, processor, hidden_states, lm_head, embedding_bias=Non
         and not use_intel_amx_backend(lm_head)
     )
     if plain:
-        return _packed_linear(hidden_states, weight)
+        return packed_linear(hidden_states, packed_copy(weight))
     return original(processor, hidden_states, lm_head, embedding_bias, *args, out=out, **kwargs)

@@ -61,6 +61,7 @@ class ModelShape:
     checkpoint_dtype: str
     weight_file_bytes: int
     mrope: bool = False  # multimodal rotary positions (Qwen2-VL style): refused by support.py
+    lm_head_elements: int = 0  # vocab x hidden: the lm_head's packed copy on CPU (cpu_linear.py)
 
     @classmethod
     def from_model_path(cls, model_path: str) -> "ModelShape | None":
@@ -89,6 +90,7 @@ class ModelShape:
                     f.stat().st_size for f in path.iterdir() if f.suffix in (".safetensors", ".bin")
                 ),
                 mrope=mrope,
+                lm_head_elements=int(getattr(text, "vocab_size", 0) or 0) * int(getattr(text, "hidden_size", 0) or 0),
             )
         except (AttributeError, TypeError, ValueError, OSError):
             return None
@@ -166,11 +168,13 @@ def gib(n: int) -> str:
 
 
 def check_cpu_fit(shape: ModelShape, itemsize: int, max_total_tokens: int, ring_rows: int, ring_capacity: int,
-                  available: int) -> dict:
-    """Raise MemoryConfigError when weights + KV pool + ring (+ the processes' floor) exceed
-    ``available``; returns the byte counts (for the start-up log)."""
+                  available: int, packed_linear: bool = False) -> dict:
+    """Raise MemoryConfigError when weights (+ the lm_head's packed copy when ``packed_linear``
+    and float32: cpu_linear.py packs the other weights in place) + KV pool + ring (+ the
+    processes' floor) exceed ``available``; returns the byte counts (for the start-up log)."""
     sizes = {
         "weights": shape.weight_bytes(itemsize),
+        "packed_lm_head": shape.lm_head_elements * 4 if packed_linear and itemsize == 4 else 0,
         "kv_pool": max_total_tokens * shape.kv_bytes_per_token(itemsize),
         "capture_ring": shape.ring_bytes(ring_rows, ring_capacity, itemsize) if ring_rows else 0,
         "processes": PROCESS_FLOOR_BYTES,

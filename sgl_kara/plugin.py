@@ -3,10 +3,12 @@
 SGLang calls ``register()`` early in every process it starts. Each hook stands in for one
 upstream change (see patches/) and is inert unless a Kara scheduler runs in this process
 (``sgl_kara.scheduler.runtime.active()``), so plain ``sglang.Engine`` in the same environment
-behaves exactly like SGLang -- except two hooks that act for every request: the input-ids
+behaves exactly like SGLang -- except hooks that act for every request: the input-ids
 validation, which rejects out-of-vocabulary ids with a 400 (SGLang 0.5.23 would crash its
-scheduler), and torch_native's CPU decode attention, which gathers K/V once per layer instead of
-once per request and layer (bit-identical outputs, less time: sgl_kara/cpu_attention.py). The
+scheduler); torch_native's CPU decode attention, which gathers K/V once per layer instead of
+once per request and layer (sgl_kara/cpu_attention.py); and, on CPU, float32 weight matmuls on
+weights packed in place for oneDNN (sgl_kara/cpu_linear.py). The last two change float summation
+order only (SGL_KARA_BATCHED_CPU_DECODE=0 / SGL_KARA_PACKED_CPU_LINEAR=0 turn them off). The
 torch_native extend hook acts only inside Kara's recompute pass.
 """
 
@@ -52,10 +54,16 @@ def register() -> None:
         from sgl_kara import cpu_linear
 
         if cpu_linear.available():
+            sg.HookRegistry.register(sg.TARGET_LINEAR_PROCESS_WEIGHTS, cpu_linear.process_weights_hook,
+                                     sg.HookType.AROUND)
+            sg.HookRegistry.register(sg.TARGET_LINEAR_RESTORE_WEIGHTS, cpu_linear.restore_weights_hook,
+                                     sg.HookType.AROUND)
             sg.HookRegistry.register(sg.TARGET_LINEAR_APPLY, cpu_linear.linear_apply_hook, sg.HookType.AROUND)
+            sg.HookRegistry.register(sg.TARGET_LINEAR_APPLY_INTO, cpu_linear.linear_apply_into_hook,
+                                     sg.HookType.AROUND)
             sg.HookRegistry.register(sg.TARGET_LM_HEAD, cpu_linear.lm_head_hook, sg.HookType.AROUND)
         else:
-            logger.warning("sgl_kara: SGL_KARA_PACKED_CPU_LINEAR=1 but this torch has no oneDNN linear; F.linear stays")
+            logger.warning("sgl_kara: this torch has no oneDNN linear; CPU weight matmuls stay F.linear")
     if env.trace():
         # Benchmark instrument (vanilla and Kara alike): one line per decode scheduling step.
         sg.HookRegistry.register(sg.TARGET_UPDATE_RUNNING_BATCH, _trace_hook, sg.HookType.AFTER)
@@ -169,11 +177,11 @@ def _trace_hook(result, scheduler, batch, *args, **kwargs):
 
 
 def _packed_weights() -> int:
-    """Weights with a oneDNN copy (SGL_KARA_PACKED_CPU_LINEAR: cpu_linear.py), 0 without."""
+    """Weights held in oneDNN's packed form (SGL_KARA_PACKED_CPU_LINEAR: cpu_linear.py), 0 without."""
     import sys
 
     mod = sys.modules.get("sgl_kara.cpu_linear")
-    return len(mod._packed) if mod is not None else 0
+    return mod.packed_count() if mod is not None else 0
 
 
 _SERVING_POLICY: str | None = None  # set in the process that validates requests (launcher / Engine)

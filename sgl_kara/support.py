@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import os
 
+from sgl_kara import env
 from sgl_kara.config import KaraConfig
 from sgl_kara.memory import (
     CUDA_RING_SHARE,
@@ -171,7 +172,8 @@ def prepare_server_args(server_args, cfg: KaraConfig) -> KaraConfig:
                 if cfg.query_source == "capture" and server_args.max_running_requests else 0)
         try:
             sizes = check_cpu_fit(shape, shape.itemsize(server_args.dtype), server_args.max_total_tokens,
-                                  rows or 0, cfg.query_ring_capacity, available_ram_bytes())
+                                  rows or 0, cfg.query_ring_capacity, available_ram_bytes(),
+                                  packed_linear=env.packed_cpu_linear())
         except MemoryConfigError as e:
             raise UnsupportedFeature(str(e)) from None
         logger.info("sgl_kara memory plan: %s", ", ".join(f"{k} {gib(v)}" for k, v in sizes.items()))

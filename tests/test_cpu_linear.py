@@ -1,11 +1,14 @@
-"""sgl_kara/cpu_linear.py (opt-in SGL_KARA_PACKED_CPU_LINEAR): decode-sized float32 matmuls on a
-prepacked oneDNN weight equal F.linear within float rounding, everything else is F.linear itself,
-and in an engine the hooks cover every weight matmul of the model."""
+"""sgl_kara/cpu_linear.py (SGL_KARA_PACKED_CPU_LINEAR, on by default): float32 linear weights
+packed in place after loading (no second copy) compute F.linear within float rounding for any
+rows and leading dims, unpack exactly for a weight update, and in an engine every weight matmul
+of the model runs packed, with the same outputs as without, before and after a weight reload."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,63 +21,126 @@ from sgl_kara import cpu_linear
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="this torch has no oneDNN linear")
 
 
-@pytest.mark.parametrize("rows", [3, 4, 8, 13, 16, 64])
+def _layer(out=300, inp=96, seed=0, dtype=torch.float32):
+    """A module shaped like SGLang's linear layers: a registered, gradient-free weight Parameter
+    carrying the loader's attributes."""
+    g = torch.Generator().manual_seed(seed)
+    layer = torch.nn.Module()
+    weight = torch.nn.Parameter((torch.randn(out, inp, generator=g) * 0.05).to(dtype), requires_grad=False)
+    weight.weight_loader, weight.input_dim, weight.output_dim = "loader", 1, 0
+    layer.register_parameter("weight", weight)
+    return layer
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 8, 64, 65, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_packed_linear_equals_f_linear(rows, with_bias):
-    g = torch.Generator().manual_seed(rows)
-    w = torch.randn(300, 96, generator=g) * 0.05
-    b = torch.randn(300, generator=g) if with_bias else None
-    x = torch.randn(rows, 96, generator=g)
-    assert cpu_linear.takes_packed(x, w)
-    got, want = cpu_linear.linear(x, w, b), F.linear(x, w, b)
+def test_packed_linear_equals_f_linear_for_any_rows(rows, with_bias):
+    layer = _layer(seed=rows)
+    dense = layer.weight.detach().clone()
+    b = torch.randn(300) if with_bias else None
+    x = torch.randn(rows, 96)
+    assert cpu_linear.pack_in_place(layer)
+    got, want = cpu_linear.packed_linear(x, layer.weight, b), F.linear(x, dense, b)
     assert got.shape == want.shape == (rows, 300) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_outside_the_rule_it_is_f_linear_itself():
-    """1-2 rows (MKL streams the weights once already), more than 64 (prefill), other dtypes,
-    3-D inputs and trainable weights take F.linear: bit-identical."""
-    w = torch.randn(64, 32)
-    for x in (torch.randn(1, 32), torch.randn(2, 32), torch.randn(65, 32), torch.randn(2, 4, 32)):
-        assert not cpu_linear.takes_packed(x, w)
-        assert torch.equal(cpu_linear.linear(x, w), F.linear(x, w))
-    xb, wb = torch.randn(8, 32, dtype=torch.bfloat16), w.bfloat16()
-    assert not cpu_linear.takes_packed(xb, wb) and torch.equal(cpu_linear.linear(xb, wb), F.linear(xb, wb))
-    assert not cpu_linear.takes_packed(torch.randn(8, 32), torch.nn.Parameter(w))  # requires_grad
-    assert cpu_linear.PACKED_ROWS == (3, 64)
+def test_packed_linear_other_shapes_and_dtypes():
+    """3-D and 1-D inputs keep their leading dims; a bfloat16 input is computed in float32 and
+    returned in bfloat16 (the packed weight is float32)."""
+    layer = _layer(64, 32)
+    dense = layer.weight.detach().clone()
+    cpu_linear.pack_in_place(layer)
+    for x in (torch.randn(2, 5, 32), torch.randn(32)):
+        torch.testing.assert_close(cpu_linear.packed_linear(x, layer.weight), F.linear(x, dense), rtol=1e-5, atol=1e-5)
+    xb = torch.randn(4, 32, dtype=torch.bfloat16)
+    got = cpu_linear.packed_linear(xb, layer.weight)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, F.linear(xb.float(), dense).bfloat16())
 
 
-def test_packed_copy_is_made_once_and_renewed_when_the_weight_changes():
-    w = torch.randn(40, 16)
-    first = cpu_linear.packed_weight(w)
-    assert cpu_linear.packed_weight(w) is first
-    x = torch.randn(4, 16)
-    with torch.no_grad():
-        w.mul_(2.0)  # a reload writes weights in place
-    assert cpu_linear.packed_weight(w) is not first
-    torch.testing.assert_close(cpu_linear.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+def test_pack_in_place_replaces_the_weight_and_unpack_restores_it_exactly():
+    layer = _layer()
+    dense = layer.weight.detach().clone()
+    old = weakref.ref(layer.weight)
+    assert cpu_linear.pack_in_place(layer)
+    gc.collect()
+    assert old() is None  # the dense weight is released: no second copy of the model
+    w = layer.weight
+    assert isinstance(w, torch.nn.Parameter) and w.is_mkldnn and not w.requires_grad
+    assert w.shape == dense.shape and w.dtype == torch.float32
+    assert (w.weight_loader, w.input_dim, w.output_dim) == ("loader", 1, 0)
+    assert dict(layer.named_parameters())["weight"] is w
+    assert not cpu_linear.pack_in_place(layer)  # already packed
+    assert layer in cpu_linear._packed_layers
+    assert cpu_linear.unpack_in_place(layer)
+    w = layer.weight
+    assert not w.is_mkldnn and torch.equal(w, dense) and w.weight_loader == "loader"
+    assert layer not in cpu_linear._packed_layers
+    assert not cpu_linear.unpack_in_place(layer)  # dense already
 
 
-def _original(calls):
+def test_what_is_not_packed():
+    """Other dtypes, trainable weights, AMX-packed layers (SGLang's own bf16 packing) stay as they are."""
+    bf16 = _layer(dtype=torch.bfloat16)
+    trainable = _layer()
+    trainable.weight.requires_grad_(True)
+    amx = _layer()
+    amx.use_intel_amx_backend = True
+    for layer in (bf16, trainable, amx):
+        before = layer.weight
+        assert not cpu_linear.pack_in_place(layer) and layer.weight is before and not before.is_mkldnn
+
+
+def _original(calls, value="sglang's own"):
     def original(owner, *args, **kwargs):
         calls.append((args, kwargs))
-        return "sglang's own"
+        return value
     return original
 
 
-def test_linear_apply_hook_takes_the_packed_path_only_for_its_rows():
-    layer = SimpleNamespace(weight=torch.randn(48, 24))
-    calls = []
-    x = torch.randn(5, 24)
-    bias = torch.randn(48)
+def test_weight_hooks_pack_after_sglang_and_unpack_before_it():
+    layer, calls = _layer(), []
+    dense = layer.weight.detach().clone()
+    assert cpu_linear.process_weights_hook(_original(calls, None), object(), layer) is None
+    assert len(calls) == 1 and layer.weight.is_mkldnn  # SGLang's processing ran, then the packing
+
+    def restore(method, lyr):
+        assert not lyr.weight.is_mkldnn  # SGLang's restore (and the loader after it) sees a dense weight
+        calls.append("restore")
+    cpu_linear.restore_weights_hook(restore, object(), layer)
+    assert calls[-1] == "restore" and torch.equal(layer.weight, dense)
+
+
+def test_apply_hooks_take_the_packed_weight_and_leave_dense_ones_to_sglang():
+    layer, calls = _layer(48, 24), []
+    dense = layer.weight.detach().clone()
+    x, bias = torch.randn(5, 24), torch.randn(48)
+    assert cpu_linear.linear_apply_hook(_original(calls), object(), layer, x, bias) == "sglang's own"
+    cpu_linear.pack_in_place(layer)
     out = cpu_linear.linear_apply_hook(_original(calls), object(), layer, x, bias)
-    torch.testing.assert_close(out, F.linear(x, layer.weight, bias), rtol=1e-5, atol=1e-5)
-    assert calls == []
-    assert cpu_linear.linear_apply_hook(_original(calls), object(), layer, torch.randn(1, 24)) == "sglang's own"
+    torch.testing.assert_close(out, F.linear(x, dense, bias), rtol=1e-5, atol=1e-5)
+    buf = torch.empty(5, 48)
+    assert cpu_linear.linear_apply_into_hook(_original(calls), object(), layer, x, buf, bias) is buf
+    torch.testing.assert_close(buf, F.linear(x, dense, bias), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="shape"):
+        cpu_linear.linear_apply_into_hook(_original(calls), object(), layer, x, torch.empty(4, 48))
     assert len(calls) == 1
 
 
-def test_lm_head_hook_takes_only_sglangs_plain_matmul_branch():
+def test_lm_head_copy_is_made_once_and_renewed_when_the_weight_changes():
+    w = torch.randn(40, 16)
+    first = cpu_linear.packed_copy(w)
+    assert cpu_linear.packed_copy(w) is first
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        w.mul_(2.0)  # a reload writes weights in place
+    assert cpu_linear.packed_copy(w) is not first
+    torch.testing.assert_close(cpu_linear.packed_linear(x, cpu_linear.packed_copy(w)), F.linear(x, w),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_lm_head_hook_takes_only_sglangs_plain_matmul_branch_for_decode_rows():
     proc = SimpleNamespace(use_fp32_lm_head=False, rl_on_policy_target=None)
     head = SimpleNamespace(weight=torch.randn(100, 24))
     h = torch.randn(6, 24)
@@ -88,43 +154,61 @@ def test_lm_head_hook_takes_only_sglangs_plain_matmul_branch():
                             ((h, head), {"out": torch.empty(6, 100)}, proc),  # caller-owned buffer
                             ((h, head), {}, SimpleNamespace(use_fp32_lm_head=True, rl_on_policy_target=None)),
                             ((h, head), {}, SimpleNamespace(use_fp32_lm_head=False, rl_on_policy_target="x")),
-                            ((torch.randn(2, 24), head), {}, proc)]:  # two rows: MKL's own path
+                            ((torch.randn(2, 24), head), {}, proc),  # two rows: MKL's own path
+                            ((torch.randn(65, 24), head), {}, proc)]:  # prefill-sized
         assert cpu_linear.lm_head_hook(_original(calls), p, *args, **kwargs) == "sglang's own"
-    assert len(calls) == 6
+    assert len(calls) == 7
+    assert cpu_linear.LM_HEAD_ROWS == (3, 64)
 
 
-def test_engine_with_packed_linear_matches_and_packs_every_weight(tiny_llama, tmp_path):
-    """One engine with SGL_KARA_PACKED_CPU_LINEAR=1, one without, the same four greedy requests
-    decoded together (4 rows: the packed path): every weight matmul of the model got a packed copy
-    (qkv, o, gate_up, down per layer + the lm_head; none without the flag) and the output
-    log-probabilities agree within float rounding."""
+def _run(engine, prompts, params):
+    outs = engine.generate(prompts, params, return_logprob=True)
+    return [(o["output_ids"], [lp for lp, *_ in o["meta_info"]["output_token_logprobs"]]) for o in outs]
+
+
+def _agree(a, b, n_tokens):
+    for (ia, la), (ib, lb) in zip(a, b):
+        assert len(la) == len(lb) == n_tokens
+        assert ia[:8] == ib[:8]  # greedy: no flip this early at 1e-6
+        n = next((i for i, (x, y) in enumerate(zip(ia, ib)) if x != y), n_tokens)
+        assert max(abs(x - y) for x, y in zip(la[:n], lb[:n])) < 1e-4
+
+
+def test_engine_default_packs_every_weight_matches_and_survives_a_weight_reload(tiny_llama, tmp_path):
+    """A default engine (variable unset) and one with SGL_KARA_PACKED_CPU_LINEAR=0 decode the same
+    four greedy requests together (4 rows): by the trace, the default held every weight matmul of
+    the model packed (qkv, o, gate_up, down per layer in place + the lm_head's copy; none with
+    the variable 0), and the log-probabilities agree within float rounding. The default engine
+    then reloads its weights from disk (SGLang's restore -> load -> process path): the reload
+    succeeds and the outputs are unchanged."""
     from conftest import start_engine
 
     prompts = [f"Question {i}: what is {i} plus {i}?" for i in range(4)]
     params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
     runs = {}
-    for flag in ("1", "0"):
+    for flag in (None, "0"):
         trace = tmp_path / f"trace_{flag}.jsonl"
         saved = {k: os.environ.get(k) for k in ("SGL_KARA_PACKED_CPU_LINEAR", "SGL_KARA_TRACE")}
-        os.environ.update(SGL_KARA_PACKED_CPU_LINEAR=flag, SGL_KARA_TRACE=str(trace))
+        os.environ.pop("SGL_KARA_PACKED_CPU_LINEAR", None)
+        os.environ.update(SGL_KARA_TRACE=str(trace), **({} if flag is None else {"SGL_KARA_PACKED_CPU_LINEAR": flag}))
         try:
             engine = start_engine("kara", tiny_llama, kara_policy="none", max_total_tokens=2048)
             try:
-                outs = engine.generate(prompts, params, return_logprob=True)
+                first = _run(engine, prompts, params)
+                reloaded = None
+                if flag is None:
+                    ok, message, *_ = engine.update_weights_from_disk(tiny_llama)
+                    assert ok, message
+                    reloaded = _run(engine, prompts, params)
             finally:
                 engine.shutdown()
         finally:
             for k, v in saved.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
         steps = [json.loads(line) for line in trace.read_text().splitlines()]
-        runs[flag] = (outs, max(s["packed_weights"] for s in steps), max(s["running"] for s in steps))
-    (packed, n_packed, running), (plain, n_plain, _) = runs["1"], runs["0"]
+        runs[flag] = (first, reloaded, max(s["packed_weights"] for s in steps), max(s["running"] for s in steps))
+    (packed, reloaded, n_packed, running), (plain, _, n_plain, _) = runs[None], runs["0"]
     layers = json.loads((Path(tiny_llama) / "config.json").read_text())["num_hidden_layers"]
     assert running == 4 and n_packed == 4 * layers + 1 and n_plain == 0
-    for a, b in zip(packed, plain):
-        la = [lp for lp, *_ in a["meta_info"]["output_token_logprobs"]]
-        lb = [lp for lp, *_ in b["meta_info"]["output_token_logprobs"]]
-        assert len(la) == len(lb) == 24
-        assert a["output_ids"][:8] == b["output_ids"][:8]  # greedy: no flip this early at 1e-6
-        n = next((i for i, (x, y) in enumerate(zip(a["output_ids"], b["output_ids"])) if x != y), 24)
-        assert max(abs(x - y) for x, y in zip(la[:n], lb[:n])) < 1e-4
+    _agree(packed, plain, 24)
+    assert reloaded == packed  # same packed weights after the reload: the same computation

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from sgl_kara.memory import (
 from sgl_kara.models import smollm2
 
 SMOLLM2 = ModelShape(layers=30, q_heads=9, kv_heads=3, head_dim=64, context_len=8192,
-                     checkpoint_dtype="float32", weight_file_bytes=538_090_408)
+                     checkpoint_dtype="float32", weight_file_bytes=538_090_408, lm_head_elements=49_152 * 576)
 GIB = 1 << 30
 
 
@@ -106,6 +107,9 @@ def test_memory_that_does_not_fit_is_refused_naming_the_flags():
     sizes = check_cpu_fit(SMOLLM2, 4, 16_384, 8, 640, available=20 * GIB)
     assert sizes["kv_pool"] == 16_384 * 46_080
     assert sizes["capture_ring"] == 9 * 640 * 30 * 9 * 64 * 4  # rows + 1 (trash row)
+    assert sizes["packed_lm_head"] == 0
+    assert check_cpu_fit(SMOLLM2, 4, 16_384, 8, 640, 20 * GIB, packed_linear=True)["packed_lm_head"] == 49_152 * 576 * 4
+    assert check_cpu_fit(SMOLLM2, 2, 16_384, 8, 640, 20 * GIB, packed_linear=True)["packed_lm_head"] == 0  # bf16
     with pytest.raises(MemoryConfigError) as e:
         check_cpu_fit(SMOLLM2, 4, 1_000_000, 8, 640, available=20 * GIB)
     for flag in ("--max-total-tokens", "--max-running-requests", "--kara-window", "--kara-query-source"):
@@ -116,6 +120,8 @@ def test_model_shape_is_read_from_the_checkpoint(tiny_llama):
     shape = ModelShape.from_model_path(tiny_llama)
     assert shape is not None and shape.layers >= 1 and shape.q_heads % shape.kv_heads == 0
     assert ModelShape.from_model_path("org/not-a-local-dir") is None
+    cfg = json.loads((Path(tiny_llama) / "config.json").read_text())
+    assert shape.lm_head_elements == cfg["vocab_size"] * cfg["hidden_size"]
 
 
 def test_launcher_refuses_a_pool_larger_than_ram(capsys):
