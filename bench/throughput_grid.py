@@ -12,6 +12,8 @@ threshold baselines on the same R requests (``ignore_eos``, sampled) and the sam
     kara-pressure  the same with --kara-trigger pressure (events only while memory binds)
     kara-headroom  the same with --kara-trigger headroom (events skipped only while the pool holds
                 every running request's uncompressed remainder and nobody waits)
+    kara-buffer    the same with --kara-scoring buffer (the paper's ablation: the last U queries
+                score the window, so a recompute forward computes U tokens per window, not W)
     baselines   budget matched per request to Kara's peak footprint (its admission estimate):
                 C_max = min(G, ceil(G K / (W - U)) + W + period),  N = C_max - (W - U),
                 window (observation queries, recent entries kept) = U; nothing to do if G <= C_max
@@ -100,6 +102,14 @@ def kara_peak(gen: int, w: int, retention: float) -> int:
     return min(gen, math.ceil(gen * kept_count(m, retention) / m) + w + period)
 
 
+KARA_VARIANTS = {  # --systems name -> Kara options beside the cell's W, U, period, r
+    "kara": {"kara_trigger": "schedule"},
+    "kara-pressure": {"kara_trigger": "pressure"},
+    "kara-headroom": {"kara_trigger": "headroom"},
+    "kara-buffer": {"kara_trigger": "schedule", "kara_scoring": "buffer"},
+}
+
+
 def system_spec(system: str, gen: int, w: int | None, args, n: int):
     """(label, sgl_kara options or None for vanilla, per-request custom_params.kara or None)."""
     if system == "vanilla":
@@ -112,11 +122,10 @@ def system_spec(system: str, gen: int, w: int | None, args, n: int):
     if source not in QUERY_SOURCES:
         raise ValueError(f"--systems {name}: the query source after ':' must be one of {', '.join(QUERY_SOURCES)}")
     u, period = kara_shape(w)
-    if system in ("kara", "kara-pressure", "kara-headroom"):
-        trigger = system.partition("-")[2] or "schedule"
+    if system in KARA_VARIANTS:
         return f"{name} W={w}", dict(kara_policy="kara", kara_window=w, kara_buffer=u, kara_period=period,
-                                     kara_retention=args.retention, kara_max_seqs=256, kara_trigger=trigger,
-                                     kara_query_source=source), None
+                                     kara_retention=args.retention, kara_max_seqs=256, kara_query_source=source,
+                                     **KARA_VARIANTS[system]), None
     gap = w - u
     peak = kara_peak(gen, w, args.retention)
     prefix = f"kara_{system}_"
@@ -154,7 +163,7 @@ def main(argv=None):
     ap.add_argument("--pool-fractions", type=float, nargs="+", default=[0.5, 0.25, 0.125])
     ap.add_argument("--windows", type=int, nargs="+", default=[64, 128, 512])
     ap.add_argument("--systems", nargs="+", default=["vanilla", "kara", "snapkv", "streaming"],
-                    help="vanilla, kara, kara-pressure, kara-headroom, or a baseline; ':<source>' after a name "
+                    help="vanilla, kara, kara-pressure, kara-headroom, kara-buffer, or a baseline; ':<source>' after a name "
                          "(kara:recompute) gives that system its own query source")
     ap.add_argument("--retention", type=float, default=0.25)
     ap.add_argument("--max-running", type=int, default=256)
@@ -172,6 +181,10 @@ def main(argv=None):
     if args.rewrite:
         return rewrite(args.out)
     args.env = {k: v for k, v in os.environ.items() if k.startswith("SGL_KARA_") and k != "SGL_KARA_TRACE"}
+    from sgl_kara import env as kara_env
+
+    # Its default changed in session 14 (packed in place): record what these engines ran.
+    args.env.setdefault("SGL_KARA_PACKED_CPU_LINEAR", "1 (default)" if kara_env.packed_cpu_linear() else "0")
     sys.path.insert(0, HERE)
     from throughput import run_system
 

@@ -48,6 +48,9 @@ TARGET_LINEAR_PROCESS_WEIGHTS = (
     "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.process_weights_after_loading")
 TARGET_LINEAR_RESTORE_WEIGHTS = (
     "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.restore_weights_before_loading")
+TARGET_WEIGHT_EXPORTS = tuple(
+    f"sglang.srt.model_executor.model_runner_components.weight_exporter.WeightExporter.{name}"
+    for name in ("get_weights_by_name", "save_sharded_model", "save_remote_model", "send_weights_to_remote_instance"))
 TARGET_LM_HEAD = "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head"
 TARGET_TORCH_NATIVE_METADATA = (
     "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.init_forward_metadata")
@@ -59,6 +62,9 @@ ATTRIBUTES = {
     # cpu_linear.py: the lm_head hook takes SGLang's plain matmul branch only
     "sglang.srt.layers.logits_processor.LogitsProcessor": [
         "_compute_lm_head", "use_fp32_lm_head", "rl_on_policy_target"],
+    "sglang.srt.model_executor.model_runner_components.weight_exporter.WeightExporter": [
+        "get_model", "get_weights_by_name", "save_sharded_model", "save_remote_model",
+        "send_weights_to_remote_instance"],
     "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod": [
         "apply", "apply_into", "process_weights_after_loading", "restore_weights_before_loading"],
     # request KV bookkeeping: scheduler/jobs.py, events.py, runtime.py; mem_cache/radix.py

@@ -28,12 +28,13 @@ on its logits). Hooks (registered by plugin.py unless the variable is 0 when the
 ``UnquantizedLinearMethod.process_weights_after_loading`` / ``restore_weights_before_loading`` /
 ``apply`` / ``apply_into`` and ``LogitsProcessor._compute_lm_head`` (its plain matmul branch
 only: every other branch -- LoRA, quantized or AMX lm_head, float32 upcast, ``out=`` -- runs
-SGLang's own code). Not covered: reading a packed linear weight's values back
-(``get_weights_by_name``) -- serve with ``SGL_KARA_PACKED_CPU_LINEAR=0`` for that.
+SGLang's own code) -- and ``WeightExporter``'s methods (``get_weights_by_name``, saving or sending
+the weights), which run on dense weights: unpacked for the call, packed again after it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -143,6 +144,26 @@ def process_weights_hook(original, method, layer, *args, **kwargs):
     result = original(method, layer, *args, **kwargs)
     pack_in_place(layer)
     return result
+
+
+@contextlib.contextmanager
+def dense_weights(model: torch.nn.Module):
+    """The model's packed linear weights dense for the duration (exact both ways)."""
+    layers = [m for m in model.modules() if m in _packed_layers]
+    for layer in layers:
+        unpack_in_place(layer)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            pack_in_place(layer)
+
+
+def weight_export_hook(original, exporter, *args, **kwargs):
+    """AROUND ``WeightExporter.get_weights_by_name`` / ``save_sharded_model`` / ``save_remote_model``
+    / ``send_weights_to_remote_instance``: they read the weights' values."""
+    with dense_weights(exporter.get_model()):
+        return original(exporter, *args, **kwargs)
 
 
 def restore_weights_hook(original, method, layer, *args, **kwargs):

@@ -62,6 +62,8 @@ def register() -> None:
             sg.HookRegistry.register(sg.TARGET_LINEAR_APPLY_INTO, cpu_linear.linear_apply_into_hook,
                                      sg.HookType.AROUND)
             sg.HookRegistry.register(sg.TARGET_LM_HEAD, cpu_linear.lm_head_hook, sg.HookType.AROUND)
+            for target in sg.TARGET_WEIGHT_EXPORTS:
+                sg.HookRegistry.register(target, cpu_linear.weight_export_hook, sg.HookType.AROUND)
         else:
             logger.warning("sgl_kara: this torch has no oneDNN linear; CPU weight matmuls stay F.linear")
     if env.trace():

@@ -161,6 +161,16 @@ def test_lm_head_hook_takes_only_sglangs_plain_matmul_branch_for_decode_rows():
     assert cpu_linear.LM_HEAD_ROWS == (3, 64)
 
 
+def _checkpoint_tensor(path, name):
+    from safetensors import safe_open
+
+    for f in Path(path).glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            if name in st.keys():
+                return st.get_tensor(name)
+    raise KeyError(name)
+
+
 def _run(engine, prompts, params):
     outs = engine.generate(prompts, params, return_logprob=True)
     return [(o["output_ids"], [lp for lp, *_ in o["meta_info"]["output_token_logprobs"]]) for o in outs]
@@ -180,7 +190,8 @@ def test_engine_default_packs_every_weight_matches_and_survives_a_weight_reload(
     the model packed (qkv, o, gate_up, down per layer in place + the lm_head's copy; none with
     the variable 0), and the log-probabilities agree within float rounding. The default engine
     then reloads its weights from disk (SGLang's restore -> load -> process path): the reload
-    succeeds and the outputs are unchanged."""
+    succeeds and the outputs are unchanged; and get_weights_by_name reads a packed weight's
+    values as the checkpoint has them."""
     from conftest import start_engine
 
     prompts = [f"Question {i}: what is {i} plus {i}?" for i in range(4)]
@@ -200,15 +211,44 @@ def test_engine_default_packs_every_weight_matches_and_survives_a_weight_reload(
                     ok, message, *_ = engine.update_weights_from_disk(tiny_llama)
                     assert ok, message
                     reloaded = _run(engine, prompts, params)
+                    got = engine.get_weights_by_name("model.layers.0.mlp.down_proj.weight", truncate_size=3)
+                    want = _checkpoint_tensor(tiny_llama, "model.layers.0.mlp.down_proj.weight")[:3]
+                    assert got is not None and torch.allclose(torch.tensor(got, dtype=torch.float32), want.float())
             finally:
                 engine.shutdown()
         finally:
             for k, v in saved.items():
                 os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
         steps = [json.loads(line) for line in trace.read_text().splitlines()]
-        runs[flag] = (first, reloaded, max(s["packed_weights"] for s in steps), max(s["running"] for s in steps))
-    (packed, reloaded, n_packed, running), (plain, _, n_plain, _) = runs[None], runs["0"]
+        runs[flag] = (first, reloaded, max(s["packed_weights"] for s in steps), steps[-1]["packed_weights"],
+                      max(s["running"] for s in steps))
+    (packed, reloaded, n_packed, n_last, running), (plain, _, n_plain, _, _) = runs[None], runs["0"]
     layers = json.loads((Path(tiny_llama) / "config.json").read_text())["num_hidden_layers"]
-    assert running == 4 and n_packed == 4 * layers + 1 and n_plain == 0
+    assert running == 4 and n_packed == n_last == 4 * layers + 1 and n_plain == 0  # packed again after the reload
     _agree(packed, plain, 24)
-    assert reloaded == packed  # same packed weights after the reload: the same computation
+    _agree(reloaded, packed, 24)
+
+
+def test_weight_exports_read_dense_weights_and_leave_them_packed():
+    """SGLang's WeightExporter methods (get_weights_by_name, save/send) read weight values: the hook
+    unpacks the model's packed layers for the call and packs them again after it, also on error."""
+    model = torch.nn.Module()
+    model.a, model.b = _layer(seed=1), _layer(seed=2)
+    dense = {n: m.weight.detach().clone() for n, m in (("a", model.a), ("b", model.b))}
+    for m in (model.a, model.b):
+        cpu_linear.pack_in_place(m)
+    exporter = SimpleNamespace(get_model=lambda: model)
+
+    def read(exp, name):
+        return getattr(exp.get_model(), name).weight.clone()  # would fail on an opaque tensor
+    got = cpu_linear.weight_export_hook(read, exporter, "a")
+    assert torch.equal(got, dense["a"])
+    assert model.a.weight.is_mkldnn and model.b.weight.is_mkldnn
+
+    def fail(exp):
+        raise RuntimeError("export failed")
+    with pytest.raises(RuntimeError, match="export failed"):
+        cpu_linear.weight_export_hook(fail, exporter)
+    assert model.a.weight.is_mkldnn and model.b.weight.is_mkldnn
+    x = torch.randn(3, 96)
+    torch.testing.assert_close(cpu_linear.packed_linear(x, model.b.weight), F.linear(x, dense["b"]), rtol=1e-5, atol=1e-5)

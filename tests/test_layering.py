@@ -90,7 +90,8 @@ def test_every_sglang_touch_point_exists():
             mod, _, cls = path.rpartition(".")
             owner = getattr(importlib.import_module(mod), cls)
         missing += [f"{path}.{n}" for n in names if not _has_attribute(owner, n)]
-    for target in [v for k, v in vars(sg).items() if k.startswith("TARGET_")]:
+    targets = [v for k, v in vars(sg).items() if k.startswith("TARGET_")]
+    for target in [t for v in targets for t in (v if isinstance(v, tuple) else (v,))]:
         mod, _, attr = target.rpartition(".")
         try:
             owner = pkgutil.resolve_name(mod)

@@ -105,6 +105,11 @@ def test_kara_matches_masked_reference(arch, page, query_source, tiny_llama, tin
     run_and_check({"llama": tiny_llama, "qwen3": tiny_qwen3}[arch], tmp_path, page, query_source)
 
 
+def test_buffer_scoring_matches_masked_reference(tiny_llama, tmp_path):
+    """--kara-scoring buffer with recompute (a forward over the last U window tokens only)."""
+    run_and_check(tiny_llama, tmp_path, 1, "recompute", extra=dict(kara_scoring="buffer"))
+
+
 def test_requests_without_a_ring_row_fall_back_to_recompute(tiny_llama, tmp_path):
     """A capture ring with fewer rows than running requests (memory.ring_rows bounds it by the
     pool; ``--kara-query-ring-rows 1`` forces it here): the requests without a row are scored from

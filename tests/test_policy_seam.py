@@ -104,6 +104,32 @@ def test_kara_region_schedule_and_per_request_retention():
     assert p.query_capacity() == 64 + 8
 
 
+def test_kara_buffer_scoring_names_only_the_last_u_queries():
+    """--kara-scoring buffer: the same region, scored by the last U queries of the window only,
+    so its query window is exactly those U positions (a recompute forward computes U tokens,
+    not W); the scores are those of the full window's queries with the first W - U dropped."""
+    full = _policy("kara", window=64, buffer=16, period=8, retention=0.25)
+    buf = _policy("kara", window=64, buffer=16, period=8, retention=0.25, scoring="buffer")
+    row = _row(10 + 70, frontier=10)
+    a, b = full.region(row), buf.region(row)
+    assert (b.start, b.length, b.keep) == (a.start, a.length, a.keep) == (10, 48, 12)
+    assert (b.query_start, b.query_len) == (a.query_start + 48, 16)
+    assert b.query_start + b.query_len == a.query_start + a.query_len  # the window's last U
+    g = torch.Generator().manual_seed(3)
+    k_buffer = torch.randn(200, HKV, D, generator=g)
+    slots = torch.randperm(200, generator=g)[:48][None]
+    q = torch.randn(1, 64, HQ, D, generator=g)
+    got = buf.score(ScoreInput(0, q[:, 48:], k_buffer, slots, [row], [b]))
+    # Direct computation: each of the U queries' softmax over the region's keys (no causal
+    # mask), per KV head summed over the queries of its GQA group and over the queries.
+    keys = k_buffer[slots[0]]  # [48, HKV, D]
+    qh = q[0, 48:].reshape(16, HKV, HQ // HKV, D)
+    att = torch.softmax(torch.einsum("uhgd,mhd->hgum", qh, keys) / D ** 0.5, dim=-1)
+    want = att.sum(dim=(1, 2))[None]  # [1, HKV, 48]
+    torch.testing.assert_close(got / got.sum(-1, keepdim=True), want / want.sum(-1, keepdim=True),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_kara_leaves_a_window_that_finishes_within_its_charged_tail():
     p = _policy("kara", window=64, buffer=16, period=8, retention=0.25)
     due = _row(10 + 64, frontier=10)  # tail = W: its first window is complete

@@ -267,6 +267,23 @@ def test_query_sources_agree_on_first_window(compressing_engine):
         assert err < 2e-2, err
 
 
+def test_buffer_scoring_recomputes_the_decoded_queries(tiny_llama):
+    """--kara-scoring buffer: a region's query window is the last U tokens of the window, and the
+    recompute forward extends those alone (prefix = every row before them). On each request's
+    first window its scores equal those from the captured decode-time queries (crosscheck)."""
+    with engine_env(SGL_KARA_CROSSCHECK_QUERIES="1"):
+        engine = start_engine("kara", tiny_llama, kara_retention=0.25, kara_query_source="capture",
+                              kara_scoring="buffer", **KARA_SMALL)
+    try:
+        outs = engine.generate(PROMPTS, GREEDY)
+    finally:
+        engine.shutdown()
+    for out in outs:
+        kara = out["meta_info"]["kara"]
+        assert kara["compressions"] >= 3
+        assert kara["query_crosscheck_max_rel_err"] < 2e-2, kara["query_crosscheck_max_rel_err"]
+
+
 def test_parallel_samples_share_prompt_and_cache_hit(compressing_engine):
     prompt = "Let x = 3. Let y = x + 4, so y = 7. Then z = y - 2 = 5. The answer"
     params = {"max_new_tokens": 200, "temperature": 0.8, "ignore_eos": True, "n": 4}

@@ -27,7 +27,8 @@ Parameters (flags --kara-<name>; defaults: the paper's App. B.1 / B.3)
                        a chunk between kept indices i < j qualifies iff
                        1 < j - i < gamma (so it adds j - i - 1 <= gamma - 2).
     scoring            bidirectional (all W window queries) | buffer (the last U only,
-                       the paper's ablation)
+                       the paper's ablation; its region names only those U queries, so a
+                       recompute forward computes U tokens per window instead of W)
     period (delta)     decode steps between compression events (128)
 
 Tie-breaking everywhere: higher score first, then lower index (stable sorts).
@@ -217,6 +218,8 @@ class KaraPolicy(Policy):
             return None
         m = o.compressible
         retention = row.state.retention if row.state.retention is not None else o.retention
+        if o.scoring == "buffer":  # only the last U queries score: a recompute forward computes those alone
+            return Region(row.frontier, m, kept_count(m, retention), row.frontier + m, o.buffer)
         return Region(row.frontier, m, kept_count(m, retention), row.frontier, o.window)
 
     def query_capacity(self) -> int:
@@ -235,10 +238,8 @@ class KaraPolicy(Policy):
         return remaining > 1 and (row.length - row.frontier) + remaining > o.window + o.period
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
-        q = inp.queries
-        if self.options.scoring == "buffer":
-            q = q[:, self.options.window - self.options.buffer :]
-        return window_scores_paged(q.contiguous(), inp.k_buffer, inp.slots)
+        # q: the region's query window (region()): all W queries, or the last U with scoring=buffer.
+        return window_scores_paged(inp.queries.contiguous(), inp.k_buffer, inp.slots)
 
     def select(self, scores: torch.Tensor, keep: int) -> torch.Tensor:
         m = scores.shape[-1]
