@@ -8,9 +8,9 @@ its lm_head, 540 MB of weights, more than the cache): MKL takes 37-42 ms for 1-2
 weights streamed once -- but 72-127 ms for 4-12 rows, a kernel regime that does not reuse what it
 streams, so on this CPU each running request adds ~10-19 ms to a decode step (bench/RESULTS.md,
 session 12: the projections, MLP and lm_head are two thirds of that per-request cost). oneDNN on
-the packed weights takes 38-44 ms from 4 to 8 rows and 1.0-1.1x less than MKL from 64 to 256 rows,
-but ~9% more at 1 row (34 vs 31 ms): a lone request decodes a little slower, every batch faster
-(session 14).
+the packed weights takes 50 / 58 / 64 ms at 4 / 8 / 12 rows and 1.04-1.10x less than MKL from 64 to
+256 rows, but ~11% more at 1 row (43.5 vs 38.6 ms): the default server decodes a lone request
+~11% slower (13.8 vs 15.5 tok/s) and 8 concurrent ones 17% faster (82.9 vs 70.9; session 14).
 
 Layout of the state (one owner each):
 

@@ -224,6 +224,23 @@ def test_retracted_request_keeps_its_own_budget(tiny_llama):
         assert 24 <= held <= 40 + 1, (held, meta)  # its own N..C_max, not the server's 200..216
 
 
+def test_buffer_scoring_recomputes_the_decoded_queries(tiny_llama):
+    """--kara-scoring buffer: a region's query window is the last U tokens of the window, and the
+    recompute forward extends those alone (prefix = every row before them). On each request's
+    first window its scores equal those from the captured decode-time queries (crosscheck)."""
+    with engine_env(SGL_KARA_CROSSCHECK_QUERIES="1"):
+        engine = start_engine("kara", tiny_llama, kara_retention=0.25, kara_query_source="capture",
+                              kara_scoring="buffer", **KARA_SMALL)
+    try:
+        outs = engine.generate(PROMPTS, GREEDY)
+    finally:
+        engine.shutdown()
+    for out in outs:
+        kara = out["meta_info"]["kara"]
+        assert kara["compressions"] >= 3
+        assert kara["query_crosscheck_max_rel_err"] < 2e-2, kara["query_crosscheck_max_rel_err"]
+
+
 # Tests that share ``compressing_engine`` come last: SGLang's Engine.shutdown kills every child
 # process of the calling process, so an engine shut down while another is alive would take the
 # other's scheduler with it (its watchdog then SIGQUITs pytest). One engine at a time.
@@ -265,23 +282,6 @@ def test_query_sources_agree_on_first_window(compressing_engine):
         # fp16 KV pool on CPU: the capture path sees decode-time queries, the recompute path an
         # extend over the same cached KV; they agree to fp16 rounding.
         assert err < 2e-2, err
-
-
-def test_buffer_scoring_recomputes_the_decoded_queries(tiny_llama):
-    """--kara-scoring buffer: a region's query window is the last U tokens of the window, and the
-    recompute forward extends those alone (prefix = every row before them). On each request's
-    first window its scores equal those from the captured decode-time queries (crosscheck)."""
-    with engine_env(SGL_KARA_CROSSCHECK_QUERIES="1"):
-        engine = start_engine("kara", tiny_llama, kara_retention=0.25, kara_query_source="capture",
-                              kara_scoring="buffer", **KARA_SMALL)
-    try:
-        outs = engine.generate(PROMPTS, GREEDY)
-    finally:
-        engine.shutdown()
-    for out in outs:
-        kara = out["meta_info"]["kara"]
-        assert kara["compressions"] >= 3
-        assert kara["query_crosscheck_max_rel_err"] < 2e-2, kara["query_crosscheck_max_rel_err"]
 
 
 def test_parallel_samples_share_prompt_and_cache_hit(compressing_engine):
