@@ -84,8 +84,10 @@ def _reorder(weight: torch.Tensor) -> torch.Tensor:
 
 def pack_in_place(layer: torch.nn.Module) -> bool:
     """Replace a packable ``layer.weight`` [out, in] by its oneDNN packed form; True if it was."""
+    from sgl_kara._sglang import use_intel_amx_backend
+
     weight = getattr(layer, "weight", None)
-    if not isinstance(weight, torch.Tensor) or not packable(weight) or getattr(layer, "use_intel_amx_backend", False):
+    if not isinstance(weight, torch.Tensor) or not packable(weight) or use_intel_amx_backend(layer):
         return False
     _replace_weight(layer, _reorder(weight))
     _packed_layers.add(layer)

@@ -218,9 +218,9 @@ class KaraPolicy(Policy):
             return None
         m = o.compressible
         retention = row.state.retention if row.state.retention is not None else o.retention
-        if o.scoring == "buffer":  # only the last U queries score: a recompute forward computes those alone
-            return Region(row.frontier, m, kept_count(m, retention), row.frontier + m, o.buffer)
-        return Region(row.frontier, m, kept_count(m, retention), row.frontier, o.window)
+        # buffer scoring: only the last U queries score, so a recompute forward computes those alone
+        q_start, q_len = (row.frontier + m, o.buffer) if o.scoring == "buffer" else (row.frontier, o.window)
+        return Region(row.frontier, m, kept_count(m, retention), q_start, q_len)
 
     def query_capacity(self) -> int:
         # A window becomes due at most `period` steps before its event.
