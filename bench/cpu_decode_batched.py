@@ -1,7 +1,7 @@
 """CPU decode attention in isolation: SGLang 0.5.23's own per-request loop, the runtime's loop
-(sgl_kara/cpu_attention.py, default) and the runtime's padded call (``SGL_KARA_BATCHED_CPU_DECODE=1``),
+(sgl_kara/cpu/attention.py, default) and the runtime's padded call (``SGL_KARA_BATCHED_CPU_DECODE=1``),
 all three through the functions the server runs: SGLang's ``_run_sdpa_forward_decode`` and
-``sgl_kara.cpu_attention.run_sdpa_forward_decode`` with the flag toggled (bench/RESULTS.md).
+``sgl_kara.cpu.attention.run_sdpa_forward_decode`` with the flag toggled (bench/RESULTS.md).
 
     python bench/cpu_decode_batched.py                      # the shapes of RESULTS.md
     python bench/cpu_decode_batched.py --shapes 48x650x9x3x64 --threads 1 --spread 0.5
@@ -15,7 +15,7 @@ times are per layer, gather included. The padded call folds the GQA group into t
     K, V   [T, H_kv, L_max, D]   gathered with padding pointed at each row's first slot
     mask   [T, 1, 1, L_max]      True where the key is in the row
 
-and is taken only while T x L_max <= PAD_RATIO sum(L_i) + T CALL_UNITS / (H_q D) (cpu_attention.py; else
+and is taken only while T x L_max <= PAD_RATIO sum(L_i) + T CALL_UNITS / (H_q D) (cpu/attention.py; else
 the runtime loops; the table says which ran). ``--spread`` checks that rule.
 """
 
@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from sgl_kara import cpu_attention
+from sgl_kara.cpu import attention as cpu_attention
 
 SHAPES = ["4x280x4x2x32", "16x120x4x2x32", "16x280x4x2x32", "32x300x4x2x32", "16x1000x4x2x32",
           "8x145x9x3x64", "48x650x9x3x64"]

@@ -1,5 +1,5 @@
 """Decode-step weight matmuls on CPU: MKL's sgemm (``F.linear``) vs oneDNN on a prepacked weight
-(``sgl_kara.cpu_linear``, as served: every linear weight packed, the lm_head's packed copy for
+(``sgl_kara.cpu.linear``, as served: every linear weight packed, the lm_head's packed copy for
 ``LM_HEAD_ROWS`` only), by batch rows. One thread, float32, a model's shapes (default:
 SmolLM2-135M: 30 layers of qkv [960, 576], o [576, 576], gate_up [3072, 576], down [576, 1536]
 and the lm_head [49152, 576] -- 540 MB, more than this machine's caches, as in serving).
@@ -46,7 +46,7 @@ def main(argv=None):
     import torch
     import torch.nn.functional as F
 
-    from sgl_kara import cpu_linear
+    from sgl_kara.cpu import linear as cpu_linear
 
     torch.set_num_threads(args.threads)
     cfg = SMOLLM2
@@ -79,7 +79,7 @@ def main(argv=None):
     lines = [f"weights {mb:.0f} MiB float32, {len(weights)} matmuls per step, {args.threads} thread(s), "
              f"torch {torch.__version__}, median of {args.repeats} passes per form (interleaved); linear weights packed "
              f"at every row count, the lm_head for rows in {cpu_linear.LM_HEAD_ROWS}", "",
-             "| rows | F.linear (ms) | per row | sgl_kara.cpu_linear (ms) | per row | F.linear / cpu_linear | max abs diff (first weight) |",
+             "| rows | F.linear (ms) | per row | sgl_kara.cpu.linear (ms) | per row | F.linear / cpu_linear | max abs diff (first weight) |",
              "|---|---|---|---|---|---|---|"]
     for rows in args.rows:
         for form in ("F.linear", "packed"):  # warm-up: packs the weights, touches every page

@@ -15,7 +15,7 @@ heaviest leaf frames inside compression events.
     event: compaction          compact_rows / compact_kv
     event: other               the rest of EventRunner.run / plan_jobs
     per-step Kara              on_decode_step, forward hooks (offsets, ring writes)
-    decode attention           torch_native decode (cpu_attention.py or SGLang's)
+    decode attention           torch_native decode (cpu/attention.py or SGLang's)
     forward: projections + MLP, logits (lm_head), norms, rotary, activation
                                the model's forward by SGLang layer file
     forward (other)            the model's forward outside attention and those layers

@@ -259,7 +259,7 @@ def main(argv=None):
             ap.error("--free-only needs --ref-dir (the record with Kara's peaks) and --show >= 1")
         return real_lm.main(args, argv)
     if args.model_path is None:
-        from sgl_kara.default_model import proxy_model_path
+        from sgl_kara.models.default import proxy_model_path
 
         args.model_path = proxy_model_path()
     os.makedirs(args.out, exist_ok=True)

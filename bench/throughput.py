@@ -176,7 +176,7 @@ def run_system(system: str, args, pool: int, max_running: int, repeat: int = 0, 
         common["model_path"] = args.model_path
     with engine_env(args.omp_threads, SGL_KARA_TRACE=trace_path):
         if system == "vanilla":
-            from sgl_kara.default_model import default_model_path
+            from sgl_kara.models.default import default_model_path
 
             engine = sglang.Engine(**{"model_path": default_model_path(), **cpu_defaults(), **common})
         else:

@@ -68,7 +68,7 @@ def model_path(name: str) -> str:
     if name == "tiny":
         return tiny_model()
     if name == "smollm2":
-        from sgl_kara.default_model import default_model_path
+        from sgl_kara.models.default import default_model_path
 
         return default_model_path()
     return name

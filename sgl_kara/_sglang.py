@@ -59,7 +59,7 @@ ROTARY_BASE_MODULE = "sglang.srt.layers.rotary_embedding.base"
 # Attributes of SGLang objects read or written by sgl_kara (and by its tests), by owner, with
 # where: checked to exist (class attribute, dataclass field, or ``self.<name>`` in the class source).
 ATTRIBUTES = {
-    # cpu_linear.py: the lm_head hook takes SGLang's plain matmul branch only
+    # cpu/linear.py: the lm_head hook takes SGLang's plain matmul branch only
     "sglang.srt.layers.logits_processor.LogitsProcessor": [
         "_compute_lm_head", "use_fp32_lm_head", "rl_on_policy_target"],
     "sglang.srt.model_executor.model_runner_components.weight_exporter.WeightExporter": [

@@ -12,7 +12,7 @@ import functools
 
 from sgl_kara._sglang import SGLangEngine
 from sgl_kara.config import KaraConfig
-from sgl_kara.default_model import default_model_path
+from sgl_kara.models.default import default_model_path
 from sgl_kara.plugin import register
 from sgl_kara.support import prepare_server_args, server_defaults
 
@@ -93,7 +93,7 @@ class Engine(SGLangEngine):
             raise TypeError("sgl_kara.Engine takes keyword options, not server_args=")
         self.kara_config, server_args = build_server_args(kwargs)
         if server_args.device == "cpu":
-            from sgl_kara.cpu_threads import prefer_passive_omp
+            from sgl_kara.cpu.threads import prefer_passive_omp
 
             prefer_passive_omp()  # the scheduler is spawned: it loads torch with this set
         from sgl_kara.plugin import set_serving_policy

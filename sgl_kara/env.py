@@ -10,9 +10,9 @@ a spawned process sees the value its environment has).
 | SGL_KARA_RECORD_EVICTIONS | path | - | JSON lines: evicted logical positions per event (oracle) |
 | SGL_KARA_TRACE | path | - | JSON lines: running and waiting requests and free slots per decode step |
 | SGL_KARA_INJECT_FAULT_RID_PREFIX | str | - | scoring raises for rids with this prefix (tests) |
-| SGL_KARA_FAST_CPU_DECODE | bool | 1 | torch_native on CPU: decode gathers K/V once per layer; the recompute pass attends its window queries only (cpu_attention.py) |
+| SGL_KARA_FAST_CPU_DECODE | bool | 1 | torch_native on CPU: decode gathers K/V once per layer; the recompute pass attends its window queries only (cpu/attention.py) |
 | SGL_KARA_BATCHED_CPU_DECODE | bool | 1 | with the fast decode: one padded SDPA call per layer for the whole batch, GQA group folded into the query axis (not bit-identical to SGLang's: float summation order; 0 = the per-request loop, bit-identical; bench/cpu_decode_batched.py) |
-| SGL_KARA_PACKED_CPU_LINEAR | bool | 1 | on CPU: float32 weight matmuls through oneDNN on weights packed in place after loading (the lm_head: a packed copy, for decode batches), instead of MKL's sgemm (not bit-identical: float summation order; cpu_linear.py; read when the plugin loads) |
+| SGL_KARA_PACKED_CPU_LINEAR | bool | 1 | on CPU: float32 weight matmuls through oneDNN on weights packed in place after loading (the lm_head: a packed copy, for decode batches), instead of MKL's sgemm (not bit-identical: float summation order; cpu/linear.py; read when the plugin loads) |
 
 SGLang rewrites any ``SGL_*`` variable to ``SGLANG_*`` with a deprecation warning at import;
 sgl_kara/__init__ silences that warning for these names, and they keep working.

@@ -12,7 +12,7 @@ import functools
 import os
 import sys
 
-from sgl_kara.cpu_threads import prefer_passive_omp
+from sgl_kara.cpu.threads import prefer_passive_omp
 
 prefer_passive_omp()  # before torch loads (sgl_kara.config imports it); the workers fork from here
 
@@ -60,7 +60,7 @@ def parse(argv: list[str]):
     except KaraConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
-    from sgl_kara.default_model import default_model_path
+    from sgl_kara.models.default import default_model_path
     from sgl_kara.models.smollm2 import DefaultModelMissing
     from sgl_kara.plugin import register
     from sgl_kara.support import UnsupportedFeature, prepare_server_args, server_defaults

@@ -61,7 +61,7 @@ class ModelShape:
     checkpoint_dtype: str
     weight_file_bytes: int
     mrope: bool = False  # multimodal rotary positions (Qwen2-VL style): refused by support.py
-    lm_head_elements: int = 0  # vocab x hidden: the lm_head's packed copy on CPU (cpu_linear.py)
+    lm_head_elements: int = 0  # vocab x hidden: the lm_head's packed copy on CPU (cpu/linear.py)
 
     @classmethod
     def from_model_path(cls, model_path: str) -> "ModelShape | None":
@@ -170,7 +170,7 @@ def gib(n: int) -> str:
 def check_cpu_fit(shape: ModelShape, itemsize: int, max_total_tokens: int, ring_rows: int, ring_capacity: int,
                   available: int, packed_linear: bool = False) -> dict:
     """Raise MemoryConfigError when weights (+ the lm_head's packed copy when ``packed_linear``
-    and float32: cpu_linear.py packs the other weights in place) + KV pool + ring (+ the
+    and float32: cpu/linear.py packs the other weights in place) + KV pool + ring (+ the
     processes' floor) exceed ``available``; returns the byte counts (for the start-up log)."""
     sizes = {
         "weights": shape.weight_bytes(itemsize),

@@ -6,8 +6,8 @@ upstream change (see patches/) and is inert unless a Kara scheduler runs in this
 behaves exactly like SGLang -- except hooks that act for every request: the input-ids
 validation, which rejects out-of-vocabulary ids with a 400 (SGLang 0.5.23 would crash its
 scheduler); torch_native's CPU decode attention, which gathers K/V once per layer instead of
-once per request and layer (sgl_kara/cpu_attention.py); and, on CPU, float32 weight matmuls on
-weights packed in place for oneDNN (sgl_kara/cpu_linear.py). The last two change float summation
+once per request and layer (sgl_kara/cpu/attention.py); and, on CPU, float32 weight matmuls on
+weights packed in place for oneDNN (sgl_kara/cpu/linear.py). The last two change float summation
 order only (SGL_KARA_BATCHED_CPU_DECODE=0 / SGL_KARA_PACKED_CPU_LINEAR=0 turn them off). The
 torch_native extend hook acts only inside Kara's recompute pass.
 """
@@ -45,13 +45,13 @@ def register() -> None:
     sg.HookRegistry.register(sg.TARGET_META_INFO, unwrap_meta_hook, sg.HookType.AROUND)
     sg.HookRegistry.register(sg.TARGET_SAMPLING_VERIFY, _verify_hook, sg.HookType.AFTER)
     sg.HookRegistry.register(sg.TARGET_VALIDATE_REQUEST, _validate_input_ids_hook, sg.HookType.AFTER)
-    from sgl_kara.cpu_attention import reset_metadata_hook, run_sdpa_forward_decode
+    from sgl_kara.cpu.attention import reset_metadata_hook, run_sdpa_forward_decode
 
     sg.HookRegistry.register(sg.TARGET_TORCH_NATIVE_METADATA, reset_metadata_hook, sg.HookType.AFTER)
     sg.HookRegistry.register(sg.TARGET_TORCH_NATIVE_DECODE, run_sdpa_forward_decode, sg.HookType.AROUND)
     sg.HookRegistry.register(sg.TARGET_TORCH_NATIVE_EXTEND, _recompute_extend_hook, sg.HookType.AROUND)
     if env.packed_cpu_linear():
-        from sgl_kara import cpu_linear
+        from sgl_kara.cpu import linear as cpu_linear
 
         if cpu_linear.available():
             sg.HookRegistry.register(sg.TARGET_LINEAR_PROCESS_WEIGHTS, cpu_linear.process_weights_hook,
@@ -129,13 +129,13 @@ def _attention_hook(original, layer, q, k, v, forward_batch, save_kv_cache=True,
 def _recompute_extend_hook(original, backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
                            seq_lens, extend_prefix_lens, extend_seq_lens, encoder_lens=None, scaling=None,
                            enable_gqa=False, causal=False, is_cross_attn=False, sliding_window_size=None):
-    """torch_native extend: Kara's recompute pass on CPU takes cpu_attention.run_window_extend
+    """torch_native extend: Kara's recompute pass on CPU takes cpu.attention.run_window_extend
     (window queries only); every other extend (prefills, plain SGLang) takes SGLang's path."""
     rt = _active()
     if (rt is not None and rt.forward.scoring is not None and causal and encoder_lens is None and not is_cross_attn
             and query.device.type == "cpu" and (sliding_window_size is None or sliding_window_size <= -1)
             and env.fast_cpu_decode()):
-        from sgl_kara.cpu_attention import run_window_extend
+        from sgl_kara.cpu.attention import run_window_extend
 
         return run_window_extend(backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                                  extend_prefix_lens, extend_seq_lens, scaling=scaling, enable_gqa=enable_gqa)
@@ -179,10 +179,10 @@ def _trace_hook(result, scheduler, batch, *args, **kwargs):
 
 
 def _packed_weights() -> int:
-    """Weights held in oneDNN's packed form (SGL_KARA_PACKED_CPU_LINEAR: cpu_linear.py), 0 without."""
+    """Weights held in oneDNN's packed form (SGL_KARA_PACKED_CPU_LINEAR: cpu/linear.py), 0 without."""
     import sys
 
-    mod = sys.modules.get("sgl_kara.cpu_linear")
+    mod = sys.modules.get("sgl_kara.cpu.linear")
     return mod.packed_count() if mod is not None else 0
 
 

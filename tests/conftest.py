@@ -27,7 +27,7 @@ STRICT_ENV = {
 }
 os.environ.update(STRICT_ENV)
 
-from sgl_kara.default_model import PROXY_MODEL_DIR
+from sgl_kara.models.default import PROXY_MODEL_DIR
 
 PROXY_MODEL = str(PROXY_MODEL_DIR)  # the reasoning proxy: the tests' fast real-weight model
 

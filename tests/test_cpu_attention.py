@@ -1,4 +1,4 @@
-"""The torch_native CPU decode hook (sgl_kara/cpu_attention.py) is bit-identical to SGLang's own
+"""The torch_native CPU decode hook (sgl_kara/cpu/attention.py) is bit-identical to SGLang's own
 ``_run_sdpa_forward_decode`` on random pools, rows and lengths (GQA and MHA, float32 and
 bfloat16, one request and many), reuses its slots within a forward and reads them anew after
 ``init_forward_metadata``; unsupported cases go to SGLang's path."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_kara.cpu_attention import reset_metadata_hook, run_sdpa_forward_decode
+from sgl_kara.cpu.attention import reset_metadata_hook, run_sdpa_forward_decode
 
 
 def _sglang_decode():
@@ -110,7 +110,7 @@ def test_window_extend_matches_sglang(batch, hq, hkv, d, window, dtype, tol):
     """The recompute pass's extend (E window queries at the end of each row, causal) equals
     SGLang's padded L x L extend, up to float summation order; rows of different lengths, the
     slots shared by the layers of one forward."""
-    from sgl_kara.cpu_attention import run_window_extend
+    from sgl_kara.cpu.attention import run_window_extend
 
     q1, k, v, rtt, idx, _ = _case(batch * 11 + d, batch, hq, hkv, d, dtype)
     g = torch.Generator().manual_seed(batch + window)
@@ -131,7 +131,7 @@ def test_window_extend_matches_sglang(batch, hq, hkv, d, window, dtype, tol):
 
 
 def test_window_extend_refuses_a_row_that_is_not_prefix_plus_window():
-    from sgl_kara.cpu_attention import run_window_extend
+    from sgl_kara.cpu.attention import run_window_extend
 
     q1, k, v, rtt, idx, _ = _case(4, 2, 4, 2, 16, torch.float32)
     prefix, extend = torch.tensor([10, 20]), torch.tensor([4, 4])
@@ -151,7 +151,7 @@ def test_batched_decode_matches_sglang(monkeypatch, batch, hq, hkv, d, dtype, to
     """SGL_KARA_BATCHED_CPU_DECODE=1: one padded SDPA for the batch equals SGLang's per-request
     attention up to summation order; padding never leaks (rows of very different lengths, pool
     entries beyond each row set to huge values)."""
-    from sgl_kara.cpu_attention import _META
+    from sgl_kara.cpu.attention import _META
 
     monkeypatch.setenv("SGL_KARA_BATCHED_CPU_DECODE", "1")
     original = _sglang_decode()
@@ -177,7 +177,7 @@ def test_batched_decode_matches_sglang(monkeypatch, batch, hq, hkv, d, dtype, to
 def test_batched_decode_falls_back_to_the_loop_when_padding_dominates(monkeypatch):
     """One long row among short ones (heads large enough that the loop's per-request overhead does
     not pay for the padding): the loop runs and the output stays bit-identical to SGLang's."""
-    from sgl_kara.cpu_attention import _META
+    from sgl_kara.cpu.attention import _META
 
     monkeypatch.setenv("SGL_KARA_BATCHED_CPU_DECODE", "1")
     original = _sglang_decode()
@@ -197,7 +197,7 @@ def test_padded_call_is_chosen_by_the_cost_rule():
     """T x L_max <= PAD_RATIO x sum(L) + T x CALL_UNITS / (H_q x D): equal rows always pad; one
     long row among short ones pads only where the loop's per-request overhead outweighs the
     padding (small heads); the decision is per head size and cached for the forward."""
-    from sgl_kara.cpu_attention import CALL_UNITS, PAD_RATIO, _Rows
+    from sgl_kara.cpu.attention import CALL_UNITS, PAD_RATIO, _Rows
 
     rtt = torch.arange(8 * 1000, dtype=torch.int32).view(8, 1000)
     idx = torch.arange(8)
@@ -224,7 +224,7 @@ def test_buffers_grown_in_inference_mode_serve_the_decode_outside_it(monkeypatch
     """The recompute pass (inference_mode) can be the first to need a K/V buffer; the next decode
     forward runs outside inference_mode and writes into the same buffer (found by the spread
     grid, session 10: 'Inplace update to inference tensor outside InferenceMode')."""
-    from sgl_kara.cpu_attention import _META, run_window_extend
+    from sgl_kara.cpu.attention import _META, run_window_extend
 
     monkeypatch.setenv("SGL_KARA_BATCHED_CPU_DECODE", batched)
     original = _sglang_decode()

@@ -1,4 +1,4 @@
-"""sgl_kara/cpu_linear.py (SGL_KARA_PACKED_CPU_LINEAR, on by default): float32 linear weights
+"""sgl_kara/cpu/linear.py (SGL_KARA_PACKED_CPU_LINEAR, on by default): float32 linear weights
 packed in place after loading (no second copy) compute F.linear within float rounding for any
 rows and leading dims, unpack exactly for a weight update, and in an engine every weight matmul
 of the model runs packed, with the same outputs as without, before and after a weight reload."""
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sgl_kara import cpu_linear
+from sgl_kara.cpu import linear as cpu_linear
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="this torch has no oneDNN linear")
 

@@ -4,6 +4,8 @@ first, fast, instead of deep inside a scheduler process).
 
     wiring      launch_server, engine, plugin, support, memory      may import anything below
     scheduler   runtime glue                                         config, mem_cache, policies, kernels
+    cpu         CPU serving hooks (attention, linear, threads)       env, _sglang (no Kara state)
+    models      default and fixture checkpoints                      env (no SGLang, no Kara state)
     mem_cache   compaction, radix cap, integrity                     config, kernels (not scheduler)
     config      KaraConfig                                           policies
     policies    pure algorithms, the policy contract                 kernels only
@@ -31,6 +33,11 @@ FORBIDDEN = {
                  "sgl_kara.support", "sgl_kara.memory"),
     "config.py": ("sgl_kara.mem_cache", "sgl_kara.scheduler", "sgl_kara._sglang", "sglang"),
     "mem_cache": ("sgl_kara.scheduler",),
+    "cpu": ("sgl_kara.scheduler", "sgl_kara.mem_cache", "sgl_kara.policies", "sgl_kara.config", "sgl_kara.kernels",
+            "sgl_kara.support", "sgl_kara.memory", "sgl_kara.plugin", "sgl_kara.engine", "sgl_kara.launch_server"),
+    "models": ("sglang", "sgl_kara._sglang", "sgl_kara.scheduler", "sgl_kara.mem_cache", "sgl_kara.policies",
+               "sgl_kara.config", "sgl_kara.kernels", "sgl_kara.cpu", "sgl_kara.support", "sgl_kara.plugin",
+               "sgl_kara.engine", "sgl_kara.launch_server"),
 }
 
 

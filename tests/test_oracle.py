@@ -155,7 +155,7 @@ def test_kara_matches_masked_reference_rest(arch, page, query_source, tiny_llama
 @pytest.mark.slow
 @pytest.mark.parametrize("page, query_source", [(1, "capture"), (16, "recompute")])
 def test_smollm2_matches_masked_reference(page, query_source, tmp_path):
-    from sgl_kara.default_model import default_model_path
+    from sgl_kara.models.default import default_model_path
 
     run_and_check(default_model_path(), tmp_path, page, query_source,
                   extra=dict(kara_window=128, kara_buffer=16, kara_period=16),

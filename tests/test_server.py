@@ -68,7 +68,7 @@ def test_proxy_reasons_through_the_example_prompt(server):
     goes astray (it does not stop, here: see the quality benchmark), so nothing later is asserted."""
     from pathlib import Path
 
-    from sgl_kara.default_model import PROXY_MODEL_DIR
+    from sgl_kara.models.default import PROXY_MODEL_DIR
 
     prompt = (Path(PROXY_MODEL_DIR) / "example_prompt.txt").read_text().strip()
     params = {"max_new_tokens": 1000, "temperature": 0}

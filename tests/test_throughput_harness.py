@@ -221,7 +221,7 @@ def test_profile_stages_split_the_forward_by_layer_file(tmp_path):
         f"{loop};{fwd};{linear}": 50,
         f"{loop};{fwd};LogitsProcessor._compute_lm_head (logits_processor.py:1200);Module.__getattr__ "
         "(torch/nn/modules/module.py:1963)": 10,
-        f"{loop};{fwd};run_sdpa_forward_decode (cpu_attention.py:3)": 20,
+        f"{loop};{fwd};run_sdpa_forward_decode (cpu/attention.py:3)": 20,
         f"{loop};Sampler.forward (sampler.py:301)": 10,
         f"{loop};EventRunner.run (events.py:1);EventRunner._recompute (events.py:3);{fwd};{linear}": 10,
     }

@@ -341,7 +341,7 @@ def main(argv=None):
     if args.chunk_budget is None:
         args.chunk_budget = default_chunk_budget(kept_count(args.window - args.buffer, args.retention))
     if args.model_path is None:
-        from sgl_kara.default_model import default_model_path
+        from sgl_kara.models.default import default_model_path
 
         args.model_path = default_model_path()
     os.makedirs(args.out, exist_ok=True)

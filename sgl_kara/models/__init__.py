@@ -1,1 +1,2 @@
-"""Small models sgl_kara makes itself: random-weight fixtures and the embedded default."""
+"""Models sgl_kara serves or builds itself: the default model and the reasoning proxy (default.py),
+the SmolLM2 conversion (smollm2.py) and random-weight test fixtures (tiny.py)."""

@@ -11,7 +11,7 @@
 
 from pathlib import Path
 
-PROXY_MODEL_DIR = Path(__file__).parent / "assets" / "reasoning_proxy"
+PROXY_MODEL_DIR = Path(__file__).parent.parent / "assets" / "reasoning_proxy"
 
 
 def default_model_path() -> str:
