@@ -1,5 +1,5 @@
 """CPU decode attention in isolation: SGLang 0.5.23's own per-request loop, the runtime's loop
-(sgl_kara/cpu/attention.py, default) and the runtime's padded call (``SGL_KARA_BATCHED_CPU_DECODE=1``),
+(sgl_kara/cpu/attention.py, default) and the runtime's padded call (``KARA_BATCHED_CPU_DECODE=1``),
 all three through the functions the server runs: SGLang's ``_run_sdpa_forward_decode`` and
 ``sgl_kara.cpu.attention.run_sdpa_forward_decode`` with the flag toggled (bench/RESULTS.md).
 
@@ -32,7 +32,7 @@ from sgl_kara.cpu import attention as cpu_attention
 
 SHAPES = ["4x280x4x2x32", "16x120x4x2x32", "16x280x4x2x32", "32x300x4x2x32", "16x1000x4x2x32",
           "8x145x9x3x64", "48x650x9x3x64"]
-FLAG = "SGL_KARA_BATCHED_CPU_DECODE"
+FLAG = "KARA_BATCHED_CPU_DECODE"
 
 
 def _sglang_decode():

@@ -3,7 +3,7 @@
 Starts the server exactly as the README's first command does (``python -m sgl_kara.launch_server
 --port P``, no other flag), then measures
 
-    conversion       first start with an empty model cache (--fresh-cache: SGL_KARA_CACHE in a
+    conversion       first start with an empty model cache (--fresh-cache: KARA_CACHE in a
                      temporary directory, so the GGUF is converted again)
     start-up         launch -> /health answers 200, with the model already converted (--vanilla:
                      also plain ``python -m sglang.launch_server`` with the same resolved settings)
@@ -125,7 +125,7 @@ def main(argv=None):
     res: dict = {"machine": f"{platform.node()} {os.cpu_count()} cores", "python": sys.version.split()[0]}
     if args.fresh_cache:
         with tempfile.TemporaryDirectory(prefix="sgl_kara_cache_") as cache:
-            proc, _, secs = start({**env, "SGL_KARA_CACHE": cache}, os.path.join(args.out, "first_start.log"), 900)
+            proc, _, secs = start({**env, "KARA_CACHE": cache}, os.path.join(args.out, "first_start.log"), 900)
             stop(proc)
             res["first_start_s"] = round(secs, 1)
             marker = next(iter(os.scandir(cache)), None)

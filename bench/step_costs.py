@@ -1,4 +1,4 @@
-"""Where a throughput ratio comes from: per-step costs from a run's SGL_KARA_TRACE lines.
+"""Where a throughput ratio comes from: per-step costs from a run's KARA_TRACE lines.
 
 Each trace record is written when the scheduler has picked the next decode batch: its running
 requests B, the KV rows they hold (``rows``, physical: what attention reads), the requests

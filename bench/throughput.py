@@ -6,7 +6,7 @@ one command runs, in one process and one run, vanilla ``sglang.Engine`` and sgl_
 workload and the same KV pool size, and reports output tokens/s, the ratio to vanilla, mean and
 peak running requests, retractions, compression events and the share of wall time spent
 compressing. Per-step traces (running requests, free slots) come from the plugin's
-``SGL_KARA_TRACE`` hook, which instruments vanilla and Kara schedulers alike.
+``KARA_TRACE`` hook, which instruments vanilla and Kara schedulers alike.
 
     python bench/throughput.py                         # embedded model on CPU, defaults below
     python bench/throughput.py --pool-fractions 1 0.5 0.25 0.125 --max-running 16 64
@@ -174,7 +174,7 @@ def run_system(system: str, args, pool: int, max_running: int, repeat: int = 0, 
     )
     if args.model_path:
         common["model_path"] = args.model_path
-    with engine_env(args.omp_threads, SGL_KARA_TRACE=trace_path):
+    with engine_env(args.omp_threads, KARA_TRACE=trace_path):
         if system == "vanilla":
             from sgl_kara.models.default import default_model_path
 

@@ -180,11 +180,12 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.rewrite:
         return rewrite(args.out)
-    args.env = {k: v for k, v in os.environ.items() if k.startswith("SGL_KARA_") and k != "SGL_KARA_TRACE"}
+    args.env = {k: v for k, v in os.environ.items()
+                if k.startswith(("KARA_", "SGL_KARA_")) and k not in ("KARA_TRACE", "SGL_KARA_TRACE")}
     from sgl_kara import env as kara_env
 
-    # Its default changed in session 14 (packed in place): record what these engines ran.
-    args.env.setdefault("SGL_KARA_PACKED_CPU_LINEAR", "1 (default)" if kara_env.packed_cpu_linear() else "0")
+    # Its default has changed before (packed in place): record what these engines ran.
+    args.env.setdefault("KARA_PACKED_CPU_LINEAR", "1 (default)" if kara_env.packed_cpu_linear() else "0")
     sys.path.insert(0, HERE)
     from throughput import run_system
 
@@ -258,7 +259,7 @@ def step_profile(trace: list[dict]) -> dict:
 
 
 def concurrency_profile(trace: list[dict]) -> dict:
-    """From the per-step trace (SGL_KARA_TRACE lines): the share of decode steps at which a request
+    """From the per-step trace (KARA_TRACE lines): the share of decode steps at which a request
     waited for admission, mean running requests at those steps (the admission-bound phase) and
     after them (the drain), and mean running by tenth of the run's steps."""
     steps = [s for s in trace if s["running"] > 0]

@@ -5,13 +5,7 @@ sgl_kara.launch_server`` is SGLang's server plus ``--kara-*`` flags. The algorit
 (``sgl_kara.policies``) and kernels (``sgl_kara.kernels``) import nothing from SGLang.
 """
 
-import warnings
-
 __version__ = "0.1.0"
-
-# SGLang rewrites every SGL_* environment variable to SGLANG_* with a deprecation warning; ours
-# (SGL_KARA_*, sgl_kara.env) are not SGLang's, so that warning is noise for them.
-warnings.filterwarnings("ignore", message=r"Environment variable SGL_KARA_\w+ is deprecated")
 
 
 def __getattr__(name):

@@ -1,38 +1,84 @@
-"""Every ``SGL_KARA_*`` environment variable, typed, in one place (read at call time, so a test or
-a spawned process sees the value its environment has).
+"""Every ``KARA_*`` environment variable, typed, in one place, and the one parser of boolean
+variables (read at call time, so a test or a spawned process sees the value its environment has).
+Each is also read under its former name ``SGL_KARA_*``, with a one-time deprecation warning naming
+the new one; the new name wins when both are set.
 
 | variable | type | default | meaning |
 |---|---|---|---|
-| SGL_KARA_CACHE | path | $XDG_CACHE_HOME/sgl_kara or ~/.cache/sgl_kara | converted default model |
-| SGL_KARA_FORK | bool | 1 | launcher on CPU: fork SGLang's workers instead of spawn |
-| SGL_KARA_CHECK_INTEGRITY | bool | 0 | check prefixes, slot ownership, ring, offsets at every event |
-| SGL_KARA_CROSSCHECK_QUERIES | bool | 0 | compare capture and recompute scores on first windows |
-| SGL_KARA_RECORD_EVICTIONS | path | - | JSON lines: evicted logical positions per event (oracle) |
-| SGL_KARA_TRACE | path | - | JSON lines: running and waiting requests and free slots per decode step |
-| SGL_KARA_INJECT_FAULT_RID_PREFIX | str | - | scoring raises for rids with this prefix (tests) |
-| SGL_KARA_FAST_CPU_DECODE | bool | 1 | torch_native on CPU: decode gathers K/V once per layer; the recompute pass attends its window queries only (cpu/attention.py) |
-| SGL_KARA_BATCHED_CPU_DECODE | bool | 1 | with the fast decode: one padded SDPA call per layer for the whole batch, GQA group folded into the query axis (not bit-identical to SGLang's: float summation order; 0 = the per-request loop, bit-identical; bench/cpu_decode_batched.py) |
-| SGL_KARA_PACKED_CPU_LINEAR | bool | 1 | on CPU: float32 weight matmuls through oneDNN on weights packed in place after loading (the lm_head: a packed copy, for decode batches), instead of MKL's sgemm (not bit-identical: float summation order; cpu/linear.py; read when the plugin loads) |
+| KARA_CACHE | path | $XDG_CACHE_HOME/sgl_kara or ~/.cache/sgl_kara | converted default model |
+| KARA_FORK | bool | 1 | launcher on CPU: fork SGLang's workers instead of spawn |
+| KARA_CHECK_INTEGRITY | bool | 0 | check prefixes, slot ownership, ring, offsets at every event |
+| KARA_CROSSCHECK_QUERIES | bool | 0 | compare capture and recompute scores on first windows |
+| KARA_RECORD_EVICTIONS | path | - | JSON lines: evicted logical positions per event (oracle) |
+| KARA_TRACE | path | - | JSON lines: running and waiting requests and free slots per decode step |
+| KARA_INJECT_FAULT_RID_PREFIX | str | - | scoring raises for rids with this prefix (tests) |
+| KARA_FAST_CPU_DECODE | bool | 1 | torch_native on CPU: decode gathers K/V once per layer; the recompute pass attends its window queries only (cpu/attention.py) |
+| KARA_BATCHED_CPU_DECODE | bool | 1 | with the fast decode: one padded SDPA call per layer for the whole batch, GQA group folded into the query axis (not bit-identical to SGLang's: float summation order; 0 = the per-request loop, bit-identical; bench/cpu_decode_batched.py) |
+| KARA_PACKED_CPU_LINEAR | bool | 1 | on CPU: float32 weight matmuls through oneDNN on weights packed in place after loading (the lm_head: a packed copy, for decode batches), instead of MKL's sgemm (not bit-identical: float summation order; cpu/linear.py; read when the plugin loads) |
 
-SGLang rewrites any ``SGL_*`` variable to ``SGLANG_*`` with a deprecation warning at import;
-sgl_kara/__init__ silences that warning for these names, and they keep working.
+Booleans take SGLang's spellings (``EnvBool``), in any case: true ``1 true yes y``, false
+``0 false no n``; empty means the default, and any other value warns once and means the default.
+The prefix is not ``SGL_``: SGLang rewrites every ``SGL_*`` variable to ``SGLANG_*`` and warns.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
+PREFIX = "KARA_"
+OLD_PREFIX = "SGL_KARA_"
+TRUE = ("1", "true", "yes", "y")
+FALSE = ("0", "false", "no", "n")
 
-def _flag(name: str, default: bool) -> bool:
-    value = os.environ.get(name)
-    if value is None or value == "":
+_warned: set[str] = set()  # variables warned about in this process (each warning once)
+
+
+def _warn_once(key: str, message: str, category: type[Warning] = UserWarning) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, category, stacklevel=3)
+
+
+def parse_bool(name: str, value: str | None, default: bool) -> bool:
+    """``value`` of the variable ``name`` as a boolean (None or empty: ``default``)."""
+    if value is None or value.strip() == "":
         return default
-    return value not in ("0", "false", "False", "no")
+    word = value.strip().lower()
+    if word in TRUE:
+        return True
+    if word in FALSE:
+        return False
+    _warn_once(f"{name}={value}", f"{name}={value!r} is not a boolean (true: {', '.join(TRUE)}; false: "
+                                  f"{', '.join(FALSE)}); using the default, {int(default)}")
+    return default
+
+
+def flag(name: str, default: bool) -> bool:
+    """Any boolean environment variable (SGLang's too), parsed as sgl_kara's own are."""
+    return parse_bool(name, os.environ.get(name), default)
+
+
+def _get(name: str) -> str | None:
+    """``KARA_<name>``, else the deprecated ``SGL_KARA_<name>`` (warned once, naming the new one)."""
+    new, old = PREFIX + name, OLD_PREFIX + name
+    value = os.environ.get(new)
+    if old in os.environ:
+        taken = f"{new} is set and takes precedence" if value is not None else f"read as {new} for now"
+        _warn_once(old, f"the environment variable {old} is deprecated, set {new} instead ({taken})", FutureWarning)
+        if value is None:
+            value = os.environ[old]
+    return value
+
+
+def _bool(name: str, default: bool) -> bool:
+    new = PREFIX + name
+    return parse_bool(new if new in os.environ else OLD_PREFIX + name, _get(name), default)
 
 
 def cache_dir() -> Path:
-    value = os.environ.get("SGL_KARA_CACHE")
+    value = _get("CACHE")
     if value:
         return Path(value).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -40,36 +86,36 @@ def cache_dir() -> Path:
 
 
 def fork_workers() -> bool:
-    return _flag("SGL_KARA_FORK", True)
+    return _bool("FORK", True)
 
 
 def check_integrity() -> bool:
-    return _flag("SGL_KARA_CHECK_INTEGRITY", False)
+    return _bool("CHECK_INTEGRITY", False)
 
 
 def crosscheck_queries() -> bool:
-    return _flag("SGL_KARA_CROSSCHECK_QUERIES", False)
+    return _bool("CROSSCHECK_QUERIES", False)
 
 
 def record_evictions() -> str | None:
-    return os.environ.get("SGL_KARA_RECORD_EVICTIONS") or None
+    return _get("RECORD_EVICTIONS") or None
 
 
 def trace() -> str | None:
-    return os.environ.get("SGL_KARA_TRACE") or None
+    return _get("TRACE") or None
 
 
 def inject_fault_rid_prefix() -> str:
-    return os.environ.get("SGL_KARA_INJECT_FAULT_RID_PREFIX", "")
+    return _get("INJECT_FAULT_RID_PREFIX") or ""
 
 
 def fast_cpu_decode() -> bool:
-    return _flag("SGL_KARA_FAST_CPU_DECODE", True)
+    return _bool("FAST_CPU_DECODE", True)
 
 
 def batched_cpu_decode() -> bool:
-    return _flag("SGL_KARA_BATCHED_CPU_DECODE", True)
+    return _bool("BATCHED_CPU_DECODE", True)
 
 
 def packed_cpu_linear() -> bool:
-    return _flag("SGL_KARA_PACKED_CPU_LINEAR", True)
+    return _bool("PACKED_CPU_LINEAR", True)

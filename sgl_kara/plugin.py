@@ -8,7 +8,7 @@ validation, which rejects out-of-vocabulary ids with a 400 (SGLang 0.5.23 would 
 scheduler); torch_native's CPU decode attention, which gathers K/V once per layer instead of
 once per request and layer (sgl_kara/cpu/attention.py); and, on CPU, float32 weight matmuls on
 weights packed in place for oneDNN (sgl_kara/cpu/linear.py). The last two change float summation
-order only (SGL_KARA_BATCHED_CPU_DECODE=0 / SGL_KARA_PACKED_CPU_LINEAR=0 turn them off). The
+order only (KARA_BATCHED_CPU_DECODE=0 / KARA_PACKED_CPU_LINEAR=0 turn them off). The
 torch_native extend hook acts only inside Kara's recompute pass.
 """
 
@@ -90,7 +90,7 @@ def fork_server_processes() -> None:
     share the launcher's imported pages: measured on the default server, ready ~9 s sooner and
     ~0.7 GB less memory in all (README, "Memory"). Only for ``python -m sgl_kara.launch_server``
     on CPU: that process has run no torch parallel region before the fork (GNU OpenMP is not
-    fork-safe after one) and holds no CUDA context. ``SGL_KARA_FORK=0`` keeps spawn.
+    fork-safe after one) and holds no CUDA context. ``KARA_FORK=0`` keeps spawn.
     """
     from sgl_kara import _sglang as sg
 
@@ -148,7 +148,7 @@ _trace_file = None
 
 
 def _trace_hook(result, scheduler, batch, *args, **kwargs):
-    """SGL_KARA_TRACE=path: append {t, cpu, running, rows, waiting, free, retracted, kara_*} per decode
+    """KARA_TRACE=path: append {t, cpu, running, rows, waiting, free, retracted, kara_*} per decode
     step (JSON lines). ``cpu``: this (scheduler) process's CPU clock; ``rows``: KV rows the running
     requests hold (physical, what decode attention reads); bench/step_costs.py reads both."""
     global _trace_file
@@ -179,7 +179,7 @@ def _trace_hook(result, scheduler, batch, *args, **kwargs):
 
 
 def _packed_weights() -> int:
-    """Weights held in oneDNN's packed form (SGL_KARA_PACKED_CPU_LINEAR: cpu/linear.py), 0 without."""
+    """Weights held in oneDNN's packed form (KARA_PACKED_CPU_LINEAR: cpu/linear.py), 0 without."""
     import sys
 
     mod = sys.modules.get("sgl_kara.cpu.linear")

@@ -146,7 +146,7 @@ def prepare_server_args(server_args, cfg: KaraConfig) -> KaraConfig:
         if value is not None and enabled(value):
             raise UnsupportedFeature(f"{flag} is not supported with --kara-policy {cfg.policy}: {why}")
     for var, why in _UNSUPPORTED_ENV:
-        if os.environ.get(var, "0").lower() not in ("0", "", "false"):
+        if env.flag(var, False):
             raise UnsupportedFeature(f"{var}={os.environ[var]} is not supported with --kara-policy {cfg.policy}: {why}")
     backend = getattr(server_args, "radix_cache_backend", None)
     if backend not in (None, "", "kara"):

@@ -95,7 +95,7 @@ def oracle(model: str, backend: str, page: int, query_source: str, tmp: str) -> 
 def retraction_storm(model: str, backend: str, page: int) -> dict:
     """SGLang's forced retractions every 3 steps, integrity checks at every event, SGLang's KV page
     invariant checks (conftest), then every slot free (strict idle check + a flush)."""
-    env = dict(SGLANG_TEST_RETRACT="1", SGLANG_TEST_RETRACT_INTERVAL="3", SGL_KARA_CHECK_INTEGRITY="1")
+    env = dict(SGLANG_TEST_RETRACT="1", SGLANG_TEST_RETRACT_INTERVAL="3", KARA_CHECK_INTEGRITY="1")
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -115,15 +115,15 @@ def retraction_storm(model: str, backend: str, page: int) -> dict:
 
 
 def event_memory(model: str, backend: str, page: int, n_requests: int = 16) -> dict:
-    """Peak device memory an event allocates above its start (SGL_KARA_TRACE records it)."""
+    """Peak device memory an event allocates above its start (KARA_TRACE records it)."""
     trace = tempfile.mktemp(suffix=".jsonl")
-    saved = os.environ.get("SGL_KARA_TRACE")
-    os.environ["SGL_KARA_TRACE"] = trace
+    saved = os.environ.get("KARA_TRACE")
+    os.environ["KARA_TRACE"] = trace
     try:
         eng = start("kara", model, kara_retention=0.25, kara_query_source="recompute",
                       **KARA_SMALL, **device_options(backend, page))
     finally:
-        os.environ.pop("SGL_KARA_TRACE") if saved is None else os.environ.__setitem__("SGL_KARA_TRACE", saved)
+        os.environ.pop("KARA_TRACE") if saved is None else os.environ.__setitem__("KARA_TRACE", saved)
     try:
         eng.generate([f"{p} {i}" for i in range(n_requests) for p in PROMPTS[:1]],
                      {"max_new_tokens": 200, "temperature": 0.0, "ignore_eos": True})

@@ -10,7 +10,7 @@ and KV head that hides exactly the entries sgl_kara evicted, from the moment it 
 (an event with logical length L ran before the forward of position L, so positions < L were
 computed with the full window). Row t of the reference's log-softmax is then what sgl_kara's
 decode step that processed position t must have produced. The evictions come from the runtime's
-``SGL_KARA_RECORD_EVICTIONS`` file; everything else (positions, kept-slot mapping, RoPE offsets,
+``KARA_RECORD_EVICTIONS`` file; everything else (positions, kept-slot mapping, RoPE offsets,
 page layout, query source) is left to the runtime under test.
 """
 

@@ -31,8 +31,8 @@ the protected prefix, lengths and position offsets. Free pages are poisoned (-1)
 so a write into a free slot is detected too. See docs/RELIABILITY.md.
 
 Default: 2,000 operations per page size (1 and 16), in episodes of EPISODE_OPS with
-different random shapes. Longer runs: ``SGL_KARA_FUZZ_OPS=200000`` (operations per page
-size), ``SGL_KARA_FUZZ_SEED`` (base seed), ``SGL_KARA_FUZZ_REPORT=path`` (append the
+different random shapes. Longer runs: ``KARA_FUZZ_OPS=200000`` (operations per page
+size), ``KARA_FUZZ_SEED`` (base seed), ``KARA_FUZZ_REPORT=path`` (append the
 counts as JSON lines); add ``-s`` to see the printed counts.
 """
 
@@ -53,9 +53,9 @@ import torch
 import sgl_kara.mem_cache.compaction as compaction_mod
 from sgl_kara.mem_cache.compaction import CompactionPlan, OutOfSlots, compact_rows
 
-OPS = int(os.environ.get("SGL_KARA_FUZZ_OPS", "2000"))
-BASE_SEED = int(os.environ.get("SGL_KARA_FUZZ_SEED", "0"))
-REPORT = os.environ.get("SGL_KARA_FUZZ_REPORT", "")
+OPS = int(os.environ.get("KARA_FUZZ_OPS", "2000"))
+BASE_SEED = int(os.environ.get("KARA_FUZZ_SEED", "0"))
+REPORT = os.environ.get("KARA_FUZZ_REPORT", "")
 EPISODE_OPS = 500
 POISON = -1
 POS_BITS = 20  # token id = request id << POS_BITS | logical position

@@ -40,7 +40,7 @@ class _Backend:  # the instance state the hook keeps (SGLang's backend needs a m
     (33, 4, 1, 64, torch.float32),
 ])
 def test_bit_identical_to_sglang(monkeypatch, batch, hq, hkv, d, dtype):
-    monkeypatch.setenv("SGL_KARA_BATCHED_CPU_DECODE", "0")  # the per-request loop
+    monkeypatch.setenv("KARA_BATCHED_CPU_DECODE", "0")  # the per-request loop
     original = _sglang_decode()
     q, k, v, rtt, idx, lens = _case(batch * 7 + d, batch, hq, hkv, d, dtype)
     kw = dict(scaling=d ** -0.5, enable_gqa=hq != hkv, causal=False)
@@ -58,7 +58,7 @@ def test_bit_identical_to_sglang(monkeypatch, batch, hq, hkv, d, dtype):
 def test_new_forward_reads_rows_anew(monkeypatch, batched):
     """After a compaction rewrites rows between steps, the next forward must not reuse slots
     (loop and batched decode)."""
-    monkeypatch.setenv("SGL_KARA_BATCHED_CPU_DECODE", batched)
+    monkeypatch.setenv("KARA_BATCHED_CPU_DECODE", batched)
     original = _sglang_decode()
     q, k, v, rtt, idx, lens = _case(3, 5, 4, 2, 16, torch.float32)
     backend = _Backend()
@@ -88,7 +88,7 @@ def test_unsupported_cases_take_sglang_path(monkeypatch):
     b = _Backend()
     assert run_sdpa_forward_decode(original, b, q, q, k, v, rtt, idx, lens, None, sliding_window_size=8) == "sglang"
     assert run_sdpa_forward_decode(original, b, q, q, k, v, rtt, idx, lens, lens) == "sglang"  # encoder lens
-    monkeypatch.setenv("SGL_KARA_FAST_CPU_DECODE", "0")
+    monkeypatch.setenv("KARA_FAST_CPU_DECODE", "0")
     assert run_sdpa_forward_decode(original, b, q, q, k, v, rtt, idx, lens, None) == "sglang"
     assert len(calls) == 3
 
@@ -148,12 +148,12 @@ def test_window_extend_refuses_a_row_that_is_not_prefix_plus_window():
     (33, 4, 1, 64, torch.float32, 1e-5),
 ])
 def test_batched_decode_matches_sglang(monkeypatch, batch, hq, hkv, d, dtype, tol):
-    """SGL_KARA_BATCHED_CPU_DECODE=1: one padded SDPA for the batch equals SGLang's per-request
+    """KARA_BATCHED_CPU_DECODE=1: one padded SDPA for the batch equals SGLang's per-request
     attention up to summation order; padding never leaks (rows of very different lengths, pool
     entries beyond each row set to huge values)."""
     from sgl_kara.cpu.attention import _META
 
-    monkeypatch.setenv("SGL_KARA_BATCHED_CPU_DECODE", "1")
+    monkeypatch.setenv("KARA_BATCHED_CPU_DECODE", "1")
     original = _sglang_decode()
     q, k, v, rtt, idx, lens = _case(batch * 5 + d, batch, hq, hkv, d, dtype)
     lens = torch.randint(150, 300, (batch,), generator=torch.Generator().manual_seed(batch))
@@ -179,7 +179,7 @@ def test_batched_decode_falls_back_to_the_loop_when_padding_dominates(monkeypatc
     not pay for the padding): the loop runs and the output stays bit-identical to SGLang's."""
     from sgl_kara.cpu.attention import _META
 
-    monkeypatch.setenv("SGL_KARA_BATCHED_CPU_DECODE", "1")
+    monkeypatch.setenv("KARA_BATCHED_CPU_DECODE", "1")
     original = _sglang_decode()
     q, k, v, rtt, idx, lens = _case(11, 8, 8, 2, 64, torch.float32)
     lens = torch.tensor([290] + [5] * 7)
@@ -226,7 +226,7 @@ def test_buffers_grown_in_inference_mode_serve_the_decode_outside_it(monkeypatch
     grid, session 10: 'Inplace update to inference tensor outside InferenceMode')."""
     from sgl_kara.cpu.attention import _META, run_window_extend
 
-    monkeypatch.setenv("SGL_KARA_BATCHED_CPU_DECODE", batched)
+    monkeypatch.setenv("KARA_BATCHED_CPU_DECODE", batched)
     original = _sglang_decode()
     q, k, v, rtt, idx, lens = _case(21, 4, 8, 2, 64, torch.float32)
     backend = _Backend()

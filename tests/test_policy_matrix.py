@@ -1,7 +1,7 @@
 """Every registered policy through the same engine checks (tiny Llama, CPU, strict memory checks):
 
 - several compression events per request, physical KV below logical, integrity checks at every
-  event (protected prefix, slot ownership, ring, device offsets: SGL_KARA_CHECK_INTEGRITY=1);
+  event (protected prefix, slot ownership, ring, device offsets: KARA_CHECK_INTEGRITY=1);
 - exactness: each decode step equals the Hugging Face reference with exactly the evicted entries
   masked (tests/oracle.py), and the unmasked reference is far off (the check can fail);
 - afterwards every slot is free (SGLang's strict idle check, and a successful flush).

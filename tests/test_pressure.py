@@ -100,12 +100,12 @@ def test_deferring_triggers_leave_a_request_exact_while_the_pool_has_room(tiny_l
         extra = {} if system == "none" else dict(kara_trigger=system, kara_window=40, kara_buffer=8,
                                                  kara_period=4, kara_retention=0.25)
         trace = tmp_path / f"trace_{system}.jsonl"
-        os.environ["SGL_KARA_TRACE"] = str(trace)
+        os.environ["KARA_TRACE"] = str(trace)
         try:
             engine = start_engine("kara", tiny_llama, kara_policy="none" if system == "none" else "kara",
                                   max_total_tokens=4096, **extra)
         finally:
-            os.environ.pop("SGL_KARA_TRACE", None)
+            os.environ.pop("KARA_TRACE", None)
         try:
             outs[system] = engine.generate(input_ids=prompt, sampling_params=gen)[0]
         finally:
@@ -129,7 +129,7 @@ def _three_requests_checked(model, tmp_path, trigger: str, pool: int):
     outs = run_and_check(model, tmp_path, 1, "recompute", integrity=True,
                          extra=dict(kara_trigger=trigger, max_total_tokens=pool),
                          gen={"max_new_tokens": 220, "temperature": 0.0, "ignore_eos": True},
-                         env_extra={"SGL_KARA_TRACE": str(trace)})[0]
+                         env_extra={"KARA_TRACE": str(trace)})[0]
     steps = [json.loads(line) for line in trace.read_text().splitlines()]
     assert all(s["retracted"] == 0 for s in steps)
     assert all(len(o["output_ids"]) == 220 for o in outs)

@@ -32,7 +32,7 @@ KARA_ARGS = ["--kara-window", "40", "--kara-buffer", "8", "--kara-chunk-budget",
              "--kara-max-chunk", "6", "--kara-period", "4", "--kara-retention", "0.25"]
 SERVER_ARGS = KARA_ARGS + ["--model-path", PROXY_MODEL, "--max-total-tokens", "40000",
                            "--max-running-requests", "96", "--context-length", "2048"]
-SERVER_ENV = {"SGL_KARA_INJECT_FAULT_RID_PREFIX": "faulty", "SGL_KARA_CHECK_INTEGRITY": "1"}
+SERVER_ENV = {"KARA_INJECT_FAULT_RID_PREFIX": "faulty", "KARA_CHECK_INTEGRITY": "1"}
 DROPPED_PER_EVENT = 24
 
 
@@ -424,7 +424,7 @@ KARA_SMALL = dict(kara_window=40, kara_buffer=8, kara_chunk_budget=4, kara_max_c
 
 def run_retraction_storm(model_path, n_requests: int, gen: int, interval: int, max_total_tokens: int):
     with engine_env(SGLANG_TEST_RETRACT="1", SGLANG_TEST_RETRACT_INTERVAL=str(interval),
-                    SGL_KARA_CHECK_INTEGRITY="1"):
+                    KARA_CHECK_INTEGRITY="1"):
         engine = start_engine("kara", model_path, kara_retention=0.25, kara_query_source="capture",
                               max_total_tokens=max_total_tokens, max_running_requests=n_requests, **KARA_SMALL)
     try:

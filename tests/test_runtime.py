@@ -228,7 +228,7 @@ def test_buffer_scoring_recomputes_the_decoded_queries(tiny_llama):
     """--kara-scoring buffer: a region's query window is the last U tokens of the window, and the
     recompute forward extends those alone (prefix = every row before them). On each request's
     first window its scores equal those from the captured decode-time queries (crosscheck)."""
-    with engine_env(SGL_KARA_CROSSCHECK_QUERIES="1"):
+    with engine_env(KARA_CROSSCHECK_QUERIES="1"):
         engine = start_engine("kara", tiny_llama, kara_retention=0.25, kara_query_source="capture",
                               kara_scoring="buffer", **KARA_SMALL)
     try:
@@ -248,7 +248,7 @@ def test_buffer_scoring_recomputes_the_decoded_queries(tiny_llama):
 
 @pytest.fixture(scope="module")
 def compressing_engine(tiny_llama):
-    with engine_env(SGL_KARA_CHECK_INTEGRITY="1", SGL_KARA_CROSSCHECK_QUERIES="1"):
+    with engine_env(KARA_CHECK_INTEGRITY="1", KARA_CROSSCHECK_QUERIES="1"):
         engine = start_engine("kara", tiny_llama, kara_retention=0.25, kara_query_source="capture", **KARA_SMALL)
     yield engine
     engine.shutdown()

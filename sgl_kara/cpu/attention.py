@@ -13,7 +13,7 @@ per forward (not per layer) and shared by every layer:
     bounds  [(start_i, end_i)]: request i's slice of slots (host ints, one read per forward)
     K_buf   [>= sum(L_i), H_kv, D] per (H_kv, D, dtype), grown on demand, reused by every layer
 
-Batched decode (default; ``SGL_KARA_BATCHED_CPU_DECODE=0`` turns it off): one SDPA call per layer
+Batched decode (default; ``KARA_BATCHED_CPU_DECODE=0`` turns it off): one SDPA call per layer
 for the whole batch, the GQA group folded into the query axis so K/V are not repeated per query
 head (bench/cpu_decode_batched.py: 1.3-2.3x faster than the loop on equal rows, this CPU). Same
 attention, different float summation order (float32 ~1e-7, tests/test_cpu_attention.py; the
@@ -31,7 +31,7 @@ SGLang's own gather, so that output is bit-identical to SGLang's (tests/test_cpu
 
 It applies to every torch_native decode on CPU in a process where the plugin is registered (plain
 SGLang too, so that benchmark comparisons run the same attention); cross-attention, sliding
-windows, CUDA tensors and ``SGL_KARA_FAST_CPU_DECODE=0`` take SGLang's own path.
+windows, CUDA tensors and ``KARA_FAST_CPU_DECODE=0`` take SGLang's own path.
 
 Window extend (``run_window_extend``, Kara's recompute forward only: plugin.py calls it while a
 scoring pass is in flight). SGLang's ``_run_sdpa_forward_extend`` pads each request's E extend

@@ -1,4 +1,4 @@
-"""CPU serving (on by default; ``SGL_KARA_PACKED_CPU_LINEAR=0`` turns it off): float32 weight
+"""CPU serving (on by default; ``KARA_PACKED_CPU_LINEAR=0`` turns it off): float32 weight
 matmuls through oneDNN on weights reordered once, after loading, to oneDNN's blocked layout --
 in place, as SGLang's own AMX path does for bfloat16 (``_amx_process_weight_after_loading``) --
 instead of ``F.linear`` (MKL sgemm).

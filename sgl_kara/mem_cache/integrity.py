@@ -1,5 +1,5 @@
 """Integrity of the KV rows Kara rewrites: pure checks on tensors (no SGLang), called by the
-runtime at every event under ``SGL_KARA_CHECK_INTEGRITY=1`` and by the compaction fuzz after
+runtime at every event under ``KARA_CHECK_INTEGRITY=1`` and by the compaction fuzz after
 every operation.
 
     protected prefix   rows [0, P) of a request: the same slots holding the same K/V bytes as

@@ -6,7 +6,7 @@ never imported: the file is found through the import system's package spec). On 
 GGUF is checked against its sha256 and dequantized by transformers (``gguf`` + ``accelerate``) into
 a Hugging Face checkpoint in the cache directory:
 
-    $SGL_KARA_CACHE (default: $XDG_CACHE_HOME/sgl_kara, else ~/.cache/sgl_kara)
+    $KARA_CACHE (default: $XDG_CACHE_HOME/sgl_kara, else ~/.cache/sgl_kara)
         smollm2-135m-instruct-q4_1-b179c952-float32/      config.json, model.safetensors, tokenizer ...
 
 The conversion runs in a child process (its ~1.6 GB peak stays out of the server's processes),

@@ -163,7 +163,7 @@ class EventRunner:
         rt = self.rt
         fault = env.inject_fault_rid_prefix()
         if fault and any(str(j.req.rid).startswith(fault) for j in jobs):
-            raise RuntimeError("injected fault (SGL_KARA_INJECT_FAULT_RID_PREFIX)")
+            raise RuntimeError("injected fault (KARA_INJECT_FAULT_RID_PREFIX)")
         if not rt.policy.needs_queries:
             return self._scoring_pass(jobs, region_slots).score_without_queries()
         ring = rt.ring

@@ -1,4 +1,4 @@
-"""``SGL_KARA_RECORD_EVICTIONS=path``: which logical positions each event dropped, per layer and KV head.
+"""``KARA_RECORD_EVICTIONS=path``: which logical positions each event dropped, per layer and KV head.
 
 A diagnostic for independent references (tests/oracle.py masks exactly these entries in a
 Hugging Face forward) and for per-event analysis. One JSON line per compressed request per event:

@@ -37,7 +37,7 @@ class KaraReqState:
     capture_from: int | None = None  # first logical position whose query is in the capture ring
     offset_row: int | None = None  # req_pool_idx whose device offset mirrors pos_offset (forward.py)
     policy_state: dict = field(default_factory=dict, repr=False)  # the policy's (observers)
-    # Diagnostics (SGL_KARA_CHECK_INTEGRITY / _CROSSCHECK_QUERIES / _RECORD_EVICTIONS only).
+    # Diagnostics (KARA_CHECK_INTEGRITY / _CROSSCHECK_QUERIES / _RECORD_EVICTIONS only).
     prefix_snapshot: object = field(default=None, repr=False, compare=False)
     integrity_checks: int = 0
     crosscheck_err: float | None = None
