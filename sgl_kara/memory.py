@@ -104,7 +104,7 @@ class ModelShape:
         return 2 * self.layers * self.kv_heads * self.head_dim * itemsize
 
     def ring_bytes(self, rows: int, capacity: int, itemsize: int) -> int:
-        return (rows + 1) * capacity * self.layers * self.q_heads * self.head_dim * itemsize
+        return ring_bytes(rows, capacity, [(self.q_heads, self.head_dim)] * self.layers, itemsize)
 
     def weight_bytes(self, itemsize: int) -> int:
         stored = _ITEMSIZE.get(self.checkpoint_dtype, 4)
@@ -124,6 +124,13 @@ def ring_rows(max_running: int, pool_tokens: int | None, capacity: int, limit: i
     if pool_tokens is not None and pool_tokens > 0 and capacity > 0:
         rows = max(1, min(max_running, -(-pool_tokens // capacity)))
     return min(rows, limit) if limit else rows
+
+
+def ring_bytes(rows: int, capacity: int, layer_heads, itemsize: int) -> int:
+    """Bytes of a capture ring of ``rows`` rows (``ring_rows``) of ``capacity`` queries, for layers
+    of ``layer_heads`` = (H_q, D) each: one more row than ``rows``, the trash row QueryRing keeps
+    for requests that hold none."""
+    return (rows + 1) * capacity * sum(hq * d for hq, d in layer_heads) * itemsize
 
 
 def cpu_ring_budget(available_ram: int, kv_pool_bytes: int | None = None) -> int:
@@ -168,7 +175,7 @@ def gib(n: int) -> str:
 
 
 def check_cpu_fit(shape: ModelShape, itemsize: int, max_total_tokens: int, ring_rows: int, ring_capacity: int,
-                  available: int, packed_linear: bool = False) -> dict:
+                  available: int, packed_linear: bool = False, max_running_requests: int | None = None) -> dict:
     """Raise MemoryConfigError when weights (+ the lm_head's packed copy when ``packed_linear``
     and float32: cpu/linear.py packs the other weights in place) + KV pool + ring (+ the
     processes' floor) exceed ``available``; returns the byte counts (for the start-up log)."""
@@ -181,11 +188,24 @@ def check_cpu_fit(shape: ModelShape, itemsize: int, max_total_tokens: int, ring_
     }
     need = sum(sizes.values())
     if need > available:
-        parts = ", ".join(f"{k} {gib(v)}" for k, v in sizes.items())
+        running = f"--max-running-requests ({max_running_requests})" if max_running_requests else \
+            "--max-running-requests"
         raise MemoryConfigError(
-            f"this server needs {gib(need)} ({parts}) but {gib(available)} of RAM is available: lower "
-            f"--max-total-tokens ({max_total_tokens}) or --max-running-requests ({ring_rows or 'n/a'}), "
-            "or shrink the capture ring with a smaller --kara-window / --kara-period or "
+            f"this server needs {gib(need)} ({plan_text(sizes, max_total_tokens, ring_rows, ring_capacity)}) but "
+            f"{gib(available)} of RAM is available: lower --max-total-tokens ({max_total_tokens}) or {running}, "
+            "or shrink the capture ring with a smaller --kara-window / --kara-period, --kara-query-ring-rows or "
             "--kara-query-source recompute"
         )
     return sizes
+
+
+def plan_text(sizes: dict, max_total_tokens: int, ring_rows: int, ring_capacity: int) -> str:
+    """``check_cpu_fit``'s sizes, each named by what it holds (the start-up log and the refusal)."""
+    what = {
+        "weights": "weights",
+        "packed_lm_head": "lm_head packed copy",
+        "kv_pool": f"KV pool ({max_total_tokens} tokens)",
+        "capture_ring": f"capture ring ({ring_rows} rows x {ring_capacity} queries)",
+        "processes": "SGLang's processes",
+    }
+    return ", ".join(f"{what.get(k, k)} {gib(v)}" for k, v in sizes.items() if v)

@@ -19,7 +19,7 @@ from sgl_kara.memory import (
     check_cpu_fit,
     cpu_memory_defaults,
     cpu_ring_budget,
-    gib,
+    plan_text,
     ring_rows,
     total_ram_bytes,
 )
@@ -110,6 +110,16 @@ def choose_query_source(device: str, ring_bytes: int | None, available_ram: int,
     return "capture" if ring_bytes <= CUDA_RING_SHARE * device_memory else "recompute"
 
 
+def planned_ring_rows(server_args, cfg: KaraConfig) -> int:
+    """Rows a capture ring would get under these server args (memory.ring_rows, as the scheduler
+    allocates it); 0 when the policy keeps no queries or the request limit is not known yet."""
+    capacity = cfg.query_ring_capacity
+    running = getattr(server_args, "max_running_requests", None)
+    if not capacity or not running:
+        return 0
+    return ring_rows(running, getattr(server_args, "max_total_tokens", None), capacity, cfg.query_ring_rows)
+
+
 def resolve_query_source(cfg: KaraConfig, server_args, shape: ModelShape | None) -> KaraConfig:
     """``auto`` -> capture or recompute (choose_query_source), for the ring ``--kara-query-ring-rows``
     leaves. A ring over budget is not shrunk to fit: on CPU its memory sits beside the KV pool,
@@ -117,11 +127,10 @@ def resolve_query_source(cfg: KaraConfig, server_args, shape: ModelShape | None)
     if cfg.query_source != "auto":
         return cfg
     capacity = cfg.query_ring_capacity
-    rows = getattr(server_args, "max_running_requests", None)
+    rows = planned_ring_rows(server_args, cfg)
     ring = kv_pool = None
-    if cfg.enabled and capacity and shape is not None and rows:
+    if shape is not None and rows:
         itemsize = shape.itemsize(server_args.dtype)
-        rows = ring_rows(rows, server_args.max_total_tokens, capacity, cfg.query_ring_rows)
         ring = shape.ring_bytes(rows, capacity, itemsize)
         if server_args.max_total_tokens:
             kv_pool = server_args.max_total_tokens * shape.kv_bytes_per_token(itemsize)
@@ -167,16 +176,16 @@ def prepare_server_args(server_args, cfg: KaraConfig) -> KaraConfig:
         # Captured queries are written by a hook that a CUDA graph would freeze.
         server_args.disable_cuda_graph = True
     if server_args.device == "cpu" and shape is not None and server_args.max_total_tokens:
-        rows = (ring_rows(server_args.max_running_requests, server_args.max_total_tokens, cfg.query_ring_capacity,
-                          cfg.query_ring_rows)
-                if cfg.query_source == "capture" and server_args.max_running_requests else 0)
+        rows = planned_ring_rows(server_args, cfg) if cfg.query_source == "capture" else 0
         try:
             sizes = check_cpu_fit(shape, shape.itemsize(server_args.dtype), server_args.max_total_tokens,
-                                  rows or 0, cfg.query_ring_capacity, available_ram_bytes(),
-                                  packed_linear=env.packed_cpu_linear())
+                                  rows, cfg.query_ring_capacity, available_ram_bytes(),
+                                  packed_linear=env.packed_cpu_linear(),
+                                  max_running_requests=server_args.max_running_requests)
         except MemoryConfigError as e:
             raise UnsupportedFeature(str(e)) from None
-        logger.info("sgl_kara memory plan: %s", ", ".join(f"{k} {gib(v)}" for k, v in sizes.items()))
+        logger.info("sgl_kara memory plan: %s", plan_text(sizes, server_args.max_total_tokens, rows,
+                                                          cfg.query_ring_capacity))
     return cfg
 
 

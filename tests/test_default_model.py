@@ -114,6 +114,11 @@ def test_memory_that_does_not_fit_is_refused_naming_the_flags():
         check_cpu_fit(SMOLLM2, 4, 1_000_000, 8, 640, available=20 * GIB)
     for flag in ("--max-total-tokens", "--max-running-requests", "--kara-window", "--kara-query-source"):
         assert flag in str(e.value)
+    # Each number is named by what it is: the ring's rows are not the request limit.
+    with pytest.raises(MemoryConfigError) as e:
+        check_cpu_fit(SMOLLM2, 4, 1_000_000, 5, 640, available=20 * GIB, max_running_requests=32)
+    assert "--max-running-requests (32)" in str(e.value) and "capture ring (5 rows x 640 queries)" in str(e.value)
+    assert "KV pool (1000000 tokens)" in str(e.value) and "--max-total-tokens (1000000)" in str(e.value)
 
 
 def test_model_shape_is_read_from_the_checkpoint(tiny_llama):

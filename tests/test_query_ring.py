@@ -71,3 +71,48 @@ def test_resident_memory_follows_the_rows_written():
             ring.write(0, q, rows, torch.arange(start, start + 256))
     written = _rss() - before - q.numel() * 4
     assert 1.8 * row_bytes < written < 3 * row_bytes, (written / row_bytes)
+
+
+@pytest.mark.parametrize("running,pool,limit", [(8, 8192, 0), (64, 1000, 0), (8, 8192, 3)])
+def test_start_up_plan_and_allocated_ring_agree(tiny_llama, monkeypatch, running, pool, limit):
+    """The memory plan support.prepare_server_args checks at start-up (rows and bytes of the ring)
+    is the ring the scheduler allocates (KaraRuntime._make_ring over the model's attention layers),
+    and both are (rows + 1) x capacity x layers x H_q x D x 4 bytes with rows = the request limit,
+    bounded by the pool's requests of ``capacity`` tokens and by --kara-query-ring-rows."""
+    from sgl_kara import support
+    from sgl_kara._sglang import RadixAttention
+    from sgl_kara.config import KaraConfig
+    from sgl_kara.memory import ModelShape
+    from sgl_kara.scheduler.runtime import KaraRuntime
+
+    shape = ModelShape.from_model_path(tiny_llama)
+    cfg = KaraConfig(policy="kara", query_source="capture", query_ring_rows=limit)
+    args = types.SimpleNamespace(model_path=tiny_llama, device="cpu", dtype="float32", max_running_requests=running,
+                                 max_total_tokens=pool, radix_cache_backend=None, disable_overlap_schedule=False,
+                                 disable_cuda_graph=False)
+    plan = {}
+
+    def spy(*a, **kw):
+        plan["rows"], plan["sizes"] = a[3], real(*a, **kw)
+        return plan["sizes"]
+
+    real = support.check_cpu_fit
+    monkeypatch.setattr(support, "check_cpu_fit", spy)
+    monkeypatch.setattr(support, "available_ram_bytes", lambda: 1 << 40)
+    resolved = support.prepare_server_args(args, cfg)
+
+    rt = KaraRuntime.__new__(KaraRuntime)  # the scheduler side, on a model of the same shape
+    rt.cfg, rt.check, rt.policy = resolved, False, resolved.make_policy()
+    rt.scheduler = types.SimpleNamespace(max_running_requests=running, max_total_num_tokens=pool)
+    rt.model_runner = types.SimpleNamespace(dtype=torch.float32, model=torch.nn.ModuleList(
+        RadixAttention(shape.q_heads, shape.head_dim, 1.0, shape.kv_heads, layer_id=i) for i in range(shape.layers)))
+    rt.req_to_token_pool = types.SimpleNamespace(req_to_token=torch.zeros(running + 1, 8, dtype=torch.int32))
+    capacity = rt.policy.query_capacity()
+    ring = rt._make_ring(capacity)
+
+    rows = min(running, -(-pool // capacity))
+    rows = min(rows, limit) if limit else rows
+    assert capacity == resolved.query_ring_capacity > 0
+    assert ring.rows == plan["rows"] == rows
+    assert ring.nbytes == plan["sizes"]["capture_ring"] == (rows + 1) * capacity * shape.layers * shape.q_heads \
+        * shape.head_dim * 4

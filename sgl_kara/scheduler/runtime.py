@@ -122,26 +122,26 @@ class KaraRuntime:
         ``--kara-query-ring-rows``); refused, naming the flags, when it does not fit in the memory
         the KV pool left."""
         from sgl_kara._sglang import RadixAttention
-        from sgl_kara.memory import available_ram_bytes, gib, ring_rows
+        from sgl_kara.memory import available_ram_bytes, gib, ring_bytes, ring_rows
         from sgl_kara.support import UnsupportedFeature
 
         layers = {
             m.layer_id: (m.tp_q_head_num, m.qk_head_dim)
             for m in self.model_runner.model.modules() if isinstance(m, RadixAttention)
         }
-        rows = ring_rows(int(self.scheduler.max_running_requests), int(self.scheduler.max_total_num_tokens), capacity,
-                         self.cfg.query_ring_rows)
+        running = int(self.scheduler.max_running_requests)
+        rows = ring_rows(running, int(self.scheduler.max_total_num_tokens), capacity, self.cfg.query_ring_rows)
         device, dtype = self.req_to_token_pool.req_to_token.device, self.model_runner.dtype
         itemsize = torch.empty((), dtype=dtype).element_size()
-        need = sum((rows + 1) * capacity * hq * d * itemsize for hq, d in layers.values())
+        need = ring_bytes(rows, capacity, layers.values(), itemsize)
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_ram_bytes()
         if need > 0.9 * free:
             raise UnsupportedFeature(
-                f"the capture query ring needs {gib(need)} ({rows} rows (--max-running-requests, bounded by the pool "
-                f"and --kara-query-ring-rows) x {capacity} queries of "
-                f"{len(layers)} layers, set by the policy's window and period) but only {gib(free)} is free after "
-                "the KV pool: use --kara-query-source recompute, or lower --max-running-requests / --kara-window / "
-                "--kara-period / --max-total-tokens"
+                f"the capture query ring needs {gib(need)} ({rows} rows: one per running request, "
+                f"--max-running-requests {running}, bounded by the KV pool and --kara-query-ring-rows; x {capacity} "
+                f"queries: the policy's window and period; x {len(layers)} layers) but only {gib(free)} is free after "
+                "the KV pool: use --kara-query-source recompute, or lower --kara-query-ring-rows / "
+                "--max-running-requests / --kara-window / --kara-period / --max-total-tokens"
             )
         ring = QueryRing(layers, rows, capacity, self.req_to_token_pool.req_to_token.shape[0], dtype, device,
                          poison=self.check)
