@@ -20,16 +20,15 @@ import logging
 import time
 
 from sgl_kara import env
+from sgl_kara.process import STATE
 
 logger = logging.getLogger(__name__)
-_registered = False
 
 
 def register() -> None:
-    global _registered
-    if _registered:
+    if STATE.registered:
         return
-    _registered = True
+    STATE.registered = True
     apply_cpu_shim()
     from sgl_kara import _sglang as sg
     from sgl_kara.mem_cache.radix import BACKEND_NAME, kara_radix_cache_factory
@@ -144,16 +143,10 @@ def _recompute_extend_hook(original, backend, query, output, k_cache, v_cache, r
                     causal=causal, is_cross_attn=is_cross_attn, sliding_window_size=sliding_window_size)
 
 
-_trace_file = None
-
-
 def _trace_hook(result, scheduler, batch, *args, **kwargs):
     """KARA_TRACE=path: append {t, cpu, running, rows, waiting, free, retracted, kara_*} per decode
     step (JSON lines). ``cpu``: this (scheduler) process's CPU clock; ``rows``: KV rows the running
     requests hold (physical, what decode attention reads); bench/step_costs.py reads both."""
-    global _trace_file
-    if _trace_file is None:
-        _trace_file = open(env.trace(), "a", buffering=1)
     running = 0 if result is None or result.is_empty() else len(result.reqs)
     lens = None if running == 0 else result.seq_lens_cpu
     rt = _active()
@@ -174,7 +167,7 @@ def _trace_hook(result, scheduler, batch, *args, **kwargs):
         "kara_ring_bytes": rt.ring.nbytes if rt is not None and rt.ring is not None else 0,
         "packed_weights": _packed_weights(),
     }
-    _trace_file.write(json.dumps(record) + "\n")
+    STATE.trace_file(env.trace()).write(json.dumps(record) + "\n")
     return result
 
 
@@ -186,13 +179,9 @@ def _packed_weights() -> int:
     return mod.packed_count() if mod is not None else 0
 
 
-_SERVING_POLICY: str | None = None  # set in the process that validates requests (launcher / Engine)
-
-
 def set_serving_policy(policy: str) -> None:
     """The compression policy of the server this process fronts (per-request checks that depend on it)."""
-    global _SERVING_POLICY
-    _SERVING_POLICY = policy
+    STATE.serving_policy = policy
 
 
 def _verify_hook(result, sampling_params, *args, **kwargs):
@@ -201,8 +190,8 @@ def _verify_hook(result, sampling_params, *args, **kwargs):
     from sgl_kara.request_options import check_supported, validate
 
     validate(getattr(sampling_params, "custom_params", None))
-    if _SERVING_POLICY not in (None, "none"):
-        check_supported(sampling_params, _SERVING_POLICY)
+    if STATE.serving_policy not in (None, "none"):
+        check_supported(sampling_params, STATE.serving_policy)
     return result
 
 

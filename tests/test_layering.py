@@ -3,6 +3,7 @@ named in sgl_kara/_sglang.py still exists in the installed SGLang (a version bum
 first, fast, instead of deep inside a scheduler process).
 
     wiring      launch_server, engine, plugin, support, memory      may import anything below
+    process     per-process state (process.py)                       nothing of sgl_kara or SGLang
     scheduler   runtime glue                                         config, mem_cache, policies, kernels
     cpu         CPU serving hooks (attention, linear, threads)       env, _sglang (no Kara state)
     models      default and fixture checkpoints                      env (no SGLang, no Kara state)
@@ -33,6 +34,7 @@ FORBIDDEN = {
                  "sgl_kara.support", "sgl_kara.memory"),
     "config.py": ("sgl_kara.mem_cache", "sgl_kara.scheduler", "sgl_kara._sglang", "sglang"),
     "mem_cache": ("sgl_kara.scheduler",),
+    "process.py": ("sgl_kara", "sglang"),
     "cpu": ("sgl_kara.scheduler", "sgl_kara.mem_cache", "sgl_kara.policies", "sgl_kara.config", "sgl_kara.kernels",
             "sgl_kara.support", "sgl_kara.memory", "sgl_kara.plugin", "sgl_kara.engine", "sgl_kara.launch_server"),
     "models": ("sglang", "sgl_kara._sglang", "sgl_kara.scheduler", "sgl_kara.mem_cache", "sgl_kara.policies",

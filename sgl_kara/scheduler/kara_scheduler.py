@@ -46,9 +46,14 @@ class KaraScheduler(Scheduler):
 def run_kara_scheduler_process(*args, kara_config: dict, **kwargs):
     import sglang.srt.managers.scheduler as scheduler_module
 
+    from sgl_kara.process import STATE
+
     KaraScheduler.kara_config = KaraConfig.build(**kara_config)
     scheduler_module.Scheduler = KaraScheduler  # this spawned scheduler process only
-    return scheduler_module.run_scheduler_process(*args, **kwargs)
+    try:
+        return scheduler_module.run_scheduler_process(*args, **kwargs)
+    finally:
+        STATE.shutdown()  # SGLang's event loop has ended: close the trace file
 
 
 __all__ = ["KaraScheduler", "run_kara_scheduler_process"]

@@ -25,6 +25,7 @@ import torch
 from sgl_kara import env
 from sgl_kara.mem_cache.integrity import check_prefix_unchanged, check_row_ownership
 from sgl_kara.policies import base as policy_base
+from sgl_kara.process import STATE
 from sgl_kara.request_options import check_supported, validate
 from sgl_kara.scheduler.events import EventRunner
 from sgl_kara.scheduler.evictions import EvictionRecorder
@@ -40,17 +41,15 @@ MAX_CATCH_UP_PASSES = 8
 # trigger=pressure / headroom: a deferred backlog (several windows per request) is compressed
 # while memory binds, at most this many windows per request in one event.
 MAX_PRESSURE_PASSES = 64
-_ACTIVE: "KaraRuntime | None" = None
 
 
 def active() -> "KaraRuntime | None":
     """The runtime of this scheduler process (None: plain SGLang, the hooks stay inert)."""
-    return _ACTIVE
+    return STATE.runtime
 
 
 def activate(runtime: "KaraRuntime | None") -> None:
-    global _ACTIVE
-    _ACTIVE = runtime
+    STATE.runtime = runtime
 
 
 @dataclass
