@@ -140,6 +140,25 @@ def test_lm_head_copy_is_made_once_and_renewed_when_the_weight_changes():
                                rtol=1e-5, atol=1e-5)
 
 
+def test_lm_head_copy_does_not_keep_its_weight_alive():
+    """A model replaced in the process (its old lm_head dropped) leaves no packed copy behind."""
+    import gc
+    import weakref
+
+    w = torch.nn.Parameter(torch.randn(40, 16), requires_grad=False)
+    before = cpu_linear.packed_count()
+    copy = weakref.ref(cpu_linear.packed_copy(w))
+    with torch.no_grad():
+        w.mul_(2.0)
+    cpu_linear.packed_copy(w)  # renewed for the same weight: still one entry
+    assert cpu_linear.packed_count() == before + 1 and id(w) in cpu_linear._copies
+    alive, key = weakref.ref(w), id(w)
+    del w
+    gc.collect()
+    assert alive() is None and copy() is None  # nothing held the weight or its first copy
+    assert cpu_linear.packed_count() == before and key not in cpu_linear._copies
+
+
 def test_lm_head_hook_takes_only_sglangs_plain_matmul_branch_for_decode_rows():
     proc = SimpleNamespace(use_fp32_lm_head=False, rl_on_policy_target=None)
     head = SimpleNamespace(weight=torch.randn(100, 24))

@@ -49,7 +49,9 @@ LM_HEAD_ROWS = (3, 64)
 # rows (bench/RESULTS.md, session 14).
 PACK_HINT_ROWS = 16
 
-_copies: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # id(weight) -> (weight, packed copy, its version)
+# id(weight) -> (weak reference to the weight, packed copy, the weight's version); an entry leaves with its
+# weight (a finalizer), so a model replaced in this process does not keep its old lm_head alive.
+_copies: dict[int, tuple["weakref.ref[torch.Tensor]", torch.Tensor, int]] = {}
 _packed_layers: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # layers whose weight is packed in place
 
 
@@ -126,10 +128,13 @@ def packed_copy(weight: torch.Tensor) -> torch.Tensor:
     """oneDNN's blocked copy of a dense ``weight`` [out, in], made on first use and kept while the
     weight lives (a weight written in place -- a reload -- gets a new copy: identity and version
     are checked)."""
-    hit = _copies.get(id(weight))
-    if hit is None or hit[0] is not weight or weight._version != hit[2]:
-        hit = (weight, _reorder(weight), weight._version)
-        _copies[id(weight)] = hit
+    key = id(weight)
+    hit = _copies.get(key)
+    if hit is None or hit[0]() is not weight or weight._version != hit[2]:
+        if hit is None or hit[0]() is not weight:
+            weakref.finalize(weight, _copies.pop, key, None)
+        hit = (weakref.ref(weight), _reorder(weight), weight._version)
+        _copies[key] = hit
     return hit[1]
 
 
