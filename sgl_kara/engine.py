@@ -39,7 +39,8 @@ def quiesce_watchdog(engine) -> None:
     watchdog with a 2 s join and then SIGKILLs the children; a watchdog still checking after the
     kill would report a crash and SIGQUIT this process. Emptying the watched list first makes a
     late check a no-op. The crash actually traced in CI was another engine's shutdown killing a
-    live engine's children (see README, "One Engine per process at a time").
+    live engine's children: ``Engine.shutdown`` kills every child of the process, so one engine
+    per process at a time.
     """
     manager = getattr(engine, "tokenizer_manager", None)
     watchdog = getattr(manager, "_subprocess_watchdog", None)

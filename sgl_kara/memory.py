@@ -1,24 +1,17 @@
-"""Memory sizing: the KV pool, request limit and capture ring a server can hold, checked at start-up.
-
-SGLang sizes its KV pool from free memory (on this CPU: ~11 GB of float32 KV for a 14 MB model,
-and the server was OOM-killed at its first request). On CPU sgl_kara therefore sets, unless the
-user gave them (or ``--mem-fraction-static``):
+"""Memory sizing on CPU: the request limit, KV pool and capture ring a server can hold, checked at
+start-up. SGLang sizes its KV pool from free memory (~11 GB of float32 KV for a 14 MB model on a
+24 GB machine, OOM-killed at the first request), so unless the user sets them (or
+``--mem-fraction-static``) sgl_kara sets the two below, and refuses, naming the flags, weights +
+KV pool + ring + PROCESS_FLOOR_BYTES that do not fit in the available memory (docs/CONFIGURATION.md,
+"CPU defaults and memory sizing"). No SGLang import; shapes come from the model's config.json.
 
     --max-running-requests  CPU_RUNNING_REQUESTS (8: ~50 tok/s in all on 2 cores for SmolLM2)
     --max-total-tokens      min(CPU_KV_SHARE (5%) of physical RAM / KV bytes per token,
                                 max(context length, max_running_requests * CPU_TOKENS_PER_REQUEST))
-                            (SmolLM2, float32, this 24 GB machine: 8,192 tokens, 0.35 GiB: one full-context
-                            request, or 8 of ~1k tokens uncompressed; the whole default server
-                            then stays under 3 GB of PSS, README)
-
-and refuses, naming the flags, a configuration whose weights + KV pool + capture ring do not fit
-in the memory available (plus PROCESS_FLOOR_BYTES for SGLang's three processes, measured here).
-
-Capture ring: one row per running request (not per request slot), ``capacity`` queries per row:
-
-    bytes = (rows + 1) * capacity * layers * H_q * D * itemsize       (+1: trash row, see QueryRing)
-
-No SGLang import; the model's shape comes from its config.json (transformers' AutoConfig).
+                            (SmolLM2, float32, 24 GB: 8,192 tokens, 0.35 GiB: one full-context
+                            request, or 8 of ~1k tokens uncompressed)
+    capture ring bytes      (rows + 1) * capacity * layers * H_q * D * itemsize   (ring_rows, ring_bytes;
+                            one row per running request, +1: QueryRing's trash row)
 """
 
 from __future__ import annotations
@@ -31,8 +24,8 @@ CPU_RUNNING_REQUESTS = 8
 CPU_KV_SHARE = 0.05
 CPU_TOKENS_PER_REQUEST = 1024
 MIN_TOKENS = 4096
-# Measured on this machine: importing torch + SGLang costs ~0.9 GB of private memory in each of
-# the launcher (tokenizer manager), scheduler and detokenizer processes (README, "Memory").
+# Measured on a 2-core 24 GB VM: importing torch + SGLang costs ~0.9 GB of private memory in each of
+# the launcher (tokenizer manager), scheduler and detokenizer processes.
 PROCESS_FLOOR_BYTES = 3 * 900 * (1 << 20)
 # auto query source: capture on CPU while the ring needs at most this share of available RAM;
 # on CUDA only when the running-request limit is known and the ring fits this share of the GPU.
@@ -40,7 +33,7 @@ CPU_RING_SHARE = 0.25
 # ... and while the ring is no larger than the KV pool it serves: past that, the memory buys more
 # by holding KV than by saving one forward per event (SmolLM2 default server: ring 0.37 GiB for
 # 8 x 640 queries vs pool 0.35 GiB; recompute took the same 52.4 s for a 700-token answer and
-# the server's PSS fell from 3.28 to 2.90 GB; bench/RESULTS.md, session 5).
+# the server's PSS fell from 3.28 to 2.90 GB; bench/RESULTS.md).
 CPU_RING_KV_RATIO = 1.0
 CUDA_RING_SHARE = 0.05
 

@@ -85,11 +85,12 @@ def fork_server_processes() -> None:
     """The launcher on CPU: start SGLang's scheduler and detokenizer by fork instead of spawn.
 
     SGLang 0.5.23 forces ``spawn`` in ``_set_envs_and_config``; every spawned process then imports
-    torch + SGLang again (~10 s and ~0.9 GB of private memory each on this machine). Forked, they
+    torch + SGLang again (~10 s and ~0.9 GB of private memory each on a 2-core VM). Forked, they
     share the launcher's imported pages: measured on the default server, ready ~9 s sooner and
-    ~0.7 GB less memory in all (README, "Memory"). Only for ``python -m sgl_kara.launch_server``
-    on CPU: that process has run no torch parallel region before the fork (GNU OpenMP is not
-    fork-safe after one) and holds no CUDA context. ``KARA_FORK=0`` keeps spawn.
+    ~0.7 GB less memory in all (docs/CONFIGURATION.md, "CPU defaults and memory sizing"). Only for
+    ``python -m sgl_kara.launch_server`` on CPU: that process has run no torch parallel region
+    before the fork (GNU OpenMP is not fork-safe after one) and holds no CUDA context.
+    ``KARA_FORK=0`` keeps spawn.
     """
     from sgl_kara import _sglang as sg
 

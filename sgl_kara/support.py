@@ -123,7 +123,7 @@ def planned_ring_rows(server_args, cfg: KaraConfig) -> int:
 def resolve_query_source(cfg: KaraConfig, server_args, shape: ModelShape | None) -> KaraConfig:
     """``auto`` -> capture or recompute (choose_query_source), for the ring ``--kara-query-ring-rows``
     leaves. A ring over budget is not shrunk to fit: on CPU its memory sits beside the KV pool,
-    and where memory binds it buys more as KV than as saved forwards (bench/RESULTS.md, session 13)."""
+    and where memory binds it buys more as KV than as saved forwards (bench/RESULTS.md)."""
     if cfg.query_source != "auto":
         return cfg
     capacity = cfg.query_ring_capacity

@@ -1,50 +1,25 @@
-"""torch_native attention on CPU: decode with one K/V gather and (by default) one SDPA call per
-layer for the whole batch, and the recompute pass's window extend without SGLang's padded L x L
-attention.
-
-SGLang 0.5.23's ``TorchNativeAttnBackend._run_sdpa_forward_decode`` loops over the requests and,
-for each, slices its ``req_to_token`` row and gathers its K and V with advanced indexing
-(``k_cache[slots]``, a fresh tensor per request and layer) before one SDPA call. On CPU with long
-contexts that gather is most of a decode step (py-spy, SmolLM2, 48 requests x ~1,000 tokens:
-52% of the scheduler's time on the two gather lines). Here the rows of all requests are read once
-per forward (not per layer) and shared by every layer:
+"""torch_native attention on CPU, for every torch_native decode in a process where the plugin is
+registered (plain SGLang too, so benchmark comparisons run the same attention; cross-attention,
+sliding windows, CUDA tensors and ``KARA_FAST_CPU_DECODE=0`` take SGLang's path). SGLang 0.5.23
+gathers each request's K/V per layer by advanced indexing (52% of the scheduler's time at 48
+requests x ~1,000 tokens); here the rows are read once per forward and shared by every layer, and
+one padded SDPA call per layer serves the whole batch, the GQA group folded into the query axis,
+while the cost rule (PAD_RATIO, CALL_UNITS; bench/cpu_decode_batched.py) says it beats the
+per-request loop (``KARA_BATCHED_CPU_DECODE=0``: always the loop, bit-identical to SGLang's; the
+padded call differs in float summation order, ~1e-7). Kara's recompute pass (``run_window_extend``)
+attends each request's E window queries to its L keys directly instead of SGLang's padded L x L
+extend (~9x the work for 64 queries over a 600-entry row).
 
     slots   [sum(L_i)] int64: row i's slots req_to_token[r_i, :L_i], rows back to back
     bounds  [(start_i, end_i)]: request i's slice of slots (host ints, one read per forward)
     K_buf   [>= sum(L_i), H_kv, D] per (H_kv, D, dtype), grown on demand, reused by every layer
 
-Batched decode (default; ``KARA_BATCHED_CPU_DECODE=0`` turns it off): one SDPA call per layer
-for the whole batch, the GQA group folded into the query axis so K/V are not repeated per query
-head (bench/cpu_decode_batched.py: 1.3-2.3x faster than the loop on equal rows, this CPU). Same
-attention, different float summation order (float32 ~1e-7, tests/test_cpu_attention.py; the
-HF masked-forward oracle passes with it, tests/test_oracle.py):
-
     q      [T, H_kv, g, D]          (H_q = H_kv g; query head h reads KV head h // g, as SGLang)
     K, V   [T, H_kv, L_max, D]      padded entries point at the row's first slot
     mask   [T, 1, 1, L_max] bool    True where the entry is in the row
 
-Padding costs work, so the padded call is taken only while the cost rule (PAD_RATIO, CALL_UNITS
-below, measured with bench/cpu_decode_batched.py --spread) says it beats the loop; otherwise,
-and with the flag off, the per-request loop runs: one ``index_select`` per layer into a reused
-buffer, each request's SDPA call on a slice of it with the same shape, strides and values as
-SGLang's own gather, so that output is bit-identical to SGLang's (tests/test_cpu_attention.py).
-
-It applies to every torch_native decode on CPU in a process where the plugin is registered (plain
-SGLang too, so that benchmark comparisons run the same attention); cross-attention, sliding
-windows, CUDA tensors and ``KARA_FAST_CPU_DECODE=0`` take SGLang's own path.
-
-Window extend (``run_window_extend``, Kara's recompute forward only: plugin.py calls it while a
-scoring pass is in flight). SGLang's ``_run_sdpa_forward_extend`` pads each request's E extend
-queries to its whole row (an uninitialised ``[H, L, D]`` query) and runs an L x L causal SDPA,
-then keeps the last E rows of the output: for a 64-query window over a 600-entry row, ~9x the
-work, plus a K/V gather per request and layer. Here each request's E queries attend to its L
-keys directly, with the causal mask aligned to the end of the row:
-
     row pos:  0 ............ p ............ L          p = extend_prefix_len, L = p + E
     query t (row pos p + t) attends keys [0, p + t]     mask[t, j] = j <= p + t
-
-Same attention, different float summation order than SGLang's padded call (float32: ~1e-7
-relative, tests/test_cpu_attention.py); every layer of the forward shares one read of the slots.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
-"""CPU serving (on by default; ``KARA_PACKED_CPU_LINEAR=0`` turns it off): float32 weight
-matmuls through oneDNN on weights reordered once, after loading, to oneDNN's blocked layout --
-in place, as SGLang's own AMX path does for bfloat16 (``_amx_process_weight_after_loading``) --
-instead of ``F.linear`` (MKL sgemm).
-
-Why (bench/cpu_linear.py; one thread, float32, SmolLM2-135M's 30 layers of projections + MLP and
-its lm_head, 540 MB of weights, more than the cache): MKL takes 37-42 ms for 1-2 rows -- the
-weights streamed once -- but 72-127 ms for 4-12 rows, a kernel regime that does not reuse what it
-streams, so on this CPU each running request adds ~10-19 ms to a decode step (bench/RESULTS.md,
-session 12: the projections, MLP and lm_head are two thirds of that per-request cost). oneDNN on
-the packed weights takes 50 / 58 / 64 ms at 4 / 8 / 12 rows and 1.04-1.10x less than MKL from 64 to
-256 rows, but ~11% more at 1 row (43.5 vs 38.6 ms): the default server decodes a lone request
-~11% slower (13.8 vs 15.5 tok/s) and 8 concurrent ones 17% faster (82.9 vs 70.9; session 14).
-
-Layout of the state (one owner each):
+"""CPU serving (on by default; ``KARA_PACKED_CPU_LINEAR=0`` turns it off): float32 weight matmuls
+through oneDNN on weights reordered once, after loading, to its blocked layout -- in place, as
+SGLang's AMX path does for bfloat16 -- instead of ``F.linear`` (MKL sgemm), which streams the
+weights once for 1-2 rows but not for 4-12, so each running request added ~10-19 ms to a decode
+step (bench/cpu_linear.py, SmolLM2-135M, one thread: MKL 72-127 ms at 4-12 rows, packed 50-64 ms;
+~11% slower at 1 row). Not bit-identical (float summation order; ~1e-6 on the logits).
 
     linear layers (UnquantizedLinearMethod)  layer.weight replaced after loading by a Parameter
         holding oneDNN's opaque packed tensor (``is_mkldnn``; same shape and dtype, the
@@ -23,13 +14,9 @@ Layout of the state (one owner each):
         its weight is usually tied to the input embedding, whose lookup needs the dense tensor.
         Only for decode-sized rows (``LM_HEAD_ROWS``), renewed when the weight is written in place.
 
-Not bit-identical to ``F.linear`` (float summation order; ~2e-6 on SmolLM2's activations, ~1e-6
-on its logits). Hooks (registered by plugin.py unless the variable is 0 when the plugin loads):
-``UnquantizedLinearMethod.process_weights_after_loading`` / ``restore_weights_before_loading`` /
-``apply`` / ``apply_into`` and ``LogitsProcessor._compute_lm_head`` (its plain matmul branch
-only: every other branch -- LoRA, quantized or AMX lm_head, float32 upcast, ``out=`` -- runs
-SGLang's own code) -- and ``WeightExporter``'s methods (``get_weights_by_name``, saving or sending
-the weights), which run on dense weights: unpacked for the call, packed again after it.
+Hooks (plugin.py, patches/cpu_linear.md): the linear method's weight processing and ``apply`` /
+``apply_into``, the lm_head's plain matmul branch only (LoRA, quantized or AMX heads, float32
+upcast and ``out=`` run SGLang's code), and ``WeightExporter``'s methods, run on dense weights.
 """
 
 from __future__ import annotations
@@ -46,7 +33,7 @@ LM_HEAD_ROWS = (3, 64)
 
 # oneDNN picks the packed layout for a batch-size hint. 16 was within 1% of the best hint tried
 # (none, 4, 8, 16, 32) at every row count from 1 to 256 and 4-14% faster than no hint from 1 to 8
-# rows (bench/RESULTS.md, session 14).
+# rows (bench/cpu_linear.py).
 PACK_HINT_ROWS = 16
 
 # id(weight) -> (weak reference to the weight, packed copy, the weight's version); an entry leaves with its

@@ -1,11 +1,10 @@
-"""OpenMP's waiting policy for servers on a shared CPU, set before torch loads.
+"""OpenMP's waiting policy for servers on a shared CPU, set before torch loads (no torch import).
 
 GNU OpenMP reads ``OMP_WAIT_POLICY`` once, when torch loads it; its default spins idle threads
-between parallel regions. When anything else runs on the cores (a second server, the test suite,
-a benchmark), each of the hundreds of parallel regions in a decode step then waits for a
-descheduled spinner: measured here with one other single-threaded engine on the 2 cores, the
-default server decoded 1.3 tok/s for one request and 1.5 tok/s for eight; with ``PASSIVE`` 7.0 and
-21.8 (README, "Measured"). A user's own ``OMP_WAIT_POLICY`` is left alone. No torch import here.
+between parallel regions, so when anything else runs on the cores each of the hundreds of parallel
+regions in a decode step waits for a descheduled spinner: with one other single-threaded engine on
+2 cores, the default server decoded 1.3 tok/s for one request and 1.5 for eight, with ``PASSIVE``
+7.0 and 21.8 (docs/CONFIGURATION.md, "CPU defaults and memory sizing"). A user's own value stays.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ conversion leaves no half checkpoint; a file lock lets two servers started toget
 
 Weights are cached in float32: measured here, SGLang's greedy output on the float32 checkpoint
 equals transformers' token for token (8 prompts x 100 tokens) while a bfloat16 copy diverged on
-5 of 8 within 100 tokens; bfloat16 was only ~1.3x faster at 8 concurrent requests (README).
+5 of 8 within 100 tokens; bfloat16 was only ~1.3x faster at 8 concurrent requests.
 No SGLang import.
 """
 

@@ -6,8 +6,8 @@ with an error (HTTP 500) and its row is left untouched (SGLang frees it as usual
 compressed. Before a group is scored, its jobs are fitted to the pool: compaction allocates
 fresh slots before it frees the old ones, so a job whose fresh slots the pool (free + evictable)
 cannot give now is skipped *unscored* -- scoring it would be wasted, and on a full pool a
-threshold policy's due request would otherwise be scored again at every step (session 8: 51,344
-wasted scorings in one SnapKV run). A group that still cannot get its slots is skipped
+threshold policy's due request would otherwise be scored again at every step (51,344 wasted
+scorings in one SnapKV run before this rule). A group that still cannot get its slots is skipped
 (OutOfSlots: nothing changed).
 
     score    ScoringPass over the policy's query window: captured queries for the jobs whose

@@ -134,7 +134,7 @@ class QueryRing:
     request wrote (events check ``capture_from`` and the capacity), so on CPU a row's pages become
     resident only once a request writes them, and rows are reused last-in first-out, so the
     resident ring follows the requests that actually ran at once rather than the row count
-    (``--max-running 32`` sized 32 rows where at most 11 ran, session 13). ``poison`` (integrity
+    (``--max-running 32`` sized 32 rows where at most 11 ran). ``poison`` (integrity
     mode) fills them with NaN instead, so a read of an unwritten query would turn the scores NaN.
     """
 
