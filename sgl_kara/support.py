@@ -1,7 +1,7 @@
-"""What the Kara runtime supports, checked before a model loads; CPU defaults.
-
-Unsupported SGLang features are refused with a message naming the flag, never ignored.
-"""
+"""Server arguments before a model loads, in three jobs: unsupported SGLang features refused with a
+message naming the flag, never ignored (``_UNSUPPORTED``, ``prepare_server_args``); the settings a
+CPU-only machine needs (``cpu_defaults``, ``server_defaults``); ``--kara-query-source auto``
+resolved to capture or recompute (``resolve_query_source``)."""
 
 from __future__ import annotations
 
