@@ -14,7 +14,7 @@ compressing. Per-step traces (running requests, free slots) come from the plugin
 
 Writes a table (markdown) and PNG plots under --out (default bench/results/).
 
-The recorded runs (bench/RESULTS.md, sessions 1-3) used the then-embedded random-weight 4-layer
+The tight-pool runs of 2026-11-22 (bench/RESULTS.md, History) used the then-embedded random-weight 4-layer
 Llama (hidden 128); the embedded default is now the trained proxy (3.5M parameters). That model is
 re-created bit for bit by ``sgl_kara.models.tiny.write_tiny_model(path, "llama", hidden_size=128,
 num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=256, vocab_size=512, seed=2026)``;
