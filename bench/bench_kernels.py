@@ -11,6 +11,7 @@ sizes. GB/s counts the minimum bytes each op must touch (reads + writes), not tr
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import platform
 import re
@@ -128,9 +129,9 @@ def report(rows, repeats):
 
     kind = "Triton (CUDA)" if CUDA else "Triton interpreter (TRITON_INTERPRET=1)"
     lines = [
-        "## Kernels (issue 3)",
+        "## Kernels",
         "",
-        f"Machine: {machine()}; torch {torch.__version__}, triton {triton.__version__}. "
+        f"Date: {datetime.date.today().isoformat()}. Machine: {machine()}; torch {torch.__version__}, triton {triton.__version__}. "
         f"Command: `python bench/bench_kernels.py --repeats {repeats}`; median of {repeats} "
         "runs after a warm-up. GB/s = minimum bytes touched / time.",
         "",
@@ -151,7 +152,7 @@ def report(rows, repeats):
 
 def write_section(path, section):
     text = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
-    pat = re.compile(r"^## Kernels \(issue 3\)\n.*?(?=^## |\Z)", re.M | re.S)
+    pat = re.compile(r"^## Kernels\b[^\n]*\n.*?(?=^## |\Z)", re.M | re.S)
     if pat.search(text):
         text = pat.sub(lambda _: section + "\n", text)
     else:
@@ -163,7 +164,7 @@ def write_section(path, section):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--results", help="markdown file whose '## Kernels (issue 3)' section is replaced")
+    ap.add_argument("--results", help="markdown file whose '## Kernels' section is replaced")
     args = ap.parse_args()
     torch.manual_seed(0)
     c = sizes()

@@ -4,7 +4,7 @@
 SmolLM2-135M: 30 layers of qkv [960, 576], o [576, 576], gate_up [3072, 576], down [576, 1536]
 and the lm_head [49152, 576] -- 540 MB, more than this machine's caches, as in serving).
 
-    python bench/cpu_linear.py --out bench/results/session12/cpu_linear.txt
+    python bench/cpu_linear.py --out bench/results/2026-11-25-step-costs/cpu_linear.txt
     python bench/cpu_linear.py --model-path /path/to/hf/checkpoint --rows 1 2 4 8 16 32
     python bench/cpu_linear.py --rows 64 128 192 256 512   # recompute-forward sizes
 

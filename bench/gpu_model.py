@@ -1,4 +1,4 @@
-"""GPU cost model of decode throughput for full KV vs Kara (issue 6).
+"""GPU cost model of decode throughput for full KV vs Kara.
 
     python bench/gpu_model.py [--gpu rtx5090 --tp 4 --mem-util 0.5 ...] [--results bench/RESULTS.md]
 
@@ -20,6 +20,7 @@ Pure Python + numpy. Three layers:
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import re
 from dataclasses import dataclass
@@ -336,8 +337,8 @@ def report(a, R):
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in sorted(vars(a).items())
                      if k in ("model", "gpu", "tp", "mem_util", "reserve_gib", "requests", "mean_gen", "gen_sigma", "seed"))
     out = [
-        "## GPU cost model (issue 6)", "",
-        f"Command: `python bench/gpu_model.py` (defaults: {flags}). Pure numpy, no GPU used; a model, not a measurement.", "",
+        "## GPU cost model", "",
+        f"Computed {datetime.date.today().isoformat()}. Command: `python bench/gpu_model.py` (defaults: {flags}). Pure numpy, no GPU used; a model, not a measurement.", "",
         "**Method.** Decode step time = max(FLOPs/(TP·peak·compute_eff), bytes/(TP·HBM·bw_eff)) + 2·layers all-reduces + a fixed per-step overhead; "
         "FLOPs = 2·matmul params·B + 4·layers·H·d·ΣS, bytes = weights + ΣS·KV bytes/token (real GQA configs, gated MLP). "
         "Kara event (App. C.2/D.6) = recompute forward over W tokens per sequence (q/o proj + MLP, cached K/V reused) + causal attention on the prefix "
@@ -413,7 +414,7 @@ def write_results(path, lines):
     """Replace this section if present, else append it; other sections are left untouched."""
     text = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
     section = "\n".join(lines).rstrip() + "\n"
-    pat = re.compile(r"^## GPU cost model \(issue 6\)\n.*?(?=^## |\Z)", re.S | re.M)
+    pat = re.compile(r"^## GPU cost model\b[^\n]*\n.*?(?=^## |\Z)", re.S | re.M)
     text = pat.sub(lambda _: section + "\n", text, count=1).rstrip() + "\n" if pat.search(text) else text.rstrip() + "\n\n" + section
     with open(path, "w") as f:
         f.write(text)

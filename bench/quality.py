@@ -30,6 +30,7 @@ with greedy decoding and ``--max-new-tokens`` (paper: 8192 for R1-Llama-8B).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -218,7 +219,8 @@ def main(argv=None):
                     help="skip the full-KV run (another process runs it; combine with --merge)")
     ap.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                     help="write one table + plot from these runs' quality.json (with --real: quality_real.json) files and exit")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--out", default=os.path.join(HERE, "results", f"{datetime.date.today().isoformat()}-quality"),
+                    help="output folder (default: bench/results/<today>-quality)")
     real = ap.add_argument_group("real LM (--real): fidelity on the default model, bench/quality/real_lm.py")
     real.add_argument("--real", action="store_true", help="real-LM mode (model default: SmolLM2)")
     real.add_argument("--prompts", default=os.path.join(HERE, "quality", "real_prompts.jsonl"))

@@ -1,10 +1,10 @@
 """Resident memory of the capture ring in a serving run: the default-model server with a ring sized
 for many more rows than requests run (``--max-running-requests 32``, a 4,172-token pool: the
-SmolLM2 G = 1,024, pool 1/4 grid cell of bench/RESULTS.md, session 13), once with ``capture`` and
+SmolLM2 G = 1,024, pool 1/4 grid cell of bench/RESULTS.md, "Throughput: capture ring versus recompute"), once with ``capture`` and
 once with ``recompute`` (no ring), the same requests through each. The ring's buffers are
 allocated unwritten, so only the rows requests write become resident (scheduler/queries.py).
 
-    python bench/ring_resident.py --out bench/results/session13/ring_resident.md
+    python bench/ring_resident.py --out bench/results/2026-11-25-capture-ring/ring_resident.md
 
 Reports each server's memory (RSS and PSS summed over its processes) idle and after the requests,
 and the ring's allocated size from the server log.

@@ -13,7 +13,7 @@ Starts the server exactly as the README's first command does (``python -m sgl_ka
                      (``ignore_eos``, 256 new tokens, the prompt's prefill included)
     compression      one 700-token answer: meta_info.kara (compressions, physical vs logical KV)
 
-    python bench/serve_numbers.py --out bench/results/session5/serve_numbers [--fresh-cache]
+    python bench/serve_numbers.py --out bench/results/2026-11-23-default-model/serve_numbers [--fresh-cache]
 
 Writes serve_numbers.json and .md under --out. Timings are this machine's, at that moment: run
 it with nothing else on the CPU for the README's figures.

@@ -12,9 +12,9 @@ compressing. Per-step traces (running requests, free slots) come from the plugin
     python bench/throughput.py --pool-fractions 1 0.5 0.25 0.125 --max-running 16 64
     python bench/throughput.py --model-path /models/R1-Llama-8B --requests 256 --gen 8192 ...
 
-Writes a table (markdown) and PNG plots under --out (default bench/results/).
+Writes a table (markdown) and PNG plots under --out (default bench/results/<today>-throughput/).
 
-The recorded runs (bench/RESULTS.md, sessions 1-3) used the then-embedded random-weight 4-layer
+The tight-pool runs of 2026-11-22 (bench/RESULTS.md, History) used the then-embedded random-weight 4-layer
 Llama (hidden 128); the embedded default is now the trained proxy (3.5M parameters). That model is
 re-created bit for bit by ``sgl_kara.models.tiny.write_tiny_model(path, "llama", hidden_size=128,
 num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=256, vocab_size=512, seed=2026)``;
@@ -24,6 +24,7 @@ pass it with ``--model-path`` to reproduce those numbers.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import sys
@@ -265,7 +266,8 @@ def main(argv=None):
                    help="scheduler on the last core alone, the other engine processes on the rest")
     p.add_argument("--omp-threads", type=int, default=1,
                    help="OMP_NUM_THREADS (+ OMP_WAIT_POLICY=PASSIVE) for the engines; 0 = leave as is")
-    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--out", default=os.path.join(HERE, "results", f"{datetime.date.today().isoformat()}-throughput"),
+                   help="output folder (default: bench/results/<today>-throughput)")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
 

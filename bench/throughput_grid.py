@@ -25,7 +25,7 @@ is reported beside them. With --repeats, medians (the scheduler figures of each 
 (P + G) / (P + r G + W) times vanilla's, retractions, and the share of wall time spent
 compressing. Vanilla does not depend on W: it runs once per (G, frac).
 
-    python bench/throughput.py --grid --model tiny --out bench/results/session5/grid_tiny
+    python bench/throughput.py --grid --model tiny --out bench/results/2026-11-23-default-model/grid_tiny
     python bench/throughput.py --grid --model smollm2 --gens 256 512 1024 --windows 64 128 ...
 
 Also per run, from the per-step trace (bench/step_costs.py): the rate while a request waits for
@@ -53,7 +53,7 @@ BASELINES = ("snapkv", "streaming", "h2o", "rkv")
 
 
 def tiny_model() -> str:
-    """The random-weight 4-layer Llama of the session 1-3 throughput runs (bench/RESULTS.md)."""
+    """The random-weight 4-layer Llama of the 2026-11-22 throughput runs (bench/RESULTS.md, History)."""
     from sgl_kara.models.tiny import write_tiny_model
 
     path = os.path.join(tempfile.gettempdir(), "sgl_kara_tiny_llama_h128_l4_s2026")
@@ -184,7 +184,7 @@ def main(argv=None):
                 if k.startswith(("KARA_", "SGL_KARA_")) and k not in ("KARA_TRACE", "SGL_KARA_TRACE")}
     from sgl_kara import env as kara_env
 
-    # Its default has changed before (packed in place): record what these engines ran.
+    # Its default changed on 2026-11-26 (packed in place): record what these engines ran.
     args.env.setdefault("KARA_PACKED_CPU_LINEAR", "1 (default)" if kara_env.packed_cpu_linear() else "0")
     sys.path.insert(0, HERE)
     from throughput import run_system

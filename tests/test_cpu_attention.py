@@ -223,7 +223,7 @@ def test_padded_call_is_chosen_by_the_cost_rule():
 def test_buffers_grown_in_inference_mode_serve_the_decode_outside_it(monkeypatch, batched):
     """The recompute pass (inference_mode) can be the first to need a K/V buffer; the next decode
     forward runs outside inference_mode and writes into the same buffer (found by the spread
-    grid, session 10: 'Inplace update to inference tensor outside InferenceMode')."""
+    grid: 'Inplace update to inference tensor outside InferenceMode')."""
     from sgl_kara.cpu.attention import _META, run_window_extend
 
     monkeypatch.setenv("KARA_BATCHED_CPU_DECODE", batched)

@@ -20,7 +20,7 @@ then Kara's schedule (window W, buffer U, period delta, compress the oldest unco
    all tokens and on the tokens before the full-KV output's first repetition loop.
 
     python bench/quality/event_analysis.py --n 12 --new-tokens 600 --window 128 --buffer 16 \
-        --period 16 --retention 0.25 --out bench/results/session5/event_analysis
+        --period 16 --retention 0.25 --out bench/results/2026-11-23-default-model/event_analysis_w128
 """
 
 from __future__ import annotations
