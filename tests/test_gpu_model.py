@@ -121,10 +121,10 @@ def test_kv_budget_of_paper_setting():
 
 def test_write_results_appends_and_replaces_only_its_section(tmp_path):
     path = tmp_path / "RESULTS.md"
-    gm.write_results(str(path), ["## GPU cost model (issue 6)", "", "v1"])
+    gm.write_results(str(path), ["## GPU cost model", "", "v1"])
     assert path.read_text().startswith("# Benchmark results\n")
     path.write_text(path.read_text() + "\n## Later section\n\nkeep me\n")
-    gm.write_results(str(path), ["## GPU cost model (issue 6)", "", "v2"])
+    gm.write_results(str(path), ["## GPU cost model", "", "v2"])
     text = path.read_text()
     assert "v2" in text and "v1" not in text and "keep me" in text and text.count("## GPU cost model") == 1
 
@@ -134,4 +134,4 @@ def test_main_runs_end_to_end_small(tmp_path, capsys):
     gm.main(["--requests", "40", "--mean-gen", "600", "--max-gen", "2000", "--batch-sizes", "16,64",
              "--results", str(out)])
     text = out.read_text()
-    assert "## GPU cost model (issue 6)" in text and "| KvLLM | 64 |" in text
+    assert "## GPU cost model" in text and "| KvLLM | 64 |" in text

@@ -1,4 +1,4 @@
-"""Reliability (issue 7, items 2-5): retraction storm, bad input over HTTP, faults, bounded load.
+"""Reliability: retraction storm, bad input over HTTP, faults, bounded load.
 
 One HTTP server (the reasoning proxy model, small Kara windows so every request longer than ~50
 tokens is compressed several times, fault injection armed for rids starting with ``faulty``,

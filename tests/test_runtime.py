@@ -1,4 +1,4 @@
-"""Kara inside SGLang's runtime (issue 4), on tiny CPU fixtures with strict memory checks.
+"""Kara inside SGLang's runtime, on tiny CPU fixtures with strict memory checks.
 
 - retention 1.0 runs the full path (score, select, gather into fresh slots, free old slots)
   and must reproduce vanilla SGLang's greedy tokens exactly, for Llama and Qwen3 and both

@@ -241,7 +241,7 @@ def test_profile_stages_split_the_forward_by_layer_file(tmp_path):
 
 def test_grid_system_with_its_own_query_source():
     """``--systems kara kara:recompute``: the same policy under two query sources in one invocation
-    (session 13: capture's ring is memory beside the pool, recompute's is none). The label keeps
+    (capture's ring is memory beside the pool, recompute's is none). The label keeps
     the source, so the two runs are separate rows of one cell; a bad source is refused."""
     import sys
     import types
