@@ -1,6 +1,6 @@
 """Event accounting (scheduler/events.py): an attempt whose compaction finds no fresh slots
 (OutOfSlots) changes nothing and is not an event, but the time it spent scoring is compression
-time all the same (left out, the throughput grid's compress share would undercount it); and a
+time all the same (the throughput grid's compress share once undercounted it); and a
 job whose fresh slots the pool cannot give is skipped before it is scored."""
 
 from __future__ import annotations

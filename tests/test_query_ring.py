@@ -1,7 +1,7 @@
 """QueryRing (sgl_kara/scheduler/queries.py) on its own: rows handed out last-in first-out, the
 integrity check, poisoned buffers in integrity mode, and -- on Linux CPU -- resident memory that
-follows the rows written rather than the rows allocated (a 32-row ring where at most 11 requests
-run keeps only their rows resident). The engine-level guarantee that no unwritten query is ever read is the oracle
+follows the rows written rather than the rows allocated (a 32-row ring where at most 11
+requests ran). The engine-level guarantee that no unwritten query is ever read is the oracle
 tests' (test_oracle.py: capture runs in integrity mode, i.e. on a NaN-poisoned ring, match the
 masked HF forward)."""
 
