@@ -211,11 +211,31 @@ def test_every_documented_benchmark_command_answers_help():
 
 # -- configuration is documented completely ------------------------------------------------------
 
+def _flag_rows(doc: str) -> dict[str, str]:
+    return {m.group(1): m.group(0) for m in re.finditer(r"^\| `(--kara-[a-z0-9-]+)` \|.*$", doc, re.M)}
+
+
+def flag_table(doc: str) -> str:
+    """docs/CONFIGURATION.md's flag table as ``sgl_kara.config._cli_fields()`` gives it, keeping the
+    "accepted" cell of rows already written (``python tests/test_docs.py`` prints it)."""
+    from sgl_kara import config
+
+    old = _flag_rows(doc)
+    lines = ["| flag | Engine keyword | default | accepted | meaning |", "|---|---|---|---|---|"]
+    for name, _kind, default, help_text in config._cli_fields():
+        flag = config.flag_name(name)
+        cells = [c.strip() for c in old[flag].strip("|").split("|")] if flag in old else []
+        accepted = cells[3] if len(cells) > 3 else "see `--help`"
+        shown = "unset" if default is None else f"`{default}`"
+        lines.append(f"| `{flag}` | `kara_{name}` | {shown} | {accepted} | {help_text.replace('|', '/')} |")
+    return "\n".join(lines)
+
+
 def test_configuration_names_every_flag_with_its_default():
     from sgl_kara import config
 
     doc = (ROOT / "docs" / "CONFIGURATION.md").read_text()
-    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `(--kara-[a-z0-9-]+)` \|.*$", doc, re.M)}
+    rows = _flag_rows(doc)
     problems = []
     for name, _kind, default, _help in config._cli_fields():
         flag = config.flag_name(name)
@@ -228,7 +248,8 @@ def test_configuration_names_every_flag_with_its_default():
         if f"`kara_{name}`" != cells[1] or cells[2] != want:
             problems.append(f"{flag}: keyword / default cells {cells[1:3]}, expected `kara_{name}` / {want}")
     extra = set(rows) - {config.flag_name(f[0]) for f in config._cli_fields()}
-    assert not problems and not extra, (problems, extra)
+    assert not problems and not extra, (
+        f"{problems}, rows of no flag: {sorted(extra)}; `python tests/test_docs.py` prints the table to paste")
 
 
 def test_configuration_names_every_environment_variable():
@@ -246,3 +267,8 @@ def test_every_documented_variable_exists_in_the_code():
     read = set(re.findall(r"(?<![A-Z_])(KARA_[A-Z][A-Z_]*[A-Z])\b", code_text))
     missing = sorted(named - read)
     assert named and not missing, f"named in the docs but read nowhere under that name: {missing}"
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    print(flag_table((ROOT / "docs" / "CONFIGURATION.md").read_text()))
