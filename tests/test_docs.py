@@ -209,6 +209,12 @@ def test_every_documented_benchmark_command_answers_help():
     assert not failed, failed
 
 
+def test_every_python_block_in_the_docs_compiles():
+    for path in [README, *sorted((ROOT / "docs").glob("*.md"))]:
+        for i, block in enumerate(re.findall(r"```python\n(.*?)```", path.read_text(), re.S)):
+            compile(block, f"{path.name}, python block {i + 1}", "exec")
+
+
 # -- configuration is documented completely ------------------------------------------------------
 
 def _flag_rows(doc: str) -> dict[str, str]:
