@@ -7,7 +7,8 @@
   benchmarks exists; links into README.md and bench/RESULTS.md name existing headings.
 - The README keeps its shape: at most 220 lines, the status line and the results tables near the
   top, a LICENSE beside it.
-- Every ``python bench/<script>.py`` command named in README.md and docs/ answers ``--help``.
+- Every ``python bench/<script>.py`` command named in README.md and docs/ answers ``--help``, and
+  every Python block in them compiles (tests/test_default_server.py runs the quick start's).
 - docs/CONFIGURATION.md names every ``--kara-*`` flag with its default and every environment
   variable of ``sgl_kara/env.py``, and every ``KARA_*`` variable the docs name exists in the code.
 """
