@@ -210,6 +210,8 @@ class KaraRuntime:
                 # This step's forward writes the query of logical position length + pos_offset.
                 state.capture_from = length + state.pos_offset if self.ring.assign(req) else None
             state.kv_peak = max(state.kv_peak, length)
+            if state.protected >= 0:
+                state.tail_peak = max(state.tail_peak, length - state.frontier)
             state.kv_sum += length
             state.kv_steps += 1
         self.decode_steps += 1
