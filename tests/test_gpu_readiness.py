@@ -13,7 +13,7 @@ import torch
 from sgl_kara import support
 from sgl_kara.config import KaraConfig
 from sgl_kara.kernels.window_score import window_scores_paged, window_scores_paged_ref
-from sgl_kara.policies.base import Region
+from sgl_kara.policies.base import Region, RowView
 from sgl_kara.policies.kara import KaraOptions, KaraPolicy
 from sgl_kara.scheduler.forward import ForwardContext
 from sgl_kara.scheduler.jobs import Job
@@ -25,10 +25,10 @@ D, HQ, HKV, LAYERS, SLOTS = 16, 4, 2, 2, 256
 class Pool:
     """One K and one V buffer per layer, as SGLang's MHATokenToKVPool hands them out."""
 
-    def __init__(self, dtype=torch.float32, seed=0):
+    def __init__(self, dtype=torch.float32, seed=0, slots=SLOTS):
         g = torch.Generator().manual_seed(seed)
-        self.k = [torch.randn(SLOTS, HKV, D, generator=g).to(dtype) for _ in range(LAYERS)]
-        self.v = [torch.randn(SLOTS, HKV, D, generator=g).to(dtype) for _ in range(LAYERS)]
+        self.k = [torch.randn(slots, HKV, D, generator=g).to(dtype) for _ in range(LAYERS)]
+        self.v = [torch.randn(slots, HKV, D, generator=g).to(dtype) for _ in range(LAYERS)]
         self.start_layer = 0
 
     def get_key_buffer(self, layer):
@@ -199,3 +199,131 @@ def test_kv_cache_dtype_other_than_the_model_dtype_is_accepted(monkeypatch, tiny
         support.prepare_server_args(_cuda_args(tiny_llama, kv_cache_dtype=kv), KaraConfig())
     with pytest.raises(support.UnsupportedFeature, match="--kv-cache-dtype"):
         support.prepare_server_args(_cuda_args(tiny_llama, kv_cache_dtype="fp8_e4m3"), KaraConfig())
+
+
+# ------------------------------------------------------------------ warm-up compiles what events launch
+class LaunchLog:
+    """Wraps the Triton kernels of the launchers: records each launch's specialisation as Triton
+    keys its compiled kernels (argument types, == 1 and divisible-by-16 classes of integers and
+    pointers, constexpr values)."""
+
+    KERNELS = {"sgl_kara.kernels.window_score": ("_lse_kernel", "_colsum_kernel"),
+               "sgl_kara.kernels.compact": ("_compact_kernel", "_copy_rows_kernel", "_gather_rows_kernel",
+                                            "_scatter_rows_kernel")}
+
+    def __init__(self, monkeypatch):
+        import importlib
+
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+
+        self.specs: set = set()
+        log = self
+
+        class Wrapped:
+            def __init__(self, name, kernel):
+                self.name, self.kernel = name, kernel
+
+            def __getitem__(self, grid):
+                launch = self.kernel[grid]
+
+                def run(*args, **kw):
+                    spec = tuple(native_specialize_impl(BaseBackend, a, False, True, True) for a in args)
+                    log.specs.add((self.name, spec, tuple(sorted((k, repr(v)) for k, v in kw.items()))))
+                    return launch(*args, **kw)
+
+                return run
+
+        for mod_name, names in self.KERNELS.items():
+            mod = importlib.import_module(mod_name)
+            for name in names:
+                monkeypatch.setattr(mod, name, Wrapped(name, getattr(mod, name)))
+
+    def take(self) -> set:
+        out, self.specs = self.specs, set()
+        return out
+
+
+class Allocator:
+    """SGLang's free list: each allocation is a slice of what is left, at any offset."""
+
+    def __init__(self, size: int, page: int):
+        self.page = page
+        self.free_pages = torch.arange(1, size // page)
+
+    def alloc(self, n: int):
+        pages = n // self.page
+        got, self.free_pages = self.free_pages[:pages], self.free_pages[pages:]
+        if self.page == 1:
+            return got
+        return (got[:, None] * self.page + torch.arange(self.page)).reshape(-1)
+
+    def free(self, slots):
+        pass
+
+
+def _event_launches(policy, pool, q_dtype, page: int, tails: list[int], prompt: int):
+    """What one event launches for rows of these lengths: queries read from a capture ring, scores
+    per layer (all rows at once, and one by one as a recompute split would), one compaction."""
+    from sgl_kara.mem_cache.compaction import CompactionPlan, compact_rows
+    from sgl_kara.scheduler.queries import QueryRing, ScoringPass
+
+    protected = -(-prompt // page) * page
+    lengths = [protected + t for t in tails]
+    alloc = Allocator(pool.k[0].shape[0], page)
+    alloc.alloc(3 * page)  # an odd offset into the free list, as after earlier allocations
+    req_to_token = torch.zeros(len(lengths) + 1, 192, dtype=torch.int32)
+    for i, n in enumerate(lengths):
+        need = -(-n // page) * page
+        req_to_token[i + 1, :need] = alloc.alloc(need).to(torch.int32)
+    state = KaraReqState(protected=protected, frontier=protected)
+    regions = [policy.region(RowView(protected, protected, n, 0, state)) for n in lengths]
+    groups: dict = {}
+    for i, r in enumerate(regions):
+        groups.setdefault(r.shape, []).append(i)
+    ring = QueryRing({l: (HQ, D) for l in range(LAYERS)}, 4, 256, 8, q_dtype, "cpu")
+    for buf in ring.buffers.values():
+        buf.normal_()
+    for idx in groups.values():
+        rows = torch.tensor([i + 1 for i in idx])
+        regs = [regions[i] for i in idx]
+        M = regs[0].length
+        slots = req_to_token[rows[:, None], regs[0].start + torch.arange(M)].to(torch.int64)
+        for part in ([list(range(len(idx)))] + [[b] for b in range(len(idx))]):
+            sp = ScoringPass(policy, pool, list(range(LAYERS)), slots[part], [None] * len(part),
+                             [regs[b] for b in part])
+            for lid in range(LAYERS):
+                q = None
+                if policy.needs_queries:
+                    q = ring.read(lid, torch.zeros(len(part), dtype=torch.int64),
+                                  torch.full((len(part),), regs[0].query_start), regs[0].query_len)
+                sp.score_layer(lid, q)
+        kept = policy.select(torch.rand(len(idx), LAYERS, HKV, M), regs[0].keep)
+        plan = CompactionPlan(rows=rows, starts=[r.start for r in regs], lengths=[lengths[i] for i in idx],
+                              region=M, kept=kept)
+        compact_rows(plan, req_to_token, pool.k, pool.v, alloc.alloc, alloc.free, page)
+
+
+@pytest.mark.parametrize("policy_name, page, q_dtype, kv_dtype", [
+    ("kara", 1, torch.bfloat16, torch.bfloat16),
+    ("kara", 16, torch.float16, torch.bfloat16),
+    ("snapkv", 1, torch.float32, torch.float32),
+])
+def test_warm_up_compiles_every_specialisation_an_event_launches(monkeypatch, policy_name, page, q_dtype, kv_dtype):
+    from sgl_kara.policies.snapkv import SnapKVOptions, SnapKVPolicy
+    from sgl_kara.scheduler.warm_up import warm_up_kernels
+
+    if policy_name == "kara":
+        policy = KaraPolicy(KaraOptions(window=32, buffer=4, period=8))
+        tails = [32 + i for i in (0, 3, 8, 11)]
+    else:
+        policy = SnapKVPolicy(SnapKVOptions(threshold=40, budget=20, window=4))
+        tails = [41 + i for i in (0, 1, 6, 7, 13, 20)]  # region lengths of both classes
+    log = LaunchLog(monkeypatch)
+    pool = Pool(kv_dtype, slots=1024)
+    warm_up_kernels(pool, list(range(LAYERS)), policy, [HQ], q_dtype, page)
+    warm = log.take()
+    _event_launches(policy, pool, q_dtype, page, tails, prompt=8)
+    event = log.take()
+    assert event, "the event launched no Triton kernel"
+    assert event <= warm, sorted(event - warm)

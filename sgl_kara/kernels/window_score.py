@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import interpret_mode, want_triton
+from ._dispatch import aligned, interpret_mode, want_triton
 
 # Upper bound on the elements of one [B, H_q, w_chunk, M] logits block (torch reference).
 _SCORE_BLOCK_ELEMS = 1 << 24
@@ -187,7 +187,7 @@ def window_scores_paged(q, k_buffer, slots, scale=None, use_triton=None):
     out = torch.zeros(b, hkv, m, dtype=torch.float32, device=q.device)
     if b == 0 or w == 0 or m == 0:
         return out
-    slots = slots.contiguous()
+    q, slots = aligned(q), aligned(slots)
     lse = torch.empty(b, hq, w, dtype=torch.float32, device=q.device)
     block_w = 32 if w > 16 else 16
     block_m = 64 if m > 32 else 32
