@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-import time
 
 import torch
 

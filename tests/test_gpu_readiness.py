@@ -327,3 +327,34 @@ def test_warm_up_compiles_every_specialisation_an_event_launches(monkeypatch, po
     event = log.take()
     assert event, "the event launched no Triton kernel"
     assert event <= warm, sorted(event - warm)
+
+
+def test_captured_scores_are_read_in_bounded_chunks():
+    """An event may hold every running request: the ring is read for at most recompute_tokens
+    window tokens at a time, and the scores are those of one read of all of them."""
+    from sgl_kara.kernels.window_score import window_scores_paged_ref
+    from sgl_kara.scheduler.events import EventRunner
+    from sgl_kara.scheduler.queries import QueryRing
+
+    pool = Pool()
+    policy = KaraPolicy(KaraOptions(window=16, buffer=4, period=4))
+    ring = QueryRing({l: (HQ, D) for l in range(LAYERS)}, 5, 64, 8, torch.float32, "cpu")
+    for buf in ring.buffers.values():
+        buf.normal_(generator=torch.Generator().manual_seed(5))
+    reads = []
+    read = ring.read
+    ring.read = lambda lid, rr, st, n: reads.append(rr.numel()) or read(lid, rr, st, n)
+    reqs = [_request(i + 1, 40) for i in range(5)]
+    for r in reqs:
+        r.kara = KaraReqState(protected=8, frontier=8, capture_from=0)
+        ring.assign(r)
+    jobs = [Job(i, r, r.kara, Region(8, 12, 3, 8, 16)) for i, r in enumerate(reqs)]
+    rows = torch.tensor([r.kv.req_pool_idx for r in reqs])
+    region = torch.stack([torch.arange(12) + 20 * i for i in range(5)])
+    rt = types.SimpleNamespace(ring=ring, policy=policy, kv_pool=pool, layer_ids=list(range(LAYERS)), check=False,
+                               recompute_tokens=32)
+    got = EventRunner(rt)._captured_scores(None, jobs, rows, region, [8] * 5)
+    assert reads and max(reads) <= 2, reads  # 32 tokens / 16 per window
+    for lid in range(LAYERS):
+        q = ring.read(lid, ring.rows_for(rows), torch.full((5,), 8), 16)
+        torch.testing.assert_close(got[:, lid], window_scores_paged_ref(q, pool.k[lid], region), rtol=1e-4, atol=1e-5)
