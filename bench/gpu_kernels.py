@@ -142,6 +142,8 @@ def compiled_count() -> int | None:
         caches = getattr(k, "device_caches", None)
         if caches is None:
             return None
+        if not all(isinstance(v, tuple) and isinstance(v[0], dict) for v in caches.values()):
+            return None  # another Triton's cache layout: not counted
         total += sum(len(v[0]) for v in caches.values())
     return total
 
