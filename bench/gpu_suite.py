@@ -3,12 +3,15 @@
     python bench/gpu_suite.py --out bench/results/gpu            # on a CUDA machine (< 10 min)
     python bench/gpu_suite.py --cpu --out /tmp/gpu_suite_cpu      # here: the parts that can run
 
-On CUDA: retention 1.0 token-identical to vanilla SGLang on fa3 / FlashInfer / Triton, page 1 and
-64, both query sources (decode CUDA graphs on for recompute); the oracle after events; a retraction
-storm at page 1 and 64; kernels on serving shapes (32 layers, 8 KV heads, d 128, bf16, 1M slots);
-peak device memory per event. With --cpu: the same engine checks on torch_native (page 1 and 16),
-the Triton kernels under TRITON_INTERPRET=1 on scaled shapes; fa3 / FlashInfer are "not run".
-Each check is recorded with its figures, ok / FAILED, and its error if it raised.
+The plan is tests/gpu_checks.py ``plan()``: on CUDA, retention 1.0 token-identical to vanilla
+SGLang (same backend, page size and CUDA-graph setting) on fa3 / FlashInfer / Triton at page 1
+and 64 with decode CUDA graphs on (recompute) and on Triton page 64 with them off (capture); the
+oracle after events (fa3 page 1 recompute, FlashInfer page 64 capture); a retraction storm at page
+1 and 64; the kernels at Llama-3-8B serving shapes (bench/gpu_kernels.py, pool sized to the
+device); peak device memory per event. 19 engine starts, < 10 minutes by construction
+(``budget_seconds``, printed first). With --cpu: the same engine checks on torch_native, the
+kernels under TRITON_INTERPRET=1 at tiny shapes; fa3 / FlashInfer are "not run". Each check is
+recorded with its figures, ok / FAILED, and its error if it raised.
 """
 
 from __future__ import annotations
@@ -24,33 +27,6 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-
-
-def plan(cpu: bool):
-    """(name, function name, args, pass predicate) for this machine."""
-    if cpu:
-        engines = [("torch_native", 1), ("torch_native", 16)]
-        kernel = dict(layers=2, kv_heads=8, head_dim=128, slots=1 << 14, batch=2, window=64, buffer=8, keep=16)
-    else:
-        engines = [(b, p) for b in ("fa3", "flashinfer", "triton") for p in (1, 64)]
-        kernel = dict(layers=32, kv_heads=8, head_dim=128, slots=1 << 20)
-    checks = []
-    for backend, page in engines:
-        for qs in ("recompute", "capture"):
-            checks.append((f"identity {backend} page {page} {qs}", "token_identity", (backend, page, qs),
-                           lambda r: r["identical"] and min(r["compressions"]) >= 2))
-    for backend, page in engines[:3]:
-        checks.append((f"oracle {backend} page {page}", "oracle", (backend, page, "recompute"),
-                       lambda r: r["max_err"] < r["tol"]))
-    for page in sorted({p for _, p in engines}):
-        backend = engines[0][0] if cpu else "flashinfer"
-        checks.append((f"retraction storm {backend} page {page}", "retraction_storm", (backend, page),
-                       lambda r: r["all_finished"] and r["all_slots_free"] and r["retractions"] > 0))
-    checks.append(("kernels", "kernels", kernel,
-                   lambda r: r["compact_exact"] and r["copy_exact"] and r["score_rel_err"] < 2e-2))
-    if not cpu:
-        checks.append(("event memory fa3", "event_memory", ("fa3", 1), lambda r: r["events"] > 0))
-    return checks
 
 
 def main(argv=None):
@@ -81,15 +57,19 @@ def main(argv=None):
         head["sglang"] = sglang.__version__
     except Exception:  # noqa: BLE001
         pass
+    checks = gc.plan(args.cpu)
+    head["engine_starts"] = sum(c[3] for c in checks)
+    head["budget_s"] = round(gc.budget_seconds(checks))
+    print(f"{len(checks)} checks, {head['engine_starts']} engine starts, bound {head['budget_s']} s", flush=True)
     rows = []
-    for name, fn, a, ok in plan(args.cpu):
+    for name, fn, a, _, _, ok in checks:
         if args.k and args.k not in name:
             continue
         tic = time.time()
         try:
             f = getattr(gc, fn)
             if fn == "kernels":
-                r = f(**a)
+                r = f(*a)
             elif fn == "oracle":
                 r = f(model, *a, tempfile.mkdtemp())
             else:

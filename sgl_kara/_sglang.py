@@ -81,7 +81,8 @@ ATTRIBUTES = {
         "token_ids_logprobs", "decoding_reqs", "multimodal_inputs", "sampling_info", "spec_info", "input_embeds",
         "extend_input_logprob_token_ids", "_get_decode_retraction_order"],
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch": [
-        "init_new", "positions", "forward_mode", "batch_size", "req_pool_indices", "seq_lens", "seq_lens_cpu"],
+        "init_new", "positions", "forward_mode", "batch_size", "req_pool_indices", "seq_lens", "seq_lens_cpu",
+        "out_cache_loc"],
     "sglang.srt.layers.radix_attention.RadixAttention": ["forward", "layer_id", "tp_q_head_num", "qk_head_dim"],
     # events.py: the recompute forward runs eagerly (prefill CUDA graph runner set aside)
     "sglang.srt.model_executor.model_runner.ModelRunner": [

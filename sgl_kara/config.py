@@ -56,7 +56,8 @@ COMMON_HELP = {
     "query_ring_rows": "capture ring rows at most (0: one per request that can run at once, bounded by the "
                        "pool); auto judges the capped ring; a running request without a row is scored from a "
                        "recompute forward",
-    "max_seqs": "N: max requests compressed per event",
+    "max_seqs": "N: max requests compressed per event, unless more are overdue (their tails would outgrow "
+                "what admission charged before the next event)",
     "trigger": f"when due events run: {TRIGGERS} (schedule: always, the paper's periodic policy; pressure: "
                "only while memory binds -- requests wait for admission, or the pool cannot take the running "
                "requests' growth until the next due step; headroom: only while requests wait for admission or "

@@ -172,8 +172,9 @@ def prepare_server_args(server_args, cfg: KaraConfig) -> KaraConfig:
             f"--model-path {server_args.model_path} uses M-RoPE (multimodal rotary positions), which is not "
             f"supported with --kara-policy {cfg.policy}: its position offsets would not reach mrope_positions")
     cfg = resolve_query_source(cfg, server_args, shape)
-    if cfg.query_source == "capture":
-        # Captured queries are written by a hook that a CUDA graph would freeze.
+    if cfg.query_source == "capture" or cfg.policy_class.observes_decode:
+        # Captured queries and decode observers (H2O) run in the attention hook, which a replayed
+        # CUDA graph never calls.
         server_args.disable_cuda_graph = True
     if server_args.device == "cpu" and shape is not None and server_args.max_total_tokens:
         rows = planned_ring_rows(server_args, cfg) if cfg.query_source == "capture" else 0

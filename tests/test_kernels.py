@@ -101,7 +101,7 @@ def test_window_scores_paged_validation():
     kb = torch.randn(16, 2, 64)
     slots = torch.arange(8).view(1, 8)
     with pytest.raises(ValueError, match="dtype"):
-        window_scores_paged(q, kb.half(), slots)
+        window_scores_paged(q, kb.to(torch.int8), slots)
     with pytest.raises(ValueError, match="head dim"):
         window_scores_paged(q, torch.randn(16, 2, 32), slots)
     with pytest.raises(ValueError, match="multiple"):

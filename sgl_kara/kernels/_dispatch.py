@@ -32,3 +32,11 @@ def want_triton(use_triton: bool | None, t, pow2_dim: int | None = None, min_dim
     if use_triton and not shape_ok:
         raise ValueError(f"D must be a power of two >= {min_dim} for the Triton path, got {pow2_dim}")
     return use_triton
+
+
+def aligned(t):
+    """``t`` contiguous at a 16-byte aligned address (a copy when it is not). Triton specialises
+    pointer arguments on 16-byte alignment, so an index tensor sliced from an allocator's free
+    list at an odd offset would compile the kernel again mid-serving."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()

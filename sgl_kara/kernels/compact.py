@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import want_triton
+from ._dispatch import aligned, want_triton
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _TL_INT = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
@@ -186,7 +186,7 @@ def compact_kv(k_buffers, v_buffers, src_slots, dst_slots, use_triton=None, chec
     block_t = min(64, triton.next_power_of_2(k))
     grid = (b * len(k_buffers) * h, triton.cdiv(k, block_t))
     _compact_kernel[grid](
-        _ptr_table(k_views), _ptr_table(v_views), src_slots.contiguous(), dst_slots.contiguous(),
+        _ptr_table(k_views), _ptr_table(v_views), aligned(src_slots), aligned(dst_slots),
         len(k_buffers), h, k, ref.stride(0), ref.stride(1), ELEM=_TL_INT[n], D=d, BLOCK_T=block_t)
 
 
@@ -218,9 +218,9 @@ def copy_slots(k_buffers, v_buffers, src, dst, use_triton=None, disjoint=False):
     args = (n, row, ref.stride(0))
     meta = dict(ELEM=_TL_INT[es], BLOCK=block)
     if disjoint:
-        _copy_rows_kernel[grid](k_tab, v_tab, src.contiguous(), dst.contiguous(), *args, **meta)
+        _copy_rows_kernel[grid](k_tab, v_tab, aligned(src), aligned(dst), *args, **meta)
         return
     k_ws = torch.empty(n_layers, n, row, dtype=_INT_VIEW[es], device=ref.device)
     v_ws = torch.empty_like(k_ws)
-    _gather_rows_kernel[grid](k_tab, v_tab, src.contiguous(), k_ws, v_ws, *args, **meta)
-    _scatter_rows_kernel[grid](k_tab, v_tab, dst.contiguous(), k_ws, v_ws, *args, **meta)
+    _gather_rows_kernel[grid](k_tab, v_tab, aligned(src), k_ws, v_ws, *args, **meta)
+    _scatter_rows_kernel[grid](k_tab, v_tab, aligned(dst), k_ws, v_ws, *args, **meta)

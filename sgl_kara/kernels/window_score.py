@@ -2,7 +2,9 @@
 
 Shapes and strides
     q        [B, W, H_q, D]   contiguous, fp32 / bf16 / fp16; queries of the window
-    k_buffer [S, H_kv, D]     one layer's key pool, last dim contiguous, same dtype
+    k_buffer [S, H_kv, D]     one layer's key pool, last dim contiguous, fp32 / bf16 / fp16
+                              (may differ from q's: --kv-cache-dtype other than --dtype; the
+                              dot products then run in fp32)
     slots    [B, M]           int32 / int64, pool slot of each compressible key
     lse      [B, H_q, W]      float32 workspace (pass 1 -> pass 2)
     out      [B, H_kv, M]     float32, contiguous
@@ -23,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import interpret_mode, want_triton
+from ._dispatch import aligned, interpret_mode, want_triton
 
 # Upper bound on the elements of one [B, H_q, w_chunk, M] logits block (torch reference).
 _SCORE_BLOCK_ELEMS = 1 << 24
@@ -150,13 +152,19 @@ def _check(q, k_buffer, slots):
         raise ValueError(f"slots batch {slots.shape[0]} != q batch {b}")
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"H_q ({hq}) must be a multiple of H_kv ({hkv})")
-    if q.dtype not in _DTYPES or k_buffer.dtype != q.dtype:
-        raise ValueError(f"q/k_buffer dtype must match and be one of {_DTYPES}; "
+    if q.dtype not in _DTYPES or k_buffer.dtype not in _DTYPES:
+        raise ValueError(f"q and k_buffer dtypes must each be one of {_DTYPES}; "
                          f"got {q.dtype}, {k_buffer.dtype}")
     if slots.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slots must be int32 or int64, got {slots.dtype}")
     if q.device != k_buffer.device or q.device != slots.device:
         raise ValueError("q, k_buffer and slots must be on the same device")
+
+
+def fp32_dot_needed(q_dtype, k_dtype, interpret: bool) -> bool:
+    """Whether the scoring kernels widen both operands to fp32 before the dot."""
+    return (q_dtype != k_dtype or q_dtype == torch.float32
+            or (interpret and torch.bfloat16 in (q_dtype, k_dtype)))
 
 
 def window_scores_paged(q, k_buffer, slots, scale=None, use_triton=None):
@@ -179,14 +187,15 @@ def window_scores_paged(q, k_buffer, slots, scale=None, use_triton=None):
     out = torch.zeros(b, hkv, m, dtype=torch.float32, device=q.device)
     if b == 0 or w == 0 or m == 0:
         return out
-    slots = slots.contiguous()
+    q, slots = aligned(q), aligned(slots)
     lse = torch.empty(b, hq, w, dtype=torch.float32, device=q.device)
     block_w = 32 if w > 16 else 16
     block_m = 64 if m > 32 else 32
-    # fp32 inputs: exact-fp32 dot (no tf32). The CPU interpreter multiplies bf16 operands as
-    # their raw uint16 bits (triton 3.x InterpreterBuilder.create_dot), so widen them there;
-    # bf16 products are exact in fp32, so this only changes the summation order.
-    fp32_dot = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpret_mode())
+    # fp32 inputs: exact-fp32 dot (no tf32). Mixed q / key dtypes (a KV cache dtype other than the
+    # model's): both widened to fp32, exact for every pair (bf16 / fp16 products are exact in
+    # fp32). The CPU interpreter multiplies bf16 operands as their raw uint16 bits (triton 3.x
+    # InterpreterBuilder.create_dot), so widen them there too; this only changes summation order.
+    fp32_dot = fp32_dot_needed(q.dtype, k_buffer.dtype, interpret_mode())
     common = (w, m, hq)
     strides = (q.stride(0), q.stride(1), q.stride(2), k_buffer.stride(0), k_buffer.stride(1),
                slots.stride(0))

@@ -147,6 +147,12 @@ class Policy(ABC):
         ahead: memory the running requests need before the next chance to compress)."""
         return 1
 
+    def tail_charge(self, row: RowView) -> int | None:
+        """Most uncompressed rows (``row.length - row.frontier``) ``footprint`` charged this
+        request; an event compresses every due request that would outgrow it before the next due
+        step, beyond ``--kara-max-seqs`` if need be (None: no bound, max_seqs alone limits)."""
+        return None
+
     def worth_compressing(self, row: RowView, remaining: int) -> bool:
         """False: leave this request's due region alone, it finishes within ``remaining`` more
         tokens before the freed slots matter (still within what admission charged it)."""

@@ -229,6 +229,10 @@ class KaraPolicy(Policy):
     def event_interval(self) -> int:
         return self.options.period
 
+    def tail_charge(self, row: RowView) -> int:
+        """``footprint`` charged a window plus the steps to the next event."""
+        return self.options.window + self.options.period
+
     def worth_compressing(self, row: RowView, remaining: int) -> bool:
         """A request whose uncompressed tail stays within W + period until it finishes is left
         alone: admission (``footprint``) charged it that tail, and the event would score a whole

@@ -51,6 +51,12 @@ class ThresholdPolicy(Policy):
         q_len = w if self.needs_queries else 0
         return Region(row.protected, m, keep, row.length - w, q_len)
 
+    def tail_charge(self, row: RowView) -> int:
+        """``footprint`` charged C_max + 1 generated entries: rows [P, L), of which [P, f) are
+        the entries kept by earlier compressions."""
+        _, threshold = self._budget(row.state)
+        return threshold + 1 - (row.frontier - row.protected)
+
     def query_capacity(self) -> int:
         # Events are checked every step, so the last w queries plus the one being written.
         return self.options.window + 1 if self.needs_queries else 0

@@ -197,13 +197,20 @@ class EventRunner:
         return out
 
     def _captured_scores(self, batch, jobs, rows, region_slots, q_starts) -> torch.Tensor:
+        """Scores from the ring's queries, read for at most ``rt.recompute_tokens`` window tokens
+        at a time (an event may hold every running request: the read is bounded like a recompute
+        forward's activations)."""
         rt = self.rt
-        scoring = self._scoring_pass(jobs, region_slots)
-        starts = torch.tensor(q_starts, dtype=torch.int64, device=rows.device)
-        ring_rows = rt.ring.rows_for(rows)
-        for lid in rt.layer_ids:
-            scoring.score_layer(lid, rt.ring.read(lid, ring_rows, starts, jobs[0].region.query_len))
-        captured = scoring.result()
+        per = max(1, rt.recompute_tokens // max(1, jobs[0].region.query_len))
+        parts = []
+        for i in range(0, len(jobs), per):
+            scoring = self._scoring_pass(jobs[i : i + per], region_slots[i : i + per])
+            starts = torch.tensor(q_starts[i : i + per], dtype=torch.int64, device=rows.device)
+            ring_rows = rt.ring.rows_for(rows[i : i + per])
+            for lid in rt.layer_ids:
+                scoring.score_layer(lid, rt.ring.read(lid, ring_rows, starts, jobs[0].region.query_len))
+            parts.append(scoring.result())
+        captured = parts[0] if len(parts) == 1 else torch.cat(parts)
         if rt.check and not bool(torch.isfinite(captured).all()):  # the ring is NaN-poisoned in integrity mode
             raise AssertionError("scores from the capture ring are not finite: a window read queries never written")
         if env.crosscheck_queries():

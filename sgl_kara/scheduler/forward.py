@@ -76,9 +76,11 @@ class ForwardContext:
             if self.ring is not None:
                 self.capture = (self.ring.rows_for(rows), fb.positions.to(torch.int64))
             if self.policy is not None and self.policy.observes_decode:
-                lens = fb.seq_lens_cpu.tolist() if fb.seq_lens_cpu is not None else fb.seq_lens.tolist()
-                self.observed = ([self.req_to_token[int(r), :n].to(torch.int64) for r, n in zip(rows.tolist(), lens)],
-                                 states)
+                # Rows and lengths from the host (the requests, the batch's CPU lengths): reading
+                # the device tensors here would sync the host at every decode step.
+                lens = fb.seq_lens_cpu if fb.seq_lens_cpu is not None else batch.seq_lens_cpu
+                self.observed = ([self.req_to_token[int(r.kv.req_pool_idx), :n].to(torch.int64)
+                                  for r, n in zip(reqs, lens.tolist())], states)
         else:
             # Only requests never compressed (or reset by retraction) are ever extended.
             assert not any(s is not None and s.pos_offset for s in states), "extend of a compressed request"
@@ -90,7 +92,14 @@ class ForwardContext:
             scoring.score_layer(layer.layer_id, qv)
             if scoring.complete:
                 raise ScoringComplete  # the rest of the forward feeds no score (queries.py)
-            return original(layer, q, k, v, fb, False, *args, **kwargs)
+            # The attention itself sees the window's real slots (a backend that reads the extend
+            # tokens' K/V back from the pool finds them there); the rest of the layer, a fused
+            # RoPE + KV write included, sees the scratch slot (queries.py).
+            scratch, fb.out_cache_loc = fb.out_cache_loc, scoring.window_slots
+            try:
+                return original(layer, q, k, v, fb, False, *args, **kwargs)
+            finally:
+                fb.out_cache_loc = scratch
         out = original(layer, q, k, v, fb, save_kv_cache, *args, **kwargs)
         if fb.forward_mode.is_decode():
             q3 = q.reshape(q.shape[0], layer.tp_q_head_num, layer.qk_head_dim)

@@ -1,5 +1,9 @@
 """Which running requests an event compresses, and where: the policy's regions, longest
-uncompressed tail first, at most ``max_seqs`` of them.
+uncompressed tail first, at most ``max_seqs`` of them -- and more when more are overdue
+(``choose``): a due request whose tail, left to the next due step, would outgrow what admission
+charged it (``policy.tail_charge``) is always in the event, so events keep up with any number of
+running requests (at max_seqs = 30 and one event per period = 128 steps, the paper's limit holds
+up to ~30 x (W - U) / period = 112 running requests at W = 512, U = 32).
 
 A request takes part once its row has reached its protected length P (fixed here, at the first
 check after the prefill: the tree-owned prefix and the prompt, rounded up to a page), when it is
@@ -45,6 +49,22 @@ def fix_protected(req, state: KaraReqState, length: int, page_size: int) -> bool
     return True
 
 
+def overdue(tail: int, charge: int | None, interval: int) -> bool:
+    """Would this tail, growing one row per step until the next due step ``interval`` steps
+    away, exceed the ``charge`` admission made for it (None: no bound)?"""
+    return charge is not None and tail + interval > charge
+
+
+def choose(tails: list[int], charges: list, interval: int, max_seqs: int) -> list[int]:
+    """Indices of the due requests one event compresses, longest tail first (stable): every
+    overdue one, then the others while fewer than ``max_seqs`` are chosen."""
+    order = sorted(range(len(tails)), key=lambda i: -tails[i])
+    late = [i for i in order if overdue(tails[i], charges[i], interval)]
+    rest = [i for i in order if not overdue(tails[i], charges[i], interval)]
+    picked = set(late + rest[: max(0, max_seqs - len(late))])
+    return [i for i in order if i in picked]
+
+
 def plan_jobs(policy, reqs, state_of, page_size: int, max_seqs: int, on_protected=None) -> list[Job]:
     """Jobs for the requests ``reqs`` (the running batch's, in order)."""
     cands = []
@@ -66,6 +86,6 @@ def plan_jobs(policy, reqs, state_of, page_size: int, max_seqs: int, on_protecte
         row = RowView(state.protected, state.frontier, length, state.pos_offset, state)
         region = policy.region(row)
         if region is not None and policy.worth_compressing(row, remaining):
-            cands.append((length - state.frontier, Job(i, req, state, region)))
-    cands.sort(key=lambda c: -c[0])  # longest uncompressed tail first (stable)
-    return [job for _, job in cands[:max_seqs]]
+            cands.append((length - state.frontier, policy.tail_charge(row), Job(i, req, state, region)))
+    picked = choose([c[0] for c in cands], [c[1] for c in cands], policy.event_interval(), max_seqs)
+    return [cands[i][2] for i in picked]

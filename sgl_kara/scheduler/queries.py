@@ -7,7 +7,14 @@ the region's keys (read through the requests' slot indices).
 The recompute forward (paper App. C.2) is an EXTEND batch over the requests' real rows: prefix =
 rows [0, query_start), extend = the query window's tokens, whose KV is already cached at their
 rows; positions are logical. The attention hook forces ``save_kv_cache=False`` and hands each
-layer's queries to the scoring pass, so nothing in the pool changes. Once the last layer's queries
+layer's queries to the scoring pass, so nothing in the pool changes. Models that write K/V inside
+RoPE (SGLang's ``enable_fused_set_kv_buffer``: CUDA with a bf16 pool, e.g. Qwen3-MoE, GPT-OSS)
+ignore ``save_kv_cache``, so the batch's ``out_cache_loc`` is SGLang's padding slot 0 (never
+allocated, page 0 with pages; padded tokens write there) and only the attention call sees the
+window's real slots (forward.py). Readers of ``out_cache_loc`` in an extend forward, SGLang 0.5.23:
+torch_native, FlashInfer and fa3 read it only to save K/V (or for sliding-window pools, refused);
+they read keys through ``req_to_token``; Triton's deterministic (unified) kernel and its
+``k is None`` path read the extend tokens' K/V at ``out_cache_loc``, inside the attention call. Once the last layer's queries
 are scored, the hook raises ``ScoringComplete`` and the forward stops there: that layer's
 attention and MLP, the final norm and the logits are never needed (a quarter of the pass on a
 4-layer model, ~3% on a 30-layer one).
@@ -20,6 +27,10 @@ import copy
 import torch
 
 from sgl_kara.policies.base import ScoreInput
+
+
+# SGLang's allocators never hand out slot 0 (page 0): padded tokens write their dummy K/V there.
+PADDING_SLOT = 0
 
 
 class ScoringComplete(Exception):
@@ -40,8 +51,10 @@ class ScoringPass:
         self.B, self.M = slots.shape
         self.scores: torch.Tensor | None = None
         self.seen: set[int] = set()
-        # Set for a recompute forward: logical positions of the window tokens, [B * W].
+        # Set for a recompute forward: logical positions of the window tokens and their pool
+        # slots, [B * W] each.
         self.positions: torch.Tensor | None = None
+        self.window_slots: torch.Tensor | None = None
 
     def score_layer(self, layer_id: int, q: torch.Tensor | None) -> None:
         """q: [B, W, H_q, D] window queries of this layer (post-RoPE), or None."""
@@ -87,7 +100,7 @@ def recompute_batch(batch, jobs, rows: torch.Tensor, req_to_token: torch.Tensor,
         prefix.append(j.region.query_start)
         seq.append(j.region.query_start + W)
     row_pos = torch.tensor(prefix, device=device)[:, None] + torch.arange(W, device=device)[None, :]
-    out_loc = req_to_token[rows[:, None], row_pos].reshape(-1).to(torch.int64)
+    scoring.window_slots = req_to_token[rows[:, None], row_pos].reshape(-1).to(torch.int64)
     sb = copy.copy(batch)
     sb.reqs = [j.req for j in jobs]
     sb.forward_mode = ForwardMode.EXTEND
@@ -98,7 +111,7 @@ def recompute_batch(batch, jobs, rows: torch.Tensor, req_to_token: torch.Tensor,
     sb.seq_lens_cpu = torch.tensor(seq, dtype=torch.int64)
     sb.orig_seq_lens = sb.seq_lens.to(torch.int32)
     sb.seq_lens_sum = int(sum(seq))
-    sb.out_cache_loc = out_loc
+    sb.out_cache_loc = torch.full((W * len(jobs),), PADDING_SLOT, dtype=torch.int64, device=device)
     sb.prefix_lens = prefix
     sb.extend_lens = [W] * len(jobs)
     sb.extend_num_tokens = W * len(jobs)

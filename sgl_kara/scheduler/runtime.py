@@ -34,6 +34,7 @@ from sgl_kara.scheduler.jobs import plan_jobs
 from sgl_kara.scheduler.pressure import DEFERRING, growth_within, horizon, memory_binds
 from sgl_kara.scheduler.queries import QueryRing
 from sgl_kara.scheduler.state import KaraReqState, get_state
+from sgl_kara.scheduler.warm_up import query_heads, warm_up_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -65,27 +66,6 @@ class KaraStats:
     event_peak_bytes: int = 0  # CUDA: most device memory an event allocated above its start
 
 
-def warm_up_kernels(kv_pool, layer_ids, policy) -> None:
-    """Compile the Triton kernels at start-up (not at the first event): scoring with the model's
-    head dims and dtype (both key-block sizes), compaction and slot copies, on scratch tensors."""
-    from sgl_kara.kernels.compact import compact_kv, copy_slots
-    from sgl_kara.kernels.window_score import window_scores_paged
-
-    k = kv_pool.get_key_buffer(layer_ids[0])
-    hkv, d, dev, dtype = k.shape[1], k.shape[2], k.device, k.dtype
-    scratch_k = [torch.zeros(128, hkv, d, dtype=dtype, device=dev) for _ in layer_ids]
-    scratch_v = [torch.zeros_like(t) for t in scratch_k]
-    hq = getattr(kv_pool, "head_num", hkv)
-    for w, m in ((64, 48), (8, 24)):  # both block configurations of the scoring kernels
-        q = torch.zeros(1, w, max(hq, hkv), d, dtype=dtype, device=dev)
-        window_scores_paged(q, scratch_k[0], torch.arange(m, device=dev)[None])
-    src = torch.arange(8, device=dev).view(1, 1, 1, 8).expand(1, len(layer_ids), hkv, 8).contiguous()
-    compact_kv(scratch_k, scratch_v, src, torch.arange(64, 72, device=dev)[None])
-    copy_slots(scratch_k, scratch_v, torch.arange(8, device=dev), torch.arange(80, 88, device=dev))
-    copy_slots(scratch_k, scratch_v, torch.arange(8, device=dev), torch.arange(96, 104, device=dev), disjoint=True)
-    torch.cuda.synchronize(dev)
-
-
 class KaraRuntime:
     def __init__(self, cfg, scheduler):
         self.cfg = cfg
@@ -113,7 +93,8 @@ class KaraRuntime:
         chunk = getattr(scheduler.server_args, "chunked_prefill_size", None)
         self.recompute_tokens = chunk if chunk and chunk > 0 else 8192  # tokens per recompute forward
         if self.req_to_token_pool.req_to_token.device.type == "cuda":
-            warm_up_kernels(self.kv_pool, self.layer_ids, self.policy)
+            warm_up_kernels(self.kv_pool, self.layer_ids, self.policy, query_heads(self.model_runner.model),
+                            self.model_runner.dtype, self.page_size)
 
     def _make_ring(self, capacity: int) -> QueryRing:
         """The capture ring, allocated now (start-up), one row per request that can run at once
@@ -209,6 +190,8 @@ class KaraRuntime:
                 # This step's forward writes the query of logical position length + pos_offset.
                 state.capture_from = length + state.pos_offset if self.ring.assign(req) else None
             state.kv_peak = max(state.kv_peak, length)
+            if state.protected >= 0:
+                state.tail_peak = max(state.tail_peak, length - state.frontier)
             state.kv_sum += length
             state.kv_steps += 1
         self.decode_steps += 1

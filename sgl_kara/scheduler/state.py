@@ -29,6 +29,7 @@ class KaraReqState:
     kv_peak: int = 0  # largest physical KV length seen at a decode step
     kv_sum: int = 0  # sum of physical KV lengths over decode steps (mean = kv_sum / kv_steps)
     kv_steps: int = 0
+    tail_peak: int = 0  # largest uncompressed tail (L - f, once P is fixed) seen at a decode step
     # -- row state: reset by reset_row
     protected: int = -1  # P: rows [0, P) are never written or freed; -1 until the first event
     frontier: int = 0  # f: first uncompressed row (>= P once fixed)
@@ -57,6 +58,7 @@ class KaraReqState:
             "kv_logical_len": physical_len + self.pos_offset,
             "kv_peak_len": max(self.kv_peak, physical_len),
             "kv_mean_len": self.kv_sum / self.kv_steps if self.kv_steps else float(physical_len),
+            "kv_tail_peak": self.tail_peak,
             "enabled": self.enabled,
         }
 

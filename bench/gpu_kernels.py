@@ -1,0 +1,395 @@
+"""Every Triton kernel of sgl_kara at serving shapes on one GPU, without SGLang.
+
+    python bench/gpu_kernels.py --out DIR           # CUDA: Llama-3-8B, Qwen3-8B, Qwen3-0.6B shapes
+    python bench/gpu_kernels.py --small --out DIR   # tiny shapes, Triton interpreter on CPU
+
+Imports torch, triton and sgl_kara's kernels, policies, compaction and warm-up only (none of them
+imports SGLang), so it runs in a venv that has torch and triton alone. For each model shape
+(bf16; Kara's W = 512, U = 32, r = 0.25: regions of 480 keys keeping 120; SnapKV's default
+threshold region; B requests per event, as many as a quarter of the free device memory holds,
+at most 64) it runs the start-up warm-up (scheduler/warm_up.py), then each kernel once against its
+torch reference -- compaction and slot copies bit-exact against the kernels' documented effect,
+scores within the dtype's tolerance (TOL) of the fp32 torch reference -- and times it (CUDA
+events, median of REPS). It reports achieved GB/s (compulsory bytes: what the kernel must read
+and write) against the GPU's nominal memory bandwidth and a measured device copy, and whether any
+launch after the warm-up compiled a kernel. Results: DIR/gpu_kernels.json and DIR/gpu_kernels.md.
+Exit status 1 if any check fails. ``plan()`` / ``estimate_seconds()`` bound the run time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+MODELS = {
+    "Llama-3-8B": dict(layers=32, q_heads=32, kv_heads=8, head_dim=128),
+    "Qwen3-8B": dict(layers=36, q_heads=32, kv_heads=8, head_dim=128),
+    "Qwen3-0.6B": dict(layers=28, q_heads=16, kv_heads=8, head_dim=128),
+}
+SMALL_MODELS = {"tiny-gqa": dict(layers=2, q_heads=4, kv_heads=2, head_dim=16)}
+KARA = dict(window=512, buffer=32, retention=0.25, period=128)
+SMALL_KARA = dict(window=32, buffer=4, retention=0.25, period=8)
+SNAPKV = dict(threshold=1280, budget=1024, window=32)
+SMALL_SNAPKV = dict(threshold=40, budget=20, window=4)
+MAX_BATCH, SMALL_BATCH = 64, 3
+TAIL = 64  # rows per request moved by slot copies (a page-aligned tail)
+REPS, SMALL_REPS = 10, 0  # 0: the first (checked) launch is the only one
+# max |kernel - reference| / max |reference| per query dtype (fp32 accumulation in both).
+TOL = {"float32": 1e-4, "bfloat16": 2e-3, "float16": 2e-3}
+# Pessimistic rates for the time bound (an H100 does better on each).
+EST_BYTES_PER_S = 0.5e12
+EST_FLOPS_PER_S = 10e12
+EST_COMPILE_S = 4.0  # per compiled specialisation (measured ~0.5-2 s for kernels this size)
+SPECIALISATIONS = 15  # per model: warm-up (both policies, slot-copy classes), mixed dtypes, staged copy
+EST_START_S = 20.0  # CUDA context, imports
+
+
+def kara_shape(small: bool) -> tuple[int, int, int]:
+    """(query window W, region M, kept K) of the Kara policy benchmarked."""
+    o = SMALL_KARA if small else KARA
+    m = o["window"] - o["buffer"]
+    return o["window"], m, math.ceil(round(o["retention"] * m, 6))
+
+
+def snapkv_shape(small: bool) -> tuple[int, int, int]:
+    """(query window w, region M, kept) at SnapKV's first due length (C_max + 1 generated)."""
+    o = SMALL_SNAPKV if small else SNAPKV
+    return o["window"], o["threshold"] + 1 - o["window"], o["budget"] - o["window"]
+
+
+def plan(small: bool, batch: int | None = None) -> list[dict]:
+    """One row per (model, kernel): shapes, compulsory bytes and FLOPs of one launch."""
+    models = SMALL_MODELS if small else MODELS
+    b = batch or (SMALL_BATCH if small else MAX_BATCH)
+    w, m, k = kara_shape(small)
+    sw, sm, _ = snapkv_shape(small)
+    rows = []
+    for name, s in models.items():
+        L, hq, hkv, d, item = s["layers"], s["q_heads"], s["kv_heads"], s["head_dim"], 2
+        row = hkv * d * item  # bytes of one slot of one layer, K or V
+        rows += [
+            dict(model=name, kernel="kara window scores", B=b, bytes=b * (w * hq * d * item + m * row),
+                 flops=2 * 2 * b * hq * w * m * d),
+            dict(model=name, kernel="kara window scores, fp16 queries / bf16 keys", B=b,
+                 bytes=b * (w * hq * d * item + m * row), flops=2 * 2 * b * hq * w * m * d),
+            dict(model=name, kernel="snapkv scores", B=b, bytes=b * (sw * hq * d * item + sm * row),
+                 flops=2 * 2 * b * hq * sw * sm * d),
+            dict(model=name, kernel="compact_kv", B=b, bytes=2 * 2 * L * b * k * row, flops=0),
+            dict(model=name, kernel="copy_slots disjoint", B=b, bytes=2 * 2 * L * b * TAIL * row, flops=0),
+            dict(model=name, kernel="copy_slots staged", B=b, bytes=2 * 4 * L * b * TAIL * row, flops=0),
+        ]
+    return rows
+
+
+def pool_slots(small: bool, batch: int) -> int:
+    _, m, k = kara_shape(small)
+    _, sm, _ = snapkv_shape(small)
+    return 16 + batch * (max(m, sm) + k + 2 * TAIL)
+
+
+def pool_bytes(spec: dict, slots: int) -> int:
+    return 2 * spec["layers"] * slots * spec["kv_heads"] * spec["head_dim"] * 2
+
+
+def estimate_seconds(small: bool = False, batch: int | None = None) -> float:
+    """Upper bound of a CUDA run: start-up, per model the pool's initialisation, the references
+    (a few x the kernel's bytes, FLOPs at a pessimistic fp32 rate), REPS + 2 launches per kernel,
+    and every specialisation compiled once (warm-up, plus the mixed-dtype scores)."""
+    b = batch or MAX_BATCH
+    total = EST_START_S
+    models = SMALL_MODELS if small else MODELS
+    for spec in models.values():
+        total += 3 * pool_bytes(spec, pool_slots(small, b)) / EST_BYTES_PER_S
+        total += SPECIALISATIONS * EST_COMPILE_S
+    for r in plan(small, b):
+        total += (REPS + 2 + 4) * r["bytes"] / EST_BYTES_PER_S + (REPS + 2 + 2) * r["flops"] / EST_FLOPS_PER_S
+    return total
+
+
+# --------------------------------------------------------------------------------- running
+def _setup(args):
+    if args.small and not _cuda_available_quietly():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton is first imported
+
+
+def _cuda_available_quietly() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def sglang_loaded() -> bool:
+    return any(mod is not None and (m == "sglang" or m.startswith("sglang.")) for m, mod in list(sys.modules.items()))
+
+
+def compiled_count() -> int | None:
+    """Compiled kernels in Triton's in-process caches (None under the interpreter)."""
+    from sgl_kara.kernels import compact, window_score
+
+    kernels = [window_score._lse_kernel, window_score._colsum_kernel, compact._compact_kernel,
+               compact._copy_rows_kernel, compact._gather_rows_kernel, compact._scatter_rows_kernel]
+    total = 0
+    for k in kernels:
+        caches = getattr(k, "device_caches", None)
+        if caches is None:
+            return None
+        if not all(isinstance(v, tuple) and isinstance(v[0], dict) for v in caches.values()):
+            return None  # another Triton's cache layout: not counted
+        total += sum(len(v[0]) for v in caches.values())
+    return total
+
+
+class Timer:
+    def __init__(self, cuda: bool):
+        import torch
+
+        self.torch, self.cuda = torch, cuda
+
+    def sync(self):
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def once(self, fn) -> tuple[object, float]:
+        self.sync()
+        tic = time.perf_counter()
+        out = fn()
+        self.sync()
+        return out, (time.perf_counter() - tic) * 1e3
+
+    def median(self, fn, reps: int) -> float:
+        if not self.cuda:
+            return statistics.median(self.once(fn)[1] for _ in range(reps))
+        times = []
+        for _ in range(reps):
+            a, b = self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        return statistics.median(times)
+
+
+def nominal_bandwidth() -> float | None:
+    """Bytes/s from the device's memory clock and bus width (double data rate), if reported."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    p = torch.cuda.get_device_properties(0)
+    clock, bus = getattr(p, "memory_clock_rate", 0), getattr(p, "memory_bus_width", 0)
+    return 2 * clock * 1e3 * bus / 8 if clock and bus else None
+
+
+def measured_copy_bandwidth(timer: Timer, nbytes: int) -> float:
+    """Bytes/s of a device-to-device tensor copy (read + write counted)."""
+    import torch
+
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = timer.median(lambda: dst.copy_(src), 5)
+    del src, dst
+    return 2 * nbytes / (ms / 1e3)
+
+
+def choose_batch(small: bool) -> int:
+    """Requests per event: MAX_BATCH, or fewer when a quarter of the free memory cannot hold the
+    largest model's pool (the references and snapshots take about as much again)."""
+    import torch
+
+    if small or not torch.cuda.is_available():
+        return SMALL_BATCH if small else MAX_BATCH
+    free = torch.cuda.mem_get_info()[0]
+    spec = max(MODELS.values(), key=lambda s: s["layers"])
+    b = MAX_BATCH
+    while b > 1 and pool_bytes(spec, pool_slots(False, b)) > free / 4:
+        b //= 2
+    return b
+
+
+def run_model(name: str, spec: dict, small: bool, batch: int, timer: Timer, reps: int, dev: str) -> list[dict]:
+    import torch
+
+    from sgl_kara.kernels.compact import compact_kv, copy_slots
+    from sgl_kara.kernels.window_score import window_scores_paged_ref
+    from sgl_kara.policies.base import Region, RowView, ScoreInput
+    from sgl_kara.policies.kara import KaraOptions, KaraPolicy
+    from sgl_kara.policies.snapkv import SnapKVOptions, SnapKVPolicy, snapkv_scores
+    from sgl_kara.scheduler.state import KaraReqState
+    from sgl_kara.scheduler.warm_up import warm_up_kernels
+
+    L, hq, hkv, d = spec["layers"], spec["q_heads"], spec["kv_heads"], spec["head_dim"]
+    dtype = torch.bfloat16
+    w, m, k = kara_shape(small)
+    sw, sm, _ = snapkv_shape(small)
+    slots = pool_slots(small, batch)
+    g = torch.Generator(device=dev).manual_seed(0)
+    kb = [torch.randn(slots, hkv, d, device=dev, dtype=dtype, generator=g) for _ in range(L)]
+    vb = [torch.randn(slots, hkv, d, device=dev, dtype=dtype, generator=g) for _ in range(L)]
+    pool = type("Pool", (), {"get_key_buffer": lambda self, l: kb[l], "start_layer": 0})()
+    kara = KaraPolicy(KaraOptions(**(SMALL_KARA if small else KARA)))
+    snap = SnapKVPolicy(SnapKVOptions(**(SMALL_SNAPKV if small else SNAPKV)))
+    plans = {r["kernel"]: r for r in plan(small, batch) if r["model"] == name}
+    out = []
+
+    def record(kernel: str, ok: bool, first_ms: float, ms: float, **figures):
+        p = plans[kernel]
+        out.append(dict(model=name, kernel=kernel, B=batch, ok=bool(ok), first_ms=round(first_ms, 3),
+                        ms=round(ms, 4), gb_s=round(p["bytes"] / (ms / 1e3) / 1e9, 1) if ms > 0 else None,
+                        tflop_s=round(p["flops"] / (ms / 1e3) / 1e12, 2) if ms > 0 and p["flops"] else None,
+                        **figures))
+
+    def timed(fn, first_ms: float) -> float:
+        return first_ms if reps == 0 else timer.median(fn, reps)
+
+    compiled0 = compiled_count()
+    _, warm_ms = timer.once(lambda: (warm_up_kernels(pool, list(range(L)), kara, [hq], dtype, 64),
+                                     warm_up_kernels(pool, list(range(L)), snap, [hq], dtype, 64)))
+    compiled_warm = compiled_count()
+
+    # Disjoint slot sets: [0, 16) padding; per request its region, kept destinations, tails.
+    perm = torch.randperm(slots - 16, device=dev, generator=g) + 16
+    per = max(m, sm) + k + 2 * TAIL
+    blocks = perm[: batch * per].view(batch, per)
+    region, dst = blocks[:, :m], blocks[:, max(m, sm) : max(m, sm) + k]
+    tail_src = blocks[:, max(m, sm) + k : max(m, sm) + k + TAIL].reshape(-1)
+    tail_dst = blocks[:, max(m, sm) + k + TAIL :].reshape(-1)
+    state = KaraReqState(protected=0, frontier=0)
+
+    def scores_check(policy, q, slots_, regions, ref):
+        inp = ScoreInput(0, q, kb[0], slots_, [RowView(0, 0, 0, 0, state)] * batch, regions)
+        got, first = timer.once(lambda: policy.score(inp))
+        want = ref()
+        err = float(((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item())
+        ms = timed(lambda: policy.score(inp), first)
+        return err, first, ms
+
+    # Kara scores (bf16 queries and keys); the fp16-query case runs after the event launches.
+    kreg = [Region(0, m, k, 0, w)] * batch
+
+    def kara_scores(kernel, qd):
+        q = torch.randn(batch, w, hq, d, device=dev, generator=g).to(qd)
+        err, first, ms = scores_check(kara, q, region, kreg, lambda: window_scores_paged_ref(q, kb[0], region))
+        tol = TOL[str(qd).replace("torch.", "")]
+        record(kernel, err <= tol, first, ms, rel_err=err, tol=tol)
+
+    kara_scores("kara window scores", dtype)
+    # SnapKV scores: its observation window against its first due region.
+    sregion = blocks[:, :sm]
+    q = torch.randn(batch, sw, hq, d, device=dev, dtype=dtype, generator=g)
+    sreg = [Region(0, sm, snapkv_shape(small)[2], sm, sw)] * batch
+    err, first, ms = scores_check(snap, q, sregion, sreg,
+                                  lambda: snapkv_scores(q, kb[0][sregion.long()], snap.options.kernel))
+    record("snapkv scores", err <= TOL["bfloat16"], first, ms, rel_err=err, tol=TOL["bfloat16"])
+    del q
+
+    # compact_kv: kept entries of every layer and head into fresh slots, bit-exact.
+    kept = torch.sort(torch.rand(batch, L, hkv, m, device=dev, generator=g).argsort(-1)[..., :k], -1).values
+    src = torch.gather(region[:, None, None, :].expand(-1, L, hkv, -1), 3, kept)
+    heads = torch.arange(hkv, device=dev)[None, :, None]
+    want = [(buf[src[:, l], heads], buf) for l in range(L) for buf in (kb[l], vb[l])]
+    _, first = timer.once(lambda: compact_kv(kb, vb, src, dst))
+    exact = all(torch.equal(buf[dst[:, None, :].expand(-1, hkv, -1), heads], x) for x, buf in want)
+    del want
+    ms = timed(lambda: compact_kv(kb, vb, src, dst), first)  # idempotent: src, dst disjoint
+    record("compact_kv", exact, first, ms)
+
+    # copy_slots: tails to fresh pages (disjoint), then an overlapping shift (staged).
+    want = [(buf[tail_src].clone(), buf) for buf in kb + vb]
+    _, first = timer.once(lambda: copy_slots(kb, vb, tail_src, tail_dst, disjoint=True))
+    exact = all(torch.equal(buf[tail_dst], x) for x, buf in want)
+    ms = timed(lambda: copy_slots(kb, vb, tail_src, tail_dst, disjoint=True), first)
+    record("copy_slots disjoint", exact, first, ms)
+    # Every launch so far is one an event makes: each must have found its kernel compiled by the
+    # warm-up. The mixed-dtype scores and the staged copy (no event launches them) follow.
+    compiled_events = compiled_count()
+    out.append(dict(model=name, kernel="warm-up covers the event launches", B=batch,
+                    ok=None if compiled0 is None else compiled_events == compiled_warm,
+                    compiled_by_warm_up=None if compiled0 is None else compiled_warm - compiled0,
+                    compiled_after=None if compiled0 is None else compiled_events - compiled_warm,
+                    first_ms=round(warm_ms, 1), ms=None))
+    kara_scores("kara window scores, fp16 queries / bf16 keys", torch.float16)
+    shift_src, shift_dst = tail_src, torch.roll(tail_src, 1)  # dst overlaps src
+    want = [(buf[shift_src].clone(), buf) for buf in kb + vb]
+    _, first = timer.once(lambda: copy_slots(kb, vb, shift_src, shift_dst))
+    exact = all(torch.equal(buf[shift_dst], x) for x, buf in want)
+    del want
+    ms = timed(lambda: copy_slots(kb, vb, shift_src, shift_dst), first)
+    record("copy_slots staged", exact, first, ms)
+
+    for r in out:
+        r["warm_up_ms"] = round(warm_ms, 1)
+    del kb, vb
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--small", "--cpu", action="store_true", dest="small",
+                    help="tiny shapes; on a machine without CUDA, under the Triton interpreter")
+    args = ap.parse_args(argv)
+    _setup(args)
+    import torch
+    import triton
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.small:
+        raise SystemExit("no CUDA device: run with --small (Triton interpreter, tiny shapes)")
+    dev = "cuda" if cuda else "cpu"
+    timer = Timer(cuda)
+    batch = choose_batch(args.small)
+    tic = time.time()
+    head = dict(date=time.strftime("%Y-%m-%d"), machine=platform.node(), device=torch.cuda.get_device_name(0) if cuda
+                else "cpu (Triton interpreter)", torch=torch.__version__, triton=triton.__version__,
+                shapes="small" if args.small else "serving", batch=batch, reps=SMALL_REPS if args.small else REPS,
+                kara=SMALL_KARA if args.small else KARA, snapkv=SMALL_SNAPKV if args.small else SNAPKV,
+                estimate_s=round(estimate_seconds(args.small, batch), 1),
+                sglang_imported=sglang_loaded())
+    if cuda:
+        nominal = nominal_bandwidth()
+        head["nominal_gb_s"] = None if nominal is None else round(nominal / 1e9)
+        head["copy_gb_s"] = round(measured_copy_bandwidth(timer, 1 << 30) / 1e9)
+    rows = []
+    for name, spec in (SMALL_MODELS if args.small else MODELS).items():
+        try:
+            rows += run_model(name, spec, args.small, batch, timer, head["reps"], dev)
+        except Exception as e:  # noqa: BLE001 - recorded, the other shapes still run
+            rows.append(dict(model=name, kernel="(all)", ok=False, error=f"{type(e).__name__}: {e}"[:500]))
+        print(f"{name}: {sum(r['ok'] is not False for r in rows if r['model'] == name)} / "
+              f"{sum(r['model'] == name for r in rows)} ok ({time.time() - tic:.0f} s)", flush=True)
+    head["seconds"] = round(time.time() - tic, 1)
+    head["sglang_imported"] = head["sglang_imported"] or sglang_loaded()
+    peak = head.get("nominal_gb_s") or head.get("copy_gb_s")
+    for r in rows:
+        if peak and r.get("gb_s"):
+            r["of_peak"] = round(r["gb_s"] / peak, 3)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gpu_kernels.json"), "w") as f:
+        json.dump({"head": head, "rows": rows}, f, indent=1, default=str)
+    cols = ["model", "kernel", "B", "ok", "first_ms", "ms", "gb_s", "of_peak", "tflop_s", "rel_err"]
+    lines = [f"- {k}: {v}" for k, v in head.items()] + ["", "| " + " | ".join(cols) + " |",
+                                                         "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join("-" if r.get(c) is None else str(r.get(c)) for c in cols) + " |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(args.out, "gpu_kernels.md"), "w") as f:
+        f.write(text)
+    print(text)
+    failed = [r for r in rows if r["ok"] is False] or head["sglang_imported"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

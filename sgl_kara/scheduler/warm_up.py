@@ -1,0 +1,93 @@
+"""Compiling the Triton kernels at start-up with the launches an event makes, so the first event
+compiles nothing mid-serving.
+
+Triton compiles one kernel per specialisation: argument dtypes, constexprs, and for integers and
+pointers whether they equal 1 and are divisible by 16 (pointers: 16-byte aligned; the launchers
+align index tensors, kernels/_dispatch.aligned). The warm-up therefore launches with the model's
+query heads per layer (the GQA group), the model's dtype for queries and the pool's for keys, the
+policy's own region shapes (query window, region length, kept count) at its first due row
+lengths, and, for slot copies whose count varies per event, counts of each class (1, 16, 17).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_kara.policies.base import Region, RowView, ScoreInput
+from sgl_kara.scheduler.state import KaraReqState
+
+SCRATCH_SLOTS = 128
+COPY_COUNTS = (1, 16, 17)  # Triton's integer classes: == 1, divisible by 16, neither
+
+
+def query_heads(model) -> list[int]:
+    """Distinct query-head counts of the model's attention layers (this rank's)."""
+    from sgl_kara._sglang import RadixAttention
+
+    return sorted({m.tp_q_head_num for m in model.modules() if isinstance(m, RadixAttention)})
+
+
+def first_due_length(policy, limit: int = 1 << 26) -> int | None:
+    """Smallest row length (P = f = 0) at which the policy names a region (None: none below
+    ``limit``); region() is monotone in the length for every policy here."""
+    state = KaraReqState(protected=0, frontier=0)
+
+    def due(n: int) -> bool:
+        return policy.region(RowView(0, 0, n, 0, state)) is not None
+
+    hi = 1
+    while not due(hi):
+        hi *= 2
+        if hi > limit:
+            return None
+    lo = hi // 2  # not due (or 0)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if due(mid) else (mid, hi)
+    return hi
+
+
+def warm_up_regions(policy) -> list[Region]:
+    """The policy's regions at its first 16 due row lengths, one per distinct shape: a region
+    that grows with the row (threshold policies) takes both divisibility classes."""
+    first = first_due_length(policy)
+    if first is None:
+        return []
+    state = KaraReqState(protected=0, frontier=0)
+    out: dict[tuple, Region] = {}
+    for n in range(first, first + 16):
+        r = policy.region(RowView(0, 0, n, 0, state))
+        if r is not None:
+            out.setdefault(r.shape, r)
+    return list(out.values())
+
+
+def warm_up_kernels(kv_pool, layer_ids, policy, q_heads: list[int], q_dtype, page_size: int = 1) -> None:
+    """Launch what an event launches on scratch tensors: the policy's scoring for each of its
+    region shapes and each query-head count, compaction of all layers, slot copies (page > 1)."""
+    from sgl_kara.kernels.compact import compact_kv, copy_slots
+
+    k = kv_pool.get_key_buffer(layer_ids[0])
+    hkv, d, dev, kv_dtype = k.shape[1], k.shape[2], k.device, k.dtype
+    scratch_k = [torch.zeros(SCRATCH_SLOTS, hkv, d, dtype=kv_dtype, device=dev) for _ in layer_ids]
+    scratch_v = [torch.zeros_like(t) for t in scratch_k]
+    half = SCRATCH_SLOTS // 2
+    state = KaraReqState(protected=0, frontier=0)
+    for region in warm_up_regions(policy):
+        row = RowView(0, 0, region.start + region.length, 0, state)
+        slots = (torch.arange(region.length, device=dev) % half)[None]
+        for hq in q_heads:
+            q = None
+            if policy.needs_queries:
+                q = torch.zeros(1, region.query_len, hq, d, dtype=q_dtype, device=dev)
+            policy.score(ScoreInput(0, q, scratch_k[0], slots, [row], [region]))
+        kk = region.keep
+        src = (torch.arange(kk, device=dev) % half).view(1, 1, 1, kk).expand(1, len(layer_ids), hkv, kk).contiguous()
+        # Scratch: repeated destinations are harmless (check=False skips the uniqueness check).
+        compact_kv(scratch_k, scratch_v, src, half + (torch.arange(kk, device=dev) % half)[None], check=False)
+    if page_size > 1:
+        for n in COPY_COUNTS:
+            idx = torch.arange(n, device=dev) % half
+            copy_slots(scratch_k, scratch_v, idx, half + idx, disjoint=True)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)

@@ -1,0 +1,360 @@
+"""What SGLang's GPU paths need of the runtime, checked on CPU: the recompute pass writes no K/V
+even when the model writes the cache inside RoPE, decode observers turn CUDA graphs off and sync
+nothing, a KV cache dtype other than the model's scores correctly, events keep up with any
+number of running requests, and the start-up warm-up compiles what the first event launches."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from sgl_kara import support
+from sgl_kara.config import KaraConfig
+from sgl_kara.kernels.window_score import window_scores_paged, window_scores_paged_ref
+from sgl_kara.policies.base import Region, RowView
+from sgl_kara.policies.kara import KaraOptions, KaraPolicy
+from sgl_kara.scheduler.forward import ForwardContext
+from sgl_kara.scheduler.jobs import Job
+from sgl_kara.scheduler.state import KaraReqState
+
+D, HQ, HKV, LAYERS, SLOTS = 16, 4, 2, 2, 256
+
+
+class Pool:
+    """One K and one V buffer per layer, as SGLang's MHATokenToKVPool hands them out."""
+
+    def __init__(self, dtype=torch.float32, seed=0, slots=SLOTS):
+        g = torch.Generator().manual_seed(seed)
+        self.k = [torch.randn(slots, HKV, D, generator=g).to(dtype) for _ in range(LAYERS)]
+        self.v = [torch.randn(slots, HKV, D, generator=g).to(dtype) for _ in range(LAYERS)]
+        self.start_layer = 0
+
+    def get_key_buffer(self, layer):
+        return self.k[layer]
+
+    def get_value_buffer(self, layer):
+        return self.v[layer]
+
+
+def _request(pool_idx: int, length: int, prompt: int = 8):
+    tokens = list(range(100, 100 + length))
+    kv = types.SimpleNamespace(req_pool_idx=pool_idx, kv_committed_len=length, kv_allocated_len=length)
+    return types.SimpleNamespace(origin_input_ids=tokens[:prompt], output_ids=tokens[prompt:], kv=kv, rid=str(pool_idx))
+
+
+# ------------------------------------------------------------------ recompute pass: no K/V write
+class FusedRopeModel:
+    """A model runner whose rotary embedding writes K/V at ``forward_batch.out_cache_loc`` (SGLang's
+    ``enable_fused_set_kv_buffer`` path: CUDA, bf16 pool), whatever ``save_kv_cache`` says, then
+    calls the attention hook; its attention records the slots it was shown."""
+
+    prefill_cuda_graph_runner = None
+
+    def __init__(self, ctx: ForwardContext, pool: Pool):
+        self.ctx, self.pool = ctx, pool
+        self.attention_saw: list[torch.Tensor] = []
+        self.fused_wrote: list[torch.Tensor] = []
+
+    def forward(self, fb):
+        self.ctx.on_forward_batch(fb.batch, fb)
+        n = fb.out_cache_loc.shape[0]
+        g = torch.Generator().manual_seed(1)
+        for lid in range(LAYERS):
+            q = torch.randn(n, HQ * D, generator=g)
+            k, v = torch.randn(n, HKV, D, generator=g), torch.randn(n, HKV, D, generator=g)
+            self.pool.k[lid][fb.out_cache_loc] = k  # the fused RoPE + set_kv_buffer
+            self.pool.v[lid][fb.out_cache_loc] = v
+            self.fused_wrote.append(fb.out_cache_loc.clone())
+            layer = types.SimpleNamespace(layer_id=lid, tp_q_head_num=HQ, qk_head_dim=D)
+            self.ctx.on_attention(self._attention, layer, q, k, v, fb, True)
+
+    def _attention(self, layer, q, k, v, fb, save_kv_cache):
+        self.attention_saw.append(fb.out_cache_loc.clone())
+        if save_kv_cache:
+            self.pool.k[layer.layer_id][fb.out_cache_loc] = k
+        return q
+
+
+def test_recompute_pass_writes_no_kv_with_fused_rope_write(monkeypatch):
+    """Each layer's fused write lands in the padding slot; the window's K/V bytes (and every other
+    real slot's) are unchanged; the attention itself still sees the window's real slots."""
+    from sgl_kara import _sglang
+    from sgl_kara.scheduler.events import EventRunner
+
+    monkeypatch.setattr(_sglang, "ForwardBatch", types.SimpleNamespace(
+        init_new=lambda sb, mr, **kw: types.SimpleNamespace(
+            batch=sb, out_cache_loc=sb.out_cache_loc, forward_mode=sb.forward_mode,
+            positions=torch.zeros(sb.out_cache_loc.shape[0], dtype=torch.int64))))
+    pool = Pool()
+    req_to_token = torch.zeros(4, 64, dtype=torch.int32)
+    req_to_token[1] = torch.arange(1, 65)  # row 1: slots 1..64
+    req_to_token[2] = torch.arange(101, 165)  # row 2: slots 101..164
+    policy = KaraPolicy(KaraOptions(window=16, buffer=4, period=4))
+    ctx = ForwardContext(policy, None, req_to_token, pool)
+    mr = FusedRopeModel(ctx, pool)
+    rt = types.SimpleNamespace(model_runner=mr, req_to_token_pool=types.SimpleNamespace(req_to_token=req_to_token),
+                               forward=ctx, kv_pool=pool, layer_ids=list(range(LAYERS)), policy=policy,
+                               recompute_tokens=8192)
+    jobs = []
+    for i, (idx, length) in enumerate(((1, 40), (2, 36))):
+        state = KaraReqState(protected=8, frontier=8)
+        jobs.append(Job(i, _request(idx, length), state, Region(8, 12, 3, 8, 16)))
+    rows = torch.tensor([1, 2])
+    region = req_to_token[rows[:, None], 8 + torch.arange(12)].to(torch.int64)
+    before = [t.clone() for t in pool.k + pool.v]
+    batch = types.SimpleNamespace(reqs=[j.req for j in jobs])
+    scores = EventRunner(rt)._recompute_scores(batch, jobs, rows, region)
+    assert scores.shape == (2, LAYERS, HKV, 12) and bool(torch.isfinite(scores).all())
+    assert len(mr.fused_wrote) == LAYERS  # the last layer's rotary runs before ScoringComplete
+    assert all(bool((w == 0).all()) for w in mr.fused_wrote), "fused write not sent to the padding slot"
+    for t, b in zip(pool.k + pool.v, before):
+        assert torch.equal(t[1:], b[1:]), "the recompute pass rewrote cached K/V"
+    window = torch.cat([req_to_token[1, 8:24], req_to_token[2, 8:24]]).to(torch.int64)
+    assert len(mr.attention_saw) == LAYERS - 1  # the last layer stops at its queries
+    assert all(torch.equal(s, window) for s in mr.attention_saw)
+
+
+# ------------------------------------------------------------------ decode observers
+def _cuda_args(model, **kw):
+    base = dict(model_path=model, device="cuda", dtype="bfloat16", max_running_requests=None,
+                max_total_tokens=None, radix_cache_backend=None, disable_overlap_schedule=False,
+                disable_cuda_graph=False, kv_cache_dtype="auto")
+    return types.SimpleNamespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize("policy, graphs_off", [("h2o", True), ("kara", False), ("snapkv", False)])
+def test_decode_observers_turn_cuda_graphs_off(monkeypatch, tiny_llama, policy, graphs_off):
+    """A replayed decode graph never calls the attention hook, so H2O's observer would see nothing."""
+    monkeypatch.setattr(support, "cuda_available", lambda: False)
+    args = _cuda_args(tiny_llama)
+    cfg = support.prepare_server_args(args, KaraConfig.build(policy=policy, query_source="recompute"))
+    assert cfg.query_source == "recompute"
+    assert args.disable_cuda_graph is graphs_off
+
+
+def test_decode_observer_reads_rows_from_the_host():
+    """The observer's rows and lengths come from the requests and the batch's CPU lengths: every
+    device tensor here is on the meta device, where a host read (.tolist(), int()) raises."""
+    from sgl_kara.policies.h2o import H2OOptions, H2OPolicy
+
+    req_to_token = torch.empty(8, 64, dtype=torch.int32, device="meta")
+    ctx = ForwardContext(H2OPolicy(H2OOptions(threshold=40, budget=20)), None, req_to_token,
+                         types.SimpleNamespace(start_layer=0))
+    reqs = [_request(3, 20), _request(5, 30)]
+    for r in reqs:
+        r.kara = KaraReqState()
+    batch = types.SimpleNamespace(reqs=reqs, seq_lens_cpu=torch.tensor([21, 31]))
+    fb = types.SimpleNamespace(
+        forward_mode=types.SimpleNamespace(is_idle=lambda: False, is_decode=lambda: True), batch_size=2,
+        req_pool_indices=torch.empty(2, dtype=torch.int64, device="meta"),
+        positions=torch.empty(2, dtype=torch.int64, device="meta"),
+        seq_lens=torch.empty(2, dtype=torch.int64, device="meta"), seq_lens_cpu=None)
+    ctx.on_forward_batch(batch, fb)
+    slots, states = ctx.observed
+    assert [s.shape[0] for s in slots] == [21, 31] and states == [r.kara for r in reqs]
+
+
+# ------------------------------------------------------------------ KV cache dtype != model dtype
+MIXED = [(torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16), (torch.float32, torch.bfloat16),
+         (torch.bfloat16, torch.float32)]
+
+
+@pytest.mark.parametrize("q_dtype, k_dtype", MIXED)
+@pytest.mark.parametrize("use_triton", [True, False])
+def test_scores_with_a_kv_dtype_other_than_the_model_dtype(q_dtype, k_dtype, use_triton):
+    """Kernel (interpreted) and torch reference against an fp32 reference of the same values."""
+    g = torch.Generator().manual_seed(3)
+    q = (torch.randn(2, 24, 8, 32, generator=g) * 2).to(q_dtype)
+    kb = (torch.randn(80, 2, 32, generator=g) * 2).to(k_dtype)
+    slots = torch.stack([torch.randperm(80, generator=g)[:20] for _ in range(2)])
+    want = window_scores_paged_ref(q.float(), kb.float(), slots)
+    got = window_scores_paged(q, kb, slots, use_triton=use_triton)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_every_policy_scores_and_observes_with_mixed_dtypes():
+    """Each policy's score (and H2O's observe) with bf16 queries against an fp16 key pool."""
+    from sgl_kara.policies.base import ObserveInput, ScoreInput, policies
+
+    g = torch.Generator().manual_seed(4)
+    kb = torch.randn(64, 2, 32, generator=g).to(torch.float16)
+    q = torch.randn(1, 8, 4, 32, generator=g).to(torch.bfloat16)
+    slots = torch.arange(10, 50).view(1, 40)
+    for cls in policies():
+        policy = cls(cls.Options())
+        state = KaraReqState(protected=0, frontier=0)
+        row = types.SimpleNamespace(state=state)
+        if cls.observes_decode:
+            policy.observe(ObserveInput(0, q[0, :1].reshape(1, 4, 32), kb, [slots[0]], [state]))
+        inp = ScoreInput(0, q if cls.needs_queries else None, kb, slots, [row], [Region(0, 40, 10, 40, 8)])
+        s = policy.score(inp)
+        assert s.shape == (1, 2, 40) and bool(torch.isfinite(s).all()), cls.name
+
+
+def test_kv_cache_dtype_other_than_the_model_dtype_is_accepted(monkeypatch, tiny_llama):
+    monkeypatch.setattr(support, "cuda_available", lambda: False)
+    for kv in ("float16", "bfloat16", "float32"):
+        support.prepare_server_args(_cuda_args(tiny_llama, kv_cache_dtype=kv), KaraConfig())
+    with pytest.raises(support.UnsupportedFeature, match="--kv-cache-dtype"):
+        support.prepare_server_args(_cuda_args(tiny_llama, kv_cache_dtype="fp8_e4m3"), KaraConfig())
+
+
+# ------------------------------------------------------------------ warm-up compiles what events launch
+class LaunchLog:
+    """Wraps the Triton kernels of the launchers: records each launch's specialisation as Triton
+    keys its compiled kernels (argument types, == 1 and divisible-by-16 classes of integers and
+    pointers, constexpr values)."""
+
+    KERNELS = {"sgl_kara.kernels.window_score": ("_lse_kernel", "_colsum_kernel"),
+               "sgl_kara.kernels.compact": ("_compact_kernel", "_copy_rows_kernel", "_gather_rows_kernel",
+                                            "_scatter_rows_kernel")}
+
+    def __init__(self, monkeypatch):
+        import importlib
+
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+
+        self.specs: set = set()
+        log = self
+
+        class Wrapped:
+            def __init__(self, name, kernel):
+                self.name, self.kernel = name, kernel
+
+            def __getitem__(self, grid):
+                launch = self.kernel[grid]
+
+                def run(*args, **kw):
+                    spec = tuple(native_specialize_impl(BaseBackend, a, False, True, True) for a in args)
+                    log.specs.add((self.name, spec, tuple(sorted((k, repr(v)) for k, v in kw.items()))))
+                    return launch(*args, **kw)
+
+                return run
+
+        for mod_name, names in self.KERNELS.items():
+            mod = importlib.import_module(mod_name)
+            for name in names:
+                monkeypatch.setattr(mod, name, Wrapped(name, getattr(mod, name)))
+
+    def take(self) -> set:
+        out, self.specs = self.specs, set()
+        return out
+
+
+class Allocator:
+    """SGLang's free list: each allocation is a slice of what is left, at any offset."""
+
+    def __init__(self, size: int, page: int):
+        self.page = page
+        self.free_pages = torch.arange(1, size // page)
+
+    def alloc(self, n: int):
+        pages = n // self.page
+        got, self.free_pages = self.free_pages[:pages], self.free_pages[pages:]
+        if self.page == 1:
+            return got
+        return (got[:, None] * self.page + torch.arange(self.page)).reshape(-1)
+
+    def free(self, slots):
+        pass
+
+
+def _event_launches(policy, pool, q_dtype, page: int, tails: list[int], prompt: int):
+    """What one event launches for rows of these lengths: queries read from a capture ring, scores
+    per layer (all rows at once, and one by one as a recompute split would), one compaction."""
+    from sgl_kara.mem_cache.compaction import CompactionPlan, compact_rows
+    from sgl_kara.scheduler.queries import QueryRing, ScoringPass
+
+    protected = -(-prompt // page) * page
+    lengths = [protected + t for t in tails]
+    alloc = Allocator(pool.k[0].shape[0], page)
+    alloc.alloc(3 * page)  # an odd offset into the free list, as after earlier allocations
+    req_to_token = torch.zeros(len(lengths) + 1, 192, dtype=torch.int32)
+    for i, n in enumerate(lengths):
+        need = -(-n // page) * page
+        req_to_token[i + 1, :need] = alloc.alloc(need).to(torch.int32)
+    state = KaraReqState(protected=protected, frontier=protected)
+    regions = [policy.region(RowView(protected, protected, n, 0, state)) for n in lengths]
+    groups: dict = {}
+    for i, r in enumerate(regions):
+        groups.setdefault(r.shape, []).append(i)
+    ring = QueryRing({l: (HQ, D) for l in range(LAYERS)}, 4, 256, 8, q_dtype, "cpu")
+    for buf in ring.buffers.values():
+        buf.normal_()
+    for idx in groups.values():
+        rows = torch.tensor([i + 1 for i in idx])
+        regs = [regions[i] for i in idx]
+        M = regs[0].length
+        slots = req_to_token[rows[:, None], regs[0].start + torch.arange(M)].to(torch.int64)
+        for part in ([list(range(len(idx)))] + [[b] for b in range(len(idx))]):
+            sp = ScoringPass(policy, pool, list(range(LAYERS)), slots[part], [None] * len(part),
+                             [regs[b] for b in part])
+            for lid in range(LAYERS):
+                q = None
+                if policy.needs_queries:
+                    q = ring.read(lid, torch.zeros(len(part), dtype=torch.int64),
+                                  torch.full((len(part),), regs[0].query_start), regs[0].query_len)
+                sp.score_layer(lid, q)
+        kept = policy.select(torch.rand(len(idx), LAYERS, HKV, M), regs[0].keep)
+        plan = CompactionPlan(rows=rows, starts=[r.start for r in regs], lengths=[lengths[i] for i in idx],
+                              region=M, kept=kept)
+        compact_rows(plan, req_to_token, pool.k, pool.v, alloc.alloc, alloc.free, page)
+
+
+@pytest.mark.parametrize("policy_name, page, q_dtype, kv_dtype", [
+    ("kara", 1, torch.bfloat16, torch.bfloat16),
+    ("kara", 16, torch.float16, torch.bfloat16),
+    ("snapkv", 1, torch.float32, torch.float32),
+])
+def test_warm_up_compiles_every_specialisation_an_event_launches(monkeypatch, policy_name, page, q_dtype, kv_dtype):
+    from sgl_kara.policies.snapkv import SnapKVOptions, SnapKVPolicy
+    from sgl_kara.scheduler.warm_up import warm_up_kernels
+
+    if policy_name == "kara":
+        policy = KaraPolicy(KaraOptions(window=32, buffer=4, period=8))
+        tails = [32 + i for i in (0, 3, 8, 11)]
+    else:
+        policy = SnapKVPolicy(SnapKVOptions(threshold=40, budget=20, window=4))
+        tails = [41 + i for i in (0, 1, 6, 7, 13, 20)]  # region lengths of both classes
+    log = LaunchLog(monkeypatch)
+    pool = Pool(kv_dtype, slots=1024)
+    warm_up_kernels(pool, list(range(LAYERS)), policy, [HQ], q_dtype, page)
+    warm = log.take()
+    _event_launches(policy, pool, q_dtype, page, tails, prompt=8)
+    event = log.take()
+    assert event, "the event launched no Triton kernel"
+    assert event <= warm, sorted(event - warm)
+
+
+def test_captured_scores_are_read_in_bounded_chunks():
+    """An event may hold every running request: the ring is read for at most recompute_tokens
+    window tokens at a time, and the scores are those of one read of all of them."""
+    from sgl_kara.kernels.window_score import window_scores_paged_ref
+    from sgl_kara.scheduler.events import EventRunner
+    from sgl_kara.scheduler.queries import QueryRing
+
+    pool = Pool()
+    policy = KaraPolicy(KaraOptions(window=16, buffer=4, period=4))
+    ring = QueryRing({l: (HQ, D) for l in range(LAYERS)}, 5, 64, 8, torch.float32, "cpu")
+    for buf in ring.buffers.values():
+        buf.normal_(generator=torch.Generator().manual_seed(5))
+    reads = []
+    read = ring.read
+    ring.read = lambda lid, rr, st, n: reads.append(rr.numel()) or read(lid, rr, st, n)
+    reqs = [_request(i + 1, 40) for i in range(5)]
+    for r in reqs:
+        r.kara = KaraReqState(protected=8, frontier=8, capture_from=0)
+        ring.assign(r)
+    jobs = [Job(i, r, r.kara, Region(8, 12, 3, 8, 16)) for i, r in enumerate(reqs)]
+    rows = torch.tensor([r.kv.req_pool_idx for r in reqs])
+    region = torch.stack([torch.arange(12) + 20 * i for i in range(5)])
+    rt = types.SimpleNamespace(ring=ring, policy=policy, kv_pool=pool, layer_ids=list(range(LAYERS)), check=False,
+                               recompute_tokens=32)
+    got = EventRunner(rt)._captured_scores(None, jobs, rows, region, [8] * 5)
+    assert reads and max(reads) <= 2, reads  # 32 tokens / 16 per window
+    for lid in range(LAYERS):
+        q = ring.read(lid, ring.rows_for(rows), torch.full((5,), 8), 16)
+        torch.testing.assert_close(got[:, lid], window_scores_paged_ref(q, pool.k[lid], region), rtol=1e-4, atol=1e-5)
