@@ -96,8 +96,12 @@ def main(argv=None):
     text = "\n".join(lines) + "\n"
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from engine_env import stamp
+
         with open(args.out, "w") as f:
-            f.write(f"command: python bench/cpu_linear.py {' '.join(sys.argv[1:] if argv is None else argv)}\n\n" + text)
+            f.write(f"command: python bench/cpu_linear.py {' '.join(sys.argv[1:] if argv is None else argv)}\n{stamp()}\n\n"
+                    + text)
     print(text)
 
 

@@ -25,3 +25,36 @@ def engine_env(omp_threads: int, **extra: str):
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def machine() -> str:
+    """This machine in words: cores, CPU model, memory, and the GPU if torch sees one."""
+    import platform
+
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        mem = f", {gib:.0f} GiB"
+    except (ValueError, OSError, AttributeError):
+        mem = ""
+    gpu = "CPU only"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            gpu = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return f"{os.cpu_count()}-core {name}{mem}, {gpu}"
+
+
+def stamp() -> str:
+    """The line a results file carries under its command: the date and the machine it ran on."""
+    import datetime
+
+    return f"date: {datetime.date.today().isoformat()}\nmachine: {machine()}"

@@ -40,7 +40,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "quality"))
 
-from engine_env import engine_env  # noqa: E402  (bench/engine_env.py)
+from engine_env import engine_env, stamp  # noqa: E402  (bench/engine_env.py)
 from eval_hf import wilson  # noqa: E402  (bench/quality/eval_hf.py)
 
 POLICIES = {
@@ -407,7 +407,7 @@ def write_table(rows, args, argv):
                          + " | ".join(f"{100 * d / max(1, n):.1f}" for d, n in cells) + " |")
     table = "\n".join(lines)
     with open(os.path.join(args.out, "quality.md"), "w") as f:
-        f.write(f"command: python bench/quality.py {' '.join(argv if argv is not None else sys.argv[1:])}\n\n{table}\n")
+        f.write(f"command: python bench/quality.py {' '.join(argv if argv is not None else sys.argv[1:])}\n{stamp()}\n\n{table}\n")
     with open(os.path.join(args.out, "quality.json"), "w") as f:
         json.dump(rows, f, indent=1)
     return table

@@ -21,6 +21,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from engine_env import stamp  # noqa: E402
 from serve_numbers import generate_concurrently, start, stop, tree_memory_mb  # noqa: E402
 
 FLAGS = ["--max-total-tokens", "4172", "--max-running-requests", "32", "--kara-window", "64", "--kara-buffer", "8",
@@ -63,7 +64,8 @@ def main(argv=None):
     print(text)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(f"command: python bench/ring_resident.py {' '.join(sys.argv[1:] if argv is None else argv)}\n\n" + text)
+            f.write(f"command: python bench/ring_resident.py {' '.join(sys.argv[1:] if argv is None else argv)}\n{stamp()}\n\n"
+                    + text)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import socket
 import subprocess
@@ -122,7 +121,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res: dict = {"machine": f"{platform.node()} {os.cpu_count()} cores", "python": sys.version.split()[0]}
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from engine_env import machine
+
+    res: dict = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "python": sys.version.split()[0]}
     if args.fresh_cache:
         with tempfile.TemporaryDirectory(prefix="sgl_kara_cache_") as cache:
             proc, _, secs = start({**env, "KARA_CACHE": cache}, os.path.join(args.out, "first_start.log"), 900)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
-from engine_env import engine_env  # noqa: E402  (bench/engine_env.py)
+from engine_env import engine_env, stamp  # noqa: E402  (bench/engine_env.py)
 
 
 @dataclass
@@ -321,7 +321,7 @@ def main(argv=None):
     table = "\n".join(lines)
     print(table)
     with open(os.path.join(args.out, "throughput.md"), "w") as f:
-        f.write(f"command: python bench/throughput.py {' '.join(argv if argv is not None else sys.argv[1:])}\n\n")
+        f.write(f"command: python bench/throughput.py {' '.join(argv if argv is not None else sys.argv[1:])}\n{stamp()}\n\n")
         f.write(table + "\n")
     with open(os.path.join(args.out, "throughput.json"), "w") as f:
         json.dump([{**{k: v for k, v in r.__dict__.items() if k != "trace"}, "tps": r.tps, "steps": r.steps,

@@ -189,6 +189,10 @@ def main(argv=None):
     sys.path.insert(0, HERE)
     from throughput import run_system
 
+    from engine_env import stamp
+
+    args.stamp = stamp()
+
     from transformers import AutoTokenizer
 
     model = model_path(args.model)
@@ -390,7 +394,8 @@ def write_table(rows, args, cmd: str) -> None:
 def settings(args) -> str:
     """The sgl_kara variables the engines ran with (they change what vanilla runs too), as recorded."""
     env = getattr(args, "env", None) or {}
-    return "".join(f"environment: {k}={v}\n" for k, v in sorted(env.items()))
+    stamp = getattr(args, "stamp", None)  # date and machine, recorded with the run (grids before it have none)
+    return (f"{stamp}\n" if stamp else "") + "".join(f"environment: {k}={v}\n" for k, v in sorted(env.items()))
 
 
 def saturated_cell(r) -> str:

@@ -28,6 +28,7 @@ def test_harness_smoke(tiny_llama, tmp_path):
               "--ratios", "0.25", "--size-min", "5", "--size-max", "6", "--policies", "none", "kara", "snapkv", "--window", "48", "--buffer", "8",
               "--chunk-budget", "4", "--fidelity-n", "3", "--out", str(tmp_path))
     table = (tmp_path / "quality.md").read_text()
+    assert table.startswith("command: ") and "\ndate: 20" in table and "\nmachine: " in table
     for policy in ("none", "kara", "snapkv"):
         assert f"| {policy} |" in table
     assert "/3 |" in table
@@ -100,7 +101,8 @@ def test_real_lm_mode_smoke(tiny_llama, tmp_path):
     # budget matching: the baseline's peak generated KV is Kara's (within the decode step it triggers at)
     assert rows["streaming"]["peak_kv"] <= rows["kara"]["peak_kv"] + 1
     assert len(out["texts"]["none"]) == 1 and len(out["texts"]["kara_0.25"]) == 1
-    assert "| kara | 0.25 |" in (tmp_path / "quality_real.md").read_text()
+    real_md = (tmp_path / "quality_real.md").read_text()
+    assert "| kara | 0.25 |" in real_md and "\ndate: 20" in real_md and "\nmachine: " in real_md
     # The record is reused (no second full-KV run) and Kara's peaks from the first run set the
     # baseline's budgets: the same row again, from a run without Kara.
     again = run_bench("quality.py", *common, "--policies", "none", "streaming", "--show", "0", "--out", str(tmp_path / "b"))

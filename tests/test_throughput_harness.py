@@ -36,6 +36,10 @@ def test_grid_one_cell(tiny_llama, tmp_path):
     # the wave bound: R equal requests run in waves; vanilla none, Kara's from the pool and footprints
     md = (tmp_path / "grid.md").read_text()
     assert "wave bound" in md
+    # a results file says what made it, when and where
+    head = md.splitlines()[:3]
+    assert head[0].startswith("command: ") and head[2].startswith("date: 20") and any(
+        line.startswith("machine: ") and "core" in line for line in md.splitlines()[:5])
     # the per-step trace: vanilla's pool holds 2-3 of the 4 requests, so some wait for admission
     for r in runs.values():
         assert 0 <= r["waiting_share"] <= 1 and 1 <= len(r["running_by_tenth"]) <= 10

@@ -377,7 +377,9 @@ def write(rows, texts, args, argv):
             f"{r['kl_noloop']:.4f} | {r['agree_late']:.4f} | {r['kl_late']:.4f} | {kv} |")
     cmd = "python bench/quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
     with open(os.path.join(args.out, "quality_real.md"), "w") as f:
-        f.write(f"command: {cmd}\n\n" + "\n".join(lines) + "\n")
+        from engine_env import stamp  # bench/engine_env.py (bench/quality.py puts bench/ on the path)
+
+        f.write(f"command: {cmd}\n{stamp()}\n\n" + "\n".join(lines) + "\n")
         for key, outs in texts.items():
             f.write(f"\n### Free generation: {key}\n\n")
             for i, t in enumerate(outs):
