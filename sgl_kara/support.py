@@ -143,7 +143,9 @@ def default_threads_bind(server_args) -> str | None:
     value set, else None."""
     from sgl_kara.rank_cores import THREADS_BIND_VAR, split_cores
 
-    ranks = (server_args.dp_size or 1) * (server_args.tp_size or 1) * (server_args.pp_size or 1)
+    ranks = 1
+    for field in ("dp_size", "tp_size", "pp_size"):
+        ranks *= getattr(server_args, field, None) or 1
     device = server_args.device or ("cuda" if cuda_available() else "cpu")
     if ranks <= 1 or device != "cpu" or os.environ.get(THREADS_BIND_VAR):
         return None
@@ -198,7 +200,7 @@ def prepare_server_args(server_args, cfg: KaraConfig) -> KaraConfig:
         try:
             sizes = check_cpu_fit(shape, shape.itemsize(server_args.dtype), server_args.max_total_tokens,
                                   rows or 0, cfg.query_ring_capacity, available_ram_bytes(),
-                                  packed_linear=env.packed_cpu_linear(), replicas=server_args.dp_size or 1)
+                                  packed_linear=env.packed_cpu_linear(), replicas=getattr(server_args, "dp_size", None) or 1)
         except MemoryConfigError as e:
             raise UnsupportedFeature(str(e)) from None
         logger.info("sgl_kara memory plan: %s", ", ".join(f"{k} {gib(v)}" for k, v in sizes.items()))
