@@ -25,8 +25,9 @@ from sglang.srt.mem_cache.registry import (  # noqa: F401
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: F401
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: F401
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: F401
+from sglang.srt.runtime_context import get_parallel  # noqa: F401
 from sglang.srt.server_args import ServerArgs, prepare_server_args  # noqa: F401
-from sglang.srt.utils.common import use_intel_amx_backend  # noqa: F401
+from sglang.srt.utils.common import get_cpu_ids_by_node, use_intel_amx_backend  # noqa: F401
 
 # Hook targets (dotted paths), one per touch point; see patches/*.md.
 TARGET_INIT_NEW = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
@@ -91,7 +92,7 @@ ATTRIBUTES = {
     "sglang.srt.managers.scheduler.Scheduler": [
         "update_running_batch", "get_prefill_adder_class", "get_output_streamer_class",
         "token_to_kv_pool_allocator", "req_to_token_pool", "tp_worker", "tree_cache", "max_running_requests",
-        "server_args", "metrics_reporter", "waiting_queue"],
+        "server_args", "metrics_reporter", "waiting_queue", "get_internal_state", "max_total_num_tokens"],
     "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter": ["num_retracted_reqs"],
     "sglang.srt.managers.schedule_policy.PrefillAdder": ["add_one_req", "_get_running_request_total_token_offset"],
     "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer": [
@@ -108,6 +109,8 @@ ATTRIBUTES = {
         "update_request_meta_info", "_validate_one_request", "asyncio_tasks", "event_loop", "_subprocess_watchdog",
         "model_config"],
     "sglang.srt.utils.watchdog.SubprocessWatchdog": ["_stop_event", "_processes", "_names"],
+    # kara_scheduler.py: the replica's Kara stats in /server_info
+    "sglang.srt.managers.io_struct.GetInternalStateReqOutput": ["internal_state"],
     # module attributes: launcher fork hook, CPU RoPE flag, the tests' kill_process_tree guard
     "sglang.srt.entrypoints.engine": ["_set_envs_and_config", "kill_process_tree"],
     "sglang.srt.managers.tokenizer_manager": ["kill_process_tree"],

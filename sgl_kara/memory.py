@@ -168,16 +168,19 @@ def gib(n: int) -> str:
 
 
 def check_cpu_fit(shape: ModelShape, itemsize: int, max_total_tokens: int, ring_rows: int, ring_capacity: int,
-                  available: int, packed_linear: bool = False, max_running_requests: int | None = None) -> dict:
+                  available: int, packed_linear: bool = False, max_running_requests: int | None = None,
+                  replicas: int = 1) -> dict:
     """Raise MemoryConfigError when weights (+ the lm_head's packed copy when ``packed_linear``
     and float32: cpu/linear.py packs the other weights in place) + KV pool + ring (+ the
-    processes' floor) exceed ``available``; returns the byte counts (for the start-up log)."""
+    processes' floor) exceed ``available``; returns the byte counts (for the start-up log).
+    ``replicas`` (``--dp-size``): each replica's scheduler holds its own weights, pool and ring,
+    and adds a process (the DP controller one more)."""
     sizes = {
-        "weights": shape.weight_bytes(itemsize),
-        "packed_lm_head": shape.lm_head_elements * 4 if packed_linear and itemsize == 4 else 0,
-        "kv_pool": max_total_tokens * shape.kv_bytes_per_token(itemsize),
-        "capture_ring": shape.ring_bytes(ring_rows, ring_capacity, itemsize) if ring_rows else 0,
-        "processes": PROCESS_FLOOR_BYTES,
+        "weights": replicas * shape.weight_bytes(itemsize),
+        "packed_lm_head": replicas * shape.lm_head_elements * 4 if packed_linear and itemsize == 4 else 0,
+        "kv_pool": replicas * max_total_tokens * shape.kv_bytes_per_token(itemsize),
+        "capture_ring": replicas * shape.ring_bytes(ring_rows, ring_capacity, itemsize) if ring_rows else 0,
+        "processes": PROCESS_FLOOR_BYTES + (replicas * PROCESS_FLOOR_BYTES // 3 if replicas > 1 else 0),
     }
     need = sum(sizes.values())
     if need > available:
@@ -187,7 +190,7 @@ def check_cpu_fit(shape: ModelShape, itemsize: int, max_total_tokens: int, ring_
             f"this server needs {gib(need)} ({plan_text(sizes, max_total_tokens, ring_rows, ring_capacity)}) but "
             f"{gib(available)} of RAM is available: lower --max-total-tokens ({max_total_tokens}) or {running}, "
             "or shrink the capture ring with a smaller --kara-window / --kara-period, --kara-query-ring-rows or "
-            "--kara-query-source recompute"
+            "--kara-query-source recompute" + (f", or --dp-size ({replicas} replicas)" if replicas > 1 else "")
         )
     return sizes
 

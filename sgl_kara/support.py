@@ -31,7 +31,6 @@ _UNSUPPORTED = [
     ("speculative_algorithm", lambda v: v not in (None, "", "NONE"), "--speculative-algorithm",
      "speculative decoding verifies several tokens per step; Kara's positions assume one"),
     ("enable_dp_attention", bool, "--enable-dp-attention", "DP attention is not supported yet"),
-    ("dp_size", lambda v: (v or 1) > 1, "--dp-size", "data parallelism is not supported yet"),
     ("pp_size", lambda v: (v or 1) > 1, "--pp-size", "pipeline parallelism is not supported yet"),
     ("disaggregation_mode", lambda v: v not in (None, "null"), "--disaggregation-mode",
      "PD disaggregation is not supported yet"),
@@ -48,7 +47,8 @@ _UNSUPPORTED = [
      "compression runs between decode steps; continuous steps skip it"),
     ("enable_hisparse", bool, "--enable-hisparse", "HiSparse is not supported"),
     ("tp_size", lambda v: (v or 1) > 1, "--tp-size",
-     "tensor parallelism is not supported yet (an event failing on one rank would desynchronise the ranks)"),
+     "tensor parallelism is not supported yet: compression events must run in lockstep on every rank "
+     "(docs/TENSOR_PARALLEL.md); use --dp-size for several replicas"),
     ("kv_cache_dtype", lambda v: str(v) not in ("auto", "bfloat16", "float16", "float32", "bf16", "fp16"),
      "--kv-cache-dtype", "quantized (fp8) KV caches are not supported: scoring reads keys as floats"),
 ]
@@ -145,10 +145,37 @@ def resolve_query_source(cfg: KaraConfig, server_args, shape: ModelShape | None)
     return dataclasses.replace(cfg, query_source=source, query_ring_rows=rows_cap)
 
 
+def default_threads_bind(server_args) -> str | None:
+    """On CPU with several scheduler ranks (``--dp-size``), set SGLang's
+    ``SGLANG_CPU_OMP_THREADS_BIND`` to the physical cores split evenly over the ranks, unless the
+    user set it (rank_cores.py; SGLang refuses more ranks than NUMA nodes without it). Returns the
+    value set, else None."""
+    from sgl_kara.rank_cores import THREADS_BIND_VAR, split_cores
+
+    ranks = 1
+    for field in ("dp_size", "tp_size", "pp_size"):
+        ranks *= getattr(server_args, field, None) or 1
+    device = server_args.device or ("cuda" if cuda_available() else "cpu")
+    if ranks <= 1 or device != "cpu" or os.environ.get(THREADS_BIND_VAR):
+        return None
+    from sgl_kara._sglang import get_cpu_ids_by_node
+
+    try:
+        bind = split_cores(get_cpu_ids_by_node(), ranks)
+    except ValueError as e:
+        raise UnsupportedFeature(f"--dp-size {server_args.dp_size}: {e}; set {THREADS_BIND_VAR} to share cores") from None
+    if bind is not None:
+        os.environ[THREADS_BIND_VAR] = bind
+        logger.info("sgl_kara: %s=%s (%d scheduler ranks)", THREADS_BIND_VAR, bind, ranks)
+    return bind
+
+
 def prepare_server_args(server_args, cfg: KaraConfig) -> KaraConfig:
     """Refuse unsupported features; select Kara's radix backend; resolve ``auto`` options and
-    check, on CPU, that weights + KV pool + capture ring fit in RAM. Returns the resolved config."""
+    check, on CPU, that weights + KV pool + capture ring fit in RAM (per replica, times
+    ``--dp-size``); set the CPU thread binding for several ranks. Returns the resolved config."""
     if not cfg.enabled:
+        default_threads_bind(server_args)
         return dataclasses.replace(cfg, query_source="recompute") if cfg.query_source == "auto" else cfg
     for name, enabled, flag, why in _UNSUPPORTED:
         value = getattr(server_args, name, None)
@@ -182,11 +209,13 @@ def prepare_server_args(server_args, cfg: KaraConfig) -> KaraConfig:
             sizes = check_cpu_fit(shape, shape.itemsize(server_args.dtype), server_args.max_total_tokens,
                                   rows, cfg.query_ring_capacity, available_ram_bytes(),
                                   packed_linear=env.packed_cpu_linear(),
-                                  max_running_requests=server_args.max_running_requests)
+                                  max_running_requests=server_args.max_running_requests,
+                                  replicas=getattr(server_args, "dp_size", None) or 1)
         except MemoryConfigError as e:
             raise UnsupportedFeature(str(e)) from None
         logger.info("sgl_kara memory plan: %s", plan_text(sizes, server_args.max_total_tokens, rows,
                                                           cfg.query_ring_capacity))
+    default_threads_bind(server_args)
     return cfg
 
 

@@ -19,7 +19,6 @@ from sgl_kara.config import KaraConfig
 FLAG_ARGS = {
     "--speculative-algorithm": ["--speculative-algorithm", "EAGLE"],
     "--enable-dp-attention": ["--enable-dp-attention"],
-    "--dp-size": ["--dp-size", "2"],
     "--pp-size": ["--pp-size", "2"],
     "--disaggregation-mode": ["--disaggregation-mode", "prefill"],
     "--enable-hierarchical-cache": ["--enable-hierarchical-cache"],

@@ -8,6 +8,7 @@ process function.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from sgl_kara._sglang import Scheduler
@@ -41,6 +42,30 @@ class KaraScheduler(Scheduler):
 
     def get_prefill_adder_class(self):
         return make_prefill_adder(super().get_prefill_adder_class(), self.kara)
+
+    def get_internal_state(self, recv_req):
+        # /server_info's internal_states hold one entry per replica (--dp-size): each says which
+        # replica it is and what its compression did.
+        out = super().get_internal_state(recv_req)
+        out.internal_state["kara"] = replica_stats(self)
+        return out
+
+
+def replica_stats(scheduler) -> dict:
+    """This scheduler's Kara counters, its DP rank and its KV pool: free slots, slots the radix
+    tree holds but may evict, and the pool's size (free == pool once idle and flushed: nothing
+    leaked)."""
+    from sgl_kara._sglang import get_parallel
+
+    kara = scheduler.kara
+    return {
+        **dataclasses.asdict(kara.stats),
+        "dp_rank": get_parallel().dp_rank,
+        "decode_steps": kara.decode_steps,
+        "free_slots": int(kara.allocator.available_size()),
+        "evictable_slots": int(scheduler.tree_cache.evictable_size()),
+        "pool_slots": int(scheduler.max_total_num_tokens),
+    }
 
 
 def run_kara_scheduler_process(*args, kara_config: dict, **kwargs):
