@@ -16,15 +16,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 import requests
 
-from conftest import Server, free_port
+from conftest import Server
 
 W, U, PERIOD = 40, 8, 4
 BEFORE_EVENT = W - U  # generated tokens certainly decoded before a request's first event
@@ -37,25 +35,6 @@ KARA_ARGS = ["--kara-window", str(W), "--kara-buffer", str(U), "--kara-chunk-bud
 # at most CHUNK tokens: CHUNK // W = 1 window each, so an event over n windows takes n forwards.
 KARA_ENV = {"SGL_KARA_CHECK_INTEGRITY": "1", "SGL_KARA_CROSSCHECK_QUERIES": "1"}
 FULL = {"kara": {"retention": 1.0}}
-
-
-class VanillaServer(Server):
-    """``python -m sglang.launch_server`` (SGLang's own launcher and scheduler) with the CPU
-    settings sgl_kara's launcher would choose, so both servers compute the same numbers."""
-
-    def __init__(self, args, timeout: float = 300):
-        from sgl_kara.support import cpu_defaults
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env["OMP_WAIT_POLICY"] = "PASSIVE"
-        flags = [f"--{k.replace('_', '-')}={v}" for k, v in cpu_defaults().items()]
-        self.log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"sglang_server_{self.port}.log"), "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sglang.launch_server", "--port", str(self.port), "--disable-overlap-schedule",
-             *flags, *args], stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        self.wait_ready(timeout)
 
 
 @pytest.fixture(scope="module")
@@ -73,17 +52,40 @@ def tokenizer(model_path):
 
 
 @pytest.fixture(scope="module")
-def vanilla(model_path):
-    srv = VanillaServer(["--model-path", model_path, *COMMON])
-    yield srv
-    srv.stop()
+def servers(model_path):
+    """Both servers, started at once. The vanilla one is SGLang's own scheduler and radix cache
+    (``--kara-policy none``: sgl_kara's launcher with its CPU defaults, Kara off; equal to
+    ``sglang.Engine``'s tokens, tests/test_engine.py), so both compute the same numbers."""
+    started, errors = {}, []
+
+    def start(name, args, env=None):
+        try:
+            started[name] = Server(["--model-path", model_path, *args], env=env, timeout=300)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=start, args=("kara", KARA_ARGS, KARA_ENV)),
+               threading.Thread(target=start, args=("vanilla", ["--kara-policy", "none", *COMMON]))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert not errors, errors
+        yield started
+    finally:
+        for srv in started.values():
+            srv.stop()
 
 
 @pytest.fixture(scope="module")
-def kara(model_path, vanilla):
-    srv = Server(["--model-path", model_path, *KARA_ARGS], env=KARA_ENV, timeout=300)
-    yield srv
-    srv.stop()
+def kara(servers):
+    return servers["kara"]
+
+
+@pytest.fixture(scope="module")
+def vanilla(servers):
+    return servers["vanilla"]
 
 
 # ------------------------------------------------------------------ helpers
@@ -96,6 +98,14 @@ def generate(srv, prompt, custom=None, timeout=300, body_extra=None, **params):
     r = requests.post(srv.url + "/generate", json=body, timeout=timeout)
     assert r.status_code == 200, r.text[:500]
     return r.json()
+
+
+def flush(srv, within: float = 60.0) -> None:
+    """Empty the radix cache (refused while a request still runs: retried)."""
+    deadline = time.time() + within
+    while requests.post(srv.url + "/flush_cache", timeout=30).status_code != 200:
+        assert time.time() < deadline, "flush_cache refused: a request still holds slots"
+        time.sleep(0.3)
 
 
 def counter(srv, name: str) -> float:
@@ -155,7 +165,7 @@ def story_ids(tokenizer):
 
 @pytest.fixture(scope="module")
 def vanilla_story(vanilla, story_ids):
-    return generate(vanilla, story_ids, max_new_tokens=120, ignore_eos=True)
+    return generate(vanilla, story_ids, max_new_tokens=90, ignore_eos=True)
 
 
 def test_stop_string_after_compression(kara, vanilla, vanilla_story, story_ids, tokenizer):
@@ -174,19 +184,19 @@ def test_stop_string_after_compression(kara, vanilla, vanilla_story, story_ids, 
         return s, text[: text.find(s)]
 
     stop, expected = stop_at(ids, text)
-    ref = generate(vanilla, story_ids, max_new_tokens=120, stop=[stop])
+    ref = generate(vanilla, story_ids, max_new_tokens=90, stop=[stop])
     assert ref["text"] == expected and ref["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
-    full = generate(kara, story_ids, FULL, max_new_tokens=120, stop=[stop])
+    full = generate(kara, story_ids, FULL, max_new_tokens=90, stop=[stop])
     kara_meta(full)
     assert full["text"] == ref["text"]
     assert full["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"]
     assert full["meta_info"]["completion_tokens"] == ref["meta_info"]["completion_tokens"]
 
-    own = generate(kara, story_ids, max_new_tokens=120, ignore_eos=True)
+    own = generate(kara, story_ids, max_new_tokens=90, ignore_eos=True)
     kara_meta(own)
     assert own["output_ids"][:BEFORE_EVENT] == ids[:BEFORE_EVENT]
     stop, expected = stop_at(own["output_ids"], own["text"])
-    stopped = generate(kara, story_ids, max_new_tokens=120, stop=[stop])
+    stopped = generate(kara, story_ids, max_new_tokens=90, stop=[stop])
     kara_meta(stopped)
     assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert stopped["text"] == expected
@@ -195,17 +205,17 @@ def test_stop_string_after_compression(kara, vanilla, vanilla_story, story_ids, 
 def test_stop_token_id_after_compression(kara, vanilla, vanilla_story, story_ids):
     ids = vanilla_story["output_ids"]
     i = first_index_after(ids, W + 2 * PERIOD + 4, lambda i: ids[i] not in ids[:i])
-    ref = generate(vanilla, story_ids, max_new_tokens=120, stop_token_ids=[ids[i]])
+    ref = generate(vanilla, story_ids, max_new_tokens=90, stop_token_ids=[ids[i]])
     assert ref["meta_info"]["finish_reason"] == {"type": "stop", "matched": ids[i]}
     assert ref["meta_info"]["completion_tokens"] == i + 1
-    full = generate(kara, story_ids, FULL, max_new_tokens=120, stop_token_ids=[ids[i]])
+    full = generate(kara, story_ids, FULL, max_new_tokens=90, stop_token_ids=[ids[i]])
     kara_meta(full)
     assert full["output_ids"] == ref["output_ids"] and full["text"] == ref["text"]
     assert full["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"]
 
-    own = generate(kara, story_ids, max_new_tokens=120, ignore_eos=True)["output_ids"]
+    own = generate(kara, story_ids, max_new_tokens=90, ignore_eos=True)["output_ids"]
     j = first_index_after(own, W + 2 * PERIOD + 4, lambda j: own[j] not in own[:j])
-    stopped = generate(kara, story_ids, max_new_tokens=120, stop_token_ids=[own[j]])
+    stopped = generate(kara, story_ids, max_new_tokens=90, stop_token_ids=[own[j]])
     kara_meta(stopped)
     assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": own[j]}
     assert stopped["output_ids"] == own[: j + 1]
@@ -245,7 +255,7 @@ def _stream_text(stream, chat: bool):
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_openai_stream_matches_non_streamed(kara, vanilla, chat):
     client, ref_client = openai_client(kara), openai_client(vanilla)
-    args = dict(model="default", max_tokens=90, temperature=0)
+    args = dict(model="default", max_tokens=64, temperature=0)
     if chat:
         args["messages"] = [{"role": "user", "content": "List ten animals and one fact about each."}]
         create, ref_create = client.chat.completions.create, ref_client.chat.completions.create
@@ -254,9 +264,14 @@ def test_openai_stream_matches_non_streamed(kara, vanilla, chat):
         args["prompt"] = STORY_TEXT
         create, ref_create = client.completions.create, ref_client.completions.create
         text_of = lambda r: r.choices[0].text  # noqa: E731
+    # Each request starts from an empty cache: whether the prompt's last token was prefilled
+    # alone (a cache hit) or with the prompt changes float rounding, which can flip a near-tied
+    # selection after the first event at retention 0.25.
+    flush(kara)
     with Compressed(kara) as c:
         whole = create(**args)
     assert c.windows > 0
+    flush(kara)
     with Compressed(kara) as c:
         streamed, finish = _stream_text(create(**args, stream=True), chat)
     assert c.windows > 0
@@ -386,7 +401,7 @@ LONG_PROMPT = ("The museum catalogue lists the following rooms, each with its pa
 
 def test_prompt_longer_than_chunked_prefill(kara, vanilla):
     ref = generate(vanilla, LONG_PROMPT, max_new_tokens=90, ignore_eos=True)
-    assert ref["meta_info"]["prompt_tokens"] > 2 * CHUNK
+    assert ref["meta_info"]["prompt_tokens"] > CHUNK
     full = generate(kara, LONG_PROMPT, FULL, max_new_tokens=90, ignore_eos=True)
     kara_meta(full)
     assert full["output_ids"] == ref["output_ids"]
@@ -463,7 +478,7 @@ def _stream_tokens(srv, text, gen, seen, results, key):
 def test_update_weights_from_disk_with_compressed_requests(kara, model_path, abort):
     probe = generate(kara, "The capital of France is", max_new_tokens=12)
     seen, results = {}, {}
-    gen = 200
+    gen = 120
     threads = [threading.Thread(target=_stream_tokens, args=(kara, f"{STORY_TEXT} {i}", gen, seen, results, i))
                for i in range(2)]
     for t in threads:
@@ -484,10 +499,7 @@ def test_update_weights_from_disk_with_compressed_requests(kara, model_path, abo
         else:
             assert meta["finish_reason"]["type"] == "length" and meta["completion_tokens"] == gen
             assert meta["kara"]["compressions"] > 0
-    deadline = time.time() + 60
-    while requests.post(kara.url + "/flush_cache", timeout=30).status_code != 200:
-        assert time.time() < deadline, "flush_cache refused: a request still holds slots"
-        time.sleep(0.5)
+    flush(kara)
     assert generate(kara, "The capital of France is", max_new_tokens=12)["output_ids"] == probe["output_ids"]
     bad = [line for line in kara.log_text().splitlines() if "leak" in line.lower() or "Traceback" in line]
     assert not bad, bad[:5]
