@@ -1,6 +1,6 @@
 """SGLang's serving contract with compression events inside the request (default model, SmolLM2).
 
-One Kara server with small windows (W=40, U=8, period 4: a request is compressed from ~40
+One Kara server with small windows (W=40, U=8, period 1: a request is compressed from 40
 generated tokens on) and one vanilla SGLang server, both with ``--chunked-prefill-size 64``. Every
 test checks that compression really happened (``meta_info.kara.compressions`` or the server's
 ``sglang:kara_requests_compressed_total``) and compares with vanilla where outputs must match:
@@ -24,7 +24,11 @@ import requests
 
 from conftest import Server
 
-W, U, PERIOD = 40, 8, 4
+# Period 1: a request's first event comes exactly when its window fills. With a longer period,
+# events run on the scheduler's global step count (every PERIOD steps), so the same greedy request
+# is compressed W..W+PERIOD-1 tokens in depending on when it arrived, and its output after the
+# first event (retention < 1) depends on that.
+W, U, PERIOD = 40, 8, 1
 BEFORE_EVENT = W - U  # generated tokens certainly decoded before a request's first event
 CHUNK = 64  # --chunked-prefill-size of both servers
 COMMON = ["--max-total-tokens", "8192", "--max-running-requests", "8", "--chunked-prefill-size", str(CHUNK),
@@ -179,7 +183,7 @@ def test_stop_string_after_compression(kara, vanilla, vanilla_story, story_ids, 
             s = tokenizer.decode(ids[i : i + 2]).strip()
             prefix = tokenizer.decode(ids[:i])
             return len(s) >= 4 and text.find(s) >= len(prefix) - 1
-        i = first_index_after(ids, W + 2 * PERIOD + 4, ok)
+        i = first_index_after(ids, W + 12, ok)
         s = tokenizer.decode(ids[i : i + 2]).strip()
         return s, text[: text.find(s)]
 
@@ -204,7 +208,7 @@ def test_stop_string_after_compression(kara, vanilla, vanilla_story, story_ids, 
 
 def test_stop_token_id_after_compression(kara, vanilla, vanilla_story, story_ids):
     ids = vanilla_story["output_ids"]
-    i = first_index_after(ids, W + 2 * PERIOD + 4, lambda i: ids[i] not in ids[:i])
+    i = first_index_after(ids, W + 12, lambda i: ids[i] not in ids[:i])
     ref = generate(vanilla, story_ids, max_new_tokens=90, stop_token_ids=[ids[i]])
     assert ref["meta_info"]["finish_reason"] == {"type": "stop", "matched": ids[i]}
     assert ref["meta_info"]["completion_tokens"] == i + 1
@@ -214,7 +218,7 @@ def test_stop_token_id_after_compression(kara, vanilla, vanilla_story, story_ids
     assert full["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"]
 
     own = generate(kara, story_ids, max_new_tokens=90, ignore_eos=True)["output_ids"]
-    j = first_index_after(own, W + 2 * PERIOD + 4, lambda j: own[j] not in own[:j])
+    j = first_index_after(own, W + 12, lambda j: own[j] not in own[:j])
     stopped = generate(kara, story_ids, max_new_tokens=90, stop_token_ids=[own[j]])
     kara_meta(stopped)
     assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": own[j]}
@@ -227,7 +231,7 @@ def test_eos_after_compression(kara, vanilla, tokenizer):
     ids = chat_ids(tokenizer, [{"role": "user", "content": "Describe a sunrise over the sea in a few sentences."}])
     ref = generate(vanilla, ids, max_new_tokens=300)
     n = ref["meta_info"]["completion_tokens"]
-    assert ref["meta_info"]["finish_reason"]["type"] == "stop" and n > W + 2 * PERIOD, ref["meta_info"]
+    assert ref["meta_info"]["finish_reason"]["type"] == "stop" and n > W + 8, ref["meta_info"]
     full = generate(kara, ids, FULL, max_new_tokens=300)
     kara_meta(full)
     assert full["output_ids"] == ref["output_ids"] and full["text"] == ref["text"]
@@ -414,7 +418,7 @@ def test_recompute_split_into_several_forwards(kara):
     """Four samples reach their first window in the same event; the cross-check's recompute pass
     over their 4 x W window queries runs in 4 forwards of <= --chunked-prefill-size tokens, and
     every request's scores equal the ones from its captured decode-time queries."""
-    outs = generate(kara, STORY_TEXT + " at night", max_new_tokens=W + 3 * PERIOD, ignore_eos=True,
+    outs = generate(kara, STORY_TEXT + " at night", max_new_tokens=W + 8, ignore_eos=True,
                     temperature=0.9, n=4)
     for out in outs:
         meta = kara_meta(out)
@@ -484,7 +488,7 @@ def test_update_weights_from_disk_with_compressed_requests(kara, model_path, abo
     for t in threads:
         t.start()
     deadline = time.time() + 120
-    while min(seen.get(i, 0) for i in range(2)) < W + 3 * PERIOD:  # both compressed by now
+    while min(seen.get(i, 0) for i in range(2)) < W + 8:  # both compressed by now
         assert time.time() < deadline, seen
         time.sleep(0.2)
     r = requests.post(kara.url + "/update_weights_from_disk",
