@@ -404,11 +404,13 @@ LONG_PROMPT = ("The museum catalogue lists the following rooms, each with its pa
 
 
 def test_prompt_longer_than_chunked_prefill(kara, vanilla):
-    ref = generate(vanilla, LONG_PROMPT, max_new_tokens=90, ignore_eos=True)
+    lp = {"return_logprob": True}
+    ref = generate(vanilla, LONG_PROMPT, max_new_tokens=90, ignore_eos=True, body_extra=lp)
     assert ref["meta_info"]["prompt_tokens"] > CHUNK
-    full = generate(kara, LONG_PROMPT, FULL, max_new_tokens=90, ignore_eos=True)
+    full = generate(kara, LONG_PROMPT, FULL, max_new_tokens=90, ignore_eos=True, body_extra=lp)
     kara_meta(full)
     assert full["output_ids"] == ref["output_ids"]
+    assert _close(full["meta_info"]["output_token_logprobs"], ref["meta_info"]["output_token_logprobs"])
     lossy = generate(kara, LONG_PROMPT, max_new_tokens=90, ignore_eos=True)
     assert kara_meta(lossy)["kv_physical_len"] < lossy["meta_info"]["kara"]["kv_logical_len"]
     assert lossy["output_ids"][:BEFORE_EVENT] == ref["output_ids"][:BEFORE_EVENT]
