@@ -1,0 +1,65 @@
+"""Engine-level parts of SGLang's serving contract under compression (tiny Llama, CPU).
+
+- The threshold baselines (SnapKV, StreamingLLM, H2O, R-KV) at page size 16: several events per
+  request, integrity checks clean at every event, each decode step equal to the Hugging Face
+  reference with exactly the evicted entries masked (tests/oracle.py), every slot free after.
+- The recompute pass of an event is split into forwards of at most ``--chunked-prefill-size``
+  window tokens, each forward scoring its own requests (the split is checked here without an
+  engine; tests/test_contract_openai.py runs it on a server against captured queries).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import flush_when_idle
+from sgl_kara.policies.base import Region
+from sgl_kara.scheduler.events import EventRunner
+from sgl_kara.scheduler.jobs import Job
+from test_oracle import run_and_check
+from test_policy_matrix import small_options
+
+BASELINES = ["snapkv", "streaming", "h2o", "rkv"]
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_threshold_baseline_at_page_size_16(name, tiny_llama, tmp_path):
+    outs, engine, _, _ = run_and_check(tiny_llama, tmp_path, 16, "capture", policy=name, extra=small_options(name),
+                                       integrity=True, keep_engine=True)
+    try:
+        for out in outs:
+            kara = out["meta_info"]["kara"]
+            assert kara["compressions"] >= 2, kara
+            assert kara["kv_physical_len"] < kara["kv_logical_len"], kara
+            assert kara["integrity_checks"] >= kara["compressions"] - 1, kara
+        assert flush_when_idle(engine), "slots still held after every request finished"
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("tokens, jobs, forwards", [(64, 4, 4), (80, 4, 2), (8192, 4, 1), (120, 5, 2)])
+def test_recompute_pass_is_split_by_chunked_prefill_size(tokens, jobs, forwards):
+    """Window queries of 40 tokens per request: a forward takes max(1, tokens // 40) requests,
+    each sub-pass scores exactly its own requests' rows and slots, results in the jobs' order."""
+    calls = []
+    rt = SimpleNamespace(recompute_tokens=tokens)
+    runner = EventRunner(rt)
+
+    def scoring_pass(sub, slots):
+        return SimpleNamespace(jobs=sub, slots=slots, result=lambda: slots[:, None, None, :].float())
+
+    def recompute(batch, sub, rows, scoring):
+        assert [j.index for j in sub] == rows.tolist() and scoring.jobs is sub
+        calls.append(len(sub))
+
+    runner._scoring_pass, runner._recompute = scoring_pass, recompute
+    js = [Job(i, None, None, Region(10, 32, 8, 0, 40)) for i in range(jobs)]
+    rows = torch.arange(jobs)
+    slots = torch.arange(jobs * 32).view(jobs, 32)
+    scores = runner._recompute_scores(None, js, rows, slots)
+    assert len(calls) == forwards and sum(calls) == jobs
+    assert max(calls) * 40 <= max(tokens, 40)
+    assert torch.equal(scores, slots[:, None, None, :].float())
