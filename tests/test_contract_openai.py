@@ -37,7 +37,7 @@ KARA_ARGS = ["--kara-window", str(W), "--kara-buffer", str(U), "--kara-chunk-bud
              "--kara-period", str(PERIOD), "--kara-retention", "0.25", "--enable-metrics", *COMMON]
 # The recompute pass of the query cross-check (first window of each request) runs in forwards of
 # at most CHUNK tokens: CHUNK // W = 1 window each, so an event over n windows takes n forwards.
-KARA_ENV = {"SGL_KARA_CHECK_INTEGRITY": "1", "SGL_KARA_CROSSCHECK_QUERIES": "1"}
+KARA_ENV = {"KARA_CHECK_INTEGRITY": "1", "KARA_CROSSCHECK_QUERIES": "1"}
 FULL = {"kara": {"retention": 1.0}}
 
 

@@ -125,17 +125,17 @@ def footprint_pool(n: int) -> int:
 
 def run_schedule(model: str, n: int, max_seqs: int) -> dict:
     """n requests of PROMPT tokens and GEN outputs at once; figures from the responses and the
-    per-step trace (SGL_KARA_TRACE)."""
+    per-step trace (KARA_TRACE)."""
     trace = tempfile.mktemp(suffix=".jsonl")
-    saved = os.environ.get("SGL_KARA_TRACE")
-    os.environ["SGL_KARA_TRACE"] = trace
+    saved = os.environ.get("KARA_TRACE")
+    os.environ["KARA_TRACE"] = trace
     try:
         eng = start_engine("kara", model, kara_window=W, kara_buffer=U, kara_period=PERIOD,
                            kara_retention=RETENTION, kara_max_seqs=max_seqs, max_running_requests=n,
                            max_total_tokens=footprint_pool(n), chunked_prefill_size=4096,
                            kara_query_source="capture")
     finally:
-        os.environ.pop("SGL_KARA_TRACE") if saved is None else os.environ.__setitem__("SGL_KARA_TRACE", saved)
+        os.environ.pop("KARA_TRACE") if saved is None else os.environ.__setitem__("KARA_TRACE", saved)
     rng = random.Random(0)
     ids = [[rng.randint(10, 200) for _ in range(PROMPT)] for _ in range(n)]
     try:
