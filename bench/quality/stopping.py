@@ -8,7 +8,8 @@ stops (EOS before ``--new-tokens``):
 
     still stops    the policy's answer stops too (EOS, any length)
     ends with full its EOS comes within +/-10% of full KV's length
-    runaway        it runs to ``--new-tokens`` (the server pays for tokens full KV never made)
+    runaway        it runs to ``--new-tokens`` (the server pays for tokens full KV never made);
+                   ``loops``: how many of those are in a repetition loop (real_lm.first_loop)
     length ratio   mean of its length / full KV's length; extra tokens: mean difference
     identical      the answer is full KV's, token for token
 
@@ -47,10 +48,30 @@ def compare(full, outs, limit: int, tolerance: float = 0.1) -> dict:
             extra_tokens=statistics.mean(b - a for a, b in zip(lf, lp)),
             identical=sum(outs[i]["output_ids"] == full[i]["output_ids"] for i in idx) / n,
             full_len=statistics.mean(lf), len=statistics.mean(lp),
-            per_prompt=[dict(k=i, full=a, policy=b, stops=s) for i, a, b, s in zip(idx, lf, lp, stops)],
+            # runaway answers: where their first repetition loop starts (real_lm.first_loop), or None
+            loops=sum(s is False and _loop(outs[i]) is not None for i, s in zip(idx, stops)),
+            per_prompt=[dict(k=i, full=a, policy=b, stops=s, loop_at=None if s else _loop(outs[i]),
+                             diverges_at=_diverges(full[i]["output_ids"], outs[i]["output_ids"]))
+                        for i, a, b, s in zip(idx, lf, lp, stops)],
         )
     row["runaway_all"] = sum(not stopped(o, limit) for o in outs) / len(outs)
     return row
+
+
+def _loop(out):
+    from real_lm import first_loop
+
+    ids = out["output_ids"]
+    at = first_loop(ids)
+    return at if at < len(ids) else None
+
+
+def _diverges(a, b):
+    """First token where two answers differ (None: identical)."""
+    for t, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return t
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def kv_stats(outs, problems) -> dict:
@@ -117,7 +138,8 @@ def argparse_copy(args, **changes):
 
 def write(rows, args, argv):
     head = ("| policy | retention | prompts stopping with full KV | still stop | end with full (±10%) | runaway "
-            "| length ratio | extra tokens | identical | runaway (all prompts) | peak gen. KV | mean gen. KV |")
+            "| runaway in a loop | length ratio | extra tokens | identical | runaway (all prompts) | peak gen. KV "
+            "| mean gen. KV |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
 
     def f(r, key, fmt):
@@ -127,6 +149,7 @@ def write(rows, args, argv):
         name = r["policy"] + (f" ({r['match']}-matched)" if r.get("match") else "")
         lines.append(f"| {name} | {r['ratio'] if r['ratio'] is not None else '-'} | {r['n_stop']}/{r['n_prompts']} | "
                      f"{f(r, 'still_stops', '.3f')} | {f(r, 'ends_with_full', '.3f')} | {f(r, 'runaway', '.3f')} | "
+                     f"{f(r, 'loops', 'd')} | "
                      f"{f(r, 'length_ratio', '.2f')} | {f(r, 'extra_tokens', '.0f')} | {f(r, 'identical', '.3f')} | "
                      f"{f(r, 'runaway_all', '.3f')} | {f(r, 'peak_kv', '.0f')} | {f(r, 'mean_kv', '.0f')} |")
     cmd = "python bench/quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
