@@ -236,6 +236,18 @@ def main(argv=None):
     real.add_argument("--free-only", action="store_true",
                       help="only the free generations of --show prompts (needs --ref-dir with Kara's stored peaks "
                            "for the threshold baselines)")
+    real.add_argument("--text", default=None, metavar="SOURCE",
+                      help="teacher-forced text instead of the prompts' answers: python | prose | a file, directory or "
+                           "glob (first 64 tokens = prompt, next --new-tokens forced; bench/quality/workloads.py)")
+    real.add_argument("--recall", action="store_true",
+                      help="teacher-forced recall: facts stated, prose, facts repeated; scored on the recalled values")
+    real.add_argument("--facts", type=int, default=8, help="facts per --recall item")
+    real.add_argument("--stopping", action="store_true",
+                      help="free generation with EOS allowed: do compressed answers stop where full KV's do "
+                           "(bench/quality/stopping.py)")
+    real.add_argument("--budget-from", default="kara",
+                      help="the Kara variant whose per-prompt peak / mean KV sets the threshold baselines' budgets "
+                           "(e.g. kara-r128)")
     real.add_argument("--ref-dir", default=None,
                       help="keep the full-KV record (outputs + per-step log-probs: 4 x vocab bytes per token, "
                            "9.4 GB for SmolLM2 x 48 prompts x 1,000 tokens) here and reuse it when it matches, so rows can be added in later runs")
@@ -250,6 +262,22 @@ def main(argv=None):
             args.max_running = 16
         if "--max-total-tokens" not in given:  # the proxy's 200k tokens would be 9 GB of SmolLM2 KV
             args.max_total_tokens = args.max_running * (args.new_tokens + 256)
+        if sum(map(bool, (args.text, args.recall, args.stopping))) > 1:
+            ap.error("--text, --recall and --stopping are separate workloads: give one")
+        if args.text or args.recall or args.stopping:
+            if "--n" not in given:
+                args.n = 16 if args.stopping else 8
+            if "--show" not in given:
+                args.show = 0
+        if args.budget_from not in args.policies and not args.merge and not args.free_only and any(
+                p in real_lm.THRESHOLD for p in args.policies) and args.budget_from != "kara":
+            ap.error(f"--budget-from {args.budget_from} must be among --policies")
+        if args.stopping:
+            import stopping
+
+            if args.stride < 1:
+                ap.error(f"--stride must be >= 1 (got {args.stride})")
+            return stopping.main(args, argv)
         args.seed = args.seed_sample
         if args.match == "final":
             ap.error("--match final is for the proxy mode; --real takes peak or mean")

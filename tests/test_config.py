@@ -66,6 +66,13 @@ def test_only_window_on_the_command_line():
         (dict(policy="none", retention=0.5), "retention"),
         (dict(windw=64), "windw"),
         (dict(scoring="buffer", buffer=0), "buffer"),
+        (dict(recent=-1), "recent"),
+        (dict(recent=2_000_000), "recent"),
+        (dict(recent=1.5), "recent"),
+        (dict(policy="random", random_seed=-1), "random_seed"),
+        (dict(policy="random", random_window=64, random_buffer=64), "random_buffer"),
+        (dict(policy="random", random_retention=0.0), "random_retention"),
+        (dict(policy="random", recent=64), "recent"),              # Kara's flag, not random's
     ],
 )
 def test_invalid_values_name_the_flag(kwargs, name):

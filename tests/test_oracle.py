@@ -146,6 +146,27 @@ def test_requests_without_a_ring_row_fall_back_to_recompute(tiny_llama, tmp_path
     assert "neither" not in source and set(source) == {"recompute", "capture"}, source
 
 
+def test_recency_band_matches_masked_reference(tiny_llama, tmp_path):
+    """--kara-recent R: exact against the masked reference with the capture ring alone (its
+    capacity W + period + R still holds a window's queries when the window is finally scored: no
+    recompute fallback), and no event evicts any of the newest R + U positions."""
+    import json
+
+    recent, buffer = 24, KARA["kara_buffer"]
+    trace = tmp_path / "trace.jsonl"
+    outs, _, _, _ = run_and_check(tiny_llama, tmp_path, 1, "capture", extra=dict(kara_recent=recent),
+                                  integrity=True, env_extra={"SGL_KARA_TRACE": str(trace)})
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert steps[-1]["kara_recompute_fallbacks"] == 0
+    events = read_evictions(str(tmp_path / "evictions_kara_1_capture.jsonl"))
+    for out in outs:
+        evs = events[out["meta_info"]["id"]]
+        assert len(evs) >= 3
+        for ev in evs:
+            newest = max(p for layer in ev["evicted"] for head in layer for p in head)
+            assert newest < ev["logical_len"] - recent - buffer, (newest, ev["logical_len"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch, page, query_source", [
     ("llama", 1, "recompute"),

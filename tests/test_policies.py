@@ -292,3 +292,31 @@ def test_streaming_select():
     for bad in [(10, 5, 6), (10, 11, 2), (10, 5, -1)]:
         with pytest.raises(ValueError, match="sinks"):
             streaming_select(*bad)
+
+
+# --------------------------------------------------------------------------- random
+
+
+def test_random_selection_is_a_uniform_subset():
+    """random: K distinct sorted indices in [0, M) per (layer, head), K = ceil(r (W - U)), and
+    over many windows every position is kept about K / M of the time (chi-square-like bound)."""
+    from sgl_kara.config import KaraConfig
+    from sgl_kara.policies.base import Region, RowView, ScoreInput
+    from sgl_kara.scheduler.state import KaraReqState
+
+    p = KaraConfig.build(policy="random", random_window=48, random_buffer=8, random_retention=0.25).make_policy()
+    m, keep, heads, windows = 40, 10, 2, 400
+    counts = torch.zeros(m)
+    k_buffer = torch.zeros(100, heads, 4)
+    slots = torch.arange(m)[None]
+    for w in range(windows):
+        row = RowView(0, 0, 200, w * 32, KaraReqState())
+        inp = ScoreInput(w % 3, None, k_buffer, slots, [row], [Region(0, m, keep)])
+        kept = p.select(p.score(inp)[:, None], keep)  # [1, 1, heads, keep]
+        assert kept.shape == (1, 1, heads, keep)
+        assert (kept.diff(dim=-1) > 0).all() and kept.min() >= 0 and kept.max() < m
+        counts += torch.bincount(kept.flatten(), minlength=m)
+    expected = windows * heads * keep / m  # 200 per position
+    # binomial sd = sqrt(800 * 0.25 * 0.75) ~ 12.2; 5 sd is far beyond chance for 40 positions
+    assert (counts - expected).abs().max() < 5 * (windows * heads * (keep / m) * (1 - keep / m)) ** 0.5, counts
+    assert p.options.kept_per_window == keep

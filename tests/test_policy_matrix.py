@@ -18,7 +18,9 @@ from conftest import flush_when_idle
 from sgl_kara.policies import base
 from test_oracle import run_and_check
 
-SMALL = {"kara": dict(kara_window=40, kara_buffer=8, kara_max_chunk=6, kara_period=4, kara_retention=0.25)}
+SMALL = {"kara": dict(kara_window=40, kara_buffer=8, kara_max_chunk=6, kara_period=4, kara_retention=0.25),
+         "random": dict(kara_random_window=40, kara_random_buffer=8, kara_random_period=4, kara_random_retention=0.25,
+                        kara_random_seed=5)}
 
 
 def small_options(name: str) -> dict:

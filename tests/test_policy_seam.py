@@ -159,14 +159,16 @@ def _simulate(p, gen, skip=True, prompt=10):
     return peak, events
 
 
-@pytest.mark.parametrize("window,buffer,period,saves", [(64, 16, 8, False), (128, 8, 32, True), (128, 16, 1, False),
-                                                      (512, 32, 128, True)])
-def test_kara_never_holds_more_than_admission_charged(window, buffer, period, saves):
+@pytest.mark.parametrize("window,buffer,period,saves,recent", [(64, 16, 8, False, 0), (128, 8, 32, True, 0),
+                                                             (128, 16, 1, False, 0), (512, 32, 128, True, 0),
+                                                             (64, 16, 8, False, 40), (128, 16, 1, False, 128),
+                                                             (128, 8, 32, True, 100)])
+def test_kara_never_holds_more_than_admission_charged(window, buffer, period, saves, recent):
     """Peak generated KV <= footprint(G) (what the admission reserved) for every G, with and
     without leaving the last window of a finishing request; leaving it saves events only. It
     saves some when the window cycle W - U is not a multiple of the period (at 64/16/8 every
     event finds a tail of W + period - 1, so only a request finishing next step is left alone)."""
-    p = _policy("kara", window=window, buffer=buffer, period=period, retention=0.25)
+    p = _policy("kara", window=window, buffer=buffer, period=period, retention=0.25, recent=recent)
     saved = 0
     for gen in range(2, 3 * window + 40, 3):
         charged = p.footprint(gen, KaraReqState())
@@ -178,7 +180,54 @@ def test_kara_never_holds_more_than_admission_charged(window, buffer, period, sa
     assert (saved > 0) == saves
 
 
-@pytest.mark.parametrize("name", [n for n in POLICIES if n != "kara"])
+def test_kara_recency_band_region_capacity_and_footprint():
+    """--kara-recent R: the window [f, f + W) is due only once R newer rows follow it (the last
+    R + W rows stay exact); its region and query window are the R = 0 ones; the capture ring
+    holds R more queries; admission charges R more tail; a finishing request is left alone while
+    its tail stays within W + R + period."""
+    p0 = _policy("kara", window=64, buffer=16, period=8, retention=0.25)
+    p = _policy("kara", window=64, buffer=16, period=8, retention=0.25, recent=32)
+    assert p.region(_row(10 + 64 + 31)) is None
+    row = _row(10 + 64 + 32, frontier=10)
+    r, r0 = p.region(row), p0.region(row)
+    assert (r.start, r.length, r.keep, r.query_start, r.query_len) == (10, 48, 12, 10, 64) == \
+        (r0.start, r0.length, r0.keep, r0.query_start, r0.query_len)
+    assert p.region(_row(10 + 96, retention=0.5)).keep == 24  # per-request retention still honoured
+    assert p.query_capacity() == p0.query_capacity() + 32 == 64 + 8 + 32
+    state = KaraReqState()
+    for remaining in (200, 1000, 10_000):
+        assert p.footprint(remaining, state) == p0.footprint(remaining, state) + 32
+    assert not p.worth_compressing(row, 104 - 96)  # 96 + 8 = W + R + period: within the charged tail
+    assert p.worth_compressing(row, 9)
+
+
+@pytest.mark.parametrize("recent", [0, 24])
+def test_random_policy_uses_karas_windows_without_queries(recent):
+    """random: Kara's region, schedule, capacity-free (no queries) and footprint; its draws are
+    reproducible per (seed, layer, window start) and differ between seeds, layers and windows."""
+    p = _policy("random", window=64, buffer=16, period=8, retention=0.25, recent=recent, seed=1)
+    k = _policy("kara", window=64, buffer=16, period=8, retention=0.25, recent=recent)
+    assert not p.needs_queries and p.query_capacity() == 0
+    for length in (10 + 63 + recent, 10 + 64 + recent, 10 + 200):
+        a, b = p.region(_row(length)), k.region(_row(length))
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert (a.start, a.length, a.keep, a.query_len) == (b.start, b.length, b.keep, 0)
+    assert p.region(_row(10 + 64 + recent, retention=0.5)).keep == 24
+    assert [p.due(s) for s in (7, 8)] == [False, True]
+    assert p.footprint(5000, KaraReqState()) == k.footprint(5000, KaraReqState())
+    inp = _inputs(p)
+    s1 = p.score(inp)
+    assert torch.equal(s1, p.score(inp))  # reproducible
+    assert torch.equal(s1[0], s1[1])  # the two rows' windows start at the same logical position
+    other = _policy("random", window=64, buffer=16, period=8, retention=0.25, recent=recent, seed=2)
+    assert not torch.equal(s1, other.score(inp))
+    assert not torch.equal(s1, p.score(_inputs(p, layer=1)))
+    shifted = ScoreInput(0, None, inp.k_buffer, inp.slots, [_row(M + 60, offset=7), inp.rows[1]], inp.regions)
+    assert not torch.equal(p.score(shifted)[0], s1[0]) and torch.equal(p.score(shifted)[1], s1[1])
+
+
+@pytest.mark.parametrize("name", [n for n in POLICIES if n not in ("kara", "random")])
 def test_threshold_regions_use_the_request_budget(name):
     p = _policy(name, threshold=80, budget=60, window=8)
     assert p.region(_row(10 + 80)) is None  # generated == C_max: not yet

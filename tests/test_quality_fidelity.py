@@ -20,10 +20,11 @@ def test_step_stats_matches_direct_kl():
     p, q = torch.softmax(ref_logits, -1), torch.softmax(logits, -1)
     want = float((p * (p.log() - q.log())).sum())
     # ref given unnormalised (shifted): step_stats renormalises it; agreement = same greedy choice
-    agree, kl, nll = fidelity.step_stats(logits, torch.log_softmax(ref_logits, -1) + 3.0, 4)
+    agree, kl, nll, hit = fidelity.step_stats(logits, torch.log_softmax(ref_logits, -1) + 3.0, 4)
     assert agree == int(q.argmax() == p.argmax()) and kl == pytest.approx(want, rel=1e-5)
     assert nll == pytest.approx(float(-q[4].log()), rel=1e-5)
-    agree, kl, _ = fidelity.step_stats(logits, logits.clone(), 4)
+    assert hit == int(int(q.argmax()) == 4) and fidelity.step_stats(logits, logits, int(q.argmax()))[3] == 1
+    agree, kl, _, _ = fidelity.step_stats(logits, logits.clone(), 4)
     assert agree == 1 and kl == pytest.approx(0.0, abs=1e-6)
     flipped = logits.clone()
     flipped[int(q.argmax())] = -10.0
@@ -37,6 +38,23 @@ def test_step_stats_matches_direct_kl():
 def test_force_makes_token_the_greedy_choice():
     out = fidelity.force(torch.randn(20), 7)
     assert int(out.argmax()) == 7 and torch.isinf(out).sum() == 19
+
+
+def test_record_with_tokens_forces_the_text(tmp_path):
+    """Teacher-forced text: the full-KV record keeps every step's log-probabilities (of the
+    logits as given) and emits the text's tokens, not its own greedy choices."""
+    g = torch.Generator().manual_seed(2)
+    steps = [torch.randn(1, 30, generator=g) for _ in range(3)]
+    text = [int(s[0].argmin()) for s in steps]  # never the greedy choice
+    proc = fidelity.FidelityProcessor()
+    req = SimpleNamespace(output_ids=[])
+    rec = [{"__req__": req, "fidelity": {"mode": "record", "dir": str(tmp_path), "k": 0, "tokens": text}}]
+    for s in steps:
+        out = _call(proc, [s[0].clone()], rec)
+        req.output_ids.append(int(out[0].argmax()))
+    assert req.output_ids == text
+    rows = torch.from_numpy(fidelity._ref_rows(fidelity.ref_path(str(tmp_path), 0), 30).copy())
+    torch.testing.assert_close(rows, torch.log_softmax(torch.cat(steps), -1))
 
 
 def _call(proc, rows, params):

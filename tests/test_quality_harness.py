@@ -154,3 +154,71 @@ def test_threshold_mean_kv_counts_the_runtime_trajectory():
         n = budget_for_mean(target, 112, 999, 24)
         assert threshold_mean_kv(n, 112, 999) >= target > threshold_mean_kv(n - 1, 112, 999)
     assert budget_for_mean(1.0, 112, 999, 24) == 24  # the floor
+
+
+def test_real_lm_teacher_forced_text_recall_and_stopping_smoke(tiny_llama, tmp_path):
+    """The three workloads of --real on a tiny model, 2 items each (one policy each: budget
+    matching is the other smoke test's): teacher-forced Python source (full KV reads the text:
+    its forced output is the text, its row has agreement 1 and the text's PPL; the random policy
+    is scored on every step), recall (scored on the recalled values only) and stopping (free
+    generation with EOS allowed, compared with full KV's answers)."""
+    common = ["--real", "--model-path", tiny_llama, "--n", "2", "--ratios", "0.25",
+              "--window", "24", "--buffer", "4", "--period", "4", "--max-running", "2"]
+    run_bench("quality.py", *common, "--new-tokens", "96", "--text", "python", "--policies", "none", "random",
+              "--out", str(tmp_path / "text"))
+    out = json.loads((tmp_path / "text" / "quality_real.json").read_text())
+    rows = {r["policy"]: r for r in out["rows"]}
+    assert set(rows) == {"none", "random"}
+    assert rows["none"]["agree"] == 1 and rows["none"]["tokens"] == 2 * 96 and rows["none"]["ppl"] > 1
+    r = rows["random"]
+    assert r["tokens"] == 2 * 96 and 0 <= r["agree"] <= 1 and 0 <= r["hit"] <= 1 and r["ppl"] > 1
+    assert 0 < r["mean_kv"] < r["peak_kv"] < 96  # compressed in Kara's windows
+    assert "| none | - |" in (tmp_path / "text" / "quality_real.md").read_text()
+
+    run_bench("quality.py", *common, "--new-tokens", "200", "--recall", "--facts", "2", "--policies", "none", "kara",
+              "--out", str(tmp_path / "recall"))
+    rows = {r["policy"]: r for r in json.loads((tmp_path / "recall" / "quality_real.json").read_text())["rows"]}
+    sys.path.insert(0, os.path.join(ROOT, "bench", "quality"))
+    from transformers import AutoTokenizer
+
+    import workloads
+
+    items = workloads.recall_problems(2, 200, 2, AutoTokenizer.from_pretrained(tiny_llama))
+    scored = sum(len(p["score_steps"]) for p in items)
+    assert scored >= 2 * 2 * 2  # every recalled code (4 digits, at least 2 tokens here)
+    for p in items:  # the scored tokens are the stated values, repeated after the filler
+        values = [p["target"][t] for t in p["score_steps"]]
+        assert p["distance"] > 0 and all(v in p["target"][: p["score_steps"][0] - p["distance"]] for v in values)
+    for r in rows.values():
+        assert r["scored_tokens"] == scored and 0 <= r["hit_scored"] <= 1 and r["kl_scored"] >= 0
+    assert rows["none"]["agree_scored"] == 1
+
+    run_bench("quality.py", *common, "--stopping", "--new-tokens", "64", "--policies", "none", "kara",
+              "--out", str(tmp_path / "stop"))
+    rows = json.loads((tmp_path / "stop" / "quality_stopping.json").read_text())["rows"]
+    assert [r["policy"] for r in rows] == ["none", "kara"]
+    assert all(r["n_prompts"] == 2 for r in rows)
+    full = rows[0]
+    assert full["n_stop"] == 0 or (full["still_stops"] == 1 and full["length_ratio"] == 1 and full["identical"] == 1)
+
+
+def test_stopping_compare_counts_against_full_kv():
+    """--stopping's statistics from hand-made outputs: prompts 0-2 stop with full KV (lengths
+    100, 50, 10), prompt 3 runs to the limit 200; the policy stops at 105 (with full), runs away
+    on prompt 1, stops early at 5 on prompt 2."""
+    sys.path.insert(0, os.path.join(ROOT, "bench", "quality"))
+    from stopping import compare
+
+    def out(n, reason, ids=None):
+        return {"meta_info": {"completion_tokens": n, "finish_reason": {"type": reason}}, "output_ids": ids or [n]}
+
+    full = [out(100, "stop"), out(50, "stop"), out(10, "stop"), out(200, "length")]
+    policy = [out(105, "stop"), out(200, "length"), out(5, "stop"), out(200, "length")]
+    r = compare(full, policy, 200)
+    assert (r["n_stop"], r["n_prompts"]) == (3, 4)
+    assert r["still_stops"] == pytest.approx(2 / 3) and r["ends_with_full"] == pytest.approx(1 / 3)
+    assert r["runaway"] == pytest.approx(1 / 3) and r["runaway_all"] == 0.5
+    assert r["length_ratio"] == pytest.approx((1.05 + 4 + 0.5) / 3)
+    assert r["extra_tokens"] == pytest.approx((5 + 150 - 5) / 3) and r["identical"] == 0
+    same = compare(full, full, 200)
+    assert same["still_stops"] == same["ends_with_full"] == same["identical"] == 1 and same["runaway"] == 0

@@ -5,12 +5,13 @@ not. Two passes through ``sgl_kara.Engine`` with one custom logit processor (eng
 ``enable_custom_logit_processor=True``), run in the scheduler process:
 
 1. ``record`` (full KV): greedy generation; at every sampling step t the processor appends the
-   step's log-probabilities (float32, [V]) to ``<dir>/ref_<k>.f32``.
+   step's log-probabilities (float32, [V]) to ``<dir>/ref_<k>.f32``. With ``tokens`` (teacher-
+   forced text) it also emits ``tokens[t]``, so the record is of that text, not a generation.
 2. ``force`` (a policy): the request is fed the full-KV output ``tokens``. At step t the processor
    takes the policy's log-probabilities, counts agreement ``argmax == argmax of row t`` (the
    full-KV greedy choice; for a greedy full-KV output that is ``tokens[t]``), ``KL(p_full ||
-   p_policy)`` against row t of ``ref_<k>.f32`` and the policy's negative log-likelihood of
-   ``tokens[t]``, then masks the logits so ``tokens[t]`` is emitted and the prefix stays the full-KV
+   p_policy)`` against row t of ``ref_<k>.f32``, the policy's negative log-likelihood of
+   ``tokens[t]`` and whether its greedy choice is ``tokens[t]`` (hit), then masks the logits so ``tokens[t]`` is emitted and the prefix stays the full-KV
    one. When the last token is emitted, the per-step results go to ``<dir>/<tag>_<k>.json``.
 
 The step index is ``len(req.output_ids)`` (needs the overlap scheduler off, as bench/quality.py
@@ -34,17 +35,18 @@ except ImportError:  # pragma: no cover - the pure functions still import withou
 KEY = "fidelity"
 
 _REFS: dict[str, np.ndarray] = {}  # ref file -> memmap [steps, V] (scheduler process)
-_STEPS: dict[tuple[str, int], list[tuple[int, float, float]]] = {}  # (tag, k) -> [(agree, kl, nll)]
+_STEPS: dict[tuple[str, int], list[tuple[int, float, float, int]]] = {}  # (tag, k) -> [(agree, kl, nll, hit)]
 
 
-def step_stats(logits: torch.Tensor, ref_logp: torch.Tensor, token: int) -> tuple[int, float, float]:
-    """(agree, KL(p_ref || p), -log p(token)) for one step. logits, ref_logp: [V]; ref_logp is
-    renormalised; agree: the policy's greedy choice is the reference's."""
+def step_stats(logits: torch.Tensor, ref_logp: torch.Tensor, token: int) -> tuple[int, float, float, int]:
+    """(agree, KL(p_ref || p), -log p(token), hit) for one step. logits, ref_logp: [V]; ref_logp
+    is renormalised; agree: the policy's greedy choice is the reference's; hit: it is ``token``."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     ref = ref_logp.float() - torch.logsumexp(ref_logp.float(), dim=-1)
     # Tokens masked in both runs (-inf, e.g. EOS under min_new_tokens) contribute 0, not nan.
     kl = torch.where(torch.isfinite(ref), ref.exp() * (ref - logp), torch.zeros_like(ref)).sum().clamp_min(0.0)
-    return int(int(torch.argmax(logp)) == int(torch.argmax(ref))), float(kl), float(-logp[token])
+    choice = int(torch.argmax(logp))
+    return int(choice == int(torch.argmax(ref))), float(kl), float(-logp[token]), int(choice == token)
 
 
 def force(logits: torch.Tensor, token: int) -> torch.Tensor:
@@ -86,6 +88,8 @@ class FidelityProcessor(CustomLogitProcessor):
                     raise RuntimeError(f"fidelity record {path}: step {step} but the file holds {size // row.nbytes} rows")
                 with open(path, "ab") as f:
                     f.write(row.tobytes())
+                if "tokens" in p:  # teacher-forced text: full KV reads the text, not its own output
+                    logits[i] = force(logits[i], p["tokens"][step])
                 continue
             tokens, key = p["tokens"], (p["tag"], p["k"])
             if step >= len(tokens):
@@ -100,14 +104,14 @@ class FidelityProcessor(CustomLogitProcessor):
             logits[i] = force(logits[i], tokens[step])
             if step == len(tokens) - 1:
                 with open(stats_path(p["dir"], p["tag"], p["k"]), "w") as f:
-                    json.dump({"agree": [a for a, _, _ in per_step], "kl": [round(x, 6) for _, x, _ in per_step],
-                               "nll": [round(x, 5) for _, _, x in per_step]}, f)
+                    json.dump({"agree": [a for a, _, _, _ in per_step], "kl": [round(x, 6) for _, x, _, _ in per_step],
+                               "nll": [round(x, 5) for _, _, x, _ in per_step], "hit": [h for *_, h in per_step]}, f)
                 del _STEPS[key]
         return logits
 
 
 def load_steps(directory: str, tag: str, k: int) -> dict:
-    """One problem's per-step {"agree", "kl", "nll"} lists."""
+    """One problem's per-step {"agree", "kl", "nll", "hit"} lists."""
     with open(stats_path(directory, tag, k)) as f:
         return json.load(f)
 

@@ -52,11 +52,38 @@ POLICIES = {
     "streaming": dict(kara_policy="streaming"),
     "h2o": dict(kara_policy="h2o"),
     "rkv": dict(kara_policy="rkv"),
+    "random": dict(kara_policy="random"),
 }
 THRESHOLD = ("snapkv", "streaming", "h2o", "rkv")
 
 
+def policy_spec(name: str) -> dict:
+    """Engine options of a policy name: one of POLICIES, or a Kara variant (or random) with a
+    recency band, ``<name>-r<R>`` (e.g. ``kara-r128``: ``--kara-recent 128``)."""
+    if name in POLICIES:
+        return POLICIES[name]
+    base, _, r = name.rpartition("-r")
+    if base in POLICIES and (base.startswith("kara") or base == "random") and r.isdigit():
+        key = "kara_recent" if base.startswith("kara") else "kara_random_recent"
+        return dict(POLICIES[base], **{key: int(r)})
+    raise SystemExit(f"unknown policy {name!r}: one of {', '.join(POLICIES)}, or kara*/random with -r<R> (recency band)")
+
+
+def policy_order(name: str) -> tuple:
+    """Table order: POLICIES' order, a recency variant after its base, by R."""
+    base, _, r = name.rpartition("-r")
+    if name in POLICIES or not r.isdigit():
+        return list(POLICIES).index(name), 0
+    return list(POLICIES).index(base), int(r) + 1
+
+
 def load_problems(args, tok) -> list[dict]:
+    if getattr(args, "text", None) or getattr(args, "recall", False):
+        import workloads
+
+        if args.text:
+            return workloads.text_problems(args.text, args.n, args.new_tokens, tok)
+        return workloads.recall_problems(args.n, args.new_tokens, args.facts, tok)
     rows = [json.loads(line) for line in open(args.prompts) if line.strip()][:: args.stride][: args.n]
     out = []
     for r in rows:
@@ -72,6 +99,7 @@ REFERENCE = "reference.json"  # in the record directory: {"key", "tokens"}
 def reference_key(args, problems) -> str:
     """What the full-KV record depends on: model, prompts, length, decoding."""
     ident = dict(model=os.path.abspath(args.model_path), prompts=[p["input_ids"] for p in problems],
+                 targets=[p.get("target") for p in problems],
                  new_tokens=args.new_tokens, decoding=args.decoding, temperature=args.temperature,
                  top_p=args.top_p, seed=args.seed)
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
@@ -141,15 +169,20 @@ def engine_options(name, ratio, args, kara_peaks=None, kara_means=None):
     """(engine keyword options, per-request custom_params.kara list or None). Threshold baselines
     get per-request budgets from Kara's run at ``ratio``: equal peak generated KV (``--match
     peak``) or equal mean generated KV (``--match mean``: equal KV-token-steps)."""
-    opts = dict(POLICIES[name], max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running)
+    spec = policy_spec(name)
+    opts = dict(spec, max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running)
     if name == "none":
         return opts, None
     opts.update(kara_max_seqs=4096, kara_query_source="capture")
     if name.startswith("kara"):
         opts.update(kara_window=args.window, kara_buffer=args.buffer, kara_retention=ratio, kara_period=args.period)
         return opts, None
+    if spec["kara_policy"] == "random":
+        opts.update(kara_random_window=args.window, kara_random_buffer=args.buffer, kara_random_retention=ratio,
+                    kara_random_period=args.period)
+        return opts, None
     gap = args.window - args.buffer
-    prefix = f"kara_{POLICIES[name]['kara_policy']}_"
+    prefix = f"kara_{spec['kara_policy']}_"
     w = 8 if name == "rkv" else args.buffer  # R-KV keeps its own 8 observation queries
     floor = w + 8  # server-wide N only needs to be valid (StreamingLLM's 4 sinks fit); requests bring their own
     opts.update({prefix + "window": w, prefix + "budget": floor, prefix + "threshold": floor + gap})
@@ -193,7 +226,8 @@ def run_engine(model_path, opts, problems, params_of, per_request=None, fidelity
 
 
 def summarize_policy(name, ratio, steps_by_k, outs, problems, loops, late_from) -> dict:
-    """steps_by_k: per problem {"agree", "kl", "nll"} lists."""
+    """steps_by_k: per problem {"agree", "kl", "nll", "hit"} lists (hit and the scored steps of
+    teacher-forced workloads: bench/quality/workloads.py)."""
     agree = [a for k in steps_by_k for a in steps_by_k[k]["agree"]]
     kl = [x for k in steps_by_k for x in steps_by_k[k]["kl"]]
     nll = [x for k in steps_by_k for x in steps_by_k[k]["nll"]]
@@ -218,8 +252,14 @@ def summarize_policy(name, ratio, steps_by_k, outs, problems, loops, late_from) 
         noloop_tokens=len(nl_agree), agree_late=sum(late_agree) / max(1, len(late_agree)),
         kl_late=sum(late_kl) / max(1, len(late_kl)), late_tokens=len(late_agree),
         peak_kv=sum(peak) / len(peak) if peak else None, mean_kv=sum(mean) / len(mean) if mean else None,
-        shared_prefix=first,
+        shared_prefix=first, **_scored(steps_by_k, problems),
     )
+
+
+def _scored(steps_by_k, problems) -> dict:
+    import workloads
+
+    return workloads.scored_stats(steps_by_k, problems)
 
 
 def main(args, argv):
@@ -254,11 +294,14 @@ def main(args, argv):
             for name in os.listdir(d):  # a stale or partial record: start over
                 if name.startswith(("ref_", "kara_peaks_", "kara_means_")) or name == REFERENCE:
                     os.remove(os.path.join(d, name))
-            rec = [{"mode": "record", "dir": d, "k": k} for k in ks]
+            rec = [dict(mode="record", dir=d, k=k, **({"tokens": problems[k]["target"]} if "target" in problems[k] else {}))
+                   for k in ks]
             outs = run_engine(args.model_path, engine_options("none", None, args)[0], problems, full_params,
                               fidelity=rec, threads=args.omp_threads)
             tokens = [o["output_ids"] for o in outs]
             assert all(len(t) == T for t in tokens), [len(t) for t in tokens]
+            if any("target" in p and p["target"] != t for p, t in zip(problems, tokens)):
+                raise RuntimeError("full KV: a teacher-forced output differs from its text")
             with open(os.path.join(d, REFERENCE), "w") as f:
                 json.dump({"key": key, "tokens": tokens}, f)
         else:
@@ -267,35 +310,40 @@ def main(args, argv):
         print(f"full KV: {len(ks)} x {T} tokens in {time.time() - tic:.0f}s; outputs with a loop: "
               f"{sum(loops[k] < T for k in ks)}", flush=True)
         texts["none"] = [tok.decode(tokens[k]) for k in ks[: args.show]]
+        if "target" in problems[0] and not args.free_only:
+            import workloads
+
+            rows.append(workloads.full_kv_row(d, problems))
         kara_peaks: dict[float, list[int]] = {}
         kara_means: dict[float, list[float]] = {}
+        src = budget_source(args)
         for ratio in args.ratios:  # Kara's peaks from an earlier run on this record (it may not run now)
             for store, what in ((kara_peaks, "peaks"), (kara_means, "means")):
-                if os.path.exists(os.path.join(d, f"kara_{what}_{ratio}.json")):
-                    with open(os.path.join(d, f"kara_{what}_{ratio}.json")) as f:
+                if os.path.exists(os.path.join(d, f"kara_{what}_{ratio}{src}.json")):
+                    with open(os.path.join(d, f"kara_{what}_{ratio}{src}.json")) as f:
                         store[ratio] = json.load(f)
         forced_params = lambda i, p: {"max_new_tokens": T, "min_new_tokens": T, "temperature": 0.0}  # noqa: E731
         if args.free_only:  # the rows come from earlier runs on this record
             missing = [r for r in args.ratios if r not in kara_peaks]
             if missing and any(n in THRESHOLD for n in args.policies):
                 raise SystemExit(f"--free-only: no Kara peaks stored in {d} for ratios {missing}; run kara there first")
-        for name, ratio in [] if args.free_only else run_order(args.policies, args.ratios):
+        for name, ratio in [] if args.free_only else run_order(args.policies, args.ratios, args.budget_from):
             matched = name in THRESHOLD and args.match != "peak"
-            tag = f"{name}_{ratio}" + (f"_{args.match}" if matched else "")
+            tag = f"{name}_{ratio}" + (f"_{args.match}" if matched else "") + (src if name in THRESHOLD else "")
             forced = [{"mode": "force", "dir": d, "k": k, "tag": tag, "tokens": tokens[k]} for k in ks]
             opts, per_request = engine_options(name, ratio, args, kara_peaks, kara_means)
             t0 = time.time()
             outs = run_engine(args.model_path, opts, problems, forced_params, per_request, forced, args.omp_threads)
             if any(o["output_ids"] != t for o, t in zip(outs, tokens)):
                 raise RuntimeError(f"{tag}: a forced output differs from the full-KV output")
-            if name == "kara":
+            if name == args.budget_from:
                 kara_peaks[ratio] = [o["meta_info"]["kara"]["kv_peak_len"] - len(p["input_ids"])
                                      for o, p in zip(outs, problems)]
                 kara_means[ratio] = [o["meta_info"]["kara"]["kv_mean_len"] - len(p["input_ids"])
                                      for o, p in zip(outs, problems)]
                 if args.ref_dir:  # a later run's baselines and "late" steps use them without Kara
                     for store, what in ((kara_peaks, "peaks"), (kara_means, "means")):
-                        with open(os.path.join(d, f"kara_{what}_{ratio}.json"), "w") as f:
+                        with open(os.path.join(d, f"kara_{what}_{ratio}{src}.json"), "w") as f:
                             json.dump(store[ratio], f)
             late_from = {k: kara_peaks[ratio][k] if ratio in kara_peaks else 0 for k in ks}
             steps = {k: fidelity.load_steps(d, tag, k) for k in ks}
@@ -303,6 +351,8 @@ def main(args, argv):
             row["seconds"] = time.time() - t0
             if matched:
                 row["match"] = args.match
+            if name in THRESHOLD and src:
+                row["budget_from"] = args.budget_from
             rows.append(row)
             write(rows, texts, args, argv)
             print(f"{name:12s} r={ratio} agree {row['agree']:.4f} KL {row['kl']:.4f} PPL {row['ppl']:.3f} "
@@ -325,25 +375,31 @@ def merge(paths, args, argv) -> list[dict]:
         with open(path) as f:
             run = json.load(f)
         for r in run["rows"]:
-            key = (r["policy"], r["ratio"], r.get("match"))
+            key = (r["policy"], r["ratio"], r.get("match"), r.get("budget_from"))
             if key in rows and (rows[key]["agree"], rows[key]["kl"]) != (r["agree"], r["kl"]):
                 raise SystemExit(f"--merge: {key} differs between runs ({path})")
             rows[key] = r
         texts.update(run.get("texts", {}))
-    order = list(POLICIES)
-    merged = sorted(rows.values(), key=lambda r: (r["ratio"], r.get("match") or "", order.index(r["policy"])))
-    args.policies = [p for p in order if any(r["policy"] == p for r in merged)]
+    merged = sorted(rows.values(), key=lambda r: (r["ratio"] or 0, r.get("match") or "", policy_order(r["policy"]),
+                                                  r.get("budget_from") or ""))
+    args.policies = list(dict.fromkeys(r["policy"] for r in merged))
     os.makedirs(args.out, exist_ok=True)
     write(merged, texts, args, argv)
     plot(merged, args)
     return merged
 
 
-def run_order(names, ratios):
-    """Per ratio, in the order given (a long run fills the table ratio by ratio): Kara first (the
-    baselines take their budgets from its peaks), then the rest."""
+def budget_source(args) -> str:
+    """Suffix of the stored peaks and of the baselines' tags: '' when Kara sets the budgets."""
+    src = getattr(args, "budget_from", "kara")
+    return "" if src == "kara" else f"_from_{src}"
+
+
+def run_order(names, ratios, first="kara"):
+    """Per ratio, in the order given (a long run fills the table ratio by ratio): Kara (or the
+    --budget-from policy) first (the baselines take their budgets from its peaks), then the rest."""
     order = [(n, r) for r in ratios for n in names if n != "none"]
-    return sorted(order, key=lambda nr: (ratios.index(nr[1]), nr[0] != "kara"))
+    return sorted(order, key=lambda nr: (ratios.index(nr[1]), nr[0] != first))
 
 
 def free_generation(args, problems, texts, kara_peaks, kara_means, tok):
@@ -361,18 +417,38 @@ def free_generation(args, problems, texts, kara_peaks, kara_means, tok):
 
 
 def label(row) -> str:
-    """The policy's name in tables: budget-matched at equal mean KV rows are marked."""
-    return row["policy"] + (f" ({row['match']}-matched)" if row.get("match") else "")
+    """The policy's name in tables: budget-matched at equal mean KV rows are marked (and the
+    policy that set the budgets, when not Kara)."""
+    return (row["policy"] + (f" ({row['match']}-matched)" if row.get("match") else "")
+            + (f" (budget of {row['budget_from']})" if row.get("budget_from") else ""))
 
 
 def write(rows, texts, args, argv):
-    head = ("| policy | retention | agreement | KL | PPL | shared prefix (median) | identical | agreement no-loop "
-            "| KL no-loop | agreement late | KL late | peak gen. KV | mean gen. KV |")
+    forced = any("hit" in r for r in rows)
+    if forced:  # teacher-forced text / recall (bench/quality/workloads.py)
+        scored = any("hit_scored" in r for r in rows)
+        head = ("| policy | retention | agreement | KL | PPL | text hit | agreement late | KL late "
+                + ("| recall accuracy | recall agreement | recall KL | recall PPL " if scored else "")
+                + "| peak gen. KV | mean gen. KV |")
+    else:
+        head = ("| policy | retention | agreement | KL | PPL | shared prefix (median) | identical | agreement no-loop "
+                "| KL no-loop | agreement late | KL late | peak gen. KV | mean gen. KV |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
+
+    def f(r, key, fmt):
+        return format(r[key], fmt) if r.get(key) is not None else "-"
+
     for r in rows:
-        kv = f"{r['peak_kv']:.0f} | {r['mean_kv']:.0f}" if r["peak_kv"] is not None else "- | -"
+        kv = f"{f(r, 'peak_kv', '.0f')} | {f(r, 'mean_kv', '.0f')}"
+        ratio = r["ratio"] if r["ratio"] is not None else "-"
+        if forced:
+            rec = (f"{f(r, 'hit_scored', '.4f')} | {f(r, 'agree_scored', '.4f')} | {f(r, 'kl_scored', '.4f')} | "
+                   f"{f(r, 'ppl_scored', '.3f')} | ") if scored else ""
+            lines.append(f"| {label(r)} | {ratio} | {r['agree']:.4f} | {r['kl']:.4f} | {r['ppl']:.3f} | "
+                         f"{f(r, 'hit', '.4f')} | {f(r, 'agree_late', '.4f')} | {f(r, 'kl_late', '.4f')} | {rec}{kv} |")
+            continue
         lines.append(
-            f"| {label(r)} | {r['ratio']} | {r['agree']:.4f} | {r['kl']:.4f} | {r['ppl']:.3f} | "
+            f"| {label(r)} | {ratio} | {r['agree']:.4f} | {r['kl']:.4f} | {r['ppl']:.3f} | "
             f"{r['shared_prefix_median']:.0f} | {r['identical']}/{r['n']} | {r['agree_noloop']:.4f} | "
             f"{r['kl_noloop']:.4f} | {r['agree_late']:.4f} | {r['kl_late']:.4f} | {kv} |")
     cmd = "python bench/quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -398,7 +474,7 @@ def plot(rows, args):
         return
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     for ax, field, ylabel in ((axes[0], "agree", "next-token agreement with full KV"), (axes[1], "kl", "KL(full || policy)")):
-        for name in dict.fromkeys(label(r) for r in rows):
+        for name in dict.fromkeys(label(r) for r in rows if r["ratio"] is not None):
             pts = sorted((r["ratio"], r[field]) for r in rows if label(r) == name)
             ax.plot([p for p, _ in pts], [v for _, v in pts], marker="o", label=name)
         ax.set_xlabel("retention ratio")

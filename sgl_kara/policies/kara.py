@@ -30,6 +30,8 @@ Parameters (flags --kara-<name>; defaults: the paper's App. B.1 / B.3)
                        the paper's ablation; its region names only those U queries, so a
                        recompute forward computes U tokens per window instead of W)
     period (delta)     decode steps between compression events (128)
+    recent (R)         recency band: a window [f, f + W) is compressed only once R newer
+                       tokens exist, so the last R + W tokens stay exact (0: the paper)
 
 Tie-breaking everywhere: higher score first, then lower index (stable sorts).
 Scores are assumed finite. Nothing here syncs with the host, so `select` can run
@@ -171,6 +173,8 @@ class KaraOptions:
     scoring: str = field(default="bidirectional", metadata={
         "help": f"window scoring: {SCORINGS} ('buffer' = last U queries only, the paper's ablation)"})
     period: int = field(default=128, metadata={"help": "delta: decode steps between compression events"})
+    recent: int = field(default=0, metadata={
+        "help": "R: a window is compressed only once R newer tokens exist (the last R + W stay exact; 0: the paper)"})
 
     def __post_init__(self):
         need(2 <= self.window <= 65536, "window", "must be an integer in [2, 65536]", self.window)
@@ -187,6 +191,7 @@ class KaraOptions:
         need(self.chunk_budget < k, "chunk_budget",
              f"must be in [0, ceil(retention*(window-buffer))={k}) so TopK keeps at least one entry", self.chunk_budget)
         need(1 <= self.period <= 1_000_000, "period", "must be an integer in [1, 1000000]", self.period)
+        need(0 <= self.recent <= 1_000_000, "recent", "must be an integer in [0, 1000000]", self.recent)
 
     @property
     def compressible(self) -> int:
@@ -201,8 +206,8 @@ class KaraOptions:
 @register
 class KaraPolicy(Policy):
     """Periodic: every ``period`` decode steps, each request whose oldest uncompressed window
-    [f, f + W) is complete has its first W - U rows compressed to K (the last U stay, and
-    start the next window)."""
+    [f, f + W) is complete (and followed by ``recent`` newer rows) has its first W - U rows
+    compressed to K (the last U stay, and start the next window)."""
 
     name = "kara"
     prefix = ""
@@ -214,7 +219,7 @@ class KaraPolicy(Policy):
 
     def region(self, row: RowView) -> Region | None:
         o = self.options
-        if row.length - row.frontier < o.window:
+        if row.length - row.frontier < o.window + o.recent:
             return None
         m = o.compressible
         retention = row.state.retention if row.state.retention is not None else o.retention
@@ -223,8 +228,9 @@ class KaraPolicy(Policy):
         return Region(row.frontier, m, kept_count(m, retention), q_start, q_len)
 
     def query_capacity(self) -> int:
-        # A window becomes due at most `period` steps before its event.
-        return self.options.window + self.options.period
+        # A window becomes due at most `period` steps before its event, and is scored only once
+        # `recent` newer tokens follow it: the ring must still hold its oldest query then.
+        return self.options.window + self.options.period + self.options.recent
 
     def event_interval(self) -> int:
         return self.options.period
@@ -239,7 +245,7 @@ class KaraPolicy(Policy):
         window to free slots for fewer than ``period`` more steps (measured: the last event of
         each 256-token request at W = 128 came 5 steps before it finished)."""
         o = self.options
-        return remaining > 1 and (row.length - row.frontier) + remaining > o.window + o.period
+        return remaining > 1 and (row.length - row.frontier) + remaining > o.window + o.recent + o.period
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
         # q: the region's query window (region()): all W queries, or the last U with scoring=buffer.
@@ -253,10 +259,10 @@ class KaraPolicy(Policy):
 
     def footprint(self, remaining: int, state) -> int:
         """Each window of W - U new tokens shrinks to K entries; the uncompressed tail is at most
-        a window plus the tokens decoded while waiting for the next event."""
+        a window, the recency band and the tokens decoded while waiting for the next event."""
         if remaining <= 0:
             return remaining
         o = self.options
         retention = state.retention if state is not None and state.retention is not None else o.retention
         rate = kept_count(o.compressible, retention) / o.compressible
-        return min(remaining, math.ceil(remaining * rate) + o.window + o.period)
+        return min(remaining, math.ceil(remaining * rate) + o.window + o.recent + o.period)

@@ -1,0 +1,89 @@
+"""Random baseline: Kara's windows and schedule, with the kept entries drawn uniformly at random.
+
+Idea
+    The floor any scoring must beat: every ``period`` decode steps, a request's oldest complete
+    window [f, f + W) (followed by ``recent`` newer tokens) has its first W - U rows compressed
+    to K = ceil(r (W - U)) entries chosen uniformly at random, independently per layer and KV
+    head. Same region, schedule and footprint as Kara, so budgets are equal by construction; no
+    queries are read, so there is no capture ring and no recompute forward.
+
+Reproducibility
+    The draw of one event is seeded by (``seed``, the layer, the window's first logical
+    position): the same request decoded twice keeps the same entries, and a window's draw does
+    not depend on which other requests share its event (requests at the same positions draw the
+    same pattern).
+
+Parameters (flags --kara-random-<name>): window, buffer, retention, period, recent as Kara's
+(W, U, r, delta, R; same defaults), and ``seed``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .base import Region, RowView, ScoreInput, need, register
+from .kara import KaraPolicy, kept_count
+
+
+@dataclass(frozen=True)
+class RandomOptions:
+    window: int = field(default=512, metadata={"help": "W: tokens per compression window"})
+    buffer: int = field(default=32, metadata={"help": "U: last tokens of a window never compressed"})
+    retention: float = field(default=0.25, metadata={"help": "r: fraction of the W-U compressible tokens kept, in (0, 1]"})
+    period: int = field(default=128, metadata={"help": "decode steps between compression events"})
+    recent: int = field(default=0, metadata={"help": "R: a window is compressed only once R newer tokens exist"})
+    seed: int = field(default=0, metadata={"help": "seed of the random draws (reproducible runs)"})
+
+    def __post_init__(self):
+        need(2 <= self.window <= 65536, "window", "must be an integer in [2, 65536]", self.window)
+        need(0 <= self.buffer < self.window, "buffer", f"must be in [0, window={self.window}) (W > U)", self.buffer)
+        need(0.0 < self.retention <= 1.0 and math.isfinite(self.retention), "retention", "must be in (0, 1]",
+             self.retention)
+        need(1 <= self.period <= 1_000_000, "period", "must be an integer in [1, 1000000]", self.period)
+        need(0 <= self.recent <= 1_000_000, "recent", "must be an integer in [0, 1000000]", self.recent)
+        need(0 <= self.seed < 2**63, "seed", "must be an integer in [0, 2**63)", self.seed)
+
+    @property
+    def compressible(self) -> int:
+        return self.window - self.buffer
+
+    @property
+    def kept_per_window(self) -> int:
+        return kept_count(self.window - self.buffer, self.retention)
+
+
+def random_scores(seed: int, layer: int, start: int, heads: int, m: int) -> torch.Tensor:
+    """[heads, m] float32 uniform draws for the window whose first logical position is
+    ``start``; their top-K is a uniformly random K-subset per head."""
+    g = torch.Generator().manual_seed(hash((seed, layer, start)) & (2**63 - 1))
+    return torch.rand(heads, m, generator=g)
+
+
+@register
+class RandomPolicy(KaraPolicy):
+    name = "random"
+    prefix = "random_"
+    Options = RandomOptions
+    needs_queries = False
+
+    def region(self, row: RowView) -> Region | None:
+        o = self.options
+        if row.length - row.frontier < o.window + o.recent:
+            return None
+        retention = row.state.retention if row.state.retention is not None else o.retention
+        return Region(row.frontier, o.compressible, kept_count(o.compressible, retention))
+
+    def query_capacity(self) -> int:
+        return 0
+
+    def score(self, inp: ScoreInput) -> torch.Tensor:
+        heads, m = inp.k_buffer.shape[1], inp.slots.shape[1]
+        draws = [random_scores(self.options.seed, inp.layer, reg.start + row.pos_offset, heads, m)
+                 for row, reg in zip(inp.rows, inp.regions)]
+        return torch.stack(draws).to(inp.slots.device)
+
+    def select(self, scores: torch.Tensor, keep: int) -> torch.Tensor:
+        return super(KaraPolicy, self).select(scores, keep)  # plain top-K of the draws
