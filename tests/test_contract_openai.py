@@ -43,7 +43,7 @@ FULL = {"kara": {"retention": 1.0}}
 
 @pytest.fixture(scope="module")
 def model_path():
-    from sgl_kara.default_model import default_model_path
+    from sgl_kara.models.default import default_model_path
 
     return default_model_path()
 

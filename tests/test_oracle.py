@@ -155,7 +155,7 @@ def test_recency_band_matches_masked_reference(tiny_llama, tmp_path):
     recent, buffer = 24, KARA["kara_buffer"]
     trace = tmp_path / "trace.jsonl"
     outs, _, _, _ = run_and_check(tiny_llama, tmp_path, 1, "capture", extra=dict(kara_recent=recent),
-                                  integrity=True, env_extra={"SGL_KARA_TRACE": str(trace)})
+                                  integrity=True, env_extra={"KARA_TRACE": str(trace)})
     steps = [json.loads(line) for line in trace.read_text().splitlines()]
     assert steps[-1]["kara_recompute_fallbacks"] == 0
     events = read_evictions(str(tmp_path / "evictions_kara_1_capture.jsonl"))

@@ -89,7 +89,7 @@ def main(args, argv):
     import real_lm
 
     if args.model_path is None:
-        from sgl_kara.default_model import default_model_path
+        from sgl_kara.models.default import default_model_path
 
         args.model_path = default_model_path()
     os.makedirs(args.out, exist_ok=True)
