@@ -18,7 +18,7 @@ import time
 import pytest
 import requests
 
-from conftest import ENGINE_COMMON, Server, free_port
+from conftest import Server, free_port
 
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="--dp-size 2 needs a CPU core per replica")
 

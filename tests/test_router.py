@@ -119,10 +119,11 @@ def test_mixed_load_compresses_on_both_workers_with_prefix_hits(cluster):
 
 
 def test_killing_a_worker_mid_load(cluster):
-    """What the router does when a worker dies under load, measured. Guaranteed: no request hangs,
-    no 200 is truncated, the survivor's requests all complete, and once the health check marks
-    the dead worker down every request succeeds; requests the dead worker held, or that were
-    routed to it before the health check noticed, get an error status (counted, not retried)."""
+    """What the router does when a worker dies under load, measured. Asserted: no request hangs,
+    no 200 is truncated, every failure is an explicit 5xx, and once the health check marks the
+    dead worker down every request succeeds on the survivor. Counted (ROUTER line): requests
+    the dead worker held, and those routed to it before the check noticed, are re-sent by the
+    router to the survivor (measured here: all completed) or answered with a 5xx."""
     router, workers = cluster
     victim, survivor = workers
     n = 1200
