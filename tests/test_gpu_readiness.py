@@ -185,7 +185,7 @@ def test_every_policy_scores_and_observes_with_mixed_dtypes():
     for cls in policies():
         policy = cls(cls.Options())
         state = KaraReqState(protected=0, frontier=0)
-        row = types.SimpleNamespace(state=state)
+        row = types.SimpleNamespace(state=state, pos_offset=0)
         if cls.observes_decode:
             policy.observe(ObserveInput(0, q[0, :1].reshape(1, 4, 32), kb, [slots[0]], [state]))
         inp = ScoreInput(0, q if cls.needs_queries else None, kb, slots, [row], [Region(0, 40, 10, 40, 8)])
