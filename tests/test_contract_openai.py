@@ -495,7 +495,12 @@ def test_update_weights_from_disk_with_compressed_requests(kara, model_path, abo
         time.sleep(0.2)
     r = requests.post(kara.url + "/update_weights_from_disk",
                       json={"model_path": model_path, "abort_all_requests": abort}, timeout=300)
-    assert r.status_code == 200 and r.json()["success"], r.text
+    body = r.json()
+    # With abort_all_requests SGLang updates the weights, then flushes the cache only if the aborted
+    # requests have already left the batch (they leave at the next step): a race it reports as
+    # "Weights were updated, but the cache was not flushed"; the flush below covers it.
+    flushed_later = abort and "Weights were updated" in body.get("message", "")
+    assert (r.status_code == 200 and body["success"]) or flushed_later, r.text
     for t in threads:
         t.join(300)
     for i in range(2):
