@@ -30,6 +30,7 @@ from sgl_kara.policies.kara import kept_count  # noqa: F401  (re-exported: K of 
 NONE = "none"  # plain SGLang: no compression
 QUERY_SOURCES = ("auto", "recompute", "capture")
 TRIGGERS = ("schedule", "pressure", "headroom")
+PHASES = ("request", "server")
 
 
 def policy_names() -> tuple[str, ...]:
@@ -62,6 +63,9 @@ COMMON_HELP = {
                "only while memory binds -- requests wait for admission, or the pool cannot take the running "
                "requests' growth until the next due step; headroom: only while requests wait for admission or "
                "the pool cannot take the running requests' whole uncompressed remainder)",
+    "phase": f"whose decode steps a policy's period counts: {PHASES} (request: each request's own generated "
+             "tokens, so when a request is compressed, and its answer, does not depend on when it arrived or what "
+             "else runs; server: the scheduler's step, every request in step as in the paper: fewer, larger events)",
 }
 
 
@@ -72,6 +76,7 @@ class KaraConfig:
     query_ring_rows: int = 0
     max_seqs: int = 30
     trigger: str = "schedule"
+    phase: str = "request"
     options: Any = field(default=None, compare=True)  # the selected policy's Options (None: its defaults)
 
     def __post_init__(self):
@@ -91,6 +96,8 @@ class KaraConfig:
             raise KaraConfigError("max_seqs", f"must be an integer in [1, 65536] (got {self.max_seqs!r})")
         if self.trigger not in TRIGGERS:
             raise KaraConfigError("trigger", f"must be one of {', '.join(TRIGGERS)} (got {self.trigger!r})")
+        if self.phase not in PHASES:
+            raise KaraConfigError("phase", f"must be one of {', '.join(PHASES)} (got {self.phase!r})")
         if self.enabled and self.options is None:
             object.__setattr__(self, "options", _build_options(self.policy_class, {}))
 
@@ -161,7 +168,8 @@ class KaraConfig:
 
 
 # The knobs every policy shares (flat names = field names), in CLI order.
-COMMON_TYPES = {"policy": str, "query_source": str, "query_ring_rows": int, "max_seqs": int, "trigger": str}
+COMMON_TYPES = {"policy": str, "query_source": str, "query_ring_rows": int, "max_seqs": int, "trigger": str,
+                "phase": str}
 
 
 def _owner(name: str):

@@ -1,6 +1,6 @@
 """SGLang's serving contract with compression events inside the request (default model, SmolLM2).
 
-One Kara server with small windows (W=40, U=8, period 1: a request is compressed from 40
+One Kara server with small windows (W=40, U=8, period 4: a request is compressed from 44
 generated tokens on) and one vanilla SGLang server, both with ``--chunked-prefill-size 64``. Every
 test checks that compression really happened (``meta_info.kara.compressions`` or the server's
 ``sglang:kara_requests_compressed_total``) and compares with vanilla where outputs must match:
@@ -24,11 +24,10 @@ import requests
 
 from conftest import Server
 
-# Period 1: a request's first event comes exactly when its window fills. With a longer period,
-# events run on the scheduler's global step count (every PERIOD steps), so the same greedy request
-# is compressed W..W+PERIOD-1 tokens in depending on when it arrived, and its output after the
-# first event (retention < 1) depends on that.
-W, U, PERIOD = 40, 8, 1
+# Period 4 at --kara-phase request (the default): a request is due at its own generated-token
+# counts 4, 8, ..., so its first event comes at the same token whenever it arrives, and identical
+# greedy requests (streamed and not, n > 1, a retry) answer alike.
+W, U, PERIOD = 40, 8, 4
 BEFORE_EVENT = W - U  # generated tokens certainly decoded before a request's first event
 CHUNK = 64  # --chunked-prefill-size of both servers
 COMMON = ["--max-total-tokens", "8192", "--max-running-requests", "8", "--chunked-prefill-size", str(CHUNK),

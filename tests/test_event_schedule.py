@@ -19,10 +19,10 @@ import pytest
 from sgl_kara.policies.base import RowView
 from sgl_kara.policies.kara import KaraOptions, KaraPolicy
 from sgl_kara.policies.snapkv import SnapKVOptions, SnapKVPolicy
-from sgl_kara.scheduler.jobs import choose, overdue, plan_jobs
+from sgl_kara.scheduler.jobs import choose, due_at, overdue, plan_jobs
 from sgl_kara.scheduler.state import KaraReqState
 
-from conftest import start_engine
+from conftest import flush_when_idle, start_engine
 
 
 # ------------------------------------------------------------------ the rule
@@ -70,39 +70,48 @@ class FakeReq:
         return len(self.output_ids) >= self.sampling_params.max_new_tokens
 
 
-def simulate(n: int, max_seqs: int, window=32, buffer=4, period=8, max_new=120, stagger=3, seed=0) -> dict:
-    """Decode steps over plan_jobs with compaction's effect on the rows (events.py _shrink):
-    requests arrive ``stagger`` at a time per step; returns the largest tail seen before an event
-    against the charge, and the requests compressed per event."""
+def simulate(n: int, max_seqs: int, window=32, buffer=4, period=8, max_new=120, stagger=3, seed=0,
+             phase="request", prompts=None) -> dict:
+    """Decode steps over due_at and plan_jobs (the runtime's two calls) with compaction's effect on
+    the rows (events.py _shrink): requests arrive ``stagger`` at a time per step; returns the
+    largest tail seen before an event against the charge, the requests compressed per event, and
+    per request the own generated-token counts at which it was compressed."""
     policy = KaraPolicy(KaraOptions(window=window, buffer=buffer, period=period))
     rng = random.Random(seed)
-    pending = [FakeReq(rng.randint(4, 12), max_new) for _ in range(n)]
+    pending = [FakeReq(p, max_new) for p in (prompts or [rng.randint(4, 12) for _ in range(n)])][::-1]
+    order = pending[::-1]
     running, step, max_tail, per_event = [], 0, 0, []
+    compressed_at = {id(r): [] for r in pending}
     while pending or running:
         running += [pending.pop() for _ in range(min(stagger, len(pending)))]
         step += 1
         for r in running:
             if r.kara.protected >= 0:
                 max_tail = max(max_tail, r.kv.kv_committed_len - r.kara.frontier)
-        if policy.due(step):
-            jobs = plan_jobs(policy, running, lambda r: r.kara, 1, max_seqs)
-            per_event.append(len(jobs))
+        if phase == "request" or policy.due(step):
+            jobs = plan_jobs(policy, running, lambda r: r.kara, 1, max_seqs,
+                             due=lambda r: due_at(policy, phase, step, r))
+            if jobs:
+                per_event.append(len(jobs))
             for j in jobs:
                 d = j.region.length - j.region.keep
                 j.req.kv.kv_committed_len -= d
                 j.req.kv.kv_allocated_len -= d
                 j.state.frontier = j.region.start + j.region.keep
+                compressed_at[id(j.req)].append(len(j.req.output_ids))
         for r in running:
             r.output_ids.append(1)
             r.kv.kv_committed_len += 1
             r.kv.kv_allocated_len += 1
         running = [r for r in running if not r.finished()]
-    return dict(max_tail=max_tail, charge=window + period, max_per_event=max(per_event), steps=step)
+    return dict(max_tail=max_tail, charge=window + period, max_per_event=max(per_event), steps=step,
+                events=len(per_event), compressed_at=[compressed_at[id(r)] for r in order])
 
 
+@pytest.mark.parametrize("phase", ["request", "server"])
 @pytest.mark.parametrize("n, max_seqs", [(256, 30), (64, 4), (16, 30)])
-def test_simulated_tails_stay_within_the_charge(n, max_seqs):
-    r = simulate(n, max_seqs)
+def test_simulated_tails_stay_within_the_charge(n, max_seqs, phase):
+    r = simulate(n, max_seqs, phase=phase)
     assert r["max_tail"] <= r["charge"], r
     assert r["max_per_event"] <= n, r
 
@@ -110,6 +119,20 @@ def test_simulated_tails_stay_within_the_charge(n, max_seqs):
 def test_paper_limit_suffices_below_its_break_even():
     """16 running requests need 16 x 8 / 28 < 5 compressions per event: 30 is never exceeded."""
     assert simulate(16, 30)["max_per_event"] <= 30
+    assert simulate(16, 30, phase="server")["max_per_event"] <= 30
+
+
+def test_request_phase_compresses_a_request_at_its_own_steps_whenever_it_arrives():
+    """Eight identical requests arriving one per step: with --kara-phase request each is compressed
+    at the same own generated-token counts (so identical greedy requests answer alike); with
+    server the counts depend on the arrival step, and the events are fewer and larger."""
+    same = dict(n=8, max_seqs=30, stagger=1, prompts=[8] * 8)
+    mine = simulate(**same, phase="request")["compressed_at"]
+    assert len(mine[0]) >= 3 and all(c == mine[0] for c in mine), mine
+    assert all(k % 8 == 0 for k in mine[0]), mine[0]
+    server = simulate(**same, phase="server")
+    assert len({tuple(c) for c in server["compressed_at"]}) > 1, server["compressed_at"]
+    assert server["events"] < simulate(**same, phase="request")["events"]
 
 
 # ------------------------------------------------------------------ the engine
@@ -170,3 +193,31 @@ def test_engine_events_keep_up_with_256_requests(tiny_llama):
     r = run_schedule(tiny_llama, 256, 30)
     print(r)
     _check(r)
+
+
+@pytest.mark.parametrize("phase", ["request", "server"])
+def test_engine_identical_requests_answer_alike_whenever_they_arrive(tiny_llama, phase):
+    """One greedy request run twice, alone, with a 3-token request between (2 decode steps, so the
+    scheduler's step count moves off the period): with --kara-phase request both runs are compressed
+    at the same own steps and answer alike, token for token; with server the second run's events
+    fall at other steps of its answer (its meta_info.kara differs), which is what request fixes."""
+    eng = start_engine("kara", tiny_llama, kara_window=W, kara_buffer=U, kara_period=PERIOD,
+                       kara_retention=RETENTION, kara_phase=phase, max_total_tokens=2048)
+    params = {"max_new_tokens": GEN, "temperature": 0.0, "ignore_eos": True}
+    prompt = [random.Random(1).randint(10, 200) for _ in range(PROMPT)]
+    try:
+        runs = []
+        for filler in (False, True):
+            if filler:
+                eng.generate(input_ids=[11, 12, 13], sampling_params={**params, "max_new_tokens": 3})
+            assert flush_when_idle(eng)  # the second run prefills as the first did
+            runs.append(eng.generate(input_ids=prompt, sampling_params=params))
+    finally:
+        eng.shutdown()
+    metas = [r["meta_info"]["kara"] for r in runs]
+    assert all(m["compressions"] >= 3 for m in metas), metas
+    if phase == "request":
+        assert runs[0]["output_ids"] == runs[1]["output_ids"]
+        assert metas[0] == metas[1], metas
+    else:
+        assert metas[0] != metas[1], metas

@@ -124,11 +124,6 @@ def test_real_lm_mode_smoke(tiny_llama, tmp_path):
     assert [(r["policy"], r["ratio"], r.get("match")) for r in merged] == \
         [("kara", 0.25, None), ("streaming", 0.25, None), ("streaming", 0.25, "mean")]
     assert "| streaming (mean-matched) | 0.25 |" in (tmp_path / "m" / "quality_real.md").read_text()
-    # Free generations alone, on the kept record (Kara's stored peaks budget the baseline): no rows.
-    run_bench("quality.py", *common, "--policies", "none", "kara", "streaming", "--free-only", "--show", "2",
-              "--out", str(tmp_path / "f"))
-    free = json.loads((tmp_path / "f" / "quality_real.json").read_text())
-    assert free["rows"] == [] and [len(free["texts"][k]) for k in ("none", "kara_0.25", "streaming_0.25")] == [2, 2, 2]
     # Paired comparison from the per-step files: every prompt has 64 steps, so the mean over
     # prompts of the per-prompt differences is the table's difference.
     sys.path.insert(0, os.path.join(ROOT, "bench", "quality"))
@@ -139,6 +134,19 @@ def test_real_lm_mode_smoke(tiny_llama, tmp_path):
     assert cmp["agree"][0] == pytest.approx(rows["kara"]["agree"] - rows["streaming"]["agree"], abs=1e-12)
     assert cmp["kl"][0] == pytest.approx(rows["kara"]["kl"] - rows["streaming"]["kl"], abs=1e-9)
     assert cmp["agree"][1] <= cmp["agree"][0] <= cmp["agree"][2]
+
+
+@pytest.mark.slow
+def test_real_lm_free_only_on_a_kept_record(tiny_llama, tmp_path):
+    """--free-only: free generations alone, on a kept record (Kara's stored peaks budget the
+    baseline), no rows."""
+    common = ["--real", "--model-path", tiny_llama, "--n", "2", "--new-tokens", "64", "--ratios", "0.25",
+              "--window", "24", "--buffer", "4", "--period", "4", "--max-running", "2", "--ref-dir", str(tmp_path / "ref")]
+    run_bench("quality.py", *common, "--policies", "none", "kara", "--show", "0", "--out", str(tmp_path))
+    run_bench("quality.py", *common, "--policies", "none", "kara", "streaming", "--free-only", "--show", "2",
+              "--out", str(tmp_path / "f"))
+    free = json.loads((tmp_path / "f" / "quality_real.json").read_text())
+    assert free["rows"] == [] and [len(free["texts"][k]) for k in ("none", "kara_0.25", "streaming_0.25")] == [2, 2, 2]
 
 
 def test_threshold_mean_kv_counts_the_runtime_trajectory():

@@ -4,7 +4,8 @@ A policy (kvpress-style: one method per file) decides four things about each run
 the runtime does everything else (state, scheduling, queries, compaction, admission) and knows
 no policy by name:
 
-    when      ``due(step)``            is an event due at this global decode step?
+    when      ``due(step)``            is an event due at this decode step? (a request's own
+                                       generated-token count, or the scheduler's step)
               ``event_interval()``     at most how many steps apart due steps are
     where     ``region(row)``          which rows [start, start + length) to compress now, how
                                        many entries to keep, which queries score them (or None)

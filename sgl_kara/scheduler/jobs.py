@@ -5,6 +5,12 @@ charged it (``policy.tail_charge``) is always in the event, so events keep up wi
 running requests (at max_seqs = 30 and one event per period = 128 steps, the paper's limit holds
 up to ~30 x (W - U) / period = 112 running requests at W = 512, U = 32).
 
+Which requests are due (``due_at``): with ``--kara-phase request`` (the default) a request is due when
+its own generated-token count is a due step of the policy, so the steps at which it is compressed,
+and therefore its answer, depend on its own progress only (two identical greedy requests answer
+alike whatever else runs and whenever they arrived); with ``server`` every request is due at the
+scheduler's due steps (the paper's schedule: all requests in step, fewer and larger events).
+
 A request takes part once its row has reached its protected length P (fixed here, at the first
 check after the prefill: the tree-owned prefix and the prompt, rounded up to a page), when it is
 not finishing anyway (``policy.worth_compressing``: Kara leaves a request whose uncompressed
@@ -49,6 +55,11 @@ def fix_protected(req, state: KaraReqState, length: int, page_size: int) -> bool
     return True
 
 
+def due_at(policy, phase: str, server_step: int, req) -> bool:
+    """Is an event due for ``req`` at this decode step (``server_step``: the scheduler's count)?"""
+    return policy.due(server_step if phase == "server" else len(req.output_ids))
+
+
 def overdue(tail: int, charge: int | None, interval: int) -> bool:
     """Would this tail, growing one row per step until the next due step ``interval`` steps
     away, exceed the ``charge`` admission made for it (None: no bound)?"""
@@ -65,8 +76,9 @@ def choose(tails: list[int], charges: list, interval: int, max_seqs: int) -> lis
     return [i for i in order if i in picked]
 
 
-def plan_jobs(policy, reqs, state_of, page_size: int, max_seqs: int, on_protected=None) -> list[Job]:
-    """Jobs for the requests ``reqs`` (the running batch's, in order)."""
+def plan_jobs(policy, reqs, state_of, page_size: int, max_seqs: int, on_protected=None, due=None) -> list[Job]:
+    """Jobs for the requests ``reqs`` (the running batch's, in order) for which ``due(req)`` holds
+    (None: all of them)."""
     cands = []
     for i, req in enumerate(reqs):
         state = state_of(req)
@@ -83,6 +95,8 @@ def plan_jobs(policy, reqs, state_of, page_size: int, max_seqs: int, on_protecte
             continue
         if fixed_now and on_protected is not None:
             on_protected(req, state)
+        if due is not None and not due(req):
+            continue
         row = RowView(state.protected, state.frontier, length, state.pos_offset, state)
         region = policy.region(row)
         if region is not None and policy.worth_compressing(row, remaining):

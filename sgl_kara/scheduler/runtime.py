@@ -6,7 +6,7 @@
 | admitted | ``PrefillAdder.add_one_req`` | charged its compressed footprint, ``policy.footprint`` (admission.py) |
 | prefilled | extend forward | nothing: the row is exact, positions are SGLang's |
 | decoding | ``update_running_batch``, every step | ``on_decode_step``: state, stats, ring row, device offset (forward.py) |
-| compressed | an event when ``policy.due(step)`` (``--kara-trigger pressure / headroom``: and memory binds, pressure.py), before SGLang's decode memory check | P fixed, regions planned (jobs.py), scored / selected / compacted (events.py); pos_offset grows |
+| compressed | an event for the requests due at this step (``jobs.due_at``: ``policy.due`` of the request's own generated-token count, or of the scheduler's step with ``--kara-phase server``; ``--kara-trigger pressure / headroom``: and memory binds, pressure.py), before SGLang's decode memory check | P fixed, regions planned (jobs.py), scored / selected / compacted (events.py); pos_offset grows |
 | retracted | ``Req.reset_for_retract`` | ``on_retract``: ``state.reset_row()``; its ring row returns at the next step |
 | re-prefilled | extend forward | exact again; the radix tree takes its prompt only (mem_cache/radix.py); its windows are compressed again promptly (catch-up) |
 | finished | ``release_kv_cache`` -> radix checkpoint | the tree takes the exact prefix only; ``meta_info["kara"]`` (output.py) |
@@ -30,7 +30,7 @@ from sgl_kara.request_options import check_supported, validate
 from sgl_kara.scheduler.events import EventRunner
 from sgl_kara.scheduler.evictions import EvictionRecorder
 from sgl_kara.scheduler.forward import ForwardContext
-from sgl_kara.scheduler.jobs import plan_jobs
+from sgl_kara.scheduler.jobs import due_at, plan_jobs
 from sgl_kara.scheduler.pressure import DEFERRING, growth_within, horizon, memory_binds
 from sgl_kara.scheduler.queries import QueryRing
 from sgl_kara.scheduler.state import KaraReqState, get_state
@@ -195,9 +195,14 @@ class KaraRuntime:
             state.kv_sum += length
             state.kv_steps += 1
         self.decode_steps += 1
-        if not self.policy.due(self.decode_steps):
+        phase, step = self.cfg.phase, self.decode_steps
+        if phase == "server" and not self.policy.due(step):
             return
-        jobs = self._plan(batch.reqs)
+
+        def due(req) -> bool:
+            return due_at(self.policy, phase, step, req)
+
+        jobs = self._plan(batch.reqs, due)
         deferring = self.cfg.trigger in DEFERRING
         if jobs and deferring and not self.memory_binds(batch, jobs):
             self.stats.deferred_events += 1
@@ -216,7 +221,7 @@ class KaraRuntime:
             if passes >= (MAX_PRESSURE_PASSES if deferring else MAX_CATCH_UP_PASSES):
                 break
             compressed = {id(j.req) for j in jobs}
-            jobs = [j for j in self._plan(batch.reqs) if id(j.req) in compressed]
+            jobs = [j for j in self._plan(batch.reqs, due) if id(j.req) in compressed]
             if jobs and deferring and not self.memory_binds(batch, jobs):
                 break
 
@@ -229,9 +234,9 @@ class KaraRuntime:
         return memory_binds(self.free_slots(), growth, fresh, len(sched.waiting_queue), len(batch.reqs),
                             int(sched.max_running_requests))
 
-    def _plan(self, reqs):
+    def _plan(self, reqs, due):
         return plan_jobs(self.policy, reqs, self.state_of, self.page_size, self.cfg.max_seqs,
-                         on_protected=self._snapshot_prefix if self.check else None)
+                         on_protected=self._snapshot_prefix if self.check else None, due=due)
 
     def free_slots(self) -> int:
         """Slots an allocation can get now: free, plus what ``alloc_slots`` may evict from the tree."""
