@@ -163,15 +163,13 @@ def default_chunk_budget(kept: int) -> int:
 
 
 @dataclass(frozen=True)
-class KaraOptions:
+class WindowOptions:
+    """Kara's window schedule, shared by the policies built on its windows (Kara, random):
+    W, U, r, delta and the recency band R, with their checks."""
+
     window: int = field(default=512, metadata={"help": "W: tokens per compression window"})
     buffer: int = field(default=32, metadata={"help": "U: last tokens of a window never compressed"})
     retention: float = field(default=0.25, metadata={"help": "r: fraction of the W-U compressible tokens kept, in (0, 1]"})
-    chunk_budget: int | None = field(default=None, metadata={
-        "help": "alpha: entries Token2Chunk may add (0 disables it); unset: min(16, floor(K/2)), K = ceil(r(W-U))"})
-    max_chunk: int = field(default=8, metadata={"help": "gamma: max chunk length including both endpoints, >= 3"})
-    scoring: str = field(default="bidirectional", metadata={
-        "help": f"window scoring: {SCORINGS} ('buffer' = last U queries only, the paper's ablation)"})
     period: int = field(default=128, metadata={"help": "delta: decode steps between compression events"})
     recent: int = field(default=0, metadata={
         "help": "R: a window is compressed only once R newer tokens exist (the last R + W stay exact; 0: the paper)"})
@@ -179,17 +177,8 @@ class KaraOptions:
     def __post_init__(self):
         need(2 <= self.window <= 65536, "window", "must be an integer in [2, 65536]", self.window)
         need(0 <= self.buffer < self.window, "buffer", f"must be in [0, window={self.window}) (W > U)", self.buffer)
-        need(self.scoring in SCORINGS, "scoring", f"must be one of {', '.join(SCORINGS)}", self.scoring)
-        need(self.scoring != "buffer" or self.buffer > 0, "buffer", "must be > 0 with --kara-scoring buffer", self.buffer)
         need(0.0 < self.retention <= 1.0 and math.isfinite(self.retention), "retention", "must be in (0, 1]",
              self.retention)
-        need(3 <= self.max_chunk <= 65536, "max_chunk", "must be an integer in [3, 65536]", self.max_chunk)
-        k = self.kept_per_window
-        if self.chunk_budget is None:
-            object.__setattr__(self, "chunk_budget", default_chunk_budget(k))
-        need(self.chunk_budget >= 0, "chunk_budget", "must be >= 0", self.chunk_budget)
-        need(self.chunk_budget < k, "chunk_budget",
-             f"must be in [0, ceil(retention*(window-buffer))={k}) so TopK keeps at least one entry", self.chunk_budget)
         need(1 <= self.period <= 1_000_000, "period", "must be an integer in [1, 1000000]", self.period)
         need(0 <= self.recent <= 1_000_000, "recent", "must be an integer in [0, 1000000]", self.recent)
 
@@ -201,6 +190,27 @@ class KaraOptions:
     @property
     def kept_per_window(self) -> int:
         return kept_count(self.window - self.buffer, self.retention)
+
+
+@dataclass(frozen=True)
+class KaraOptions(WindowOptions):
+    chunk_budget: int | None = field(default=None, metadata={
+        "help": "alpha: entries Token2Chunk may add (0 disables it); unset: min(16, floor(K/2)), K = ceil(r(W-U))"})
+    max_chunk: int = field(default=8, metadata={"help": "gamma: max chunk length including both endpoints, >= 3"})
+    scoring: str = field(default="bidirectional", metadata={
+        "help": f"window scoring: {SCORINGS} ('buffer' = last U queries only, the paper's ablation)"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        need(self.scoring in SCORINGS, "scoring", f"must be one of {', '.join(SCORINGS)}", self.scoring)
+        need(self.scoring != "buffer" or self.buffer > 0, "buffer", "must be > 0 with --kara-scoring buffer", self.buffer)
+        need(3 <= self.max_chunk <= 65536, "max_chunk", "must be an integer in [3, 65536]", self.max_chunk)
+        k = self.kept_per_window
+        if self.chunk_budget is None:
+            object.__setattr__(self, "chunk_budget", default_chunk_budget(k))
+        need(self.chunk_budget >= 0, "chunk_budget", "must be >= 0", self.chunk_budget)
+        need(self.chunk_budget < k, "chunk_budget",
+             f"must be in [0, ceil(retention*(window-buffer))={k}) so TopK keeps at least one entry", self.chunk_budget)
 
 
 @register

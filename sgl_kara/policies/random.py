@@ -19,40 +19,21 @@ Parameters (flags --kara-random-<name>): window, buffer, retention, period, rece
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from .base import Region, RowView, ScoreInput, need, register
-from .kara import KaraPolicy, kept_count
+from .kara import KaraPolicy, WindowOptions, kept_count
 
 
 @dataclass(frozen=True)
-class RandomOptions:
-    window: int = field(default=512, metadata={"help": "W: tokens per compression window"})
-    buffer: int = field(default=32, metadata={"help": "U: last tokens of a window never compressed"})
-    retention: float = field(default=0.25, metadata={"help": "r: fraction of the W-U compressible tokens kept, in (0, 1]"})
-    period: int = field(default=128, metadata={"help": "decode steps between compression events"})
-    recent: int = field(default=0, metadata={"help": "R: a window is compressed only once R newer tokens exist"})
+class RandomOptions(WindowOptions):
     seed: int = field(default=0, metadata={"help": "seed of the random draws (reproducible runs)"})
 
     def __post_init__(self):
-        need(2 <= self.window <= 65536, "window", "must be an integer in [2, 65536]", self.window)
-        need(0 <= self.buffer < self.window, "buffer", f"must be in [0, window={self.window}) (W > U)", self.buffer)
-        need(0.0 < self.retention <= 1.0 and math.isfinite(self.retention), "retention", "must be in (0, 1]",
-             self.retention)
-        need(1 <= self.period <= 1_000_000, "period", "must be an integer in [1, 1000000]", self.period)
-        need(0 <= self.recent <= 1_000_000, "recent", "must be an integer in [0, 1000000]", self.recent)
+        super().__post_init__()
         need(0 <= self.seed < 2**63, "seed", "must be an integer in [0, 2**63)", self.seed)
-
-    @property
-    def compressible(self) -> int:
-        return self.window - self.buffer
-
-    @property
-    def kept_per_window(self) -> int:
-        return kept_count(self.window - self.buffer, self.retention)
 
 
 def random_scores(seed: int, layer: int, start: int, heads: int, m: int) -> torch.Tensor:
