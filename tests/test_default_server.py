@@ -73,7 +73,7 @@ def test_chat_answers_in_english_through_openai_client(default_server, capsys):
 
 def test_long_generation_is_compressed_as_documented(default_server):
     """The README's 700-token story: with the default window W=512 and period 128 the first window
-    is full after 513 generated tokens and compressed within 128 more steps, once."""
+    is full after 513 generated tokens and compressed at the request's own token 640, once."""
     path, body, documented = _readme_long_request()
     assert body["sampling_params"]["max_new_tokens"] >= 600, body
     r = requests.post(default_server.url + path, json=body, timeout=600)
@@ -84,9 +84,14 @@ def test_long_generation_is_compressed_as_documented(default_server):
     assert meta["completion_tokens"] == new_tokens
     kara = meta["kara"]
     assert kara["kv_logical_len"] == meta["prompt_tokens"] + new_tokens - 1, kara
-    # What the README documents and promises does not vary with load (peak and mean do).
-    for key in ("compressions", "kv_physical_len", "kv_logical_len", "enabled"):
-        assert kara[key] == documented[key], (key, kara, documented)
+    # What the README documents does not vary with load: the request is due at its own token counts
+    # (--kara-phase request), so its event, peak and mean are the same whatever else runs.
+    assert set(documented) <= set(kara), (kara, documented)
+    for key, value in documented.items():
+        if key == "kv_mean_len":
+            assert abs(kara[key] - value) < 0.05, (key, kara, documented)  # printed to 0.1
+        else:
+            assert kara[key] == value, (key, kara, documented)
     assert kara["kv_physical_len"] < kara["kv_logical_len"]
     # The server is still alive and within its memory budget (< 3 GB of PSS).
     assert default_server.proc.poll() is None
