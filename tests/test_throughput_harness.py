@@ -51,7 +51,9 @@ def test_grid_one_cell(tiny_llama, tmp_path):
     for r in runs.values():
         steps = r["steps_rate"]
         assert r["retractions"] > 0 or requests * (gen - 1) - r["peak_running"] <= steps["tokens"] <= requests * (gen - 1)
-        assert 0.9 * r["scheduler_cpu_seconds"] <= steps["cpu"] <= r["scheduler_cpu_seconds"]
+        # scheduler_cpu_seconds is read from /proc in clock ticks (10 ms); the steps' intervals are
+        # finer, so their sum may pass it by up to a tick at each end
+        assert 0.9 * r["scheduler_cpu_seconds"] <= steps["cpu"] <= r["scheduler_cpu_seconds"] + 0.02
         assert r["fit_stats"]["n"] <= steps["steps"]
     # vanilla waits for admission, so both systems have a saturated phase and its ratio is to vanilla's
     assert van["saturated"]["steps"] > 0 and van["sat_ratio"] == 1.0
