@@ -78,9 +78,12 @@ def choose(tails: list[int], charges: list, interval: int, max_seqs: int) -> lis
 
 def plan_jobs(policy, reqs, state_of, page_size: int, max_seqs: int, on_protected=None, due=None) -> list[Job]:
     """Jobs for the requests ``reqs`` (the running batch's, in order) for which ``due(req)`` holds
-    (None: all of them)."""
+    (None: all of them). A request not due costs one check: with ``--kara-phase request`` this runs
+    at every decode step, and P is fixed at a request's first due step, as with ``server``."""
     cands = []
     for i, req in enumerate(reqs):
+        if due is not None and not due(req):
+            continue
         state = state_of(req)
         if not state.enabled or req.finished() or getattr(req, "to_finish", None) is not None:
             continue
@@ -95,8 +98,6 @@ def plan_jobs(policy, reqs, state_of, page_size: int, max_seqs: int, on_protecte
             continue
         if fixed_now and on_protected is not None:
             on_protected(req, state)
-        if due is not None and not due(req):
-            continue
         row = RowView(state.protected, state.frontier, length, state.pos_offset, state)
         region = policy.region(row)
         if region is not None and policy.worth_compressing(row, remaining):
