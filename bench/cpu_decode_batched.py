@@ -3,8 +3,9 @@
 all three through the functions the server runs: SGLang's ``_run_sdpa_forward_decode`` and
 ``sgl_kara.cpu.attention.run_sdpa_forward_decode`` with the flag toggled (bench/RESULTS.md).
 
-    python bench/cpu_decode_batched.py                      # the shapes of RESULTS.md
-    python bench/cpu_decode_batched.py --shapes 48x650x9x3x64 --threads 1 --spread 0.5
+    python -m bench.cpu_decode_batched                      # the shapes of RESULTS.md
+    python -m bench.cpu_decode_batched --shapes 48x650x9x3x64 --threads 1 --spread 0.5
+    python -m bench.cpu_decode_batched --out DIR/cpu_decode_batched.txt   # + the run record beside it
 
 K/V live in a pool twice the rows' size, at slots scattered at random; row lengths are L, or spread
 evenly over [L(1-S), L(1+S)] with ``--spread S``. One "forward" is ``--layers`` calls: the runtime
@@ -115,22 +116,32 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=4, help="calls per forward (rows read once per forward)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--forwards", type=int, default=12)
+    ap.add_argument("--out", default=None, help="also write the table to this file, the run record beside it")
     args = ap.parse_args(argv)
     if not 0 <= args.spread < 1:
         ap.error(f"--spread must be in [0, 1) (got {args.spread})")
     torch.set_num_threads(args.threads)
     original = _sglang_decode()
-    print(f"torch {torch.__version__}, {args.threads} thread(s), spread {args.spread}, medians of "
-          f"{args.reps} x {args.forwards} forwards x {args.layers} layers, µs per layer")
-    print("| requests x row | H_q / H_kv, D | SGLang µs | loop µs | padded µs | padded / loop speed-up "
-          "| max |padded - SGLang| |")
-    print("|---|---|---|---|---|---|---|")
+    lines = [f"torch {torch.__version__}, {args.threads} thread(s), spread {args.spread}, medians of "
+             f"{args.reps} x {args.forwards} forwards x {args.layers} layers, µs per layer",
+             "| requests x row | H_q / H_kv, D | SGLang µs | loop µs | padded µs | padded / loop speed-up "
+             "| max |padded - SGLang| |",
+             "|---|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
     for shape in args.shapes:
         us, err, taken = measure(shape, args.spread, args.layers, args.reps, args.forwards, original)
         t, length, hq, hkv, d = shape.split("x")
         note = "" if taken else " (loop taken: padding costs more)"
-        print(f"| {t} x {length} | {hq} / {hkv}, {d} | {us['sglang']:,.0f} | {us['loop']:,.0f} | "
-              f"{us['padded']:,.0f} | {us['loop'] / us['padded']:.2f}x{note} | {err:.1e} |")
+        lines.append(f"| {t} x {length} | {hq} / {hkv}, {d} | {us['sglang']:,.0f} | {us['loop']:,.0f} | "
+                     f"{us['padded']:,.0f} | {us['loop'] / us['padded']:.2f}x{note} | {err:.1e} |")
+        print(lines[-1], flush=True)
+    if args.out:
+        from bench.record import RunRecord
+
+        record = RunRecord.beside(args.out, argv)
+        with open(args.out, "w") as f:
+            f.write(f"command: {record.data['command']}\n{record.stamp}\n\n" + "\n".join(lines) + "\n")
+        record.finish()
 
 
 if __name__ == "__main__":

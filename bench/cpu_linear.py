@@ -4,12 +4,13 @@
 SmolLM2-135M: 30 layers of qkv [960, 576], o [576, 576], gate_up [3072, 576], down [576, 1536]
 and the lm_head [49152, 576] -- 540 MB, more than this machine's caches, as in serving).
 
-    python bench/cpu_linear.py --out bench/results/2026-11-25-step-costs/cpu_linear.txt
-    python bench/cpu_linear.py --model-path /path/to/hf/checkpoint --rows 1 2 4 8 16 32
-    python bench/cpu_linear.py --rows 64 128 192 256 512   # recompute-forward sizes
+    python -m bench.cpu_linear --out bench/results/2026-11-25-step-costs/cpu_linear.txt
+    python -m bench.cpu_linear --model-path /path/to/hf/checkpoint --rows 1 2 4 8 16 32
+    python -m bench.cpu_linear --rows 64 128 192 256 512   # recompute-forward sizes
 
 Each row count times one pass over every weight, both forms interleaved, ``--repeats`` passes per
-form; medians. Also the largest absolute difference between the two forms' outputs.
+form; medians. Also the largest absolute difference between the two forms' outputs. With --out
+the table goes to that file and the run record (bench/record.py) beside it (``<name>.run.json``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -95,13 +95,13 @@ def main(argv=None):
         print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from engine_env import stamp
+        from bench.record import RunRecord
 
+        record = RunRecord.beside(args.out, argv)
+        record.note(threads=args.threads, model=args.model_path or "SmolLM2-135M shapes")
         with open(args.out, "w") as f:
-            f.write(f"command: python bench/cpu_linear.py {' '.join(sys.argv[1:] if argv is None else argv)}\n{stamp()}\n\n"
-                    + text)
+            f.write(f"command: {record.data['command']}\n{record.stamp}\n\n" + text)
+        record.finish()
     print(text)
 
 

@@ -1,4 +1,6 @@
-"""The process environment a benchmark engine starts under (shared by quality.py and throughput.py)."""
+"""What a benchmark engine starts under: its process environment, and the extra sgl_kara options
+a command line gives every compressing system (``--kara-opt NAME=VALUE``). Shared by bench.quality
+and bench.engine_run / bench.throughput_grid."""
 
 from __future__ import annotations
 
@@ -27,34 +29,25 @@ def engine_env(omp_threads: int, **extra: str):
         os.environ.update(saved)
 
 
-def machine() -> str:
-    """This machine in words: cores, CPU model, memory, and the GPU if torch sees one."""
-    import platform
 
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    try:
-        gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-        mem = f", {gib:.0f} GiB"
-    except (ValueError, OSError, AttributeError):
-        mem = ""
-    gpu = "CPU only"
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            gpu = torch.cuda.get_device_name(0)
-    except ImportError:
-        pass
-    return f"{os.cpu_count()}-core {name}{mem}, {gpu}"
+def parse_value(text: str):
+    """A ``--kara-opt`` value: int, float, or the string itself."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
-def stamp() -> str:
-    """The line a results file carries under its command: the date and the machine it ran on."""
-    import datetime
-
-    return f"date: {datetime.date.today().isoformat()}\nmachine: {machine()}"
+def kara_opts(items: list[str] | None) -> dict:
+    """``--kara-opt NAME=VALUE`` items as sgl_kara.Engine keywords (``kara_NAME``; dashes or
+    underscores, with or without the ``kara`` prefix). sgl_kara validates them when the engine
+    starts, as it does the flags."""
+    out = {}
+    for item in items or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--kara-opt takes NAME=VALUE (got {item!r})")
+        out["kara_" + name.replace("-", "_").removeprefix("kara_")] = parse_value(value)
+    return out

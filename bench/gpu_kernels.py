@@ -2,6 +2,10 @@
 
     python bench/gpu_kernels.py --out DIR           # CUDA: Llama-3-8B, Qwen3-8B, Qwen3-0.6B shapes
     python bench/gpu_kernels.py --small --out DIR   # tiny shapes, Triton interpreter on CPU
+    python -m bench.gpu_kernels --small --reference --out DIR   # + each kernel timed against its reference
+
+(``python bench/gpu_kernels.py`` and ``python -m bench.gpu_kernels`` are the same; the first form
+runs where only torch, triton and this repository are at hand.)
 
 Imports torch, triton and sgl_kara's kernels, policies, compaction and warm-up only (none of them
 imports SGLang), so it runs in a venv that has torch and triton alone. For each model shape
@@ -14,6 +18,12 @@ events, median of REPS). It reports achieved GB/s (compulsory bytes: what the ke
 and write) against the GPU's nominal memory bandwidth and a measured device copy, and whether any
 launch after the warm-up compiled a kernel. Results: DIR/gpu_kernels.json and DIR/gpu_kernels.md.
 Exit status 1 if any check fails. ``plan()`` / ``estimate_seconds()`` bound the run time.
+
+``--reference`` also times every kernel against its torch reference at one fixed size (serving-like
+on CUDA; small on CPU, where the kernel column is Triton's interpreter: a correctness path, not a
+speed, so read its ratio as orders of magnitude) and the vectorised ``select`` against the per-row
+``select_ref`` loop: the table "kernel versus torch reference". With --out a run record
+(bench/record.py) is written beside the results (run.json).
 """
 
 from __future__ import annotations
@@ -26,9 +36,6 @@ import platform
 import statistics
 import sys
 import time
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
 
 MODELS = {
     "Llama-3-8B": dict(layers=32, q_heads=32, kv_heads=8, head_dim=128),
@@ -334,11 +341,109 @@ def run_model(name: str, spec: dict, small: bool, batch: int, timer: Timer, reps
     return out
 
 
+# ------------------------------------------------------------------------ kernel versus reference
+def reference_sizes(cuda: bool) -> dict:
+    """One fixed size per op: serving-like on CUDA (32 requests, W 512, U 64, Llama-8B-like heads,
+    32 layers, bf16); small on CPU (the interpreter runs one Python step per program)."""
+    import torch
+
+    if cuda:
+        return dict(b=32, w=512, u=64, hq=32, hkv=8, d=128, layers=32, dtype=torch.bfloat16, tail=32)
+    return dict(b=2, w=256, u=32, hq=8, hkv=2, d=128, layers=4, dtype=torch.float32, tail=16)
+
+
+def reference_rows(timer: "Timer", dev: str, repeats: int) -> list[dict]:
+    """Each op timed (median of ``repeats`` after a warm-up) as its torch reference and as the
+    kernel; bytes = the minimum the op must read and write."""
+    import torch
+
+    from sgl_kara.kernels import (compact_kv, compact_kv_ref, copy_slots, copy_slots_ref, window_scores_paged,
+                                  window_scores_paged_ref)
+    from sgl_kara.policies import kept_count, select, select_ref
+
+    c = reference_sizes(dev == "cuda")
+    torch.manual_seed(0)
+
+    def ms(fn, reps=repeats):
+        fn()
+        return timer.median(fn, reps) if reps else timer.once(fn)[1]
+
+    rows = []
+
+    def row(op, shape, nbytes, ref_ms, kernel_ms, kernel="triton"):
+        rows.append(dict(op=op, shape=shape, bytes=nbytes, ref_ms=round(ref_ms, 3), kernel_ms=round(kernel_ms, 3),
+                         ref_gb_s=round(nbytes / ref_ms / 1e6, 3), kernel_gb_s=round(nbytes / kernel_ms / 1e6, 3),
+                         kernel_over_ref=round(kernel_ms / ref_ms, 2), kernel=kernel))
+
+    b, w, m, hq, hkv, d, layers = c["b"], c["w"], c["w"] - c["u"], c["hq"], c["hkv"], c["d"], c["layers"]
+    s = b * w + 64
+    q = torch.randn(b, w, hq, d, device=dev).to(c["dtype"])
+    kb = torch.randn(s, hkv, d, device=dev).to(c["dtype"])
+    slots = torch.randperm(s, device=dev)[: b * m].view(b, m)
+    row("window_scores_paged", f"B={b} W={w} M={m} Hq={hq} Hkv={hkv} D={d} {str(c['dtype']).split('.')[-1]}",
+        q.numel() * q.element_size() + b * m * hkv * d * kb.element_size() + b * hkv * m * 4,
+        ms(lambda: window_scores_paged_ref(q, kb, slots)), ms(lambda: window_scores_paged(q, kb, slots, use_triton=True)))
+
+    n = b * layers * hkv
+    a = torch.rand(n, m, device=dev)
+    sample = a[: min(n, 32)].cpu()
+    loop_ms = ms(lambda: [select_ref(r, 0.2, 16, 8) for r in sample], 1) * n / sample.shape[0]
+    row("select (vectorised torch; reference: the select_ref loop, timed on <= 32 rows, scaled)",
+        f"N={n} M={m} r=0.2 alpha=16 gamma=8", a.numel() * 4, loop_ms, ms(lambda: select(a, 0.2, 16, 8)), kernel="torch")
+
+    k = kept_count(m, 0.2)
+    s = b * m + b * k + 8
+    kbs = [torch.randn(s, hkv, d, device=dev).to(c["dtype"]) for _ in range(layers)]
+    vbs = [torch.randn(s, hkv, d, device=dev).to(c["dtype"]) for _ in range(layers)]
+    src = torch.sort(torch.rand(b, layers, hkv, m, device=dev).argsort(-1)[..., :k], -1).values
+    src = src + (torch.arange(b, device=dev) * m).view(b, 1, 1, 1)
+    dst = (b * m + torch.arange(b * k, device=dev)).view(b, k)
+    row("compact_kv", f"B={b} L={layers} Hkv={hkv} D={d} K={k}", 2 * 2 * b * layers * hkv * k * d * kbs[0].element_size(),
+        ms(lambda: compact_kv_ref(kbs, vbs, src, dst)), ms(lambda: compact_kv(kbs, vbs, src, dst, use_triton=True, check=False)))
+
+    n = b * c["tail"]
+    s = 4 * n
+    kbs = [torch.randn(s, hkv, d, device=dev).to(c["dtype"]) for _ in range(layers)]
+    vbs = [torch.randn(s, hkv, d, device=dev).to(c["dtype"]) for _ in range(layers)]
+    src, dst = torch.arange(n, device=dev) * 2, torch.arange(n, device=dev) * 2 + 1
+    row("copy_slots", f"L={layers} N={n} Hkv={hkv} D={d}", 2 * 2 * layers * n * hkv * d * kbs[0].element_size(),
+        ms(lambda: copy_slots_ref(kbs, vbs, src, dst)), ms(lambda: copy_slots(kbs, vbs, src, dst, use_triton=True)))
+    return rows
+
+
+def reference_table(rows: list[dict], cuda: bool) -> list[str]:
+    kind = "Triton (CUDA)" if cuda else "Triton interpreter (TRITON_INTERPRET=1)"
+    lines = ["", "### Kernel versus torch reference", "",
+             f"| op | shape | reference ms | ref GB/s | kernel ({kind}) ms | kernel GB/s | kernel / reference time |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['op']} | {r['shape']} | {r['ref_ms']} | {r['ref_gb_s']} | {r['kernel_ms']} | {r['kernel_gb_s']} "
+              f"| {r['kernel_over_ref']}x |" for r in rows]
+    if not cuda:
+        lines += ["", "No GPU: the kernel column is Triton's CPU interpreter (correctness, not speed); its ratio "
+                  "to torch is no GPU prediction."]
+    return lines
+
+
+def run_record(out: str, argv):
+    """bench/record.py's run record in ``out``, or None (with a note) when this file runs as a
+    script without the repository root on the import path (``python -m bench.gpu_kernels`` has it)."""
+    try:
+        from bench.record import RunRecord
+    except ImportError:
+        print("no run record: bench.record is not importable (run as python -m bench.gpu_kernels from the "
+              "repository root)", flush=True)
+        return None
+    return RunRecord(out, argv)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--small", "--cpu", action="store_true", dest="small",
                     help="tiny shapes; on a machine without CUDA, under the Triton interpreter")
+    ap.add_argument("--reference", action="store_true",
+                    help="also time every kernel against its torch reference at one fixed size")
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs per op of --reference (median)")
     args = ap.parse_args(argv)
     _setup(args)
     import torch
@@ -350,8 +455,10 @@ def main(argv=None) -> int:
     dev = "cuda" if cuda else "cpu"
     timer = Timer(cuda)
     batch = choose_batch(args.small)
+    record = run_record(args.out, argv)
     tic = time.time()
-    head = dict(date=time.strftime("%Y-%m-%d"), machine=platform.node(), device=torch.cuda.get_device_name(0) if cuda
+    head = dict(date=time.strftime("%Y-%m-%d"), machine=record.data["machine"]["text"] if record else platform.node(),
+                device=torch.cuda.get_device_name(0) if cuda
                 else "cpu (Triton interpreter)", torch=torch.__version__, triton=triton.__version__,
                 shapes="small" if args.small else "serving", batch=batch, reps=SMALL_REPS if args.small else REPS,
                 kara=SMALL_KARA if args.small else KARA, snapkv=SMALL_SNAPKV if args.small else SNAPKV,
@@ -375,18 +482,23 @@ def main(argv=None) -> int:
     for r in rows:
         if peak and r.get("gb_s"):
             r["of_peak"] = round(r["gb_s"] / peak, 3)
+    reference = reference_rows(timer, dev, args.repeats) if args.reference else []
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_kernels.json"), "w") as f:
-        json.dump({"head": head, "rows": rows}, f, indent=1, default=str)
+        json.dump({"head": head, "rows": rows, "reference": reference}, f, indent=1, default=str)
     cols = ["model", "kernel", "B", "ok", "first_ms", "ms", "gb_s", "of_peak", "tflop_s", "rel_err"]
     lines = [f"- {k}: {v}" for k, v in head.items()] + ["", "| " + " | ".join(cols) + " |",
                                                          "|" + "---|" * len(cols)]
     for r in rows:
         lines.append("| " + " | ".join("-" if r.get(c) is None else str(r.get(c)) for c in cols) + " |")
+    if reference:
+        lines += reference_table(reference, cuda)
     text = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, "gpu_kernels.md"), "w") as f:
         f.write(text)
     print(text)
+    if record is not None:
+        record.finish()
     failed = [r for r in rows if r["ok"] is False] or head["sglang_imported"]
     return 1 if failed else 0
 

@@ -1,6 +1,6 @@
 """GPU cost model of decode throughput for full KV vs Kara.
 
-    python bench/gpu_model.py [--gpu rtx5090 --tp 4 --mem-util 0.5 ...] [--results bench/RESULTS.md]
+    python -m bench.gpu_model [--gpu rtx5090 --tp 4 --mem-util 0.5 ...] [--out DIR]
 
 Pure Python + numpy. Three layers:
   1. Roofline step time (Kara paper App. C.1 Eq. 10-11, generalised): per decode step
@@ -14,7 +14,8 @@ Pure Python + numpy. Three layers:
      counts steps only; times are assigned afterwards, so one trace serves every cost setting.
   3. A comparison with the paper's Table 2/3 (R1-Distill-Llama-8B, MATH-500, 4x RTX 5090),
      once as a pure roofline and once with the per-step overhead fitted to one point
-     (vLLM, batch 16), written to bench/RESULTS.md.
+     (vLLM, batch 16): printed, and with --out written to DIR/gpu_model.md with the run record
+     (DIR/run.json, bench/record.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -338,7 +338,7 @@ def report(a, R):
                      if k in ("model", "gpu", "tp", "mem_util", "reserve_gib", "requests", "mean_gen", "gen_sigma", "seed"))
     out = [
         "## GPU cost model", "",
-        f"Computed {datetime.date.today().isoformat()}. Command: `python bench/gpu_model.py` (defaults: {flags}). Pure numpy, no GPU used; a model, not a measurement.", "",
+        f"Computed {datetime.date.today().isoformat()}. Command: `python -m bench.gpu_model` (defaults: {flags}). Pure numpy, no GPU used; a model, not a measurement.", "",
         "**Method.** Decode step time = max(FLOPs/(TP·peak·compute_eff), bytes/(TP·HBM·bw_eff)) + 2·layers all-reduces + a fixed per-step overhead; "
         "FLOPs = 2·matmul params·B + 4·layers·H·d·ΣS, bytes = weights + ΣS·KV bytes/token (real GQA configs, gated MLP). "
         "Kara event (App. C.2/D.6) = recompute forward over W tokens per sequence (q/o proj + MLP, cached K/V reused) + causal attention on the prefix "
@@ -410,16 +410,6 @@ not a measurement; it is off by default and the roofline event cost is used.
 """
 
 
-def write_results(path, lines):
-    """Replace this section if present, else append it; other sections are left untouched."""
-    text = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
-    section = "\n".join(lines).rstrip() + "\n"
-    pat = re.compile(r"^## GPU cost model\b[^\n]*\n.*?(?=^## |\Z)", re.S | re.M)
-    text = pat.sub(lambda _: section + "\n", text, count=1).rstrip() + "\n" if pat.search(text) else text.rstrip() + "\n\n" + section
-    with open(path, "w") as f:
-        f.write(text)
-
-
 FLAGS = [  # (flag, type, default, help)
     ("model", str, "R1-Llama-8B", f"one of {list(MODELS)}"), ("gpu", str, "rtx5090", f"one of {list(GPUS)}"),
     ("tp", int, 4, "tensor-parallel degree"), ("mem-util", float, 0.5, "vLLM gpu_memory_utilization"),
@@ -436,7 +426,7 @@ FLAGS = [  # (flag, type, default, help)
     ("cpu-gpu-factor", float, 100.0, "assumed CPU->GPU speed-up for --cpu-event-ms"),
     ("window", int, 768, "Kara W"), ("keep", int, 257, "entries kept per window"), ("buffer", int, 32, "Kara U"),
     ("period", int, 128, "delta"), ("max-seqs", int, 30, "sequences per event"), ("seed", int, 0, "workload seed"),
-    ("results", str, os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"), "markdown file to update"),
+    ("out", str, None, "folder for gpu_model.md and the run record (default: print only)"),
 ]
 
 
@@ -444,7 +434,6 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for flag, typ, default, help_ in FLAGS:
         p.add_argument(f"--{flag}", type=typ, default=default, help=help_)
-    p.add_argument("--no-write", action="store_true", help="print only")
     a = p.parse_args(argv)
     if a.model not in MODELS or a.gpu not in GPUS:
         p.error(f"--model must be one of {list(MODELS)}, --gpu one of {list(GPUS)}")
@@ -455,9 +444,15 @@ def main(argv=None):
     a = parse(argv)
     lines = report(a, run(a))[0]
     print("\n".join(lines))
-    if not a.no_write:
-        write_results(a.results, lines)
-        print(f"\n(section written to {a.results})")
+    if a.out:
+        from bench.record import RunRecord
+
+        record = RunRecord(a.out, argv)
+        record.note(**{k: v for k, v in vars(a).items() if k != "out"})
+        with open(os.path.join(a.out, "gpu_model.md"), "w") as f:
+            f.write("\n".join(lines).rstrip() + "\n")
+        record.finish()
+        print(f"\n(written to {os.path.join(a.out, 'gpu_model.md')})")
 
 
 if __name__ == "__main__":

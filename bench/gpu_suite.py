@@ -1,7 +1,10 @@
 """The GPU suite as one script: every check of tests/gpu_checks.py, results to one file.
 
-    python bench/gpu_suite.py --out bench/results/gpu            # on a CUDA machine (< 10 min)
-    python bench/gpu_suite.py --cpu --out /tmp/gpu_suite_cpu      # here: the parts that can run
+    PYTHONPATH=tests python -m bench.gpu_suite --out bench/results/gpu        # on a CUDA machine (< 10 min)
+    PYTHONPATH=tests python -m bench.gpu_suite --cpu --out /tmp/gpu_suite_cpu  # here: the parts that can run
+
+(``PYTHONPATH=tests``: tests/gpu_checks.py imports the test-support modules by name, as under pytest,
+whose rootdir conftest puts tests/ on the import path.)
 
 The plan is tests/gpu_checks.py ``plan()``: on CUDA, retention 1.0 token-identical to vanilla
 SGLang (same backend, page size and CUDA-graph setting) on fa3 / FlashInfer / Triton at page 1
@@ -11,7 +14,8 @@ oracle after events (fa3 page 1 recompute, FlashInfer page 64 capture); a retrac
 device); peak device memory per event. 19 engine starts, < 10 minutes by construction
 (``budget_seconds``, printed first). With --cpu: the same engine checks on torch_native, the
 kernels under TRITON_INTERPRET=1 at tiny shapes; fa3 / FlashInfer are "not run". Each check is
-recorded with its figures, ok / FAILED, and its error if it raised.
+recorded with its figures, ok / FAILED, and its error if it raised; the run record
+(bench/record.py) goes beside the results (run.json).
 """
 
 from __future__ import annotations
@@ -20,13 +24,9 @@ import argparse
 import json
 import os
 import platform
-import sys
 import tempfile
 import time
 import traceback
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 
 def main(argv=None):
@@ -43,11 +43,17 @@ def main(argv=None):
         import sgl_kara.kernels.window_score  # noqa: F401
     import torch
 
-    import gpu_checks as gc
+    try:
+        import gpu_checks as gc
+    except ModuleNotFoundError as e:
+        raise SystemExit(f"{e}: tests/gpu_checks.py is imported with tests/ on the path: "
+                         "PYTHONPATH=tests python -m bench.gpu_suite ...") from None
+    from bench.record import RunRecord
 
     if not args.cpu and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --cpu for the parts that can run here")
     os.makedirs(args.out, exist_ok=True)
+    record = RunRecord(args.out, argv)
     model = gc.write_gpu_model(tempfile.mkdtemp(prefix="gpu_llama_"))
     head = {"machine": platform.node(), "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "mode": "cpu" if args.cpu else "cuda"}
@@ -91,6 +97,7 @@ def main(argv=None):
     with open(os.path.join(args.out, "gpu_suite.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+    record.finish()
     return 0 if all(r["ok"] is not False for r in rows) else 1
 
 

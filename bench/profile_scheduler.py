@@ -1,11 +1,12 @@
 """Where the scheduler's time goes: one grid workload, one system, py-spy on the scheduler process.
 
-    python bench/profile_scheduler.py --model tiny --gen 256 --pool-fraction 0.5 --window 64 \
+    python -m bench.profile_scheduler --model tiny --gen 256 --pool-fraction 0.5 --window 64 \
         --system kara --out /tmp/prof
 
-Runs the workload of ``bench/throughput.py --grid`` (same prompts, pool and Kara shape) once,
+Runs the workload of ``python -m bench.throughput --grid`` (same prompts, pool and Kara shape) once,
 samples the scheduler with ``py-spy record --format raw`` (collapsed stacks; ``pip install
-py-spy``) and writes ``stacks.txt`` plus ``summary.md``: the share of samples in each stage below
+py-spy``) and writes ``stacks.txt`` (raw: keep it out of the repository), ``summary.md`` and the run
+record (run.json, bench/record.py): the share of samples in each stage below
 (a sample counts for the first stage, in this order, that one of its frames matches) and the
 heaviest leaf frames inside compression events.
 
@@ -32,10 +33,9 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 EVENT_STAGES = [  # inside EventRunner.run; the innermost matching frame decides
     ("event: recompute forward", ("EventRunner._recompute ",)),
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--spread", type=float, default=0.0,
-                    help="output lengths spread evenly over [G(1-S), G(1+S)], as throughput.py --grid --spread")
+                    help="output lengths spread evenly over [G(1-S), G(1+S)], as the grid's --spread")
     ap.add_argument("--max-running", type=int, default=256)
     ap.add_argument("--retention", type=float, default=0.25)
     ap.add_argument("--omp-threads", type=int, default=1)
@@ -152,26 +152,28 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.resummarize:
         return resummarize(args.out)
-    sys.path.insert(0, HERE)
     import psutil
-    import throughput_grid as grid
-    from throughput import run_system
     from transformers import AutoTokenizer
+
+    from bench import throughput_grid as grid
+    from bench.engine_run import run_system
+    from bench.record import RunRecord
 
     model = grid.model_path(args.model)
     args.model_path = model
-    os.makedirs(args.out, exist_ok=True)
+    record = RunRecord(args.out, argv)
     tok = AutoTokenizer.from_pretrained(model)
     prompts = grid.grid_prompts(args.requests)
     p_len = max(len(tok(p)["input_ids"]) for p in prompts) + 1
     pool = int(args.pool_fraction * args.requests * (p_len + args.gen))
-    label, opts, per_request = grid.system_spec(args.system, args.gen, args.window, args, args.requests)
-    for item in args.kara_opt:
-        if opts is None:
-            ap.error("--kara-opt applies to a compression system, not vanilla")
-        name, value = item.split("=", 1)
-        opts["kara_" + name] = grid.parse_value(value)
+    try:  # --kara-opt items go into the system's options (grid.system_spec)
+        label, opts, per_request = grid.system_spec(args.system, args.gen, args.window, args, args.requests)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.kara_opt and opts is None:
+        ap.error("--kara-opt applies to a compression system, not vanilla")
     stacks = os.path.join(args.out, "stacks.txt")
+    scratch = tempfile.mkdtemp(prefix="profile_scheduler_")  # py-spy's pid and log
     stop = threading.Event()
     spy: list = []
 
@@ -186,9 +188,9 @@ def main(argv=None):
                         # Detached (sh exits, py-spy is re-parented): SGLang's Engine.shutdown kills every
                         # child of this process, which would kill py-spy before it writes.
                         spy_bin = os.path.join(os.path.dirname(sys.executable), "py-spy")
-                        pid_file = os.path.join(args.out, "py-spy.pid")
+                        pid_file = os.path.join(scratch, "py-spy.pid")
                         subprocess.run(["sh", "-c", f"'{spy_bin}' record --pid {child.pid} --rate {args.rate} --format raw "
-                                        f"--output '{stacks}' --nonblocking > '{args.out}/py-spy.log' 2>&1 & "
+                                        f"--output '{stacks}' --nonblocking > '{scratch}/py-spy.log' 2>&1 & "
                                         f"echo $! > '{pid_file}'"], check=True)
                         spy.append(int(open(pid_file).read()))
                         return
@@ -199,7 +201,7 @@ def main(argv=None):
     t = threading.Thread(target=attach, daemon=True)
     t.start()
     try:
-        r = grid.run_one(run_system, args, prompts, args.gen, pool, label, opts, per_request)
+        r = grid.run_one(run_system, args, prompts, args.gen, pool, label, opts, per_request, record)
     finally:
         stop.set()
         t.join(timeout=10)
@@ -223,7 +225,8 @@ def main(argv=None):
     step_ms = 1e3 * steps["cpu"] / steps["steps"] if steps else None
     text += summarize(stacks, step_ms) if os.path.exists(stacks) else "py-spy wrote no stacks\n"
     with open(os.path.join(args.out, "summary.md"), "w") as f:
-        f.write(text)
+        f.write(f"command: {record.data['command']}\n{record.stamp}\n\n" + text)
+    record.finish()
     print(text)
 
 

@@ -4,10 +4,11 @@ SmolLM2 G = 1,024, pool 1/4 grid cell of bench/RESULTS.md, "Throughput: capture 
 once with ``recompute`` (no ring), the same requests through each. The ring's buffers are
 allocated unwritten, so only the rows requests write become resident (scheduler/queries.py).
 
-    python bench/ring_resident.py --out bench/results/2026-11-25-capture-ring/ring_resident.md
+    python -m bench.ring_resident --out bench/results/2026-11-25-capture-ring/ring_resident.md
 
 Reports each server's memory (RSS and PSS summed over its processes) idle and after the requests,
-and the ring's allocated size from the server log.
+and the ring's allocated size from the server log; with --out, the table goes to that file and the
+run record (bench/record.py) beside it (``ring_resident.run.json``).
 """
 
 from __future__ import annotations
@@ -18,11 +19,8 @@ import re
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-from engine_env import stamp  # noqa: E402
-from serve_numbers import generate_concurrently, start, stop, tree_memory_mb  # noqa: E402
+from bench.record import RunRecord
+from bench.serve_numbers import generate_concurrently, start, stop, tree_memory_mb
 
 FLAGS = ["--max-total-tokens", "4172", "--max-running-requests", "32", "--kara-window", "64", "--kara-buffer", "8",
          "--kara-period", "16"]
@@ -49,6 +47,10 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=160)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    record = RunRecord.beside(args.out, argv) if args.out else None
+    if record is not None:
+        for source in ("capture", "recompute"):
+            record.add_server(source, [*FLAGS, "--kara-query-source", source])
     tmp = tempfile.mkdtemp()
     rows = [serve(s, args.requests, args.tokens, os.path.join(tmp, f"{s}.log")) for s in ("capture", "recompute")]
     lines = [f"{args.requests} concurrent requests x {args.tokens} tokens, flags: {' '.join(FLAGS)}", "",
@@ -62,10 +64,10 @@ def main(argv=None):
                   f"PSS {cap['after'][1] - rec['after'][1]:+.0f} MiB"]
     text = "\n".join(lines) + "\n"
     print(text)
-    if args.out:
+    if record is not None:
         with open(args.out, "w") as f:
-            f.write(f"command: python bench/ring_resident.py {' '.join(sys.argv[1:] if argv is None else argv)}\n{stamp()}\n\n"
-                    + text)
+            f.write(f"command: {record.data['command']}\n{record.stamp}\n\n" + text)
+        record.finish()
 
 
 if __name__ == "__main__":

@@ -13,9 +13,10 @@ Starts the server exactly as the README's first command does (``python -m sgl_ka
                      (``ignore_eos``, 256 new tokens, the prompt's prefill included)
     compression      one 700-token answer: meta_info.kara (compressions, physical vs logical KV)
 
-    python bench/serve_numbers.py --out bench/results/2026-11-23-default-model/serve_numbers [--fresh-cache]
+    python -m bench.serve_numbers --out DIR [--fresh-cache] [--vanilla]
 
-Writes serve_numbers.json and .md under --out. Timings are this machine's, at that moment: run
+Writes serve_numbers.json, serve_numbers.md and the run record (run.json, bench/record.py: the
+settings the launcher resolves to) under --out. Timings are this machine's, at that moment: run
 it with nothing else on the CPU for the README's figures.
 """
 
@@ -119,12 +120,13 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--vanilla", action="store_true", help="also time plain `python -m sglang.launch_server`")
     args = ap.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from engine_env import machine
+    from bench.record import RunRecord
 
-    res: dict = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "python": sys.version.split()[0]}
+    record = RunRecord(args.out, argv)
+    record.add_server("sgl_kara (README's first command)", [])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res: dict = {"date": record.data["date"][:10], "machine": record.data["machine"]["text"],
+                 "python": sys.version.split()[0]}
     if args.fresh_cache:
         with tempfile.TemporaryDirectory(prefix="sgl_kara_cache_") as cache:
             proc, _, secs = start({**env, "KARA_CACHE": cache}, os.path.join(args.out, "first_start.log"), 900)
@@ -135,7 +137,6 @@ def main(argv=None):
             if done and os.path.exists(done):
                 res["conversion_s"] = json.load(open(done))["seconds"]
     if args.vanilla:  # plain SGLang with the settings sgl_kara's launcher resolves to, for comparison
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         from sgl_kara.launch_server import parse
 
         _, sa = parse([])
@@ -143,6 +144,7 @@ def main(argv=None):
                    "--attention-backend", "torch_native", "--dtype", "float32", "--page-size", "1",
                    "--max-total-tokens", str(sa.max_total_tokens),
                    "--max-running-requests", str(sa.max_running_requests), "--disable-overlap-schedule"]
+        record.add_config("vanilla sglang", {"kara": {"policy": "none"}, "argv": command[1:]})
         proc, _, secs = start(env, os.path.join(args.out, "vanilla.log"), 600, command)
         res["vanilla_sglang_startup_s"] = round(secs, 1)
         res["vanilla_sglang_pss_idle_mb"] = round(tree_memory_mb(proc.pid)[1])
@@ -163,7 +165,8 @@ def main(argv=None):
         json.dump(res, f, indent=1)
     lines = ["| measure | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in res.items()]
     with open(os.path.join(args.out, "serve_numbers.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write(f"command: {record.data['command']}\n{record.stamp}\n\n" + "\n".join(lines) + "\n")
+    record.finish()
     print("\n".join(lines))
 
 

@@ -1,4 +1,4 @@
-"""Throughput across workloads: when does Kara pay? (``python bench/throughput.py --grid ...``)
+"""Throughput across workloads: when does Kara pay? (``python -m bench.throughput --grid ...``)
 
 A grid of cells -- output length G x KV pool (a fraction of the workload's full KV) x Kara window
 W -- and in each cell, one after another in a rotating order, vanilla SGLang, Kara and the
@@ -14,6 +14,8 @@ threshold baselines on the same R requests (``ignore_eos``, sampled) and the sam
                 every running request's uncompressed remainder and nobody waits)
     kara-buffer    the same with --kara-scoring buffer (the paper's ablation: the last U queries
                 score the window, so a recompute forward computes U tokens per window, not W)
+    --kara-opt NAME=VALUE  another sgl_kara option for every compressing system (``phase=server``:
+                the paper's global event schedule instead of the default per-request one)
     baselines   budget matched per request to Kara's peak footprint (its admission estimate):
                 C_max = min(G, ceil(G K / (W - U)) + W + period),  N = C_max - (W - U),
                 window (observation queries, recent entries kept) = U; nothing to do if G <= C_max
@@ -25,8 +27,8 @@ is reported beside them. With --repeats, medians (the scheduler figures of each 
 (P + G) / (P + r G + W) times vanilla's, retractions, and the share of wall time spent
 compressing. Vanilla does not depend on W: it runs once per (G, frac).
 
-    python bench/throughput.py --grid --model tiny --out bench/results/2026-11-23-default-model/grid_tiny
-    python bench/throughput.py --grid --model smollm2 --gens 256 512 1024 --windows 64 128 ...
+    python -m bench.throughput --grid --model tiny --out DIR
+    python -m bench.throughput --grid --model smollm2 --gens 256 512 1024 --windows 64 128 ... --out DIR
 
 Also per run, from the per-step trace (bench/step_costs.py): the rate while a request waits for
 admission (the saturated phase: what a server whose queue does not empty sees, without the finite
@@ -35,8 +37,9 @@ request x B + per KV row x rows, fitted jointly to vanilla's and the system's ru
 each ratio into concurrency, shorter rows and compression and gives the ratio at Kara's footprint
 limit (costs.md).
 
-Writes grid.md / costs.md / grid.json after every run and grid_<system>.png heat maps (ratio to
-vanilla).
+Writes grid.md / costs.md / grid.json after every run, grid_<system>.png heat maps (ratio to
+vanilla) and the run record (run.json: bench/record.py: commit, machine, every engine's resolved
+settings).
 """
 
 from __future__ import annotations
@@ -48,12 +51,13 @@ import os
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from bench.engine_env import kara_opts
+
 BASELINES = ("snapkv", "streaming", "h2o", "rkv")
 
 
 def tiny_model() -> str:
-    """The random-weight 4-layer Llama of the 2026-11-22 throughput runs (bench/RESULTS.md, History)."""
+    """The random-weight 4-layer Llama of the tiny grids (bench/RESULTS.md, Machines and conventions)."""
     from sgl_kara.models.tiny import write_tiny_model
 
     path = os.path.join(tempfile.gettempdir(), "sgl_kara_tiny_llama_h128_l4_s2026")
@@ -76,16 +80,6 @@ def model_path(name: str) -> str:
 
 def grid_prompts(n: int) -> list[str]:
     return [f"Problem {i}: let x{i} = {i % 10}. Think step by step." for i in range(n)]
-
-
-def parse_value(text: str):
-    """A --kara-opt value: int, float, or the string itself."""
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
 
 
 def kara_shape(w: int) -> tuple[int, int]:
@@ -111,9 +105,11 @@ KARA_VARIANTS = {  # --systems name -> Kara options beside the cell's W, U, peri
 
 
 def system_spec(system: str, gen: int, w: int | None, args, n: int):
-    """(label, sgl_kara options or None for vanilla, per-request custom_params.kara or None)."""
+    """(label, sgl_kara options or None for vanilla, per-request custom_params.kara or None);
+    ``args.kara_opt`` (``--kara-opt``) applies to every compressing system."""
     if system == "vanilla":
         return "vanilla", None, None
+    extra = kara_opts(getattr(args, "kara_opt", None) or [])
     from sgl_kara.config import QUERY_SOURCES
 
     name = system
@@ -123,15 +119,15 @@ def system_spec(system: str, gen: int, w: int | None, args, n: int):
         raise ValueError(f"--systems {name}: the query source after ':' must be one of {', '.join(QUERY_SOURCES)}")
     u, period = kara_shape(w)
     if system in KARA_VARIANTS:
-        return f"{name} W={w}", dict(kara_policy="kara", kara_window=w, kara_buffer=u, kara_period=period,
-                                     kara_retention=args.retention, kara_max_seqs=256, kara_query_source=source,
-                                     **KARA_VARIANTS[system]), None
+        return f"{name} W={w}", {**dict(kara_policy="kara", kara_window=w, kara_buffer=u, kara_period=period,
+                                        kara_retention=args.retention, kara_max_seqs=256, kara_query_source=source,
+                                        **KARA_VARIANTS[system]), **extra}, None
     gap = w - u
     peak = kara_peak(gen, w, args.retention)
     prefix = f"kara_{system}_"
     floor = u + 8
     opts = {"kara_policy": system, prefix + "window": u, prefix + "budget": floor, prefix + "threshold": floor + gap,
-            "kara_query_source": source}
+            "kara_query_source": source, **extra}
     budget = max(floor, peak - gap)
     return f"{name} W={w}", opts, [{"budget": budget}] * n
 
@@ -175,25 +171,28 @@ def main(argv=None):
                     help="output lengths spread evenly over [G(1-S), G(1+S)], mean G (0: all G; waves)")
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
                     help="scheduler on the last core alone, the other engine processes on the rest (steadier CPU times)")
+    ap.add_argument("--kara-opt", action="append", default=[], metavar="NAME=VALUE",
+                    help="another sgl_kara option for every compressing system, e.g. phase=server (repeatable)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--rewrite", action="store_true", help="only render --out's grid.json again (table, heat maps)")
     args = ap.parse_args(argv)
     if args.rewrite:
         return rewrite(args.out)
-    args.env = {k: v for k, v in os.environ.items()
-                if k.startswith(("KARA_", "SGL_KARA_")) and k not in ("KARA_TRACE", "SGL_KARA_TRACE")}
+    try:
+        kara_opts(args.kara_opt)
+    except ValueError as e:
+        ap.error(str(e))
+    from transformers import AutoTokenizer
+
+    from bench.engine_run import run_system
+    from bench.record import RunRecord
     from sgl_kara import env as kara_env
 
-    # Its default changed on 2026-11-26 (packed in place): record what these engines ran.
+    record = RunRecord(args.out, argv)
+    args.env = {k: v for k, v in os.environ.items() if k.startswith("KARA_") and k != "KARA_TRACE"}
     args.env.setdefault("KARA_PACKED_CPU_LINEAR", "1 (default)" if kara_env.packed_cpu_linear() else "0")
-    sys.path.insert(0, HERE)
-    from throughput import run_system
-
-    from engine_env import stamp
-
-    args.stamp = stamp()
-
-    from transformers import AutoTokenizer
+    args.stamp = record.stamp
+    args.command = record.data["command"]
 
     model = model_path(args.model)
     args.model_path = model
@@ -221,7 +220,7 @@ def main(argv=None):
         pool = int(frac * args.requests * (p_len + gen))
         k = (i + rep) % len(specs)
         for label, opts, per_request in specs[k:] + specs[:k]:  # rotate the order per cell and repeat
-            r = run_one(run_system, args, prompts, gen, pool, label, opts, per_request)
+            r = run_one(run_system, args, prompts, gen, pool, label, opts, per_request, record)
             results.append(dict(gen=gen, frac=frac, pool=pool, label=label, repeat=rep, prompt_len=p_len,
                                 system=label.split(" W=")[0],
                                 window=int(label.split("W=")[1]) if "W=" in label else None, **r))
@@ -233,15 +232,17 @@ def main(argv=None):
         bar.close()
     write(results, args, argv)
     heat_maps(ratios(results), args)
+    record.finish()
     return results
 
 
-def run_one(run_system, args, prompts, gen, pool, label, opts, per_request) -> dict:
+def run_one(run_system, args, prompts, gen, pool, label, opts, per_request, record=None) -> dict:
     lengths = output_lengths(gen, len(prompts), args.spread)
     params = [{"max_new_tokens": lengths[j], "temperature": 0.8, "ignore_eos": True}
               | ({"custom_params": {"kara": per_request[j]}} if per_request else {}) for j in range(len(prompts))]
     system = "vanilla" if opts is None else opts["kara_policy"]
-    r = run_system(system, args, pool, args.max_running, kara=opts, prompts_params=(prompts, params), label=label)
+    r = run_system(system, args, pool, args.max_running, kara=opts, prompts_params=(prompts, params), label=label,
+                   record=record)
     return dict(tps=r.tps, tps_cpu=r.tps_cpu, tps_sched=r.tps_scheduler_cpu, seconds=r.seconds,
                 cpu_seconds=r.cpu_seconds, scheduler_cpu_seconds=r.scheduler_cpu_seconds,
                 mean_running=r.mean_running, peak_running=r.peak_running, retractions=r.retractions,
@@ -254,7 +255,7 @@ def step_profile(trace: list[dict]) -> dict:
     """From the per-step trace (bench/step_costs.py): the saturated phase's rate (intervals at which
     a request waited for admission; ``sat_tps`` tokens per scheduler CPU-second), the whole run's
     rate from the same intervals, and the step-cost fit statistics."""
-    import step_costs
+    from bench import step_costs
 
     ivs = step_costs.intervals(trace)
     sat = step_costs.saturated(ivs)
@@ -354,7 +355,7 @@ def ring(r) -> str:
 
 def write(results, args, argv):
     rows = ratios(results)
-    cmd = "python bench/throughput.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = getattr(args, "command", None) or "python -m bench.throughput " + " ".join(argv if argv is not None else sys.argv[1:])
     write_table(rows, args, cmd)
     write_costs(results, args, cmd)
     with open(os.path.join(args.out, "grid.json"), "w") as f:
@@ -410,7 +411,7 @@ def saturated_cell(r) -> str:
 def cost_rows(results, retention: float) -> list[dict]:
     """Per cell and compressing system, the step-cost model fitted jointly to vanilla's runs and the
     system's, and the parts of its saturated ratio (bench/step_costs.py: explain)."""
-    import step_costs
+    from bench import step_costs
 
     rows = ratios(results)
     out = []

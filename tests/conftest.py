@@ -1,35 +1,28 @@
-"""Shared fixtures: tiny seeded models, engines and servers shared per session.
+"""Fixtures: tiny seeded models, engines shared per configuration, a server per module.
 
-An engine takes ~30 s to start on this CPU, so engines are session-scoped and reused.
-SGLang's strict memory checks are on for every engine the tests start.
+An engine takes 10-30 s to start on 2 cores, so tests that can share one do: ``engines`` starts
+an engine per configuration (kind, model, environment, options) and hands the same one to every
+test that asks for it while it lives; ``server`` is a module's server, started with the module's
+``server_args``. Helpers live in
+tests/support.py (imported by name); importing it sets the test environment (Triton's
+interpreter, SGLang's strict memory checks for every engine the tests start).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import socket
-import subprocess
-import sys
-import time
-
 import pytest
-import torch
 
-# Kernel tests need Triton's interpreter on CPU, and Triton reads this when first imported.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-STRICT_ENV = {
-    "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",
-    "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1",
-    "SGLANG_CHECK_KV_PAGE_INVARIANTS": "1",
-}
-os.environ.update(STRICT_ENV)
-
-from sgl_kara.models.default import PROXY_MODEL_DIR
-
-PROXY_MODEL = str(PROXY_MODEL_DIR)  # the reasoning proxy: the tests' fast real-weight model
+import support
+from support import (  # noqa: F401  (names tests/gpu_checks.py and some test files import from here)
+    PROXY_MODEL,
+    Server,
+    engine_env,
+    flush_when_idle,
+    free_port,
+    start_engine,
+)
+from support import release_tasks_on_shutdown as _release_tasks_on_shutdown  # noqa: F401
+from support import track as _track  # noqa: F401
 
 # Small engines: a bounded KV pool, few requests, no overlap (Kara requires it; vanilla matches).
 ENGINE_COMMON = dict(
@@ -41,17 +34,8 @@ ENGINE_COMMON = dict(
 )
 
 
-@contextlib.contextmanager
-def engine_env(**extra):
-    """Environment for spawning SGLang processes: no Triton interpreter unless asked."""
-    saved = dict(os.environ)
-    os.environ.pop("TRITON_INTERPRET", None)
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+def pytest_configure(config):
+    support.PYTEST_CONFIG = config
 
 
 @pytest.fixture(scope="session")
@@ -68,166 +52,63 @@ def tiny_qwen3(tmp_path_factory):
     return str(write_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", seed=2))
 
 
-_PYTEST_CONFIG = None
-_LIVE_ENGINE_PROCS: dict[int, list] = {}  # id(engine) -> its watched child processes
+class EnginePool:
+    """Live engines, one per configuration, handed to every test that asks for the same one.
 
+    At most ``keep`` live at once (the least recently used one is stopped for a new one). Each is
+    stopped alone (``support.stop_engine``), since SGLang 0.5.23's ``Engine.shutdown`` kills every
+    child of the process; for the same reason the pool is closed before any engine a test starts
+    itself (``support.start_engine``) and before that engine's shutdown. An engine is handed out
+    idle with its radix cache flushed; a test that changes an engine beyond its own requests
+    (weights, retraction settings) starts its own instead.
+    """
 
-def _track(engine) -> None:
-    _guard_pytest_process()
-    watchdog = getattr(getattr(engine, "tokenizer_manager", None), "_subprocess_watchdog", None)
-    _LIVE_ENGINE_PROCS[id(engine)] = list(getattr(watchdog, "_processes", None) or [])
-    shutdown = engine.shutdown
+    def __init__(self, keep: int = 3):
+        self.keep = keep
+        self.live: dict[tuple, object] = {}  # in order of last use
+        self.starts = 0
 
-    def shutdown_and_untrack():
-        _LIVE_ENGINE_PROCS.pop(id(engine), None)
-        shutdown()
-
-    engine.shutdown = shutdown_and_untrack
-
-
-def pytest_configure(config):
-    global _PYTEST_CONFIG
-    _PYTEST_CONFIG = config
-
-
-def _guard_pytest_process():
-    """SGLang's SIGQUIT handlers (launch phase, and the running phase one its TokenizerManager
-    registers on the event loop) call ``kill_process_tree(os.getpid())``, which SIGKILLs pytest
-    itself with all captured output when any child dies: CI then shows only "Killed". In the
-    test process, kill the children, print which test was running (bypassing capture), exit 3."""
-    import sglang.srt.entrypoints.engine as engine_mod
-    import sglang.srt.managers.tokenizer_manager as tm_mod
-    from sglang.srt.utils import kill_process_tree
-
-    if getattr(engine_mod.kill_process_tree, "_sgl_kara_guard", False):
-        return
-
-    def guarded(pid, include_parent=True, *args, **kwargs):
-        if pid != os.getpid() or not include_parent:
-            return kill_process_tree(pid, include_parent, *args, **kwargs)
-        if all(p.is_alive() for procs in _LIVE_ENGINE_PROCS.values() for p in procs):
-            # Every child of every engine still open is alive: the SIGQUIT cannot be about them
-            # (defensive; the crash traced in CI was a live engine's children being killed).
-            sys.stderr.write("conftest: ignoring a SIGQUIT while every live engine's children are alive\n")
-            return None
-        kill_process_tree(pid, False, *args, **kwargs)
-        capman = _PYTEST_CONFIG and _PYTEST_CONFIG.pluginmanager.getplugin("capturemanager")
-        if capman is not None:
-            capman.suspend_global_capture(in_=True)
-            out, err = capman.read_global_capture()
-            sys.stderr.write(out[-20000:] + err[-20000:])
-        sys.stderr.write(
-            f"\nFATAL: an SGLang child process failed during {os.environ.get('PYTEST_CURRENT_TEST')}; "
-            "SGLang asked to kill the process tree. Exiting.\n"
-        )
-        sys.stderr.flush()
-        os._exit(3)
-
-    guarded._sgl_kara_guard = True
-    engine_mod.kill_process_tree = guarded
-    tm_mod.kill_process_tree = guarded
-
-
-def _release_tasks_on_shutdown(engine) -> None:
-    """Vanilla sglang.Engine: the cleanup sgl_kara.Engine.shutdown does."""
-    import functools
-
-    from sgl_kara.engine import shutdown_cleanly
-
-    engine.shutdown = functools.partial(shutdown_cleanly, engine, engine.shutdown)
-
-
-def start_engine(kind: str, model_path: str, **kwargs):
-    """kind: 'sglang' (vanilla) or 'kara'."""
-    _guard_pytest_process()
-    opts = {**ENGINE_COMMON, **kwargs}
-    with engine_env():
-        if kind == "sglang":
-            import sglang
-
-            from sgl_kara.support import cpu_defaults
-
-            engine = sglang.Engine(model_path=model_path, **cpu_defaults(), **opts)
-            _release_tasks_on_shutdown(engine)
+    def __call__(self, kind: str, model_path: str, env: dict | None = None, **options):
+        key = (kind, model_path, tuple(sorted((env or {}).items())), tuple(sorted(options.items())))
+        engine = self.live.pop(key, None)
+        if engine is None:
+            while len(self.live) >= self.keep:
+                support.stop_engine(self.live.pop(next(iter(self.live))))
+            with engine_env(**(env or {})):
+                engine = support.start_engine(kind, model_path, shared=True, **options)
+            self.starts += 1
         else:
-            import sgl_kara
+            assert flush_when_idle(engine), "a shared engine still holds slots after its last test"
+        self.live[key] = engine
+        from sgl_kara.plugin import set_serving_policy
 
-            engine = sgl_kara.Engine(model_path=model_path, **opts)
-    _track(engine)
-    return engine
+        config = getattr(engine, "kara_config", None)
+        set_serving_policy(config.policy if config is not None else "none")  # this engine's request checks
+        return engine
 
-
-def flush_when_idle(engine, timeout: float = 30.0) -> bool:
-    """engine.flush_cache() until it succeeds: SGLang refuses a flush while its scheduler still
-    holds the last (already answered) batch for an iteration or two, which is a race, not a leak.
-    A leaked slot fails SGLang's strict idle memory check inside the scheduler instead."""
-    deadline = time.time() + timeout
-    while True:
-        if engine.flush_cache().success:
-            return True
-        if time.time() > deadline:
-            return False
-        time.sleep(0.2)
+    def close(self) -> None:
+        engines, self.live = list(self.live.values()), {}
+        for engine in engines:
+            support.stop_engine(engine)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture(scope="session")
+def engines():
+    """``engines(kind, model_path, env=None, **options)``: the live engine of that configuration,
+    started if it is not the one alive (EnginePool)."""
+    pool = EnginePool()
+    support.SHARED_ENGINES.append(pool)
+    yield pool
+    support.SHARED_ENGINES.remove(pool)
+    pool.close()
 
 
-def run_bench(script: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    """``python bench/<script> *args`` in a child without TRITON_INTERPRET (engines run torch
-    attention); fails the test with the script's stderr tail when it exits nonzero."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, os.path.join(root, "bench", script), *args],
-                          capture_output=True, text=True, timeout=timeout, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
-class Server:
-    def __init__(self, args: list[str], timeout: float = 240, env: dict | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        full_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        full_env.update(env or {})
-        self.log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"sgl_kara_server_{self.port}.log"), "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sgl_kara.launch_server", "--port", str(self.port), *args],
-            stdout=self.log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
-        )
-        self.wait_ready(timeout)
-
-    def wait_ready(self, timeout):
-        import requests
-
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log.name}")
-            try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"server not ready in {timeout}s; see {self.log.name}")
-
-    def stop(self):
-        import signal
-
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
-
-    def log_text(self) -> str:
-        self.log.flush()
-        with open(self.log.name) as f:
-            return f.read()
+@pytest.fixture(scope="module")
+def server(request):
+    """The module's server: ``python -m sgl_kara.launch_server`` started with what the module's own
+    ``server_args`` fixture returns (``{"args": [...], "env": {...}, "timeout": s}``; env and
+    timeout optional), shared by the module's tests and stopped after them."""
+    spec = request.getfixturevalue("server_args")
+    srv = Server(spec["args"], timeout=spec.get("timeout", 240), env=spec.get("env"))
+    yield srv
+    srv.stop()

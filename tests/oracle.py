@@ -12,11 +12,15 @@ computed with the full window). Row t of the reference's log-softmax is then wha
 decode step that processed position t must have produced. The evictions come from the runtime's
 ``KARA_RECORD_EVICTIONS`` file; everything else (positions, kept-slot mapping, RoPE offsets,
 page layout, query source) is left to the runtime under test.
+
+``run_and_check`` runs an sgl_kara engine with the evictions recorded and checks every decode step
+of every request against that reference (tests/test_oracle.py, test_policy_matrix.py, ...).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
 
 import torch
@@ -114,3 +118,129 @@ def compare(ref: torch.Tensor, prompt_len: int, out: dict) -> torch.Tensor:
         row = ref[prompt_len - 1 + i]
         errs.append(max(abs(v - float(row[t])) for t, v in step.items()))
     return torch.tensor(errs)
+
+
+# ------------------------------------------------------------------- an engine against the oracle
+KARA = dict(kara_window=40, kara_buffer=8, kara_max_chunk=6, kara_period=4)
+TOL = 2e-3  # float32: observed errors are ~1e-5 (tiny models) / ~1e-4 (SmolLM2)
+GEN = {"max_new_tokens": 150, "temperature": 0.0, "ignore_eos": True}
+
+
+def _prompts(vocab: int, n: int = 3) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(10, vocab, (13 + 9 * i,), generator=g).tolist() for i in range(n)]
+
+
+def engine_options(policy: str, query_source: str, page: int, extra: dict | None = None) -> dict:
+    """The ``kara_*`` and page options of an oracle run: ``KARA`` at r 0.25 for Kara, ``extra`` on top."""
+    opts = dict(kara_policy=policy, kara_query_source=query_source, page_size=page)
+    if policy == "kara":
+        opts.update(KARA, kara_retention=0.25)
+    opts.update(extra or {})
+    return opts
+
+
+def record_path(model_path: str, opts: dict, env_extra: dict | None = None) -> str:
+    """The evictions file of a shared engine's configuration (one per configuration and session)."""
+    import hashlib
+    import tempfile
+
+    ident = json.dumps([model_path, sorted(opts.items()), sorted((env_extra or {}).items())], default=str)
+    digest = hashlib.sha1(ident.encode()).hexdigest()[:12]
+    return os.path.join(tempfile.gettempdir(), f"kara_evictions_{os.getpid()}_{digest}.jsonl")
+
+
+def shared_engine(engines, model_path: str, page: int, query_source: str, policy: str = "kara",
+                  extra: dict | None = None, env_extra: dict | None = None):
+    """(engine, evictions file) of the session's shared engine for this configuration (tests/conftest.py
+    ``engines``): evictions recorded to a file of its own, integrity checks at every event, and with
+    ``capture`` the query cross-check (capture vs recompute scores on first windows). Tests that run
+    the same configuration share it (tests/test_runtime.py, test_policy_matrix.py)."""
+    opts = engine_options(policy, query_source, page, extra)
+    record = record_path(model_path, opts, env_extra)
+    env = {"KARA_RECORD_EVICTIONS": record, "KARA_CHECK_INTEGRITY": "1", **(env_extra or {})}
+    if query_source == "capture":
+        env["KARA_CROSSCHECK_QUERIES"] = "1"
+    return engines("kara", model_path, env=env, **opts), record
+
+
+def run_and_check(model_path: str, tmp_path, page: int, query_source: str, policy: str = "kara",
+                  extra: dict | None = None, gen: dict | None = None, integrity: bool = False,
+                  keep_engine: bool = False, tol: float = TOL, env_extra: dict | None = None,
+                  margin: float | None = None, engines=None):
+    """Generate with evictions recorded, then compare every step with the masked reference.
+    ``margin`` (default 20 x tol): how far the unmasked reference must be off, so that the check
+    is not vacuous; it measures the evictions' effect, not the engine's precision, so a bf16 run
+    (wide tol) keeps the float32 margin. ``engines``: run on the session's shared engine of this
+    configuration (``shared_engine``: integrity checks always on; the caller must not shut it
+    down); else on an engine of its own, shut down unless ``keep_engine``. Returns (outputs, the
+    engine if shared or ``keep_engine`` else None, worst error, smallest unmasked gap)."""
+    if engines is not None:
+        engine, record = shared_engine(engines, model_path, page, query_source, policy, extra, env_extra)
+        keep_engine = shared = True
+    else:
+        shared = False
+        record = str(tmp_path / f"evictions_{policy}_{page}_{query_source}.jsonl")
+        env = {"KARA_RECORD_EVICTIONS": record}  # read by the spawned scheduler
+        if integrity:
+            env["KARA_CHECK_INTEGRITY"] = "1"
+        env.update(env_extra or {})
+        from support import engine_env, start_engine
+
+        with engine_env(**env):
+            engine = start_engine("kara", model_path, **engine_options(policy, query_source, page, extra))
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_path).vocab_size
+    prompts = _prompts(vocab)
+    try:
+        outs = engine.generate(input_ids=prompts, sampling_params=gen or GEN, return_logprob=True, top_logprobs_num=5)
+        if not keep_engine:
+            engine.shutdown()
+        worst, control = _check_against_reference(model_path, prompts, outs, read_evictions(record), policy, page,
+                                                  query_source, tol, margin)
+    except BaseException:
+        if keep_engine and not shared:
+            engine.shutdown()
+        raise
+    return outs, engine if keep_engine else None, worst, control
+
+
+def _check_against_reference(model_path, prompts, outs, events, policy, page, query_source, tol=TOL, margin=None):
+    """Returns (worst |dlogprob| vs the masked reference, smallest gap of the unmasked control)."""
+    model = load_reference(model_path)
+    worst, controls = 0.0, []
+    for prompt, out in zip(prompts, outs):
+        rid_events = events.get(out["meta_info"]["id"], [])
+        assert len(rid_events) >= 3, f"only {len(rid_events)} events: the test needs several (pos_offset > 0)"
+        assert rid_events[-1]["logical_len"] > rid_events[0]["logical_len"]
+        tokens = prompt + out["output_ids"]
+        err = compare(reference_logprobs(model, tokens, rid_events), len(prompt), out)
+        worst = max(worst, float(err.max()))
+        assert float(err.max()) < tol, f"engine vs masked HF reference: max |dlogprob| {err.max():.2e} at step {int(err.argmax())}"
+        # The oracle can fail: without the evictions the reference is far off after the first event.
+        full = compare(reference_logprobs(model, tokens, []), len(prompt), out)
+        first = rid_events[0]["logical_len"] - len(prompt) + 1  # first generated step after an event
+        assert float(full[:first].max()) < tol  # identical before any eviction
+        controls.append(float(full[first:].max()))
+    margin = 20 * tol if margin is None else margin
+    assert min(controls) > margin, f"evictions barely change the output here ({controls}); the check would be vacuous"
+    print(f"\nORACLE {os.path.basename(model_path)} policy={policy} page={page} {query_source}: "
+          f"max err {worst:.2e}, unmasked reference off by >= {min(controls):.2e}")
+    return worst, min(controls)
+
+
+# Small options per registered policy, so that a 150-token answer goes through several events.
+SMALL = {"kara": dict(KARA, kara_retention=0.25),
+         "random": dict(kara_random_window=40, kara_random_buffer=8, kara_random_period=4, kara_random_retention=0.25,
+                        kara_random_seed=5)}
+
+
+def small_options(name: str) -> dict:
+    """``SMALL[name]``, or the threshold trio (threshold 48 / budget 32 / window 8) for the others."""
+    from sgl_kara.policies import base
+
+    if name in SMALL:
+        return SMALL[name]
+    prefix = "kara_" + base.policy_class(name).prefix
+    return {prefix + "threshold": 48, prefix + "budget": 32, prefix + "window": 8}

@@ -17,14 +17,21 @@ def test_defaults_are_valid_and_documented():
     assert o.chunk_budget == 16 < o.kept_per_window  # the paper's alpha where K >= 32
 
 
-@pytest.mark.parametrize("window, buffer, retention", [(48, 32, 0.25), (40, 8, 0.25), (33, 32, 0.1),
-                                                       (64, 8, 0.1), (2, 0, 1.0), (4096, 32, 0.05)])
-def test_unset_chunk_budget_is_derived_and_valid_for_any_window(window, buffer, retention):
-    """alpha unset -> min(16, floor(K/2)): valid for every (W, U, r) the flags allow, so a user who
-    only sets --kara-window never gets an error about a flag they did not set."""
+@pytest.mark.parametrize("window, buffer, retention, kept, alpha", [
+    (48, 32, 0.25, 4, 2),          # K = ceil(0.25 x 16)
+    (40, 8, 0.25, 8, 4),
+    (33, 32, 0.1, 1, 0),           # one compressible token: no chunk at all
+    (64, 8, 0.1, 6, 3),            # ceil(0.1 x 56) = 6
+    (2, 0, 1.0, 2, 1),
+    (4096, 32, 0.05, 204, 16),     # ceil(0.05 x 4064) = 204: the paper's alpha = 16
+])
+def test_unset_chunk_budget_is_derived_and_valid_for_any_window(window, buffer, retention, kept, alpha):
+    """alpha unset: the paper's 16 where a window keeps enough, else half of what it keeps (values
+    worked by hand), always below K -- so a user who only sets --kara-window never gets an error
+    about a flag they did not set."""
     o = KaraConfig.build(window=window, buffer=buffer, retention=retention).options
     k = kept_count(window - buffer, retention)
-    assert o.chunk_budget == min(16, k // 2)
+    assert (k, o.chunk_budget) == (kept, alpha)
     assert 0 <= o.chunk_budget < k
     # An explicit value is still checked against the same bound.
     if k <= 16:
@@ -33,11 +40,11 @@ def test_unset_chunk_budget_is_derived_and_valid_for_any_window(window, buffer, 
 
 
 def test_only_window_on_the_command_line():
-    from conftest import PROXY_MODEL
+    from support import PROXY_MODEL
     from sgl_kara.launch_server import parse
 
     cfg, _ = parse(["--model-path", PROXY_MODEL, "--kara-window", "48"])
-    assert cfg.options.window == 48 and cfg.options.chunk_budget == min(16, kept_count(48 - 32, 0.25) // 2) == 2
+    assert cfg.options.window == 48 and cfg.options.chunk_budget == 2  # K = 4 of 16 compressible: alpha 2
 
 
 @pytest.mark.parametrize(
@@ -111,7 +118,7 @@ def test_prefixed_split_and_unknown_option():
     ],
 )
 def test_launcher_rejects_bad_flags_in_process(argv, needle, capsys):
-    from conftest import PROXY_MODEL
+    from support import PROXY_MODEL
     from sgl_kara.launch_server import parse
 
     with pytest.raises(SystemExit) as e:

@@ -22,7 +22,9 @@ import time
 import pytest
 import requests
 
-from conftest import Server
+from support import Server, generated
+
+pytestmark = pytest.mark.integration  # a server of its own (docs/TESTING.md, tiers)
 
 # Period 4 at --kara-phase request (the default): a request is due at its own generated-token
 # counts 4, 8, ..., so its first event comes at the same token whenever it arrives, and identical
@@ -92,15 +94,9 @@ def vanilla(servers):
 
 
 # ------------------------------------------------------------------ helpers
-def generate(srv, prompt, custom=None, timeout=300, body_extra=None, **params):
-    body = {"sampling_params": {"temperature": 0, **params}}
-    body["input_ids" if isinstance(prompt, list) else "text"] = prompt
-    if custom is not None:
-        body["sampling_params"]["custom_params"] = custom
-    body.update(body_extra or {})
-    r = requests.post(srv.url + "/generate", json=body, timeout=timeout)
-    assert r.status_code == 200, r.text[:500]
-    return r.json()
+def greedy(srv, prompt, custom=None, timeout=300, body_extra=None, **params):
+    """/generate at temperature 0 (``params``: more sampling parameters), asserted 200: its JSON."""
+    return generated(srv, prompt, {"temperature": 0, **params}, custom, timeout=timeout, **(body_extra or {}))
 
 
 def flush(srv, within: float = 60.0) -> None:
@@ -168,7 +164,7 @@ def story_ids(tokenizer):
 
 @pytest.fixture(scope="module")
 def vanilla_story(vanilla, story_ids):
-    return generate(vanilla, story_ids, max_new_tokens=90, ignore_eos=True)
+    return greedy(vanilla, story_ids, max_new_tokens=90, ignore_eos=True)
 
 
 def test_stop_string_after_compression(kara, vanilla, vanilla_story, story_ids, tokenizer):
@@ -187,19 +183,19 @@ def test_stop_string_after_compression(kara, vanilla, vanilla_story, story_ids, 
         return s, text[: text.find(s)]
 
     stop, expected = stop_at(ids, text)
-    ref = generate(vanilla, story_ids, max_new_tokens=90, stop=[stop])
+    ref = greedy(vanilla, story_ids, max_new_tokens=90, stop=[stop])
     assert ref["text"] == expected and ref["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
-    full = generate(kara, story_ids, FULL, max_new_tokens=90, stop=[stop])
+    full = greedy(kara, story_ids, FULL, max_new_tokens=90, stop=[stop])
     kara_meta(full)
     assert full["text"] == ref["text"]
     assert full["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"]
     assert full["meta_info"]["completion_tokens"] == ref["meta_info"]["completion_tokens"]
 
-    own = generate(kara, story_ids, max_new_tokens=90, ignore_eos=True)
+    own = greedy(kara, story_ids, max_new_tokens=90, ignore_eos=True)
     kara_meta(own)
     assert own["output_ids"][:BEFORE_EVENT] == ids[:BEFORE_EVENT]
     stop, expected = stop_at(own["output_ids"], own["text"])
-    stopped = generate(kara, story_ids, max_new_tokens=90, stop=[stop])
+    stopped = greedy(kara, story_ids, max_new_tokens=90, stop=[stop])
     kara_meta(stopped)
     assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert stopped["text"] == expected
@@ -208,17 +204,17 @@ def test_stop_string_after_compression(kara, vanilla, vanilla_story, story_ids, 
 def test_stop_token_id_after_compression(kara, vanilla, vanilla_story, story_ids):
     ids = vanilla_story["output_ids"]
     i = first_index_after(ids, W + 12, lambda i: ids[i] not in ids[:i])
-    ref = generate(vanilla, story_ids, max_new_tokens=90, stop_token_ids=[ids[i]])
+    ref = greedy(vanilla, story_ids, max_new_tokens=90, stop_token_ids=[ids[i]])
     assert ref["meta_info"]["finish_reason"] == {"type": "stop", "matched": ids[i]}
     assert ref["meta_info"]["completion_tokens"] == i + 1
-    full = generate(kara, story_ids, FULL, max_new_tokens=90, stop_token_ids=[ids[i]])
+    full = greedy(kara, story_ids, FULL, max_new_tokens=90, stop_token_ids=[ids[i]])
     kara_meta(full)
     assert full["output_ids"] == ref["output_ids"] and full["text"] == ref["text"]
     assert full["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"]
 
-    own = generate(kara, story_ids, max_new_tokens=90, ignore_eos=True)["output_ids"]
+    own = greedy(kara, story_ids, max_new_tokens=90, ignore_eos=True)["output_ids"]
     j = first_index_after(own, W + 12, lambda j: own[j] not in own[:j])
-    stopped = generate(kara, story_ids, max_new_tokens=90, stop_token_ids=[own[j]])
+    stopped = greedy(kara, story_ids, max_new_tokens=90, stop_token_ids=[own[j]])
     kara_meta(stopped)
     assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": own[j]}
     assert stopped["output_ids"] == own[: j + 1]
@@ -228,14 +224,14 @@ def test_eos_after_compression(kara, vanilla, tokenizer):
     """A chat answer that ends with end-of-text after the first event: at retention 1.0 Kara ends
     it at vanilla's token, with vanilla's text."""
     ids = chat_ids(tokenizer, [{"role": "user", "content": "Describe a sunrise over the sea in a few sentences."}])
-    ref = generate(vanilla, ids, max_new_tokens=300)
+    ref = greedy(vanilla, ids, max_new_tokens=300)
     n = ref["meta_info"]["completion_tokens"]
     assert ref["meta_info"]["finish_reason"]["type"] == "stop" and n > W + 8, ref["meta_info"]
-    full = generate(kara, ids, FULL, max_new_tokens=300)
+    full = greedy(kara, ids, FULL, max_new_tokens=300)
     kara_meta(full)
     assert full["output_ids"] == ref["output_ids"] and full["text"] == ref["text"]
     assert full["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"]
-    lossy = generate(kara, ids, max_new_tokens=300)
+    lossy = greedy(kara, ids, max_new_tokens=300)
     meta = kara_meta(lossy)
     print(f"\nSTOPPING vanilla {n} tokens ({ref['meta_info']['finish_reason']}); kara retention 0.25: "
           f"{lossy['meta_info']['completion_tokens']} tokens ({lossy['meta_info']['finish_reason']}), "
@@ -301,7 +297,7 @@ def test_openai_n_samples(kara):
                                            max_tokens=gen, temperature=0.9, n=2, extra_body={"ignore_eos": True})
     assert len(r.choices) == 2 and r.usage.completion_tokens == 2 * gen and c.windows >= 2
     # Native n > 1: the samples share the prompt's KV (a cache hit), each is compressed on its own.
-    outs = generate(kara, STORY_TEXT + " once more", max_new_tokens=gen, ignore_eos=True, temperature=0.9, n=n)
+    outs = greedy(kara, STORY_TEXT + " once more", max_new_tokens=gen, ignore_eos=True, temperature=0.9, n=n)
     assert len(outs) == n
     for out in outs:
         meta = kara_meta(out)
@@ -317,15 +313,15 @@ def test_follow_up_turn_over_a_compressed_answer(kara, vanilla, tokenizer):
     must be vanilla's: its prefill is exact."""
     q1 = [{"role": "user", "content": STORY}]
     p1 = chat_ids(tokenizer, q1)
-    first = generate(kara, p1, max_new_tokens=90)
+    first = greedy(kara, p1, max_new_tokens=90)
     kara_meta(first)
-    generate(vanilla, p1, max_new_tokens=90)  # the same cache state for turn 1's prompt
+    greedy(vanilla, p1, max_new_tokens=90)  # the same cache state for turn 1's prompt
     answer = tokenizer.decode(first["output_ids"], skip_special_tokens=True)
     p2 = chat_ids(tokenizer, q1 + [{"role": "assistant", "content": answer},
                                    {"role": "user", "content": "Now explain it to a child."}])
     assert p2[: len(p1)] == p1 and len(p2) > CHUNK  # also a prompt longer than the chunked-prefill size
     args = dict(max_new_tokens=1, body_extra={"return_logprob": True, "top_logprobs_num": 5})
-    mine, ref = generate(kara, p2, **args), generate(vanilla, p2, **args)
+    mine, ref = greedy(kara, p2, **args), greedy(vanilla, p2, **args)
     assert mine["meta_info"]["cached_tokens"] <= len(p1), (mine["meta_info"]["cached_tokens"], len(p1))
     top, ref_top = mine["meta_info"]["output_top_logprobs"][0], ref["meta_info"]["output_top_logprobs"][0]
     assert [t[1] for t in top] == [t[1] for t in ref_top]
@@ -361,7 +357,7 @@ EBNF_AS_REGEX = r"Colors:( (red|green|blue|yellow|purple),){20} end\."
     ("ebnf", EBNF, EBNF_AS_REGEX),
 ])
 def test_constrained_output_with_events_mid_output(kara, kind, constraint, check):
-    out = generate(kara, "Write the steps of a pancake recipe.", max_new_tokens=400, **{kind: constraint})
+    out = greedy(kara, "Write the steps of a pancake recipe.", max_new_tokens=400, **{kind: constraint})
     meta = kara_meta(out)
     assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]["finish_reason"]
     assert re.fullmatch(check, out["text"]), out["text"]
@@ -378,9 +374,9 @@ def _close(a, b, tol=1e-4):
 
 def test_logprobs_on_compressed_requests(kara, vanilla):
     gen = 80
-    ref = generate(vanilla, STORY_TEXT, max_new_tokens=gen, ignore_eos=True, body_extra=LP)["meta_info"]
+    ref = greedy(vanilla, STORY_TEXT, max_new_tokens=gen, ignore_eos=True, body_extra=LP)["meta_info"]
     for custom, steps in ((FULL, gen), (None, BEFORE_EVENT)):
-        out = generate(kara, STORY_TEXT, custom, max_new_tokens=gen, ignore_eos=True, body_extra=LP)
+        out = greedy(kara, STORY_TEXT, custom, max_new_tokens=gen, ignore_eos=True, body_extra=LP)
         kara_meta(out)
         meta = out["meta_info"]
         assert len(meta["output_token_logprobs"]) == len(meta["output_top_logprobs"]) == gen
@@ -404,13 +400,13 @@ LONG_PROMPT = ("The museum catalogue lists the following rooms, each with its pa
 
 def test_prompt_longer_than_chunked_prefill(kara, vanilla):
     lp = {"return_logprob": True}
-    ref = generate(vanilla, LONG_PROMPT, max_new_tokens=90, ignore_eos=True, body_extra=lp)
+    ref = greedy(vanilla, LONG_PROMPT, max_new_tokens=90, ignore_eos=True, body_extra=lp)
     assert ref["meta_info"]["prompt_tokens"] > CHUNK
-    full = generate(kara, LONG_PROMPT, FULL, max_new_tokens=90, ignore_eos=True, body_extra=lp)
+    full = greedy(kara, LONG_PROMPT, FULL, max_new_tokens=90, ignore_eos=True, body_extra=lp)
     kara_meta(full)
     assert full["output_ids"] == ref["output_ids"]
     assert _close(full["meta_info"]["output_token_logprobs"], ref["meta_info"]["output_token_logprobs"])
-    lossy = generate(kara, LONG_PROMPT, max_new_tokens=90, ignore_eos=True)
+    lossy = greedy(kara, LONG_PROMPT, max_new_tokens=90, ignore_eos=True)
     assert kara_meta(lossy)["kv_physical_len"] < lossy["meta_info"]["kara"]["kv_logical_len"]
     assert lossy["output_ids"][:BEFORE_EVENT] == ref["output_ids"][:BEFORE_EVENT]
 
@@ -419,7 +415,7 @@ def test_recompute_split_into_several_forwards(kara):
     """Four samples reach their first window in the same event; the cross-check's recompute pass
     over their 4 x W window queries runs in 4 forwards of <= --chunked-prefill-size tokens, and
     every request's scores equal the ones from its captured decode-time queries."""
-    outs = generate(kara, STORY_TEXT + " at night", max_new_tokens=W + 8, ignore_eos=True,
+    outs = greedy(kara, STORY_TEXT + " at night", max_new_tokens=W + 8, ignore_eos=True,
                     temperature=0.9, n=4)
     for out in outs:
         meta = kara_meta(out)
@@ -434,7 +430,7 @@ def test_metrics_equal_the_sums_of_meta_info(kara):
     names = ["events_total", "requests_compressed_total", "tokens_dropped_total"]
     before = {n: counter(kara, n) for n in names}
     with ThreadPoolExecutor(4) as pool:
-        outs = list(pool.map(lambda i: generate(kara, f"{STORY_TEXT} {i}", max_new_tokens=60 + 20 * i,
+        outs = list(pool.map(lambda i: greedy(kara, f"{STORY_TEXT} {i}", max_new_tokens=60 + 20 * i,
                                                 ignore_eos=True, temperature=0.7), range(4)))
     delta = {n: counter(kara, n) - before[n] for n in names}
     metas = [kara_meta(o) for o in outs]
@@ -481,7 +477,7 @@ def _stream_tokens(srv, text, gen, seen, results, key):
 
 @pytest.mark.parametrize("abort", [False, True], ids=["wait", "abort_all"])
 def test_update_weights_from_disk_with_compressed_requests(kara, model_path, abort):
-    probe = generate(kara, "The capital of France is", max_new_tokens=12)
+    probe = greedy(kara, "The capital of France is", max_new_tokens=12)
     seen, results = {}, {}
     gen = 120
     threads = [threading.Thread(target=_stream_tokens, args=(kara, f"{STORY_TEXT} {i}", gen, seen, results, i))
@@ -512,6 +508,6 @@ def test_update_weights_from_disk_with_compressed_requests(kara, model_path, abo
             assert meta["finish_reason"]["type"] == "length" and meta["completion_tokens"] == gen
             assert meta["kara"]["compressions"] > 0
     flush(kara)
-    assert generate(kara, "The capital of France is", max_new_tokens=12)["output_ids"] == probe["output_ids"]
+    assert greedy(kara, "The capital of France is", max_new_tokens=12)["output_ids"] == probe["output_ids"]
     bad = [line for line in kara.log_text().splitlines() if "leak" in line.lower() or "Traceback" in line]
     assert not bad, bad[:5]

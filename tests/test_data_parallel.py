@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 import requests
 
-from conftest import Server, free_port
+from support import Server, generated
 
-pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="--dp-size 2 needs a CPU core per replica")
+pytestmark = [pytest.mark.integration,  # servers of its own (docs/TESTING.md, tiers)
+              pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="--dp-size 2 needs a CPU core per replica")]
 
 POOL = 4096
 SIZING = ["--max-total-tokens", str(POOL), "--max-running-requests", "8"]
@@ -33,28 +32,9 @@ GREEDY = {"max_new_tokens": GEN, "temperature": 0.0, "ignore_eos": True}
 ANSWERED: list[dict] = []  # meta_info of every response the Kara server gave (for the /metrics sum)
 
 
-class VanillaServer(Server):
-    """``python -m sglang.launch_server`` (plain SGLang; sgl_kara's plugin loads, its hooks stay
-    inert without a Kara scheduler, as in every vanilla comparison of the suite)."""
-
-    def __init__(self, args: list[str], env: dict, timeout: float = 240):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        full_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        full_env.update(env)
-        self.log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"sglang_server_{self.port}.log"), "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(self.port), *args],
-            stdout=self.log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
-        )
-        self.wait_ready(timeout)
-
-
 def generate_batch(server, texts, params) -> list[dict]:
     """One /generate with a list of prompts: the DP controller dispatches them one by one."""
-    r = requests.post(server.url + "/generate", json={"text": texts, "sampling_params": params}, timeout=300)
-    r.raise_for_status()
-    return r.json()
+    return generated(server, texts, params)
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +44,11 @@ def vanilla_texts(tiny_llama):
     from sgl_kara.rank_cores import THREADS_BIND_VAR, split_cores
 
     cpu = [f"--{k.replace('_', '-')}={v}" for k, v in support.cpu_defaults().items()]
-    srv = VanillaServer(["--model-path", tiny_llama, "--dp-size", "2", "--disable-overlap-schedule", *cpu, *SIZING],
-                        env={THREADS_BIND_VAR: split_cores(get_cpu_ids_by_node(), 2) or "all"})
+    # plain SGLang's launcher (sgl_kara's plugin loads, its hooks inert without a Kara scheduler,
+    # as in every vanilla comparison of the suite)
+    srv = Server(["--host", "127.0.0.1", "--model-path", tiny_llama, "--dp-size", "2", "--disable-overlap-schedule",
+                  *cpu, *SIZING], env={THREADS_BIND_VAR: split_cores(get_cpu_ids_by_node(), 2) or "all"},
+                 module="sglang.launch_server")
     try:
         outs = generate_batch(srv, PROMPTS, GREEDY)
     finally:
@@ -75,10 +58,9 @@ def vanilla_texts(tiny_llama):
 
 
 @pytest.fixture(scope="module")
-def server(vanilla_texts, tiny_llama):
-    srv = Server(["--model-path", tiny_llama, "--host", "127.0.0.1", "--dp-size", "2", *SIZING, *KARA_ARGS])
-    yield srv
-    srv.stop()
+def server_args(vanilla_texts, tiny_llama):
+    """The module's server (conftest ``server``), started after the vanilla reference has stopped."""
+    return {"args": ["--model-path", tiny_llama, "--host", "127.0.0.1", "--dp-size", "2", *SIZING, *KARA_ARGS]}
 
 
 def replicas(server) -> list[dict]:

@@ -130,7 +130,7 @@ def test_model_shape_is_read_from_the_checkpoint(tiny_llama):
 
 
 def test_launcher_refuses_a_pool_larger_than_ram(capsys):
-    from conftest import PROXY_MODEL
+    from support import PROXY_MODEL
     from sgl_kara.launch_server import parse
 
     with pytest.raises(SystemExit) as e:
@@ -140,7 +140,7 @@ def test_launcher_refuses_a_pool_larger_than_ram(capsys):
 
 
 def test_launcher_applies_cpu_memory_defaults():
-    from conftest import PROXY_MODEL
+    from support import PROXY_MODEL
     from sgl_kara.launch_server import parse
 
     cfg, sa = parse(["--model-path", PROXY_MODEL])

@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import Server
+from support import Server
+
+pytestmark = pytest.mark.integration  # a server of its own (docs/TESTING.md, tiers)
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 
@@ -41,10 +43,14 @@ def _readme_long_request() -> tuple[str, dict, dict]:
 
 
 @pytest.fixture(scope="module")
-def default_server():
-    srv = Server([], timeout=600)  # a fresh machine converts the model first (~30-60 s)
-    yield srv
-    srv.stop()
+def server_args():
+    """The README's first command: no flags (a fresh machine converts the model first, ~30-60 s)."""
+    return {"args": [], "timeout": 600}
+
+
+@pytest.fixture(scope="module")
+def default_server(server):
+    return server
 
 
 def _pss_mb(pid: int) -> float:

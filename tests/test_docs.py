@@ -7,8 +7,12 @@
   benchmarks exists; links into README.md and bench/RESULTS.md name existing headings.
 - The README keeps its shape: at most 220 lines, the status line and the results tables near the
   top, a LICENSE beside it.
-- Every ``python bench/<script>.py`` command named in README.md and docs/ answers ``--help``, and
-  every Python block in them compiles (tests/test_default_server.py runs the quick start's).
+- Every ``python -m bench.<name>`` (or ``python bench/<script>.py``) command named in README.md and
+  docs/ answers ``--help``, and every Python block in them compiles (tests/test_default_server.py
+  runs the quick start's).
+- bench/results holds only what bench/RESULTS.md and the docs cite, under 2 MB, with no raw
+  profiler dumps or process files; bench/RESULTS.md has no history section, and the results and
+  benchmark docs name no deprecated ``SGL_KARA_*`` variable.
 - docs/CONFIGURATION.md names every ``--kara-*`` flag with its default and every environment
   variable of ``sgl_kara/env.py``, and every ``KARA_*`` variable the docs name exists in the code.
 """
@@ -185,28 +189,62 @@ def test_readme_keeps_the_two_commands_ci_runs():
 
 # -- documented commands run ---------------------------------------------------------------------
 
-def _bench_scripts() -> list[str]:
-    scripts = set()
-    for path in [README, *sorted((ROOT / "docs").glob("*.md"))]:
-        scripts.update(re.findall(r"python (bench/[\w/]+\.py)", path.read_text()))
-    return sorted(scripts)
+def _bench_commands() -> list[tuple[str, ...]]:
+    """("-m", module) of every ``python -m bench.<name>`` and (script,) of every ``python bench/<script>.py``
+    named in README.md, docs/ and bench/RESULTS.md."""
+    found = set()
+    for path in [README, ROOT / "bench" / "RESULTS.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = path.read_text()
+        found.update(("-m", m) for m in re.findall(r"python -m (bench(?:\.\w+)*)(?![.\w<])", text))
+        found.update((s,) for s in re.findall(r"python (bench/[\w/]+\.py)", text))
+    return sorted(found)
 
 
 def test_every_documented_benchmark_command_answers_help():
-    scripts = _bench_scripts()
-    assert "bench/throughput.py" in scripts and "bench/serve_numbers.py" in scripts, scripts
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    commands = _bench_commands()
+    assert ("-m", "bench.throughput") in commands and ("-m", "bench.serve_numbers") in commands, commands
+    # tests/ too: bench.gpu_suite imports tests/gpu_checks.py (its documented command sets PYTHONPATH=tests)
+    path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
 
-    def run(script):
-        if not (ROOT / script).exists():
-            return script, "missing"
-        r = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, env=env, capture_output=True,
+    def run(command):
+        if len(command) == 1 and not (ROOT / command[0]).exists():
+            return command, "missing"
+        r = subprocess.run([sys.executable, *command, "--help"], cwd=ROOT, env=env, capture_output=True,
                            text=True, timeout=180)
-        return script, None if r.returncode == 0 and "usage" in r.stdout.lower() else r.stderr[-500:]
+        return command, None if r.returncode == 0 and "usage" in r.stdout.lower() else r.stderr[-500:]
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        failed = {s: err for s, err in pool.map(run, scripts) if err}
+        failed = {" ".join(c): err for c, err in pool.map(run, commands) if err}
     assert not failed, failed
+
+
+# -- results: small, cited, reproducible -----------------------------------------------------------
+
+RESULTS = ROOT / "bench" / "results"
+
+
+def test_results_are_small_and_every_folder_is_cited():
+    files = _tracked("bench/results/*", "bench/results/**/*")
+    total = sum(p.stat().st_size for p in files)
+    assert total < 2 * 2**20, f"bench/results holds {total / 2**20:.2f} MB (at most 2 MB)"
+    raw = [str(p.relative_to(ROOT)) for p in files if p.name in ("stacks.txt", "py-spy.pid", "py-spy.log")
+           or p.suffix in (".pid", ".log")]
+    assert not raw, f"raw profiler output or process files: {raw}"
+    cited = "\n".join(p.read_text() for p in [ROOT / "bench" / "RESULTS.md", README,
+                                               *sorted((ROOT / "docs").glob("*.md"))])
+    folders = sorted({p.relative_to(RESULTS).parts[0] for p in files})
+    uncited = [f for f in folders if f not in cited]
+    assert not uncited, f"results folders no document cites: {uncited}"
+
+
+def test_results_and_benchmark_docs_name_no_deprecated_variable_and_no_history():
+    docs = [ROOT / "bench" / "RESULTS.md", ROOT / "docs" / "BENCHMARKS.md", README,
+            *_tracked("bench/results/*.md", "bench/results/**/*.md", "bench/results/**/*.txt")]
+    old = [f"{p.relative_to(ROOT)}: {m}" for p in docs for m in re.findall(r"SGL_KARA_\w+", p.read_text())]
+    assert not old, f"deprecated variable names (read as KARA_* today): {old[:10]}"
+    headings = _headings(ROOT / "bench" / "RESULTS.md")
+    assert not [h for h in headings if h.lower().startswith("history")], "git keeps the history of results"
 
 
 def test_every_python_block_in_the_docs_compiles():
@@ -275,6 +313,5 @@ def test_every_documented_variable_exists_in_the_code():
     assert named and not missing, f"named in the docs but read nowhere under that name: {missing}"
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
+if __name__ == "__main__":  # python tests/test_docs.py: the flag table to paste into docs/CONFIGURATION.md
     print(flag_table((ROOT / "docs" / "CONFIGURATION.md").read_text()))

@@ -5,12 +5,12 @@ job whose fresh slots the pool cannot give is skipped before it is scored."""
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import torch
 
 from sgl_kara.mem_cache.compaction import OutOfSlots
+from sgl_kara.scheduler import events
 from sgl_kara.policies.base import Region
 from sgl_kara.scheduler.events import EventRunner
 from sgl_kara.scheduler.jobs import Job
@@ -32,27 +32,44 @@ def _jobs(n, start=8, length=8, keep=2, row=40):
             for i in range(n)]
 
 
-def test_an_attempt_without_slots_counts_its_time_but_no_event():
+class Clock:
+    """The event runner's clock (``events.time.perf_counter``), moved only by the test."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_an_attempt_without_slots_counts_its_time_but_no_event(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(events, "time", clock)
+
     def no_slots(batch, group):
-        time.sleep(0.02)  # scoring ran, then the allocator had nothing
+        clock.now += 2.5  # scoring took 2.5 s, then the allocator had nothing
         raise OutOfSlots("need 4 free KV slots for compaction")
 
     rt, runner = _runner(no_slots)
     runner.run(None, _jobs(3))
     assert rt.stats.events == 0 and rt.stats.requests_compressed == 0
     assert rt.stats.skipped_no_memory == 3
-    assert rt.stats.compression_seconds >= 0.02
+    assert rt.stats.compression_seconds == 2.5
 
 
-def test_a_compressed_group_is_one_event_with_its_time():
+def test_a_compressed_group_is_one_event_with_its_time(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(events, "time", clock)
+
     def ok(batch, group):
-        time.sleep(0.01)
+        clock.now += 0.75
         return len(group), 6
 
     rt, runner = _runner(ok)
     runner.run(None, _jobs(2))
-    assert rt.stats.events == 1 and rt.stats.skipped_no_memory == 0
-    assert rt.stats.compression_seconds >= 0.01
+    runner.run(None, _jobs(2))
+    assert rt.stats.events == 2 and rt.stats.skipped_no_memory == 0
+    assert rt.stats.compression_seconds == 1.5  # both events' time, nothing else
 
 
 def test_jobs_the_pool_cannot_take_are_skipped_unscored():

@@ -12,17 +12,16 @@ import json
 import os
 import random
 import tempfile
-import types
 
 import pytest
 
 from sgl_kara.policies.base import RowView
 from sgl_kara.policies.kara import KaraOptions, KaraPolicy
 from sgl_kara.policies.snapkv import SnapKVOptions, SnapKVPolicy
-from sgl_kara.scheduler.jobs import choose, due_at, overdue, plan_jobs
+from sgl_kara.scheduler.jobs import choose, decoded_tokens, due_at, overdue, plan_jobs
 from sgl_kara.scheduler.state import KaraReqState
 
-from conftest import flush_when_idle, start_engine
+from support import FakeReq, flush_when_idle, start_engine
 
 
 # ------------------------------------------------------------------ the rule
@@ -57,19 +56,6 @@ def test_tail_charges_match_the_footprints():
 
 
 # ------------------------------------------------------------------ the schedule, simulated
-class FakeReq:
-    def __init__(self, prompt: int, max_new: int):
-        self.origin_input_ids = [0] * prompt
-        self.output_ids = []
-        self.sampling_params = types.SimpleNamespace(max_new_tokens=max_new)
-        self.kv = types.SimpleNamespace(kv_committed_len=prompt, kv_allocated_len=prompt, cache_protected_len=0)
-        self.kara = KaraReqState()
-        self.to_finish = None
-
-    def finished(self):
-        return len(self.output_ids) >= self.sampling_params.max_new_tokens
-
-
 def simulate(n: int, max_seqs: int, window=32, buffer=4, period=8, max_new=120, stagger=3, seed=0,
              phase="request", prompts=None) -> dict:
     """Decode steps over due_at and plan_jobs (the runtime's two calls) with compaction's effect on
@@ -78,7 +64,8 @@ def simulate(n: int, max_seqs: int, window=32, buffer=4, period=8, max_new=120, 
     per request the own generated-token counts at which it was compressed."""
     policy = KaraPolicy(KaraOptions(window=window, buffer=buffer, period=period))
     rng = random.Random(seed)
-    pending = [FakeReq(p, max_new) for p in (prompts or [rng.randint(4, 12) for _ in range(n)])][::-1]
+    pending = [FakeReq(i, prompt=p, max_new=max_new, kara=KaraReqState())
+               for i, p in enumerate(prompts or [rng.randint(4, 12) for _ in range(n)])][::-1]
     order = pending[::-1]
     running, step, max_tail, per_event = [], 0, 0, []
     compressed_at = {id(r): [] for r in pending}
@@ -98,7 +85,8 @@ def simulate(n: int, max_seqs: int, window=32, buffer=4, period=8, max_new=120, 
                 j.req.kv.kv_committed_len -= d
                 j.req.kv.kv_allocated_len -= d
                 j.state.frontier = j.region.start + j.region.keep
-                compressed_at[id(j.req)].append(len(j.req.output_ids))
+                j.state.pos_offset += d
+                compressed_at[id(j.req)].append(decoded_tokens(j.req, j.state))  # its own count: a due step
         for r in running:
             r.output_ids.append(1)
             r.kv.kv_committed_len += 1
@@ -188,6 +176,7 @@ def _check(r: dict) -> None:
     assert r["compressions_min"] >= 3, r  # several windows each
 
 
+@pytest.mark.integration  # a load run: 256 requests on an engine of its own (docs/TESTING.md, tiers)
 def test_engine_events_keep_up_with_256_requests(tiny_llama):
     """256 running requests at max_seqs 30 (256 x 8 / 28 = 73 due per event in steady state)."""
     r = run_schedule(tiny_llama, 256, 30)

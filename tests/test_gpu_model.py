@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-import gpu_model as gm  # noqa: E402
+from bench import gpu_model as gm
 
 LLAMA8B, GPU = gm.MODELS["R1-Llama-8B"], gm.GPUS["rtx5090"]
 
@@ -119,19 +115,16 @@ def test_kv_budget_of_paper_setting():
         gm.kv_budget_tokens(gm.MODELS["Qwen3-14B"], GPU, 1, 0.5, 1.5, 256)
 
 
-def test_write_results_appends_and_replaces_only_its_section(tmp_path):
-    path = tmp_path / "RESULTS.md"
-    gm.write_results(str(path), ["## GPU cost model", "", "v1"])
-    assert path.read_text().startswith("# Benchmark results\n")
-    path.write_text(path.read_text() + "\n## Later section\n\nkeep me\n")
-    gm.write_results(str(path), ["## GPU cost model", "", "v2"])
-    text = path.read_text()
-    assert "v2" in text and "v1" not in text and "keep me" in text and text.count("## GPU cost model") == 1
-
-
 def test_main_runs_end_to_end_small(tmp_path, capsys):
-    out = tmp_path / "R.md"
-    gm.main(["--requests", "40", "--mean-gen", "600", "--max-gen", "2000", "--batch-sizes", "16,64",
-             "--results", str(out)])
-    text = out.read_text()
-    assert "## GPU cost model" in text and "| KvLLM | 64 |" in text
+    """--out writes the section to its own file (bench/RESULTS.md is edited by people) with the run
+    record beside it; without --out it only prints."""
+    import json
+
+    argv = ["--requests", "40", "--mean-gen", "600", "--max-gen", "2000", "--batch-sizes", "16,64"]
+    gm.main(argv)
+    assert "| KvLLM | 64 |" in capsys.readouterr().out and not list(tmp_path.iterdir())
+    gm.main(argv + ["--out", str(tmp_path)])
+    text = (tmp_path / "gpu_model.md").read_text()
+    assert text.startswith("## GPU cost model") and "| KvLLM | 64 |" in text
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["notes"]["requests"] == 40 and run["notes"]["batch_sizes"] == [16, 64]

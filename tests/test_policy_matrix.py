@@ -6,40 +6,26 @@
   masked (tests/oracle.py), and the unmasked reference is far off (the check can fail);
 - afterwards every slot is free (SGLang's strict idle check, and a successful flush).
 
-A new policy joins the matrix by being registered; ``SMALL`` gives it small options when the
-threshold trio (threshold / budget / window) does not fit it.
+A new policy joins the matrix by being registered; tests/oracle.py ``SMALL`` gives it small
+options when the threshold trio (threshold / budget / window) does not fit it.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from conftest import flush_when_idle
+from oracle import run_and_check, small_options
 from sgl_kara.policies import base
-from test_oracle import run_and_check
-
-SMALL = {"kara": dict(kara_window=40, kara_buffer=8, kara_max_chunk=6, kara_period=4, kara_retention=0.25),
-         "random": dict(kara_random_window=40, kara_random_buffer=8, kara_random_period=4, kara_random_retention=0.25,
-                        kara_random_seed=5)}
-
-
-def small_options(name: str) -> dict:
-    if name in SMALL:
-        return SMALL[name]
-    prefix = "kara_" + base.policy_class(name).prefix
-    return {prefix + "threshold": 48, prefix + "budget": 32, prefix + "window": 8}
+from support import flush_when_idle
 
 
 @pytest.mark.parametrize("name", base.names())
-def test_policy_through_the_engine(name, tiny_llama, tmp_path):
-    outs, engine_checks, _, _ = run_and_check(tiny_llama, tmp_path, 1, "capture", policy=name, extra=small_options(name),
-                                              integrity=True, keep_engine=True)
-    try:
-        for out in outs:
-            kara = out["meta_info"]["kara"]
-            assert kara["compressions"] >= 2, kara
-            assert kara["kv_physical_len"] < kara["kv_logical_len"], kara
-            assert kara["integrity_checks"] >= kara["compressions"] - 1, kara
-        assert flush_when_idle(engine_checks), "slots still held after every request finished"
-    finally:
-        engine_checks.shutdown()
+def test_policy_through_the_engine(name, tiny_llama, tmp_path, engines):
+    outs, engine, _, _ = run_and_check(tiny_llama, tmp_path, 1, "capture", policy=name, extra=small_options(name),
+                                       engines=engines)
+    for out in outs:
+        kara = out["meta_info"]["kara"]
+        assert kara["compressions"] >= 2, kara
+        assert kara["kv_physical_len"] < kara["kv_logical_len"], kara
+        assert kara["integrity_checks"] >= kara["compressions"] - 1, kara
+    assert flush_when_idle(engine), "slots still held after every request finished"

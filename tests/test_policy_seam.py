@@ -18,29 +18,12 @@ from sgl_kara.policies import base
 from sgl_kara.policies.base import RowView, ScoreInput, top_k
 from sgl_kara.scheduler.state import KaraReqState
 
+from support import B, D, HKV, HQ, LAYERS, M  # noqa: F401  (the shapes; tests/test_h2o.py imports them here)
+from support import make_policy as _policy
+from support import row_view as _row
+from support import score_input as _inputs
+
 POLICIES = base.names()
-B, M, HQ, HKV, D, LAYERS = 2, 40, 4, 2, 16, 3
-
-
-def _policy(name, **opts):
-    return KaraConfig.build(policy=name, **{base.policy_class(name).prefix + k: v for k, v in opts.items()}).make_policy()
-
-
-def _row(length, protected=10, frontier=None, offset=0, **state):
-    return RowView(protected, protected if frontier is None else frontier, length, offset, KaraReqState(**state))
-
-
-def _inputs(policy, layer=0, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    k_buffer = torch.randn(200, HKV, D, generator=g)
-    slots = torch.stack([torch.randperm(200, generator=g)[:M] for _ in range(B)])
-    rows = [_row(M + 60) for _ in range(B)]
-    region = base.Region(10, M, 12, 50, 8 if policy.needs_queries else 0)
-    q = torch.randn(B, region.query_len, HQ, D, generator=g) if policy.needs_queries else None
-    if policy.observes_decode:
-        for r in rows:
-            r.state.policy_state[policy.name] = {layer: torch.rand(HKV, 120, generator=g)}
-    return ScoreInput(layer, q, k_buffer, slots, rows, [region] * B)
 
 
 def test_registry_names_every_policy_and_refuses_unknown_ones():

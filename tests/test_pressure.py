@@ -91,7 +91,7 @@ def test_deferring_triggers_leave_a_request_exact_while_the_pool_has_room(tiny_l
     event is deferred, the output is full KV's token for token."""
     import os
 
-    from conftest import start_engine
+    from support import start_engine
 
     prompt = [[11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
     gen = {"max_new_tokens": 180, "temperature": 0.0, "ignore_eos": True}
@@ -123,7 +123,7 @@ def _three_requests_checked(model, tmp_path, trigger: str, pool: int):
     """Three 220-token requests under ``trigger`` in a ``pool``-slot pool, every decode step checked
     against the masked reference (integrity checks on). Returns (outputs, per-step trace); asserts
     no retraction and that every request finished."""
-    from test_oracle import run_and_check
+    from oracle import run_and_check
 
     trace = tmp_path / "trace.jsonl"
     outs = run_and_check(model, tmp_path, 1, "recompute", integrity=True,

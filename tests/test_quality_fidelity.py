@@ -3,15 +3,12 @@ per-step statistics against a direct computation, and the record -> force protoc
 processor driven by fake requests."""
 
 import json
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "quality"))
-import fidelity  # noqa: E402
+from bench.quality import fidelity
 
 
 def test_step_stats_matches_direct_kl():

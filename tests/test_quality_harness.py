@@ -1,34 +1,61 @@
-"""Smoke run of the quality harness: a few proxy problems through the real runtime."""
+"""The quality harness (``python -m bench.quality``): a few proxy problems and prompts through the
+real runtime, its figures checked against the per-step records they come from and against a
+plain Hugging Face forward; its pure parts on hand-made inputs."""
 
 import json
-import os
-import sys
+import math
 
 import pytest
 
-from conftest import run_bench
+from bench.quality import fidelity
+from support import run_bench
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+def _from_steps(ref_dir, tag: str, n: int) -> dict:
+    """Token-weighted agreement, KL, PPL and hit rate of a row, recomputed from its per-step files."""
+    steps = [fidelity.load_steps(str(ref_dir), tag, k) for k in range(n)]
+    flat = {key: [x for st in steps for x in st[key]] for key in ("agree", "kl", "nll", "hit")}
+    return dict(agree=sum(flat["agree"]) / len(flat["agree"]), kl=sum(flat["kl"]) / len(flat["kl"]),
+                ppl=math.exp(sum(flat["nll"]) / len(flat["nll"])), hit=sum(flat["hit"]) / len(flat["hit"]),
+                tokens=len(flat["agree"]))
+
+
+def _hf_text_stats(model_path: str, problems: list[dict]) -> tuple[float, float]:
+    """(PPL, hit rate) of each problem's target text after its prompt under a plain Hugging Face
+    forward (float32, full attention): what full KV's teacher-forced row must report."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    nll, hit = [], []
+    with torch.no_grad():
+        for p in problems:
+            ids = torch.tensor([p["input_ids"] + p["target"]])
+            logp = torch.log_softmax(model(ids).logits[0].float(), -1)
+            rows = logp[len(p["input_ids"]) - 1: -1]
+            target = torch.tensor(p["target"])
+            nll += (-rows[torch.arange(len(target)), target]).tolist()
+            hit += (rows.argmax(-1) == target).tolist()
+    return math.exp(sum(nll) / len(nll)), sum(hit) / len(hit)
 
 
 def test_last_boxed():
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from quality import last_boxed
+    from bench.quality.harness import last_boxed
 
     assert last_boxed(r"so \boxed{1} then \boxed{\frac{1}{2}}") == r"\frac{1}{2}"
     assert last_boxed("no answer") is None
 
 
+@pytest.mark.integration
 def test_harness_smoke(tiny_llama, tmp_path):
     """Plumbing only: a random tiny model answers nothing right, but every policy runs, budgets
     are matched per sequence, the fidelity pass feeds the full-KV output through every policy
     (exactly reproduced by full KV itself), and the table is written."""
-    run_bench("quality.py", "--model-path", tiny_llama, "--n", "3",
+    run_bench("quality", "--model-path", tiny_llama, "--n", "3",
               "--ratios", "0.25", "--size-min", "5", "--size-max", "6", "--policies", "none", "kara", "snapkv", "--window", "48", "--buffer", "8",
               "--chunk-budget", "4", "--fidelity-n", "3", "--out", str(tmp_path))
     table = (tmp_path / "quality.md").read_text()
-    assert table.startswith("command: ") and "\ndate: 20" in table and "\nmachine: " in table
+    assert table.startswith("command: python -m bench.quality ") and "\ndate: 20" in table and "\nmachine: " in table
     for policy in ("none", "kara", "snapkv"):
         assert f"| {policy} |" in table
     assert "/3 |" in table
@@ -42,9 +69,16 @@ def test_harness_smoke(tiny_llama, tmp_path):
     assert rows["none"]["agree"] >= 0.99 and rows["none"]["kl"] < 1e-4
     gen_tokens = round(rows["none"]["gen_len"] * 3)
     for policy in ("kara", "snapkv"):
-        assert rows[policy]["fid_tokens"] == gen_tokens and 0 <= rows[policy]["agree"] <= 1
-        assert rows[policy]["kl"] >= 0
+        assert rows[policy]["fid_tokens"] == gen_tokens
+    # Kara compressed (its peak KV is below full KV's), so its distributions moved off full KV's
+    assert rows["kara"]["peak_kv"] < rows["none"]["peak_kv"] and rows["kara"]["kl"] > 0
     assert "next-token agreement" in table
+    # the run record: the command, and every engine's resolved settings as it ran
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["command"].startswith("python -m bench.quality --model-path ")
+    kara = run["configs"]["kara r=0.25"]
+    assert kara["kara"]["policy"] == "kara" and kara["kara"]["window"] == 48 and kara["kara"]["buffer"] == 8
+    assert kara["server"]["model_path"] == tiny_llama and run["configs"]["none"]["kara"] == {"policy": "none"}
 
 
 @pytest.mark.slow
@@ -52,7 +86,7 @@ def test_proxy_model_solves_problems_with_full_kv(tmp_path):
     """The committed proxy, served by sgl_kara.Engine with full KV, answers held-out problems
     (regression check of the weights, its word-level tokenizer and the CPU serving path), and a
     compressing policy runs on it and reports the KV it kept."""
-    run_bench("quality.py", "--n", "3", "--size-min", "21",
+    run_bench("quality", "--n", "3", "--size-min", "21",
               "--size-max", "23", "--ratios", "0.25", "--policies", "none", "kara", "--fidelity-n", "0",
               "--out", str(tmp_path))
     import json
@@ -76,7 +110,7 @@ def test_real_model_path_runs_a_math_jsonl(tmp_path):
         {"problem": "Unused third line", "answer": "0"},
     ]) + "\n")
     out = tmp_path / "out"
-    run_bench("quality.py", "--jsonl", str(data), "--n", "2",
+    run_bench("quality", "--jsonl", str(data), "--n", "2",
               "--max-new-tokens", "48", "--ratios", "0.5", "--policies", "none", "kara", "--window", "16",
               "--buffer", "4", "--fidelity-n", "0", "--out", str(out))
     rows = {r["policy"]: r for r in json.loads((out / "quality.json").read_text())}
@@ -85,19 +119,22 @@ def test_real_model_path_runs_a_math_jsonl(tmp_path):
         assert all(g <= 48 for g in rows[policy]["per_problem"]["gen_len"])
 
 
+@pytest.mark.integration
 def test_real_lm_mode_smoke(tiny_llama, tmp_path):
-    """bench/quality.py --real on 2 prompts (a tiny model stands in for SmolLM2): full-KV output,
+    """python -m bench.quality --real on 2 prompts (a tiny model stands in for SmolLM2): full-KV output,
     Kara and a budget-matched baseline fed that output, the table, JSON and free generations;
     then a second run on the kept record (--ref-dir) adds a row without Kara, and --merge joins
     the two runs."""
     common = ["--real", "--model-path", tiny_llama, "--n", "2", "--new-tokens", "64", "--ratios", "0.25",
               "--window", "24", "--buffer", "4", "--period", "4", "--max-running", "2", "--ref-dir", str(tmp_path / "ref")]
-    run_bench("quality.py", *common, "--policies", "none", "kara", "streaming", "--show", "1", "--out", str(tmp_path))
+    run_bench("quality", *common, "--policies", "none", "kara", "streaming", "--show", "1", "--out", str(tmp_path))
     out = json.loads((tmp_path / "quality_real.json").read_text())
     rows = {r["policy"]: r for r in out["rows"]}
     assert set(rows) == {"kara", "streaming"}
-    for r in rows.values():
-        assert r["tokens"] == 2 * 64 and 0 <= r["agree"] <= 1 and r["kl"] >= 0 and r["ppl"] >= 1
+    for name, r in rows.items():  # each row's figures are its per-step records' (kept in --ref-dir)
+        want = _from_steps(tmp_path / "ref", f"{name}_0.25", 2)
+        assert r["tokens"] == want["tokens"] == 2 * 64
+        assert (r["agree"], r["kl"], r["ppl"]) == pytest.approx((want["agree"], want["kl"], want["ppl"]), rel=1e-9)
     # budget matching: the baseline's peak generated KV is Kara's (within the decode step it triggers at)
     assert rows["streaming"]["peak_kv"] <= rows["kara"]["peak_kv"] + 1
     assert len(out["texts"]["none"]) == 1 and len(out["texts"]["kara_0.25"]) == 1
@@ -105,19 +142,19 @@ def test_real_lm_mode_smoke(tiny_llama, tmp_path):
     assert "| kara | 0.25 |" in real_md and "\ndate: 20" in real_md and "\nmachine: " in real_md
     # The record is reused (no second full-KV run) and Kara's peaks from the first run set the
     # baseline's budgets: the same row again, from a run without Kara.
-    again = run_bench("quality.py", *common, "--policies", "none", "streaming", "--show", "0", "--out", str(tmp_path / "b"))
+    again = run_bench("quality", *common, "--policies", "none", "streaming", "--show", "0", "--out", str(tmp_path / "b"))
     assert "reusing the record" in again.stdout
     (row,) = json.loads((tmp_path / "b" / "quality_real.json").read_text())["rows"]
     assert {k: row[k] for k in ("agree", "kl", "peak_kv", "shared_prefix")} == \
         {k: rows["streaming"][k] for k in ("agree", "kl", "peak_kv", "shared_prefix")}
     # Equal mean KV (KV-token-steps): the baseline's measured mean is Kara's (the budget rule's
     # simulated trajectory is the runtime's).
-    run_bench("quality.py", *common, "--policies", "none", "streaming", "--match", "mean", "--show", "0",
+    run_bench("quality", *common, "--policies", "none", "streaming", "--match", "mean", "--show", "0",
               "--out", str(tmp_path / "c"))
     (mean_row,) = json.loads((tmp_path / "c" / "quality_real.json").read_text())["rows"]
     assert mean_row["match"] == "mean"
     assert abs(mean_row["mean_kv"] - rows["kara"]["mean_kv"]) <= 2, (mean_row["mean_kv"], rows["kara"]["mean_kv"])
-    run_bench("quality.py", "--real", "--merge", str(tmp_path / "quality_real.json"),
+    run_bench("quality", "--real", "--merge", str(tmp_path / "quality_real.json"),
               str(tmp_path / "b" / "quality_real.json"), str(tmp_path / "c" / "quality_real.json"),
               "--out", str(tmp_path / "m"))
     merged = json.loads((tmp_path / "m" / "quality_real.json").read_text())["rows"]
@@ -126,8 +163,7 @@ def test_real_lm_mode_smoke(tiny_llama, tmp_path):
     assert "| streaming (mean-matched) | 0.25 |" in (tmp_path / "m" / "quality_real.md").read_text()
     # Paired comparison from the per-step files: every prompt has 64 steps, so the mean over
     # prompts of the per-prompt differences is the table's difference.
-    sys.path.insert(0, os.path.join(ROOT, "bench", "quality"))
-    from paired import compare
+    from bench.quality.paired import compare
 
     cmp = compare(str(tmp_path / "ref"), "kara_0.25", "streaming_0.25")
     assert cmp["n"] == 2
@@ -142,8 +178,8 @@ def test_real_lm_free_only_on_a_kept_record(tiny_llama, tmp_path):
     baseline), no rows."""
     common = ["--real", "--model-path", tiny_llama, "--n", "2", "--new-tokens", "64", "--ratios", "0.25",
               "--window", "24", "--buffer", "4", "--period", "4", "--max-running", "2", "--ref-dir", str(tmp_path / "ref")]
-    run_bench("quality.py", *common, "--policies", "none", "kara", "--show", "0", "--out", str(tmp_path))
-    run_bench("quality.py", *common, "--policies", "none", "kara", "streaming", "--free-only", "--show", "2",
+    run_bench("quality", *common, "--policies", "none", "kara", "--show", "0", "--out", str(tmp_path))
+    run_bench("quality", *common, "--policies", "none", "kara", "streaming", "--free-only", "--show", "2",
               "--out", str(tmp_path / "f"))
     free = json.loads((tmp_path / "f" / "quality_real.json").read_text())
     assert free["rows"] == [] and [len(free["texts"][k]) for k in ("none", "kara_0.25", "streaming_0.25")] == [2, 2, 2]
@@ -152,8 +188,7 @@ def test_real_lm_free_only_on_a_kept_record(tiny_llama, tmp_path):
 def test_threshold_mean_kv_counts_the_runtime_trajectory():
     """The mean-matching budget rule: the simulated trajectory is 0, 1, .., C_max + 1, then back
     to N + 1 after each event; budget_for_mean is the smallest N reaching a mean."""
-    sys.path.insert(0, os.path.join(ROOT, "bench", "quality"))
-    from real_lm import budget_for_mean, threshold_mean_kv
+    from bench.quality.real_lm import budget_for_mean, threshold_mean_kv
 
     assert threshold_mean_kv(10**6, 5, 11) == sum(range(11)) / 11  # never triggers
     # N=2, gap=2 (C_max=4): lengths 0 1 2 3 4 5 | 3 4 5 | 3 4 5
@@ -164,44 +199,56 @@ def test_threshold_mean_kv_counts_the_runtime_trajectory():
     assert budget_for_mean(1.0, 112, 999, 24) == 24  # the floor
 
 
+@pytest.mark.integration
 def test_real_lm_teacher_forced_text_recall_and_stopping_smoke(tiny_llama, tmp_path):
     """The three workloads of --real on a tiny model, 2 items each (one policy each: budget
     matching is the other smoke test's): teacher-forced Python source (full KV reads the text:
-    its forced output is the text, its row has agreement 1 and the text's PPL; the random policy
-    is scored on every step), recall (scored on the recalled values only) and stopping (free
+    its forced output is the text, its row has agreement 1 and the PPL and hit rate a plain
+    Hugging Face forward gives the text; the random policy's row is its per-step records'),
+    recall (scored on the recalled values only, as the records say) and stopping (free
     generation with EOS allowed, compared with full KV's answers)."""
+    from transformers import AutoTokenizer
+
+    from bench.quality import workloads
+
     common = ["--real", "--model-path", tiny_llama, "--n", "2", "--ratios", "0.25",
               "--window", "24", "--buffer", "4", "--period", "4", "--max-running", "2"]
-    run_bench("quality.py", *common, "--new-tokens", "96", "--text", "python", "--policies", "none", "random",
-              "--out", str(tmp_path / "text"))
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    run_bench("quality", *common, "--new-tokens", "96", "--text", "python", "--policies", "none", "random",
+              "--ref-dir", str(tmp_path / "text_ref"), "--out", str(tmp_path / "text"))
     out = json.loads((tmp_path / "text" / "quality_real.json").read_text())
     rows = {r["policy"]: r for r in out["rows"]}
     assert set(rows) == {"none", "random"}
-    assert rows["none"]["agree"] == 1 and rows["none"]["tokens"] == 2 * 96 and rows["none"]["ppl"] > 1
-    r = rows["random"]
-    assert r["tokens"] == 2 * 96 and 0 <= r["agree"] <= 1 and 0 <= r["hit"] <= 1 and r["ppl"] > 1
+    ppl, hit = _hf_text_stats(tiny_llama, workloads.text_problems("python", 2, 96, tok))
+    assert rows["none"]["agree"] == 1 and rows["none"]["tokens"] == 2 * 96
+    assert rows["none"]["ppl"] == pytest.approx(ppl, rel=1e-3)
+    assert abs(rows["none"]["hit"] - hit) <= 2 / (2 * 96)  # a near-tie may flip an argmax or two
+    r, want = rows["random"], _from_steps(tmp_path / "text_ref", "random_0.25", 2)
+    assert r["tokens"] == want["tokens"] == 2 * 96
+    assert (r["agree"], r["hit"], r["ppl"]) == pytest.approx((want["agree"], want["hit"], want["ppl"]), rel=1e-9)
     assert 0 < r["mean_kv"] < r["peak_kv"] < 96  # compressed in Kara's windows
     assert "| none | - |" in (tmp_path / "text" / "quality_real.md").read_text()
 
-    run_bench("quality.py", *common, "--new-tokens", "200", "--recall", "--facts", "2", "--policies", "none", "kara",
-              "--out", str(tmp_path / "recall"))
+    run_bench("quality", *common, "--new-tokens", "200", "--recall", "--facts", "2", "--policies", "none", "kara",
+              "--ref-dir", str(tmp_path / "recall_ref"), "--out", str(tmp_path / "recall"))
     rows = {r["policy"]: r for r in json.loads((tmp_path / "recall" / "quality_real.json").read_text())["rows"]}
-    sys.path.insert(0, os.path.join(ROOT, "bench", "quality"))
-    from transformers import AutoTokenizer
-
-    import workloads
-
-    items = workloads.recall_problems(2, 200, 2, AutoTokenizer.from_pretrained(tiny_llama))
+    items = workloads.recall_problems(2, 200, 2, tok)
     scored = sum(len(p["score_steps"]) for p in items)
     assert scored >= 2 * 2 * 2  # every recalled code (4 digits, at least 2 tokens here)
     for p in items:  # the scored tokens are the stated values, repeated after the filler
         values = [p["target"][t] for t in p["score_steps"]]
         assert p["distance"] > 0 and all(v in p["target"][: p["score_steps"][0] - p["distance"]] for v in values)
     for r in rows.values():
-        assert r["scored_tokens"] == scored and 0 <= r["hit_scored"] <= 1 and r["kl_scored"] >= 0
+        assert r["scored_tokens"] == scored
+    steps = [fidelity.load_steps(str(tmp_path / "recall_ref"), "kara_0.25", k) for k in range(2)]
+    picked = [(st, p["score_steps"]) for st, p in zip(steps, items)]
+    assert rows["kara"]["hit_scored"] == pytest.approx(
+        sum(st["hit"][t] for st, s in picked for t in s) / scored, rel=1e-12)
+    assert rows["kara"]["kl_scored"] == pytest.approx(sum(st["kl"][t] for st, s in picked for t in s) / scored,
+                                                      rel=1e-9)
     assert rows["none"]["agree_scored"] == 1
 
-    run_bench("quality.py", *common, "--stopping", "--new-tokens", "64", "--policies", "none", "kara",
+    run_bench("quality", *common, "--stopping", "--new-tokens", "64", "--policies", "none", "kara",
               "--out", str(tmp_path / "stop"))
     rows = json.loads((tmp_path / "stop" / "quality_stopping.json").read_text())["rows"]
     assert [r["policy"] for r in rows] == ["none", "kara"]
@@ -214,8 +261,7 @@ def test_stopping_compare_counts_against_full_kv():
     """--stopping's statistics from hand-made outputs: prompts 0-2 stop with full KV (lengths
     100, 50, 10), prompt 3 runs to the limit 200; the policy stops at 105 (with full), runs away
     on prompt 1, stops early at 5 on prompt 2."""
-    sys.path.insert(0, os.path.join(ROOT, "bench", "quality"))
-    from stopping import compare
+    from bench.quality.stopping import compare
 
     def out(n, reason, ids=None):
         return {"meta_info": {"completion_tokens": n, "finish_reason": {"type": reason}}, "output_ids": ids or [n]}

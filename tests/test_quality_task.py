@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import random
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "quality"))
-import task  # noqa: E402
+from bench.quality import task
 
 
 def _reevaluate(prompt: str) -> tuple[dict[int, int], dict[str, int], list[int]]:
@@ -106,7 +103,7 @@ def test_tokenizer_round_trip(tmp_path):
     pytest.importorskip("transformers")
     from transformers import AutoTokenizer
 
-    from tokenizer import save_tokenizer
+    from bench.quality.tokenizer import save_tokenizer
 
     save_tokenizer(tmp_path)
     tok = AutoTokenizer.from_pretrained(str(tmp_path))

@@ -14,15 +14,12 @@ import pytest
 import torch
 
 from sgl_kara.scheduler.queries import QueryRing
-
-
-def _req(slot: int):
-    return types.SimpleNamespace(kv=types.SimpleNamespace(req_pool_idx=slot))
+from support import FakeReq
 
 
 def test_rows_are_reused_last_in_first_out():
     ring = QueryRing({0: (2, 4)}, rows=3, capacity=8, req_slots=6, dtype=torch.float32, device="cpu")
-    a, b, c, d = (_req(i) for i in range(4))
+    a, b, c, d = (FakeReq(i) for i in range(4))
     assert ring.assign(a) and ring.assign(b) and ring.assign(c)
     assert not ring.assign(d)  # every row held
     ring.check()
@@ -38,7 +35,7 @@ def test_poisoned_ring_is_nan_until_written():
     ring = QueryRing({0: (2, 4), 1: (2, 4)}, rows=2, capacity=8, req_slots=4, dtype=torch.float32, device="cpu",
                      poison=True)
     assert all(torch.isnan(b).all() for b in ring.buffers.values())
-    ring.assign(_req(0))
+    ring.assign(FakeReq(0))
     q = torch.randn(3, 2, 4)
     rows = ring.rows_for(torch.tensor([0, 0, 0]))
     ring.write(0, q, rows, torch.tensor([5, 6, 7]))
@@ -65,7 +62,7 @@ def test_resident_memory_follows_the_rows_written():
     assert allocated < row_bytes / 4, (allocated, row_bytes)
     q = torch.ones(256, hq, d)
     for slot in (0, 1):
-        ring.assign(_req(slot))
+        ring.assign(FakeReq(slot))
         rows = ring.rows_for(torch.full((256,), slot))
         for start in range(0, capacity, 256):
             ring.write(0, q, rows, torch.arange(start, start + 256))

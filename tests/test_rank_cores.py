@@ -102,7 +102,7 @@ def test_launcher_and_engine_set_the_binding(two_cores, tiny_llama):
     """Both entry points: --dp-size 2 is accepted with compression on and the binding is set."""
     import os
 
-    from conftest import PROXY_MODEL
+    from support import PROXY_MODEL
     from sgl_kara.engine import build_server_args
     from sgl_kara.launch_server import parse
 

@@ -18,14 +18,15 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 
-from conftest import PROXY_MODEL, Server, engine_env, flush_when_idle, start_engine
+from support import PROXY_MODEL, Server, engine_env, flush_when_idle, generate, start_engine
+
+pytestmark = pytest.mark.integration  # a server of its own (docs/TESTING.md, tiers)
 
 # W=40, U=8 -> 32 compressible rows per window, K = ceil(0.25 * 32) = 8 kept, 24 dropped.
 KARA_ARGS = ["--kara-window", "40", "--kara-buffer", "8", "--kara-chunk-budget", "4",
@@ -40,27 +41,10 @@ def report(what: str, **figures) -> None:
     print(f"\nRELIABILITY {what}: " + json.dumps(figures, sort_keys=True), flush=True)
 
 
-class RestartedServer(Server):
-    """conftest's Server on a given port (its own log file)."""
-
-    def __init__(self, args, port: int, env: dict | None = None, timeout: float = 240):
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        full_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        full_env.update(env or {})
-        self.log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"sgl_kara_server_{port}_restart.log"), "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sgl_kara.launch_server", "--port", str(port), *args],
-            stdout=self.log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
-        )
-        self.wait_ready(timeout)
-
-
 @pytest.fixture(scope="module")
-def server():
-    srv = Server(SERVER_ARGS, env=SERVER_ENV)
-    yield srv
-    srv.stop()
+def server_args():
+    """The module's server (conftest ``server``): the proxy, integrity checks, an injectable fault."""
+    return {"args": SERVER_ARGS, "env": SERVER_ENV}
 
 
 # ------------------------------------------------------------------ helpers
@@ -68,18 +52,14 @@ def post(server, body, path="/generate", timeout=300, **kw):
     return requests.post(server.url + path, json=body, timeout=timeout, **kw)
 
 
-def generate(server, text, n_tokens, rid=None, custom=None, timeout=300, **params):
+def sampled(server, text, n_tokens, rid=None, custom=None, timeout=300, **params):
+    """Exactly ``n_tokens`` sampled tokens (temperature 0.7): the raw response."""
     sp = {"max_new_tokens": n_tokens, "min_new_tokens": n_tokens, "temperature": 0.7, **params}
-    if custom is not None:
-        sp["custom_params"] = custom
-    body = {"text": text, "sampling_params": sp}
-    if rid is not None:
-        body["rid"] = rid
-    return post(server, body, timeout=timeout)
+    return generate(server, text, sp, custom, rid=rid, timeout=timeout)
 
 
 def assert_serving(server):
-    r = generate(server, "Hello", 1, timeout=120)
+    r = sampled(server, "Hello", 1, timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["meta_info"]["completion_tokens"] == 1
 
@@ -333,7 +313,7 @@ def run_load(server, clients: int, per_client: int, seed: int, timeout: float, m
         for j in my_jobs:
             left = deadline - time.time()
             assert left > 0, "load test over its time bound"
-            r = generate(server, j["text"], j["n_tokens"], custom=j["custom"], n=j["n"], timeout=left)
+            r = sampled(server, j["text"], j["n_tokens"], custom=j["custom"], n=j["n"], timeout=left)
             outs.append((j, r))
         return outs
 
@@ -407,10 +387,10 @@ def test_kill9_and_restart_on_same_port(server):
         requests.get(server.url + "/health", timeout=5)
     server.log.close()
     tic = time.time()
-    new = RestartedServer(SERVER_ARGS, port, env=SERVER_ENV)
+    new = Server(SERVER_ARGS, env=SERVER_ENV, port=port, log_tag="_restart")
     restart = time.time() - tic
     server.__dict__.update(new.__dict__)  # fixture teardown stops the new one
-    r = generate(server, "Let x = 3. Then", 80)
+    r = sampled(server, "Let x = 3. Then", 80)
     assert r.status_code == 200 and r.json()["meta_info"]["kara"]["compressions"] >= 1, r.text[:300]
     assert_clean(server)
     report("kill -9 restart", port=port, restart_seconds=round(restart, 1))

@@ -6,7 +6,9 @@ import math
 
 import torch
 
-from test_policy_seam import B, D, HKV, HQ, M, _inputs, _policy
+from support import B, D, HKV, HQ, M
+from support import make_policy as _policy
+from support import score_input as _inputs
 
 
 def test_rkv_scores_match_a_direct_computation():

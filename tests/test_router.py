@@ -22,7 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from conftest import Server, free_port
+from support import Server, free_port, generate
+
+pytestmark = pytest.mark.integration  # a server of its own (docs/TESTING.md, tiers)
 
 pytest.importorskip("sglang_router", reason="sglang-router is not installed (pip install sglang-router)")
 
@@ -84,10 +86,10 @@ def cluster(tiny_llama):
             w.stop()
 
 
-def generate(url: str, text: str, n: int) -> tuple[int, dict | str]:
-    body = {"text": text, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+def greedy(url: str, text: str, n: int) -> tuple[int, dict | str]:
+    """(status, meta_info or the error's text) of ``n`` greedy tokens; status -1 if the connection failed."""
     try:
-        r = requests.post(url + "/generate", json=body, timeout=300)
+        r = generate(url, text, {"max_new_tokens": n, "temperature": 0, "ignore_eos": True})
     except requests.RequestException as e:
         return -1, repr(e)
     return r.status_code, (r.json()["meta_info"] if r.status_code == 200 else r.text[:300])
@@ -101,12 +103,12 @@ def test_mixed_load_compresses_on_both_workers_with_prefix_hits(cluster):
     router, workers = cluster
     n = 96
     # Each group's first request alone: the router learns where the prompt lives.
-    firsts = {g: generate(router.url, p + "Question 0?", n) for g, p in GROUPS.items()}
+    firsts = {g: greedy(router.url, p + "Question 0?", n) for g, p in GROUPS.items()}
     jobs = [(g, GROUPS[g] + f"Question {i}?") for g in GROUPS for i in range(1, 6)]
     jobs += [(None, f"{word} {i * 37} is a distinct prompt") for i, word in
              enumerate(["Kettle", "Orbit", "Mango", "Violet", "Quartz", "Harbor", "Nimbus", "Pepper"])]
     with ThreadPoolExecutor(len(jobs)) as pool:
-        results = list(pool.map(lambda job: (job[0], *generate(router.url, job[1], n)), jobs))
+        results = list(pool.map(lambda job: (job[0], *greedy(router.url, job[1], n)), jobs))
     for group, (code, meta) in [(g, r) for g, r in firsts.items()] + [(g, (c, m)) for g, c, m in results]:
         assert code == 200, meta
         assert meta["completion_tokens"] == n and meta["kara"]["compressions"] >= 5, meta
@@ -146,7 +148,7 @@ def test_killing_a_worker_mid_load(cluster):
         assert time.time() - killed < 30 * HEALTH_INTERVAL + 30, "the router never marked the dead worker down"
         time.sleep(0.2)
     marked_down = time.time() - killed
-    recovered = [generate(router.url, f"Recovered {i}: another question", 64) for i in range(6)]
+    recovered = [greedy(router.url, f"Recovered {i}: another question", 64) for i in range(6)]
     for code, meta in inflight + after + recovered:
         if code == 200:
             assert meta["completion_tokens"] in (n, 64) and meta["kara"]["compressions"] > 0, meta

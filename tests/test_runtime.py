@@ -10,7 +10,8 @@
 
 import pytest
 
-from conftest import engine_env, flush_when_idle, start_engine
+from oracle import KARA, shared_engine
+from support import engine_env, flush_when_idle, start_engine
 
 PROMPTS = [
     "Hello world",
@@ -20,8 +21,16 @@ PROMPTS = [
 ]
 GEN = 300
 GREEDY = {"max_new_tokens": GEN, "temperature": 0.0, "ignore_eos": True}
-# Small windows so a 300-token answer goes through many events: W=40, U=8 -> 32 compressible.
-KARA_SMALL = dict(kara_window=40, kara_buffer=8, kara_chunk_budget=4, kara_max_chunk=6, kara_period=4)
+FULL = {**GREEDY, "custom_params": {"kara": {"retention": 1.0}}}  # per request: every entry kept
+# Small windows so a 300-token answer goes through many events: W=40, U=8 -> 32 compressible, r = 0.25
+# -> K = 8, chunk budget 4 (its default at K = 8). The engines are the session's shared ones of
+# this configuration (tests/oracle.py shared_engine: integrity checks, capture-vs-recompute
+# cross-check with capture, evictions recorded), so tests/test_oracle.py runs on the same ones.
+KARA_SMALL = dict(KARA, kara_retention=0.25)
+
+
+def kara_engine(engines, model_path: str, query_source: str, extra: dict | None = None):
+    return shared_engine(engines, model_path, 1, query_source, extra=extra)[0]
 
 
 @pytest.fixture(scope="module")
@@ -36,15 +45,14 @@ def vanilla(tiny_llama, tiny_qwen3):
     return refs
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize("query_source", ["capture", "recompute"])
-def test_full_retention_is_token_identical(arch, query_source, vanilla, tiny_llama, tiny_qwen3):
-    path = tiny_llama if arch == "llama" else tiny_qwen3
-    engine = start_engine("kara", path, kara_retention=1.0, kara_query_source=query_source, **KARA_SMALL)
-    try:
-        outs = engine.generate(PROMPTS, GREEDY)
-    finally:
-        engine.shutdown()
+# The shared Llama capture engine last: the tests after this one run on it too.
+@pytest.mark.parametrize("arch, query_source", [("qwen3", "capture"), ("qwen3", "recompute"), ("llama", "recompute"),
+                                                ("llama", "capture")])
+def test_full_retention_is_token_identical(arch, query_source, vanilla, tiny_llama, tiny_qwen3, engines):
+    """Retention 1.0 for these requests (``custom_params.kara``): every window still goes through
+    scoring, selection and fresh-slot compaction, and the tokens are plain SGLang's."""
+    engine = kara_engine(engines, tiny_llama if arch == "llama" else tiny_qwen3, query_source)
+    outs = engine.generate(PROMPTS, FULL)
     for out, ref in zip(outs, vanilla[arch]):
         meta = out["meta_info"]
         assert meta["completion_tokens"] == GEN
@@ -55,35 +63,87 @@ def test_full_retention_is_token_identical(arch, query_source, vanilla, tiny_lla
         assert out["text"] == ref
 
 
+@pytest.fixture
+def compressing_engine(tiny_llama, engines):
+    """The shared Kara engine on the tiny Llama with captured queries (integrity checks and the
+    capture-vs-recompute cross-check on)."""
+    return kara_engine(engines, tiny_llama, "capture")
+
+
+def predicted_physical(prompt_tokens: int, completion: int, compressions: int) -> int:
+    m = 40 - 8
+    k = 8  # ceil(0.25 * 32)
+    return prompt_tokens + completion - 1 - compressions * (m - k)
+
+
+def test_footprint_matches_prediction(compressing_engine):
+    outs = compressing_engine.generate(PROMPTS, GREEDY)
+    for out in outs:
+        meta, kara = out["meta_info"], out["meta_info"]["kara"]
+        assert meta["completion_tokens"] == GEN
+        logical = meta["prompt_tokens"] + GEN - 1
+        assert kara["kv_logical_len"] == logical
+        # Windows are compressed whenever W uncompressed rows exist at an event (every 4 steps),
+        # so the count is fixed by the schedule: floor((tail) / 32) up to one period of lag.
+        assert kara["compressions"] >= (GEN - 40 - 4) // 32
+        assert kara["kv_physical_len"] == predicted_physical(meta["prompt_tokens"], GEN, kara["compressions"])
+        assert kara["kv_physical_len"] < 0.5 * logical
+        assert kara["integrity_checks"] >= kara["compressions"]
+
+
+def test_query_sources_agree_on_first_window(compressing_engine):
+    outs = compressing_engine.generate(PROMPTS, GREEDY)
+    for out in outs:
+        err = out["meta_info"]["kara"]["query_crosscheck_max_rel_err"]
+        # fp16 KV pool on CPU: the capture path sees decode-time queries, the recompute path an
+        # extend over the same cached KV; they agree to fp16 rounding.
+        assert err < 2e-2, err
+
+
+def test_parallel_samples_share_prompt_and_cache_hit(compressing_engine):
+    prompt = "Let x = 3. Let y = x + 4, so y = 7. Then z = y - 2 = 5. The answer"
+    params = {"max_new_tokens": 200, "temperature": 0.8, "ignore_eos": True, "n": 4}
+    outs = compressing_engine.generate(prompt, params)
+    assert len(outs) == 4
+    for out in outs:
+        kara = out["meta_info"]["kara"]
+        assert out["meta_info"]["completion_tokens"] == 200
+        assert kara["compressions"] >= 3
+        assert kara["integrity_checks"] >= kara["compressions"]  # prompt slots and bytes unchanged
+    again = compressing_engine.generate(prompt, {"max_new_tokens": 4, "temperature": 0.0})
+    assert again["meta_info"]["cached_tokens"] >= again["meta_info"]["prompt_tokens"] - 1
+
+
+def test_flush_leaves_every_slot_free(compressing_engine):
+    compressing_engine.generate(PROMPTS, GREEDY)
+    assert flush_when_idle(compressing_engine)
+    # The strict idle check (SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1) raises inside the
+    # scheduler on any leaked slot; a further request proves the scheduler is alive.
+    out = compressing_engine.generate("Hello", {"max_new_tokens": 2, "temperature": 0.0})
+    assert out["meta_info"]["completion_tokens"] == 2
+
+
 @pytest.mark.parametrize("query_source", ["capture", "recompute"])
-def test_full_retention_is_token_identical_page16(query_source, vanilla, tiny_llama):
+def test_full_retention_is_token_identical_page16(query_source, vanilla, tiny_llama, engines):
     """Page size 16: kept entries and the shifted tail go to fresh page-aligned pages."""
-    engine = start_engine(
-        "kara", tiny_llama, page_size=16, kara_retention=1.0, kara_query_source=query_source,
-        **{**KARA_SMALL, "kara_window": 48},
-    )
-    try:
-        outs = engine.generate(PROMPTS, GREEDY)
-    finally:
-        engine.shutdown()
+    engine = engines("kara", tiny_llama, page_size=16, kara_query_source=query_source,
+                     **{**KARA_SMALL, "kara_window": 48, "kara_retention": 1.0})
+    outs = engine.generate(PROMPTS, GREEDY)
     for out, ref in zip(outs, vanilla["llama"]):
         assert out["meta_info"]["kara"]["compressions"] >= 5
         assert out["text"] == ref
 
 
 @pytest.mark.parametrize("policy", ["snapkv", "streaming"])
-def test_threshold_baselines_bound_generated_kv(policy, tiny_llama):
+def test_threshold_baselines_bound_generated_kv(policy, tiny_llama, engines):
     """SnapKV-threshold and StreamingLLM share the compaction machinery: generated KV grows to
     C_max, then is compacted back to N (the last w entries always kept)."""
     threshold, budget, window = 64, 48, 8
     own = {f"kara_{policy}_threshold": threshold, f"kara_{policy}_budget": budget, f"kara_{policy}_window": window}
     if policy == "streaming":
         own["kara_streaming_sinks"] = 4
-    engine = start_engine("kara", tiny_llama, kara_policy=policy, **own)
-    try:
-        outs = engine.generate(PROMPTS[:2], {"max_new_tokens": 200, "temperature": 0.0, "ignore_eos": True})
-    finally:
-        engine.shutdown()
+    engine = engines("kara", tiny_llama, kara_policy=policy, **own)
+    outs = engine.generate(PROMPTS[:2], {"max_new_tokens": 200, "temperature": 0.0, "ignore_eos": True})
     for out in outs:
         meta, kara = out["meta_info"], out["meta_info"]["kara"]
         assert meta["completion_tokens"] == 200
@@ -94,6 +154,7 @@ def test_threshold_baselines_bound_generated_kv(policy, tiny_llama):
         assert kara["kv_logical_len"] == meta["prompt_tokens"] + 199
 
 
+@pytest.mark.integration  # a retraction scenario on an engine of its own (docs/TESTING.md, tiers)
 def test_tight_pool_retracts_and_completes(tiny_llama):
     """Over-admission under pressure: natural retraction, then every request still completes.
 
@@ -114,8 +175,8 @@ def test_tight_pool_retracts_and_completes(tiny_llama):
 
     with engine_env(SGLANG_INIT_NEW_TOKEN_RATIO="0.01"):
         engine = start_engine(
-            "kara", tiny_llama, kara_retention=0.25, kara_query_source="capture",
-            max_total_tokens=900, max_running_requests=12, **KARA_SMALL,
+            "kara", tiny_llama, kara_query_source="capture", max_total_tokens=900, max_running_requests=12,
+            **KARA_SMALL,
         )
     params = {"max_new_tokens": GEN, "min_new_tokens": GEN, "temperature": 0.0}
 
@@ -179,6 +240,7 @@ def test_tight_pool_retracts_and_completes(tiny_llama):
         assert meta["kara"]["kv_physical_len"] < meta["kara"]["kv_logical_len"] - 100, meta
 
 
+@pytest.mark.integration  # a retraction scenario on an engine of its own (docs/TESTING.md, tiers)
 def test_retracted_request_keeps_its_own_budget(tiny_llama):
     """A budget-matched SnapKV request (``custom_params.kara.budget``) keeps its budget through a
     retraction. The request state used to be rebuilt by hand on retraction without the budget, so
@@ -224,84 +286,13 @@ def test_retracted_request_keeps_its_own_budget(tiny_llama):
         assert 24 <= held <= 40 + 1, (held, meta)  # its own N..C_max, not the server's 200..216
 
 
-def test_buffer_scoring_recomputes_the_decoded_queries(tiny_llama):
+def test_buffer_scoring_recomputes_the_decoded_queries(tiny_llama, engines):
     """--kara-scoring buffer: a region's query window is the last U tokens of the window, and the
     recompute forward extends those alone (prefix = every row before them). On each request's
     first window its scores equal those from the captured decode-time queries (crosscheck)."""
-    with engine_env(KARA_CROSSCHECK_QUERIES="1"):
-        engine = start_engine("kara", tiny_llama, kara_retention=0.25, kara_query_source="capture",
-                              kara_scoring="buffer", **KARA_SMALL)
-    try:
-        outs = engine.generate(PROMPTS, GREEDY)
-    finally:
-        engine.shutdown()
+    engine = kara_engine(engines, tiny_llama, "capture", extra={"kara_scoring": "buffer"})
+    outs = engine.generate(PROMPTS, GREEDY)
     for out in outs:
         kara = out["meta_info"]["kara"]
         assert kara["compressions"] >= 3
         assert kara["query_crosscheck_max_rel_err"] < 2e-2, kara["query_crosscheck_max_rel_err"]
-
-
-# Tests that share ``compressing_engine`` come last: SGLang's Engine.shutdown kills every child
-# process of the calling process, so an engine shut down while another is alive would take the
-# other's scheduler with it (its watchdog then SIGQUITs pytest). One engine at a time.
-
-
-@pytest.fixture(scope="module")
-def compressing_engine(tiny_llama):
-    with engine_env(KARA_CHECK_INTEGRITY="1", KARA_CROSSCHECK_QUERIES="1"):
-        engine = start_engine("kara", tiny_llama, kara_retention=0.25, kara_query_source="capture", **KARA_SMALL)
-    yield engine
-    engine.shutdown()
-
-
-def predicted_physical(prompt_tokens: int, completion: int, compressions: int) -> int:
-    m = 40 - 8
-    k = 8  # ceil(0.25 * 32)
-    return prompt_tokens + completion - 1 - compressions * (m - k)
-
-
-def test_footprint_matches_prediction(compressing_engine):
-    outs = compressing_engine.generate(PROMPTS, GREEDY)
-    for out in outs:
-        meta, kara = out["meta_info"], out["meta_info"]["kara"]
-        assert meta["completion_tokens"] == GEN
-        logical = meta["prompt_tokens"] + GEN - 1
-        assert kara["kv_logical_len"] == logical
-        # Windows are compressed whenever W uncompressed rows exist at an event (every 4 steps),
-        # so the count is fixed by the schedule: floor((tail) / 32) up to one period of lag.
-        assert kara["compressions"] >= (GEN - 40 - 4) // 32
-        assert kara["kv_physical_len"] == predicted_physical(meta["prompt_tokens"], GEN, kara["compressions"])
-        assert kara["kv_physical_len"] < 0.5 * logical
-        assert kara["integrity_checks"] >= kara["compressions"]
-
-
-def test_query_sources_agree_on_first_window(compressing_engine):
-    outs = compressing_engine.generate(PROMPTS, GREEDY)
-    for out in outs:
-        err = out["meta_info"]["kara"]["query_crosscheck_max_rel_err"]
-        # fp16 KV pool on CPU: the capture path sees decode-time queries, the recompute path an
-        # extend over the same cached KV; they agree to fp16 rounding.
-        assert err < 2e-2, err
-
-
-def test_parallel_samples_share_prompt_and_cache_hit(compressing_engine):
-    prompt = "Let x = 3. Let y = x + 4, so y = 7. Then z = y - 2 = 5. The answer"
-    params = {"max_new_tokens": 200, "temperature": 0.8, "ignore_eos": True, "n": 4}
-    outs = compressing_engine.generate(prompt, params)
-    assert len(outs) == 4
-    for out in outs:
-        kara = out["meta_info"]["kara"]
-        assert out["meta_info"]["completion_tokens"] == 200
-        assert kara["compressions"] >= 3
-        assert kara["integrity_checks"] >= kara["compressions"]  # prompt slots and bytes unchanged
-    again = compressing_engine.generate(prompt, {"max_new_tokens": 4, "temperature": 0.0})
-    assert again["meta_info"]["cached_tokens"] >= again["meta_info"]["prompt_tokens"] - 1
-
-
-def test_flush_leaves_every_slot_free(compressing_engine):
-    compressing_engine.generate(PROMPTS, GREEDY)
-    assert flush_when_idle(compressing_engine)
-    # The strict idle check (SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1) raises inside the
-    # scheduler on any leaked slot; a further request proves the scheduler is alive.
-    out = compressing_engine.generate("Hello", {"max_new_tokens": 2, "temperature": 0.0})
-    assert out["meta_info"]["completion_tokens"] == 2

@@ -3,16 +3,17 @@ per-request options, the proxy's example chain of thought."""
 
 import pytest
 
-from conftest import PROXY_MODEL, Server
+from support import PROXY_MODEL, generate
+
+pytestmark = pytest.mark.integration  # a server of its own (docs/TESTING.md, tiers)
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = Server(["--model-path", PROXY_MODEL, "--kara-window", "64", "--kara-buffer", "8", "--kara-chunk-budget", "4",
-                  "--kara-period", "8", "--max-total-tokens", "20000", "--max-running-requests", "16",
-                  "--enable-metrics"])
-    yield srv
-    srv.stop()
+def server_args():
+    """The module's server (conftest ``server``): the proxy, small windows, metrics on."""
+    return {"args": ["--model-path", PROXY_MODEL, "--kara-window", "64", "--kara-buffer", "8", "--kara-chunk-budget",
+                     "4", "--kara-period", "8", "--max-total-tokens", "20000", "--max-running-requests", "16",
+                     "--enable-metrics"]}
 
 
 def test_models_completions_and_chat(server):
@@ -42,21 +43,12 @@ def test_native_generate_reports_kara_meta(server):
     assert meta["kv_physical_len"] < meta["kv_logical_len"]
 
 
-def _generate(server, text, params, custom=None, timeout=300):
-    import requests
-
-    body = {"text": text, "sampling_params": dict(params)}
-    if custom is not None:
-        body["sampling_params"]["custom_params"] = custom
-    return requests.post(server.url + "/generate", json=body, timeout=timeout)
-
-
 def test_per_request_options(server):
     params = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
-    off = _generate(server, "Let x = 3.", params, {"kara": {"enable": False}}).json()["meta_info"]["kara"]
+    off = generate(server, "Let x = 3.", params, {"kara": {"enable": False}}).json()["meta_info"]["kara"]
     assert off["compressions"] == 0 and off["kv_physical_len"] == off["kv_logical_len"]
-    half = _generate(server, "Let x = 3.", params, {"kara": {"retention": 0.5}}).json()["meta_info"]["kara"]
-    default = _generate(server, "Let x = 3.", params).json()["meta_info"]["kara"]
+    half = generate(server, "Let x = 3.", params, {"kara": {"retention": 0.5}}).json()["meta_info"]["kara"]
+    default = generate(server, "Let x = 3.", params).json()["meta_info"]["kara"]
     assert half["compressions"] == default["compressions"] >= 2
     assert default["kv_physical_len"] < half["kv_physical_len"] < half["kv_logical_len"]
 
@@ -72,10 +64,10 @@ def test_proxy_reasons_through_the_example_prompt(server):
 
     prompt = (Path(PROXY_MODEL_DIR) / "example_prompt.txt").read_text().strip()
     params = {"max_new_tokens": 1000, "temperature": 0}
-    full = _generate(server, prompt, params, {"kara": {"enable": False}}).json()
+    full = generate(server, prompt, params, {"kara": {"enable": False}}).json()
     assert full["meta_info"]["completion_tokens"] > 600, full["text"][:200]
     assert full["text"].rstrip().endswith("answer r32 V32=3 and r30 V30=9 last r58 V58=2"), full["text"][-200:]
-    kara = _generate(server, prompt, params).json()
+    kara = generate(server, prompt, params).json()
     window = 64  # --kara-window of this server
     assert kara["text"].split()[:window] == full["text"].split()[:window]
     assert kara["meta_info"]["kara"]["compressions"] >= 5
@@ -93,10 +85,10 @@ def test_proxy_reasons_through_the_example_prompt(server):
     ],
 )
 def test_invalid_request_options_get_400(server, custom, field):
-    r = _generate(server, "Hi", {"max_new_tokens": 4}, custom)
+    r = generate(server, "Hi", {"max_new_tokens": 4}, custom)
     assert r.status_code == 400, r.text
     assert field in r.text
-    ok = _generate(server, "Hi", {"max_new_tokens": 2})
+    ok = generate(server, "Hi", {"max_new_tokens": 2})
     assert ok.status_code == 200
 
 

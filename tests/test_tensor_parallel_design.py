@@ -7,7 +7,6 @@ refused (tests/test_refusals.py) and points to the design."""
 from __future__ import annotations
 
 import copy
-import types
 
 import torch
 
@@ -15,6 +14,7 @@ from sgl_kara.kernels.window_score import window_scores
 from sgl_kara.policies.kara import KaraOptions, KaraPolicy
 from sgl_kara.scheduler.jobs import plan_jobs
 from sgl_kara.scheduler.state import KaraReqState
+from support import FakeReq
 
 TP = 2
 H_Q, H_KV, D = 8, 4, 16
@@ -51,16 +51,6 @@ def test_selection_is_per_head_with_a_global_keep_count():
     assert torch.equal(torch.cat(kept, dim=2), full)
 
 
-def _request(rid: int, prompt: int, generated: int, max_new: int, state: KaraReqState):
-    kv = types.SimpleNamespace(kv_committed_len=prompt + generated, kv_allocated_len=prompt + generated,
-                               cache_protected_len=0, req_pool_idx=rid)
-    req = types.SimpleNamespace(rid=f"r{rid}", kv=kv, origin_input_ids=list(range(prompt)),
-                                output_ids=list(range(generated)), to_finish=None, kara=state,
-                                sampling_params=types.SimpleNamespace(max_new_tokens=max_new))
-    req.finished = lambda: False
-    return req
-
-
 def test_ranks_plan_identical_jobs_from_replicated_state():
     """Who is compressed, which region, how many kept and how many fresh slots: functions of the
     replicated integers only, so both ranks plan the same event with no communication."""
@@ -70,7 +60,8 @@ def test_ranks_plan_identical_jobs_from_replicated_state():
     shapes = [(10, 40, 200), (5, 33, 200), (7, 50, 200), (12, 3, 200), (9, 60, 61)]
     ranks = []
     for _ in range(TP):
-        reqs = [_request(i, p, n, mx, copy.deepcopy(s)) for i, ((p, n, mx), s) in enumerate(zip(shapes, states))]
+        reqs = [FakeReq(f"r{i}", prompt=p, generated=n, max_new=mx, kara=copy.deepcopy(s), row=i)
+                for i, ((p, n, mx), s) in enumerate(zip(shapes, states))]
         jobs = plan_jobs(policy, reqs, lambda r: r.kara, page_size=1, max_seqs=30)
         ranks.append([(j.index, j.region, j.fresh_slots(1), j.state.protected, j.state.frontier) for j in jobs])
     assert ranks[0] == ranks[1]
@@ -84,7 +75,7 @@ def test_ranks_plan_identical_jobs_from_replicated_state():
 def test_tp_refusal_points_to_the_design(capsys):
     import pytest
 
-    from conftest import PROXY_MODEL
+    from support import PROXY_MODEL
     from sgl_kara.launch_server import parse
 
     with pytest.raises(SystemExit) as e:

@@ -1,16 +1,24 @@
-"""bench/throughput.py --grid on one small cell (benchmark-harness layer): the plumbing runs end to
-end and its figures obey the invariants that hold whatever the timing (no timed assertion)."""
+"""``python -m bench.throughput --grid`` on one small cell (benchmark-harness layer): the plumbing
+runs end to end and its figures obey the invariants that hold whatever the timing (no timed
+assertion); the grid's, step-cost model's and profiler's pure parts on hand-made traces."""
 
 from __future__ import annotations
 
 import json
+import types
 
-from conftest import run_bench
+import pytest
+
+from bench import step_costs as sc
+from bench import throughput_grid as grid
+from bench.engine_run import RunResult
+from support import run_bench
 
 
+@pytest.mark.integration
 def test_grid_one_cell(tiny_llama, tmp_path):
     requests, gen = 4, 96
-    run_bench("throughput.py", "--grid", "--model", tiny_llama, "--gens", str(gen), "--pool-fractions", "0.5",
+    run_bench("throughput", "--grid", "--model", tiny_llama, "--gens", str(gen), "--pool-fractions", "0.5",
               "--windows", "32", "--systems", "vanilla", "kara", "--requests", str(requests), "--max-running", "8",
               "--query-source", "capture", "--out", str(tmp_path))
     runs = {r["system"]: r for r in json.loads((tmp_path / "grid.json").read_text())["runs"]}
@@ -27,8 +35,9 @@ def test_grid_one_cell(tiny_llama, tmp_path):
     assert van["compress_share"] == 0 and van["events"] == 0
     assert kara["events"] > 0 and 0 < kara["compress_share"] < 1
     assert kara["window"] == 32
-    # capture: the ring is memory beyond the pool, reported beside it; vanilla has none
-    assert van["ring_bytes"] == 0 and kara["ring_bytes"] > 0 and kara["pool_bytes"] > 0 and kara["fallbacks"] >= 0
+    # capture: the ring is memory beyond the pool, reported beside it; vanilla has none. Its rows
+    # default to one per request that can run at once, so no window fell back to recompute.
+    assert van["ring_bytes"] == 0 and kara["ring_bytes"] > 0 and kara["pool_bytes"] > 0 and kara["fallbacks"] == 0
     assert "| kara W=32 |" in (tmp_path / "grid.md").read_text()
     # compression shortens what attention reads: mean KV rows per request below vanilla's P + G/2
     assert gen / 2 < van["mean_kv"] <= van["prompt_len"] + gen / 2
@@ -38,11 +47,24 @@ def test_grid_one_cell(tiny_llama, tmp_path):
     assert "wave bound" in md
     # a results file says what made it, when and where
     head = md.splitlines()[:3]
-    assert head[0].startswith("command: ") and head[2].startswith("date: 20") and any(
-        line.startswith("machine: ") and "core" in line for line in md.splitlines()[:5])
-    # the per-step trace: vanilla's pool holds 2-3 of the 4 requests, so some wait for admission
+    assert head[0].startswith("command: python -m bench.throughput --grid ") and head[2].startswith("date: 20")
+    assert any(line.startswith("machine: ") and "core" in line for line in md.splitlines()[:5])
+    # the run record beside it: commit, command, and each engine's settings as resolved
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["command"] == head[0].removeprefix("command: ") and len(run["git"]["commit"] or "") == 40
+    assert run["configs"]["kara W=32"]["kara"]["window"] == 32
+    assert run["configs"]["kara W=32"]["kara"]["query_source"] == "capture"
+    assert run["configs"]["vanilla"]["kara"] == {"policy": "none"}
+    for label, r in (("vanilla", van), ("kara W=32", kara)):
+        assert run["configs"][label]["server"]["max_total_tokens"] == r["pool"]
+        assert run["configs"][label]["server"]["disable_overlap_schedule"] is True
+    # the per-step trace: vanilla's pool holds 2-3 of the 4 requests, so some wait for admission.
+    # The share of steps with a request waiting (concurrency_profile, per record) and the
+    # saturated phase's steps (step_costs, per interval: one fewer record) count the same steps.
     for r in runs.values():
-        assert 0 <= r["waiting_share"] <= 1 and 1 <= len(r["running_by_tenth"]) <= 10
+        n, sat = r["steps_rate"]["steps"], (r["saturated"] or {}).get("steps", 0)
+        assert sat - 1e-9 <= r["waiting_share"] * (n + 1) and r["waiting_share"] * n <= sat + 1 + 1e-9, (n, sat, r)
+        assert 1 <= len(r["running_by_tenth"]) <= 10
         assert all(0 < x <= r["peak_running"] for x in r["running_by_tenth"])
     assert van["waiting_share"] > 0 and van["running_while_waiting"] <= van["peak_running"]
     # per-step costs (bench/step_costs.py): the trace's decode steps carry every output token but the
@@ -66,11 +88,7 @@ def test_grid_one_cell(tiny_llama, tmp_path):
 
 
 def test_concurrency_profile_splits_the_admission_bound_phase_from_the_drain():
-    import sys
-
-    sys.path.insert(0, "bench")
-    from throughput_grid import concurrency_profile
-
+    concurrency_profile = grid.concurrency_profile
     trace = [dict(running=0, waiting=4)] + [dict(running=8, waiting=2)] * 6 + [dict(running=r, waiting=0)
                                                                                for r in (6, 4, 2, 2)]
     prof = concurrency_profile(trace)
@@ -83,11 +101,7 @@ def test_concurrency_profile_splits_the_admission_bound_phase_from_the_drain():
 def test_wave_bound_is_the_concurrency_of_whole_waves():
     """32 requests, pool 1/4: vanilla holds 8 (4 waves), Kara's footprint 18 (2 waves): 2.00x,
     however far the footprint limit lies above; a window as long as the output gains nothing."""
-    import sys
-
-    sys.path.insert(0, "bench")
-    from throughput_grid import footprint_limit, kara_peak, wave_bound
-
+    footprint_limit, kara_peak, wave_bound = grid.footprint_limit, grid.kara_peak, grid.wave_bound
     p, g, requests = 20, 512, 32
     pool = int(0.25 * requests * (p + g))
     row = dict(window=64, system="kara", prompt_len=p, gen=g, pool=pool)
@@ -101,13 +115,7 @@ def test_wave_bound_is_the_concurrency_of_whole_waves():
 def test_spread_output_lengths():
     """--spread: lengths evenly over [G(1-S), G(1+S)], mean G, same every call; 0 keeps all G;
     a spread outside [0, 1) is refused naming the flag."""
-    import sys
-
-    import pytest
-
-    sys.path.insert(0, "bench")
-    from throughput_grid import output_lengths
-
+    output_lengths = grid.output_lengths
     assert output_lengths(512, 32, 0.0) == [512] * 32
     lengths = output_lengths(512, 32, 0.5)
     assert lengths == output_lengths(512, 32, 0.5)  # fixed seed: every system gets the same workload
@@ -122,12 +130,7 @@ def test_spread_output_lengths():
 def test_profile_scheduler_options_drive_the_grid_runner(tiny_llama):
     """bench/profile_scheduler.py hands its own namespace to the grid's runner; every option that
     runner reads must exist there (it lacked --spread and crashed before sampling anything)."""
-    import sys
-
-    sys.path.insert(0, "bench")
-    import profile_scheduler
-    import throughput_grid as grid
-    from throughput import RunResult
+    from bench import profile_scheduler
 
     args = profile_scheduler.build_parser().parse_args(["--out", "unused", "--requests", "4", "--gen", "40",
                                                         "--spread", "0.5", "--window", "32"])
@@ -135,7 +138,7 @@ def test_profile_scheduler_options_drive_the_grid_runner(tiny_llama):
     label, opts, per_request = grid.system_spec(args.system, args.gen, args.window, args, args.requests)
     seen = {}
 
-    def run_system(system, a, pool, max_running, kara=None, prompts_params=None, label=None):
+    def run_system(system, a, pool, max_running, kara=None, prompts_params=None, label=None, record=None):
         seen.update(system=system, pool=pool, max_running=max_running, kara=kara, params=prompts_params[1])
         trace = [dict(running=4, waiting=0, kara_events=0, kara_seconds=0.0)]
         return RunResult(system=label, pool=pool, max_running=max_running, seconds=1.0, output_tokens=160,
@@ -167,13 +170,6 @@ def test_step_costs_recover_the_model_and_split_a_ratio():
     event-free, admission-free steps (jointly over two runs whose statistics add up), the saturated
     phase is the steps with a request waiting, and the model's ratio at the measured batches and rows,
     less the event share, equals the measured saturated ratio (averages of a linear cost are exact)."""
-    import sys
-
-    import pytest
-
-    sys.path.insert(0, "bench")
-    import step_costs as sc
-
     a, b, c = 0.09, 0.008, 2e-6
     # vanilla: 4 running, rows growing, a queue for 3 waves then the last wave alone
     van = [(4, 4 * (20 + s % 500), 12 if s < 1500 else 0) for s in range(2000)]
@@ -215,10 +211,7 @@ def test_profile_stages_split_the_forward_by_layer_file(tmp_path):
     """bench/profile_scheduler.py: the innermost frame that names a stage decides (an event's own
     forward stays an event), layer stages match SGLang's file names, and the summary turns
     sample shares into CPU ms per decode step."""
-    import sys
-
-    sys.path.insert(0, "bench")
-    from profile_scheduler import stage_of, summarize
+    from bench.profile_scheduler import stage_of, summarize
 
     # frames as py-spy writes them: the shortest unique path suffix of each file
     loop, fwd = "event_loop (scheduler.py:1)", "ModelRunner.forward (model_executor/model_runner.py:2)"
@@ -249,14 +242,6 @@ def test_grid_system_with_its_own_query_source():
     """``--systems kara kara:recompute``: the same policy under two query sources in one invocation
     (capture's ring is memory beside the pool, recompute's is none). The label keeps
     the source, so the two runs are separate rows of one cell; a bad source is refused."""
-    import sys
-    import types
-
-    import pytest
-
-    sys.path.insert(0, "bench")
-    import throughput_grid as grid
-
     args = types.SimpleNamespace(query_source="auto", retention=0.25)
     label, opts, _ = grid.system_spec("kara:recompute", 1024, 64, args, 2)
     assert label == "kara:recompute W=64" and opts["kara_query_source"] == "recompute"
@@ -266,3 +251,22 @@ def test_grid_system_with_its_own_query_source():
     assert opts["kara_query_source"] == "capture" and opts["kara_policy"] == "snapkv" and len(per_request) == 2
     with pytest.raises(ValueError, match="kara:ring"):
         grid.system_spec("kara:ring", 1024, 64, args, 2)
+
+
+def test_grid_kara_opt_reaches_every_compressing_system():
+    """``--kara-opt phase=server`` (what the README's throughput figures ran: the paper's global
+    schedule) goes into every compressing system's options, which sgl_kara validates as it would
+    the flag; vanilla gets none; a malformed item is refused naming the flag."""
+    from sgl_kara.config import KaraConfig
+
+    args = types.SimpleNamespace(query_source="auto", retention=0.25, kara_opt=["phase=server", "max-seqs=8"])
+    for system in ("kara", "kara-buffer:recompute", "snapkv"):
+        _, opts, _ = grid.system_spec(system, 512, 64, args, 2)
+        assert opts["kara_phase"] == "server" and opts["kara_max_seqs"] == 8
+        cfg, rest = KaraConfig.from_prefixed(opts)
+        assert cfg.phase == "server" and cfg.max_seqs == 8 and rest == {}
+    assert grid.system_spec("vanilla", 512, None, args, 2)[1] is None
+    plain = grid.system_spec("kara", 512, 64, types.SimpleNamespace(query_source="auto", retention=0.25), 2)[1]
+    assert "kara_phase" not in plain  # without --kara-opt: sgl_kara's default
+    with pytest.raises(ValueError, match="--kara-opt"):
+        grid.kara_opts(["phase"])

@@ -1,13 +1,14 @@
 """Full-KV exact-answer accuracy of a proxy model with Hugging Face greedy generation (KV cache).
 
-    nice -n 19 env OMP_WAIT_POLICY=PASSIVE python bench/quality/eval_hf.py \
+    nice -n 19 env OMP_WAIT_POLICY=PASSIVE python -m bench.quality.eval_hf \
         --model sgl_kara/assets/reasoning_proxy --n 500
 
 Held-out problems come from their own seed (default 20260611, never a training seed: training
 draws from random.Random(--seed) with small seeds and its periodic eval from 10000019). Sizes are
 uniform in [--size-min, --size-max] values (default 21..62 -> 313-969 generated tokens).
 Prints accuracy with a 95% Wilson interval, a per-size breakdown, and optionally writes one JSON
-line per problem (--jsonl) for paired comparisons with compressed-KV runs.
+line per problem (--jsonl) for paired comparisons with compressed-KV runs, with the run record
+beside it (``<name>.run.json``, bench/record.py).
 """
 
 from __future__ import annotations
@@ -17,15 +18,12 @@ import json
 import math
 import os
 import random
-import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from task import check, extract_answer, make_problem  # noqa: E402
+from bench.quality.task import check, extract_answer, make_problem  # noqa: E402
 
 DEFAULT_SEED = 20260611
 
@@ -106,9 +104,14 @@ def main(argv=None):
         print(f"  sizes {min(sizes)}-{max(sizes)} (solution {min(toks)}-{max(toks)} tokens): "
               f"{sum(r['ok'] for r in rs)}/{len(rs)}")
     if args.jsonl:
+        from bench.record import RunRecord
+
+        record = RunRecord.beside(args.jsonl, argv)
+        record.note(model=args.model, n=args.n, seed=args.seed, accuracy=sum(r["ok"] for r in results) / len(results))
         with open(args.jsonl, "w") as f:
             for r in results:
                 f.write(json.dumps(r) + "\n")
+        record.finish()
 
 
 if __name__ == "__main__":

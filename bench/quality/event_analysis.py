@@ -19,8 +19,11 @@ then Kara's schedule (window W, buffer U, period delta, compress the oldest unco
    (argmax), KL(full || method), first disagreement (= shared prefix of free greedy decoding), on
    all tokens and on the tokens before the full-KV output's first repetition loop.
 
-    python bench/quality/event_analysis.py --n 12 --new-tokens 600 --window 128 --buffer 16 \
+    python -m bench.quality.event_analysis --n 12 --new-tokens 600 --window 128 --buffer 16 \
         --period 16 --retention 0.25 --out bench/results/2026-11-23-default-model/event_analysis_w128
+
+Writes event_analysis.json and event_analysis.md, with the run record (run.json, bench/record.py),
+under --out.
 """
 
 from __future__ import annotations
@@ -29,19 +32,16 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 
 import torch
 
+from sgl_kara.policies.kara import default_chunk_budget, kept_count, select, window_scores
+from sgl_kara.policies.snapkv import snapkv_pool
+from tests.oracle import visibility  # the exactness oracle's masking, shared on purpose
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-
-from oracle import visibility  # noqa: E402  (the oracle's masking, shared on purpose)
-
-from sgl_kara.policies.kara import default_chunk_budget, kept_count, select, window_scores  # noqa: E402
-from sgl_kara.policies.snapkv import snapkv_pool  # noqa: E402
 
 ATTN = "sgl_kara_event_analysis"
 
@@ -344,7 +344,10 @@ def main(argv=None):
         from sgl_kara.models.default import default_model_path
 
         args.model_path = default_model_path()
-    os.makedirs(args.out, exist_ok=True)
+    from bench.record import RunRecord
+
+    record = RunRecord(args.out, argv)
+    record.note(model_path=args.model_path)
     os.makedirs(args.cache, exist_ok=True)
     model, tok = load(args.model_path)
     rows = [json.loads(l) for l in open(args.prompts)]
@@ -375,7 +378,9 @@ def main(argv=None):
               + f"  ({time.time() - tic:.0f}s)", flush=True)
         json.dump(results, open(os.path.join(args.out, "event_analysis.json"), "w"))
     table = summarize(results, fid_methods)
-    open(os.path.join(args.out, "event_analysis.md"), "w").write(table)
+    open(os.path.join(args.out, "event_analysis.md"), "w").write(
+        f"command: {record.data['command']}\n{record.stamp}\n\n{table}")
+    record.finish()
     print(table)
 
 

@@ -14,7 +14,7 @@ not. Two passes through ``sgl_kara.Engine`` with one custom logit processor (eng
    ``tokens[t]`` and whether its greedy choice is ``tokens[t]`` (hit), then masks the logits so ``tokens[t]`` is emitted and the prefix stays the full-KV
    one. When the last token is emitted, the per-step results go to ``<dir>/<tag>_<k>.json``.
 
-The step index is ``len(req.output_ids)`` (needs the overlap scheduler off, as bench/quality.py
+The step index is ``len(req.output_ids)`` (needs the overlap scheduler off, as bench/quality/harness.py
 runs). Both functions below are pure torch; the processor class is a thin wrapper so it can be
 checked without an engine.
 """

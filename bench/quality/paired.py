@@ -1,12 +1,12 @@
 """Paired comparison of two policies' forced-output runs on the same full-KV record.
 
-``bench/quality.py --real --ref-dir DIR`` leaves one per-step file per policy row and prompt in DIR
+``python -m bench.quality --real --ref-dir DIR`` leaves one per-step file per policy row and prompt in DIR
 (``<tag>_<k>.json``: agree / kl / nll lists, tag = ``<policy>_<ratio>[_mean]``). Both rows saw the
 same prompts and the same forced tokens, so the difference is paired by prompt: per prompt, A's
 agreement (KL) minus B's, then the mean over prompts with a 95% bootstrap interval over prompts
 (prompts are the independent unit; steps within one output are not), and how many prompts A wins.
 
-    python bench/quality/paired.py --dir /work/qref kara_0.25:kara-noT2C_0.25 kara_0.25:kara-causal_0.25
+    python -m bench.quality.paired --dir REF_DIR kara_0.25:kara-noT2C_0.25 kara_0.25:kara-causal_0.25
 """
 
 from __future__ import annotations

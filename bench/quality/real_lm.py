@@ -1,4 +1,4 @@
-"""Quality on a real LM (``bench/quality.py --real``): fidelity to full KV, through the runtime.
+"""Quality on a real LM (``python -m bench.quality --real``): fidelity to full KV, through the runtime.
 
 The default model (SmolLM2-135M-Instruct) answers the committed prompts (real_prompts.jsonl: 48
 prompts -- explanations, step-by-step arithmetic, lists, code, stories -- asking for long
@@ -37,7 +37,6 @@ import json
 import math
 import os
 import statistics
-import sys
 import tempfile
 import time
 
@@ -79,7 +78,7 @@ def policy_order(name: str) -> tuple:
 
 def load_problems(args, tok) -> list[dict]:
     if getattr(args, "text", None) or getattr(args, "recall", False):
-        import workloads
+        from bench.quality import workloads
 
         if args.text:
             return workloads.text_problems(args.text, args.n, args.new_tokens, tok)
@@ -115,7 +114,7 @@ def load_reference(d: str, key: str, T: int) -> list[list[int]] | None:
         rec = json.load(f)
     if rec.get("key") != key:
         return None
-    import fidelity
+    from bench.quality import fidelity
 
     tokens = rec["tokens"]
     for k, t in enumerate(tokens):
@@ -168,7 +167,17 @@ def budget_for_mean(mean: float, gap: int, steps: int, floor: int) -> int:
 def engine_options(name, ratio, args, kara_peaks=None, kara_means=None):
     """(engine keyword options, per-request custom_params.kara list or None). Threshold baselines
     get per-request budgets from Kara's run at ``ratio``: equal peak generated KV (``--match
-    peak``) or equal mean generated KV (``--match mean``: equal KV-token-steps)."""
+    peak``) or equal mean generated KV (``--match mean``: equal KV-token-steps). ``--kara-opt``
+    items go to every compressing policy."""
+    opts, per_request = _engine_options(name, ratio, args, kara_peaks, kara_means)
+    if name != "none":
+        from bench.engine_env import kara_opts
+
+        opts.update(kara_opts(getattr(args, "kara_opt", None)))
+    return opts, per_request
+
+
+def _engine_options(name, ratio, args, kara_peaks=None, kara_means=None):
     spec = policy_spec(name)
     opts = dict(spec, max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running)
     if name == "none":
@@ -192,9 +201,13 @@ def engine_options(name, ratio, args, kara_peaks=None, kara_means=None):
     return opts, [{"budget": max(floor, peak - gap)} for peak in kara_peaks[ratio]]
 
 
-def run_engine(model_path, opts, problems, params_of, per_request=None, fidelity=None, threads=1):
+def run_engine(model_path, opts, problems, params_of, per_request=None, fidelity=None, threads=1, record=None,
+               label=None):
+    """Outputs of ``problems`` on one engine; ``record``: a bench.record.RunRecord that gets the
+    engine's resolved settings under ``label``."""
     import sgl_kara
-    from engine_env import engine_env
+
+    from bench.engine_env import engine_env
 
     opts = dict(opts)
     if fidelity:
@@ -202,6 +215,8 @@ def run_engine(model_path, opts, problems, params_of, per_request=None, fidelity
     with engine_env(threads):
         engine = sgl_kara.Engine(model_path=model_path, log_level="error", random_seed=0,
                                  disable_overlap_schedule=True, **opts)
+    if record is not None:
+        record.add_engine(label or opts.get("kara_policy", "engine"), engine)
     try:
         params = []
         for i, p in enumerate(problems):
@@ -216,7 +231,7 @@ def run_engine(model_path, opts, problems, params_of, per_request=None, fidelity
             params.append(sp)
         processor = None
         if fidelity:
-            from fidelity import FidelityProcessor
+            from bench.quality.fidelity import FidelityProcessor
 
             processor = [FidelityProcessor.to_str()] * len(problems)
         return engine.generate(input_ids=[p["input_ids"] for p in problems], sampling_params=params,
@@ -257,7 +272,7 @@ def summarize_policy(name, ratio, steps_by_k, outs, problems, loops, late_from) 
 
 
 def _scored(steps_by_k, problems) -> dict:
-    import workloads
+    from bench.quality import workloads
 
     return workloads.scored_stats(steps_by_k, problems)
 
@@ -265,7 +280,7 @@ def _scored(steps_by_k, problems) -> dict:
 def main(args, argv):
     from transformers import AutoTokenizer
 
-    import fidelity
+    from bench.quality import fidelity
 
     if args.model_path is None:
         from sgl_kara.models.default import default_model_path
@@ -297,7 +312,7 @@ def main(args, argv):
             rec = [dict(mode="record", dir=d, k=k, **({"tokens": problems[k]["target"]} if "target" in problems[k] else {}))
                    for k in ks]
             outs = run_engine(args.model_path, engine_options("none", None, args)[0], problems, full_params,
-                              fidelity=rec, threads=args.omp_threads)
+                              fidelity=rec, threads=args.omp_threads, record=args.record, label="none")
             tokens = [o["output_ids"] for o in outs]
             assert all(len(t) == T for t in tokens), [len(t) for t in tokens]
             if any("target" in p and p["target"] != t for p, t in zip(problems, tokens)):
@@ -311,7 +326,7 @@ def main(args, argv):
               f"{sum(loops[k] < T for k in ks)}", flush=True)
         texts["none"] = [tok.decode(tokens[k]) for k in ks[: args.show]]
         if "target" in problems[0] and not args.free_only:
-            import workloads
+            from bench.quality import workloads
 
             rows.append(workloads.full_kv_row(d, problems))
         kara_peaks: dict[float, list[int]] = {}
@@ -333,7 +348,8 @@ def main(args, argv):
             forced = [{"mode": "force", "dir": d, "k": k, "tag": tag, "tokens": tokens[k]} for k in ks]
             opts, per_request = engine_options(name, ratio, args, kara_peaks, kara_means)
             t0 = time.time()
-            outs = run_engine(args.model_path, opts, problems, forced_params, per_request, forced, args.omp_threads)
+            outs = run_engine(args.model_path, opts, problems, forced_params, per_request, forced, args.omp_threads,
+                              record=args.record, label=tag)
             if any(o["output_ids"] != t for o, t in zip(outs, tokens)):
                 raise RuntimeError(f"{tag}: a forced output differs from the full-KV output")
             if name == args.budget_from:
@@ -412,7 +428,8 @@ def free_generation(args, problems, texts, kara_peaks, kara_means, tok):
         peaks = {ratio: kara_peaks.get(ratio, [0] * args.n)[: len(problems)]} if name in THRESHOLD else None
         means = {ratio: kara_means.get(ratio, [0] * args.n)[: len(problems)]} if name in THRESHOLD else None
         opts, per_request = engine_options(name, ratio, args, peaks, means)
-        outs = run_engine(args.model_path, opts, problems, params, per_request, threads=args.omp_threads)
+        outs = run_engine(args.model_path, opts, problems, params, per_request, threads=args.omp_threads,
+                          record=args.record, label=f"{name}_{ratio} free")
         texts[f"{name}_{ratio}"] = [o["text"] for o in outs]
 
 
@@ -451,17 +468,15 @@ def write(rows, texts, args, argv):
             f"| {label(r)} | {ratio} | {r['agree']:.4f} | {r['kl']:.4f} | {r['ppl']:.3f} | "
             f"{r['shared_prefix_median']:.0f} | {r['identical']}/{r['n']} | {r['agree_noloop']:.4f} | "
             f"{r['kl_noloop']:.4f} | {r['agree_late']:.4f} | {r['kl_late']:.4f} | {kv} |")
-    cmd = "python bench/quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
     with open(os.path.join(args.out, "quality_real.md"), "w") as f:
-        from engine_env import stamp  # bench/engine_env.py (bench/quality.py puts bench/ on the path)
-
-        f.write(f"command: {cmd}\n{stamp()}\n\n" + "\n".join(lines) + "\n")
+        f.write(f"command: {args.record.data['command']}\n{args.record.stamp}\n\n" + "\n".join(lines) + "\n")
         for key, outs in texts.items():
             f.write(f"\n### Free generation: {key}\n\n")
             for i, t in enumerate(outs):
                 f.write(f"**prompt {i}**: {json.dumps(t[:1500])}\n\n")
     with open(os.path.join(args.out, "quality_real.json"), "w") as f:
-        json.dump({"rows": rows, "texts": texts, "args": {k: v for k, v in vars(args).items()}}, f, indent=1)
+        json.dump({"rows": rows, "texts": texts, "args": {k: v for k, v in vars(args).items() if k != "record"}}, f,
+                  indent=1)
 
 
 def plot(rows, args):

@@ -1,4 +1,4 @@
-"""Stopping and length in free generation (``bench/quality.py --real --stopping``).
+"""Stopping and length in free generation (``python -m bench.quality --real --stopping``).
 
 The committed prompts (real_prompts.jsonl) are answered greedily with EOS allowed, up to
 ``--new-tokens``, with full KV and then with every policy and ratio (threshold baselines get
@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import sys
 import time
 
 
@@ -59,7 +58,7 @@ def compare(full, outs, limit: int, tolerance: float = 0.1) -> dict:
 
 
 def _loop(out):
-    from real_lm import first_loop
+    from bench.quality.real_lm import first_loop
 
     ids = out["output_ids"]
     at = first_loop(ids)
@@ -86,7 +85,7 @@ def kv_stats(outs, problems) -> dict:
 def main(args, argv):
     from transformers import AutoTokenizer
 
-    import real_lm
+    from bench.quality import real_lm
 
     if args.model_path is None:
         from sgl_kara.models.default import default_model_path
@@ -99,7 +98,8 @@ def main(args, argv):
     params = lambda i, p: {"max_new_tokens": limit, "temperature": 0.0}  # noqa: E731  (EOS allowed)
     tic = time.time()
     opts, _ = real_lm.engine_options("none", None, args)
-    full = real_lm.run_engine(args.model_path, opts, problems, params, threads=args.omp_threads)
+    full = real_lm.run_engine(args.model_path, opts, problems, params, threads=args.omp_threads, record=args.record,
+                              label="none")
     base = compare(full, full, limit)
     rows = [dict(policy="none", ratio=None, seconds=time.time() - tic, **base)]
     print(f"full KV: {base['n_stop']}/{len(full)} answers stop before {limit} tokens "
@@ -113,7 +113,8 @@ def main(args, argv):
             floor = opts[f"kara_{real_lm.policy_spec(name)['kara_policy']}_budget"]
             per_request = [{"budget": real_lm.budget_for_mean(m, gap, max(1, n - 1), floor)}
                            for m, n in zip(means[ratio], lens[ratio])]
-        outs = real_lm.run_engine(args.model_path, opts, problems, params, per_request, threads=args.omp_threads)
+        outs = real_lm.run_engine(args.model_path, opts, problems, params, per_request, threads=args.omp_threads,
+                                  record=args.record, label=f"{name} r={ratio}")
         if name == args.budget_from:
             peaks[ratio] = [o["meta_info"]["kara"]["kv_peak_len"] - len(p["input_ids"]) for o, p in zip(outs, problems)]
             means[ratio] = [o["meta_info"]["kara"]["kv_mean_len"] - len(p["input_ids"]) for o, p in zip(outs, problems)]
@@ -152,9 +153,8 @@ def write(rows, args, argv):
                      f"{f(r, 'loops', 'd')} | "
                      f"{f(r, 'length_ratio', '.2f')} | {f(r, 'extra_tokens', '.0f')} | {f(r, 'identical', '.3f')} | "
                      f"{f(r, 'runaway_all', '.3f')} | {f(r, 'peak_kv', '.0f')} | {f(r, 'mean_kv', '.0f')} |")
-    cmd = "python bench/quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
     with open(os.path.join(args.out, "quality_stopping.md"), "w") as fh:
-        fh.write(f"command: {cmd}\n\n" + "\n".join(lines) + "\n")
+        fh.write(f"command: {args.record.data['command']}\n{args.record.stamp}\n\n" + "\n".join(lines) + "\n")
     with open(os.path.join(args.out, "quality_stopping.json"), "w") as fh:
-        json.dump({"rows": rows, "args": vars(args)}, fh, indent=1)
+        json.dump({"rows": rows, "args": {k: v for k, v in vars(args).items() if k != "record"}}, fh, indent=1)
     return "\n".join(lines)

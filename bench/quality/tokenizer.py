@@ -9,10 +9,8 @@ plain concatenation of message contents after ``<bos>`` (the prompt text already
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from task import WORDS  # noqa: E402
+from bench.quality.task import WORDS
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIALS = [PAD, BOS, EOS, UNK]  # ids 0..3

@@ -4,20 +4,19 @@ Three stages (the committed proxy, sgl_kara/assets/reasoning_proxy, came from ex
 one core; log in bench/quality/train_log.txt):
 
     # stage 1: curriculum from size 6 to 64, fresh init, task format 2 (~58 min)
-    env OMP_WAIT_POLICY=PASSIVE python bench/quality/train.py --task-format 2 \
+    env OMP_WAIT_POLICY=PASSIVE python -m bench.quality.train --task-format 2 \
         --out /tmp/proxy_stage1 --steps 1200 --seed 0 --log bench/quality/train_log.txt
     # stage 2: all sizes, the stop/continue decision after each step weighted 20x (~16 min)
-    env OMP_WAIT_POLICY=PASSIVE python bench/quality/train.py --task-format 2 --init-from /tmp/proxy_stage1 \
+    env OMP_WAIT_POLICY=PASSIVE python -m bench.quality.train --task-format 2 --init-from /tmp/proxy_stage1 \
         --out /tmp/proxy_stage2 --steps 300 --seed 1 --lr 3e-4 --warmup 10 \
         --size-start 64 --decide-weight 20 --eval-every 100 --log bench/quality/train_log.txt
     # stage 3: task format 3 (the last pointer is an L word), vocabulary grown by the 640 Lk=d
     # words (initialised from Pk=d), stop word 3x on top (~21 min)
-    env OMP_WAIT_POLICY=PASSIVE python bench/quality/train.py --init-from /tmp/proxy_stage2 \
+    env OMP_WAIT_POLICY=PASSIVE python -m bench.quality.train --init-from /tmp/proxy_stage2 \
         --out sgl_kara/assets/reasoning_proxy --steps 400 --seed 2 --lr 3e-4 --warmup 10 \
         --size-start 64 --decide-weight 20 --stop-weight 3 --eval-every 100 --log bench/quality/train_log.txt
 
-(Stage 2 was first written straight to bench/quality/proxy_model, the proxy's first home, and stage 3 read it from there;
-the paths above are the same chain.) Stages 1-2 compute every value of the chain but often fail
+Stages 1-2 compute every value of the chain but often fail
 to stop after the last step: in format 2 that needs comparing the current name with the queried
 one, which the model never learned reliably (1 problem in 3 lost; weighting the stop word only
 moved the threshold). Format 3 makes the stop a one-hop recall (task.py), and stage 3 learns it
@@ -39,18 +38,16 @@ import json
 import math
 import os
 import random
-import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from task import (  # noqa: E402
+from bench.quality.task import (  # noqa: E402
     FORMAT, FORMATS, MAX_NAMES, ROLES, check, make_problem, parse_word, token_roles, vocabulary,
 )
-from tokenizer import build_tokenizer  # noqa: E402
+from bench.quality.tokenizer import build_tokenizer  # noqa: E402
 
 DECIDE = ROLES.index("decide")
 EVAL_SEED = 10_000_019  # held-out problems (train.py's periodic eval); eval_hf.py uses its own

@@ -1,4 +1,4 @@
-"""Teacher-forced workloads of ``bench/quality.py --real``: natural text and recall.
+"""Teacher-forced workloads of ``python -m bench.quality --real``: natural text and recall.
 
 ``--text SOURCE``: a text's first 64 tokens are the prompt and its next ``--new-tokens`` tokens
 are forced through the engine as "generated" ones (full KV records its distributions on them;
@@ -119,7 +119,7 @@ def recall_problems(n: int, new_tokens: int, facts: int, tok, seed: int = 0) -> 
 def full_kv_row(directory: str, problems: list[dict]) -> dict:
     """Full KV's own row from its record: agreement 1 and KL 0 by definition, the text's PPL and
     hit rate (greedy choice = the text's token), on every step and on the scored steps."""
-    from fidelity import ref_path
+    from bench.quality.fidelity import ref_path
 
     nll, hit, s_nll, s_hit = [], [], [], []
     for k, p in enumerate(problems):

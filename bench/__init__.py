@@ -1,0 +1,15 @@
+"""Benchmarks of sgl_kara: every figure of bench/RESULTS.md, one module each.
+
+Run from the repository root as modules, ``python -m bench.<name> --help`` (docs/BENCHMARKS.md
+lists the command behind each figure). Every script that writes results takes ``--out`` and
+stores its run record beside them (bench/record.py: date, machine, commit, command, the resolved
+``KaraConfig`` and SGLang settings of every engine, the CPU kernel switches).
+
+    throughput, throughput_grid   vanilla SGLang vs sgl_kara on one workload / across a grid
+    engine_run, step_costs        one engine on one workload; per-step costs from its trace
+    profile_scheduler             where the scheduler's time goes (py-spy)
+    serve_numbers, ring_resident  the default server: start-up, memory, decode; the capture ring
+    cpu_linear, cpu_decode_batched  the CPU serving paths in isolation
+    gpu_kernels, gpu_model, gpu_suite  the device check, the GPU cost model, the GPU suite
+    quality/                      what compression costs in answers (python -m bench.quality)
+"""

@@ -1,0 +1,12 @@
+"""What compression costs in answers: the quality harness and its parts.
+
+    python -m bench.quality ...                  the harness (harness.py): proxy task, or --real
+    python -m bench.quality.event_analysis ...   per-event analysis on a real LM, offline
+    python -m bench.quality.paired ...           paired comparison of two forced-output runs
+    python -m bench.quality.eval_hf ...          full-KV accuracy of the proxy with Hugging Face
+    python -m bench.quality.train ...            train the reasoning proxy
+
+fidelity.py (forced-output fidelity), real_lm.py (--real), stopping.py (--stopping),
+workloads.py (teacher-forced text and recall), task.py and tokenizer.py (the proxy task) are
+their modules.
+"""
