@@ -5,13 +5,22 @@ start-up. SGLang sizes its KV pool from free memory (~11 GB of float32 KV for a 
 KV pool + ring + PROCESS_FLOOR_BYTES that do not fit in the available memory (docs/CONFIGURATION.md,
 "CPU defaults and memory sizing"). No SGLang import; shapes come from the model's config.json.
 
-    --max-running-requests  CPU_RUNNING_REQUESTS (8: ~50 tok/s in all on 2 cores for SmolLM2)
+    --max-running-requests  CPU_RUNNING_REQUESTS (8 unless the user sets it; SmolLM2 decodes
+                            82.9 tok/s in all with 8 concurrent requests on a 2-core VM,
+                            bench/RESULTS.md "Default server")
     --max-total-tokens      min(CPU_KV_SHARE (5%) of physical RAM / KV bytes per token,
                                 max(context length, max_running_requests * CPU_TOKENS_PER_REQUEST))
                             (SmolLM2, float32, 24 GB: 8,192 tokens, 0.35 GiB: one full-context
                             request, or 8 of ~1k tokens uncompressed)
     capture ring bytes      (rows + 1) * capacity * layers * H_q * D * itemsize   (ring_rows, ring_bytes;
                             one row per running request, +1: QueryRing's trash row)
+
+Kara's own memory beside the pool (``kara_memory``), on CPU and CUDA alike: the capture ring, an
+event's scores and selection (EVENT_BYTES_PER_SCORE per region entry, layer and KV head, for at
+most every running request's region, at most the pool), and a decode observer's state and
+workspace (H2O: ``policies/h2o.py`` ``observer_bytes``). On CPU it is part of the RAM check; on
+CUDA support.py takes it from the KV pool (a lower ``--mem-fraction-static``, docs/CONFIGURATION.md
+"Kara's memory on CUDA").
 """
 
 from __future__ import annotations
@@ -36,7 +45,12 @@ CPU_RING_SHARE = 0.25
 # the server's PSS fell from 3.28 to 2.90 GB; bench/RESULTS.md).
 CPU_RING_KV_RATIO = 1.0
 CUDA_RING_SHARE = 0.05
+# An event's scores [B, layers, H_kv, M] and their selection, per score: the float32 score (4), its
+# sort's float32 values and int64 order (12), Token2Chunk's float64 copy (8) and masks: <= 32 bytes
+# (policies/base.py top_k, policies/kara.py select).
+EVENT_BYTES_PER_SCORE = 32
 
+LOCAL_LAYER_KINDS = ("sliding_attention", "chunked_attention")
 _ITEMSIZE = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
 
@@ -55,6 +69,14 @@ class ModelShape:
     weight_file_bytes: int
     mrope: bool = False  # multimodal rotary positions (Qwen2-VL style): refused by support.py
     lm_head_elements: int = 0  # vocab x hidden: the lm_head's packed copy on CPU (cpu/linear.py)
+    # Attention other than global MHA / GQA over every layer (refused by support.py, before the
+    # model loads): the architecture, local-attention layers (sliding or chunked) and their
+    # window, MLA's latent rank, and layer kinds other than attention (linear attention, Mamba).
+    architecture: str = ""
+    local_layers: int = 0
+    local_window: int = 0
+    mla_rank: int = 0
+    other_layers: tuple = ()
 
     @classmethod
     def from_model_path(cls, model_path: str) -> "ModelShape | None":
@@ -66,27 +88,44 @@ class ModelShape:
             from transformers import AutoConfig
 
             cfg = AutoConfig.from_pretrained(path)
-            text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-            q_heads = int(text.num_attention_heads)
-            head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // q_heads)
-            dtype = str(getattr(text, "dtype", None) or getattr(text, "torch_dtype", None) or "float32")
-            rope = [getattr(c, a, None) for c in (cfg, text) for a in ("rope_scaling", "rope_parameters")]
-            mrope = any(isinstance(r, dict) and ("mrope_section" in r or r.get("type") == "mrope") for r in rope)
-            return cls(
-                layers=int(text.num_hidden_layers),
-                q_heads=q_heads,
-                kv_heads=int(getattr(text, "num_key_value_heads", None) or q_heads),
-                head_dim=head_dim,
-                context_len=int(getattr(text, "max_position_embeddings", 0) or 0),
-                checkpoint_dtype=dtype.replace("torch.", ""),
-                weight_file_bytes=sum(
-                    f.stat().st_size for f in path.iterdir() if f.suffix in (".safetensors", ".bin")
-                ),
-                mrope=mrope,
-                lm_head_elements=int(getattr(text, "vocab_size", 0) or 0) * int(getattr(text, "hidden_size", 0) or 0),
-            )
+            weights = sum(f.stat().st_size for f in path.iterdir() if f.suffix in (".safetensors", ".bin"))
+            return cls.from_config(cfg, weights)
         except (AttributeError, TypeError, ValueError, OSError):
             return None
+
+    @classmethod
+    def from_config(cls, cfg, weight_file_bytes: int = 0) -> "ModelShape":
+        """From a transformers config (a local checkpoint's, or SGLang's ``ModelConfig.hf_config``)."""
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        q_heads = int(text.num_attention_heads)
+        head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // q_heads)
+        dtype = str(getattr(text, "dtype", None) or getattr(text, "torch_dtype", None) or "float32")
+        rope = [getattr(c, a, None) for c in (cfg, text) for a in ("rope_scaling", "rope_parameters")]
+        mrope = any(isinstance(r, dict) and ("mrope_section" in r or r.get("type") == "mrope") for r in rope)
+        # transformers derives layer_types for the interleaved local / global models (Gemma-2/3,
+        # Cohere2, Exaone4, GPT-OSS: sliding_attention; Llama-4: chunked_attention) and for hybrids
+        # (Qwen3-Next: linear_attention); a model without it attends globally on every layer in
+        # SGLang 0.5.23 (Mistral's sliding_window is not applied by its Llama model).
+        kinds = list(getattr(text, "layer_types", None) or [])
+        local = [k for k in kinds if k in LOCAL_LAYER_KINDS]
+        window = getattr(text, "attention_chunk_size", None) if "chunked_attention" in local else None
+        window = window or getattr(text, "sliding_window", None) or getattr(text, "sliding_window_size", None)
+        return cls(
+            layers=int(text.num_hidden_layers),
+            q_heads=q_heads,
+            kv_heads=int(getattr(text, "num_key_value_heads", None) or q_heads),
+            head_dim=head_dim,
+            context_len=int(getattr(text, "max_position_embeddings", 0) or 0),
+            checkpoint_dtype=dtype.replace("torch.", ""),
+            weight_file_bytes=int(weight_file_bytes),
+            mrope=mrope,
+            lm_head_elements=int(getattr(text, "vocab_size", 0) or 0) * int(getattr(text, "hidden_size", 0) or 0),
+            architecture=str((getattr(cfg, "architectures", None) or [""])[0]),
+            local_layers=len(local),
+            local_window=int(window or 0) if local else 0,
+            mla_rank=int(getattr(text, "kv_lora_rank", 0) or 0),
+            other_layers=tuple(sorted({k for k in kinds if k not in ("full_attention", *LOCAL_LAYER_KINDS)})),
+        )
 
     def itemsize(self, dtype: str | None) -> int:
         """Bytes per element when served with SGLang's --dtype ``dtype`` (auto: the checkpoint's)."""
@@ -150,13 +189,16 @@ def available_ram_bytes() -> int:
     return total_ram_bytes()
 
 
-def cpu_memory_defaults(shape: ModelShape | None, itemsize: int, total_ram: int, given: set[str]) -> dict:
-    """SGLang server args for a CPU server that the user did not set (names as ServerArgs fields)."""
+def cpu_memory_defaults(shape: ModelShape | None, itemsize: int, total_ram: int, given) -> dict:
+    """SGLang server args for a CPU server that the user did not set (names as ServerArgs fields).
+    ``given``: the ServerArgs fields the user set, with their values (a mapping; a set of names
+    means values unknown); a given ``max_running_requests`` sizes the pool like the default does."""
+    given = given if isinstance(given, dict) else dict.fromkeys(given)
     out = {}
     if "max_running_requests" not in given:
         out["max_running_requests"] = CPU_RUNNING_REQUESTS
-    if shape is not None and not given & {"max_total_tokens", "mem_fraction_static"}:
-        running = out.get("max_running_requests") or CPU_RUNNING_REQUESTS
+    if shape is not None and not given.keys() & {"max_total_tokens", "mem_fraction_static"}:
+        running = int(given.get("max_running_requests") or out.get("max_running_requests") or CPU_RUNNING_REQUESTS)
         by_ram = int(CPU_KV_SHARE * total_ram) // shape.kv_bytes_per_token(itemsize)
         by_work = max(shape.context_len, running * CPU_TOKENS_PER_REQUEST)
         out["max_total_tokens"] = max(MIN_TOKENS, min(by_ram, by_work))
@@ -169,17 +211,19 @@ def gib(n: int) -> str:
 
 def check_cpu_fit(shape: ModelShape, itemsize: int, max_total_tokens: int, ring_rows: int, ring_capacity: int,
                   available: int, packed_linear: bool = False, max_running_requests: int | None = None,
-                  replicas: int = 1) -> dict:
+                  replicas: int = 1, kara_workspace: int = 0) -> dict:
     """Raise MemoryConfigError when weights (+ the lm_head's packed copy when ``packed_linear``
-    and float32: cpu/linear.py packs the other weights in place) + KV pool + ring (+ the
-    processes' floor) exceed ``available``; returns the byte counts (for the start-up log).
-    ``replicas`` (``--dp-size``): each replica's scheduler holds its own weights, pool and ring,
-    and adds a process (the DP controller one more)."""
+    and float32: cpu/linear.py packs the other weights in place) + KV pool + ring + Kara's event
+    and observer memory (``kara_workspace``: ``kara_memory`` less the ring) (+ the processes'
+    floor) exceed ``available``; returns the byte counts (for the start-up log). ``replicas``
+    (``--dp-size``): each replica's scheduler holds its own weights, pool, ring and workspace, and
+    adds a process (the DP controller one more)."""
     sizes = {
         "weights": replicas * shape.weight_bytes(itemsize),
         "packed_lm_head": replicas * shape.lm_head_elements * 4 if packed_linear and itemsize == 4 else 0,
         "kv_pool": replicas * max_total_tokens * shape.kv_bytes_per_token(itemsize),
         "capture_ring": replicas * shape.ring_bytes(ring_rows, ring_capacity, itemsize) if ring_rows else 0,
+        "kara_workspace": replicas * kara_workspace,
         "processes": PROCESS_FLOOR_BYTES + (replicas * PROCESS_FLOOR_BYTES // 3 if replicas > 1 else 0),
     }
     need = sum(sizes.values())
@@ -202,6 +246,29 @@ def plan_text(sizes: dict, max_total_tokens: int, ring_rows: int, ring_capacity:
         "packed_lm_head": "lm_head packed copy",
         "kv_pool": f"KV pool ({max_total_tokens} tokens)",
         "capture_ring": f"capture ring ({ring_rows} rows x {ring_capacity} queries)",
+        "kara_workspace": "Kara's event and observer memory",
         "processes": "SGLang's processes",
     }
     return ", ".join(f"{what.get(k, k)} {gib(v)}" for k, v in sizes.items() if v)
+
+
+def kara_memory(shape: ModelShape, itemsize: int, pool_tokens: int, running: int | None, region_tokens: int,
+                ring_rows: int = 0, ring_capacity: int = 0, observer=None) -> dict:
+    """Bytes Kara holds beside the KV pool, by what holds them (per replica):
+
+        capture_ring     ring_bytes(ring_rows, ring_capacity): allocated at start-up
+        event_scores     the largest event's scores and selection: EVENT_BYTES_PER_SCORE x layers
+                         x H_kv per region entry, for every running request's region (``running``
+                         x ``region_tokens``, the policy's largest region) and at most the pool's
+                         entries (``running`` None: SGLang sizes the request limit, the pool binds)
+        observer         a decode observer's state and workspace: ``observer(shape, itemsize,
+                         pool_tokens, running)`` (H2O: policies/h2o.py ``observer_bytes``)
+
+    Every term is an upper bound for these settings; the CPU check adds them to the RAM a server
+    needs, the CUDA start-up takes them from the pool's share of the GPU (support.py)."""
+    entries = pool_tokens if running is None else min(pool_tokens, running * region_tokens)
+    return {
+        "capture_ring": shape.ring_bytes(ring_rows, ring_capacity, itemsize) if ring_rows else 0,
+        "event_scores": entries * shape.layers * shape.kv_heads * EVENT_BYTES_PER_SCORE,
+        "observer": observer(shape, itemsize, pool_tokens, running) if observer is not None else 0,
+    }

@@ -1,12 +1,21 @@
-"""Server arguments before a model loads, in three jobs: unsupported SGLang features refused with a
-message naming the flag, never ignored (``_UNSUPPORTED``, ``prepare_server_args``); the settings a
-CPU-only machine needs (``cpu_defaults``, ``server_defaults``); ``--kara-query-source auto``
-resolved to capture or recompute (``resolve_query_source``)."""
+"""Server arguments before a model loads, in four jobs: unsupported SGLang features and models
+refused with a message naming the flag or the model, never ignored (``_UNSUPPORTED``,
+``check_model``, ``prepare_server_args``); the settings a CPU-only machine needs (``cpu_defaults``,
+``server_defaults``); ``--kara-query-source auto`` resolved to capture or recompute
+(``resolve_query_source``) and decode CUDA graphs kept off where the attention hook must run at
+every decode step (``keep_decode_eager``); Kara's own memory put inside the budget: the RAM check
+on CPU, a share of the KV pool's GPU memory on CUDA (``reserve_device_memory``).
+
+SGLang 0.5.23 names used here and not yet in ``_sglang.py`` (imported where used):
+``sglang.srt.utils.common.get_device_memory_capacity`` and
+``sglang.srt.arg_groups.overrides.resolving_view`` / ``model_config_of``."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
+import math
 import os
 
 from sgl_kara import env
@@ -19,6 +28,8 @@ from sgl_kara.memory import (
     check_cpu_fit,
     cpu_memory_defaults,
     cpu_ring_budget,
+    gib,
+    kara_memory,
     plan_text,
     ring_rows,
     total_ram_bytes,
@@ -90,17 +101,76 @@ def server_defaults(model_path: str, given: dict) -> dict:
         return out
     shape = ModelShape.from_model_path(model_path)
     itemsize = shape.itemsize(given.get("dtype") or out.get("dtype")) if shape is not None else 4
-    out.update(cpu_memory_defaults(shape, itemsize, total_ram_bytes(), set(given)))
+    out.update(cpu_memory_defaults(shape, itemsize, total_ram_bytes(), given))
     return out
+
+
+def device_memory_bytes(device: str) -> int | None:
+    """The serving device's total memory (None: unknown), as SGLang's own resolution reads it
+    (on CUDA ``nvidia-smi``: no CUDA context in this process)."""
+    from sglang.srt.utils.common import get_device_memory_capacity  # SGLang 0.5.23; not yet in _sglang.py
+
+    mib = get_device_memory_capacity(device)
+    return int(mib * (1 << 20)) if mib else None
+
+
+def decode_graphs_requested(server_args) -> tuple[str, str | None]:
+    """(backend, flag): the decode CUDA-graph backend SGLang 0.5.23 resolves from the user's flags,
+    by its precedence (``arg_groups/cuda_graph_hook.py`` ``parse_cuda_graph_config``): the
+    ``--cuda-graph-config`` JSON, then ``--cuda-graph-backend-decode``, then
+    ``--disable-decode-cuda-graph``, then ``--disable-cuda-graph``; and the flag that decided it
+    (None: SGLang's default, ``full``)."""
+    raw = getattr(server_args, "cuda_graph_config", None)
+    explicit = raw.to_dict() if hasattr(raw, "to_dict") else (raw or {})
+    decode = explicit.get("decode") if isinstance(explicit, dict) else None
+    if isinstance(decode, dict) and "backend" in decode:
+        return str(decode["backend"]), "--cuda-graph-config"
+    backend = getattr(server_args, "cuda_graph_backend_decode", None)
+    if backend is not None:
+        return str(backend), "--cuda-graph-backend-decode"
+    if getattr(server_args, "disable_decode_cuda_graph", False):
+        return "disabled", "--disable-decode-cuda-graph"
+    if getattr(server_args, "disable_cuda_graph", False):
+        return "disabled", "--disable-cuda-graph"
+    return "full", None
+
+
+def hooks_every_decode_step(cfg: KaraConfig) -> str | None:
+    """Why this configuration needs Kara's attention hook at every decode step (a replayed CUDA
+    graph never calls it), naming the flag; None when it does not."""
+    if cfg.policy_class.observes_decode:
+        return f"--kara-policy {cfg.policy} (its observer adds each decode query's attention to its scores)"
+    if cfg.query_source == "capture" and cfg.query_ring_capacity:
+        return "--kara-query-source capture (each decode query is written to the capture ring)"
+    return None
+
+
+def keep_decode_eager(server_args, cfg: KaraConfig) -> bool:
+    """Decode CUDA graphs off where the attention hook must run at every decode step: refused
+    (naming the flag) when the user asked for decode graphs, turned off
+    (``--disable-decode-cuda-graph``; prefill graphs stay as SGLang sets them) otherwise. Returns
+    whether it turned them off."""
+    why = hooks_every_decode_step(cfg)
+    if why is None:
+        return False
+    backend, flag = decode_graphs_requested(server_args)
+    if flag is not None and backend != "disabled":
+        alternative = ("--kara-query-source recompute" if not cfg.policy_class.observes_decode
+                       else "a policy without a decode observer")
+        raise UnsupportedFeature(
+            f"{flag} asks for decode CUDA graphs ({backend}), which {why} cannot use: a replayed graph never calls "
+            f"Kara's attention hook. Drop {flag} (decode graphs are then turned off for it) or use {alternative}")
+    server_args.disable_decode_cuda_graph = True
+    return True
 
 
 def choose_query_source(device: str, ring_bytes: int | None, available_ram: int, device_memory: int | None,
                         kv_pool_bytes: int | None = None) -> str:
-    """``--kara-query-source auto``: capture (no extra forward per event) on CPU, where compute is
-    the bottleneck, while its ring needs at most CPU_RING_SHARE of the available RAM and at most
-    CPU_RING_KV_RATIO x the KV pool (when the pool's size is known); on CUDA recompute (SGLang's
-    default request limit makes a ring per request unaffordable) unless the ring is known and
-    within CUDA_RING_SHARE of the device memory."""
+    """``--kara-query-source auto`` by memory: capture (no extra forward per event) on CPU, where
+    compute is the bottleneck, while its ring needs at most CPU_RING_SHARE of the available RAM
+    and at most CPU_RING_KV_RATIO x the KV pool (when the pool's size is known); on CUDA while the
+    ring is known and within CUDA_RING_SHARE of the device memory (it is then taken from the
+    pool). ``resolve_query_source`` asks only where capture would cost no decode CUDA graph."""
     if ring_bytes is None:
         return "recompute"
     if device == "cpu":
@@ -112,18 +182,28 @@ def choose_query_source(device: str, ring_bytes: int | None, available_ram: int,
 
 def planned_ring_rows(server_args, cfg: KaraConfig) -> int:
     """Rows a capture ring would get under these server args (memory.ring_rows, as the scheduler
-    allocates it); 0 when the policy keeps no queries or the request limit is not known yet."""
+    allocates it); 0 when the policy keeps no queries or neither the request limit nor
+    ``--kara-query-ring-rows`` bounds the rows yet."""
     capacity = cfg.query_ring_capacity
     running = getattr(server_args, "max_running_requests", None)
-    if not capacity or not running:
+    if not capacity:
         return 0
+    if not running:
+        return cfg.query_ring_rows
     return ring_rows(running, getattr(server_args, "max_total_tokens", None), capacity, cfg.query_ring_rows)
+
+
+def serving_device(server_args) -> str:
+    return server_args.device or ("cuda" if cuda_available() else "cpu")
 
 
 def resolve_query_source(cfg: KaraConfig, server_args, shape: ModelShape | None) -> KaraConfig:
     """``auto`` -> capture or recompute (choose_query_source), for the ring ``--kara-query-ring-rows``
     leaves. A ring over budget is not shrunk to fit: on CPU its memory sits beside the KV pool,
-    and where memory binds it buys more as KV than as saved forwards (bench/RESULTS.md)."""
+    and where memory binds it buys more as KV than as saved forwards (bench/RESULTS.md). ``auto``
+    never trades decode CUDA graphs away (capture turns them off, ``keep_decode_eager``): on CUDA
+    it considers capture only where they are off anyway, and decode graphs the user asked for keep
+    it at recompute on any device."""
     if cfg.query_source != "auto":
         return cfg
     capacity = cfg.query_ring_capacity
@@ -134,12 +214,11 @@ def resolve_query_source(cfg: KaraConfig, server_args, shape: ModelShape | None)
         ring = shape.ring_bytes(rows, capacity, itemsize)
         if server_args.max_total_tokens:
             kv_pool = server_args.max_total_tokens * shape.kv_bytes_per_token(itemsize)
-    device = server_args.device or ("cuda" if cuda_available() else "cpu")
-    device_memory = None
-    if device != "cpu" and cuda_available():
-        import torch
-
-        device_memory = torch.cuda.get_device_properties(0).total_memory
+    device = serving_device(server_args)
+    backend, flag = decode_graphs_requested(server_args)
+    if backend != "disabled" and (flag is not None or device != "cpu"):
+        ring = None  # decode graphs asked for, or SGLang's default on CUDA: capture would turn them off
+    device_memory = device_memory_bytes(device) if device != "cpu" and ring is not None else None
     source = choose_query_source(device, ring, available_ram_bytes(), device_memory, kv_pool)
     rows_cap = cfg.query_ring_rows if source == "capture" else 0  # a cap is refused with recompute
     return dataclasses.replace(cfg, query_source=source, query_ring_rows=rows_cap)
@@ -194,34 +273,132 @@ def prepare_server_args(server_args, cfg: KaraConfig) -> KaraConfig:
     # Compression edits rows the overlapped forward would still read: run without overlap.
     server_args.disable_overlap_schedule = True
     shape = ModelShape.from_model_path(server_args.model_path)
-    if shape is not None and shape.mrope:
-        raise UnsupportedFeature(
-            f"--model-path {server_args.model_path} uses M-RoPE (multimodal rotary positions), which is not "
-            f"supported with --kara-policy {cfg.policy}: its position offsets would not reach mrope_positions")
+    if shape is not None:
+        check_model(shape, server_args.model_path, cfg.policy)
     cfg = resolve_query_source(cfg, server_args, shape)
-    if cfg.query_source == "capture" or cfg.policy_class.observes_decode:
-        # Captured queries and decode observers (H2O) run in the attention hook, which a replayed
-        # CUDA graph never calls.
-        server_args.disable_cuda_graph = True
-    if server_args.device == "cpu" and shape is not None and server_args.max_total_tokens:
+    keep_decode_eager(server_args, cfg)
+    device = serving_device(server_args)
+    replicas = getattr(server_args, "dp_size", None) or 1
+    if device == "cpu" and shape is not None and server_args.max_total_tokens:
         rows = planned_ring_rows(server_args, cfg) if cfg.query_source == "capture" else 0
+        itemsize = shape.itemsize(server_args.dtype)
+        extra = kara_memory(shape, itemsize, server_args.max_total_tokens, server_args.max_running_requests,
+                            region_tokens(cfg), observer=observer_bytes(cfg))
         try:
-            sizes = check_cpu_fit(shape, shape.itemsize(server_args.dtype), server_args.max_total_tokens,
+            sizes = check_cpu_fit(shape, itemsize, server_args.max_total_tokens,
                                   rows, cfg.query_ring_capacity, available_ram_bytes(),
                                   packed_linear=env.packed_cpu_linear(),
                                   max_running_requests=server_args.max_running_requests,
-                                  replicas=getattr(server_args, "dp_size", None) or 1)
+                                  replicas=replicas, kara_workspace=extra["event_scores"] + extra["observer"])
         except MemoryConfigError as e:
             raise UnsupportedFeature(str(e)) from None
         logger.info("sgl_kara memory plan: %s", plan_text(sizes, server_args.max_total_tokens, rows,
                                                           cfg.query_ring_capacity))
+    elif device != "cpu":
+        if cfg.query_source == "capture" and cfg.query_ring_capacity and not planned_ring_rows(server_args, cfg):
+            raise UnsupportedFeature(
+                f"--kara-query-source capture with --kara-policy {cfg.policy} on {device} needs --max-running-requests "
+                "or --kara-query-ring-rows: the capture ring (one row per running request) is taken from the KV "
+                "pool's share of the GPU at start-up, so its rows must be known; or use --kara-query-source recompute")
+        reserve_device_memory(server_args, cfg, shape)
     default_threads_bind(server_args)
     return cfg
 
 
+def check_model(shape: ModelShape, model_path: str, policy: str) -> None:
+    """Refuse, naming the model and what it uses, attention Kara's compaction would get wrong,
+    from its config (before it loads): M-RoPE, local (sliding-window / chunked) attention, MLA,
+    layers other than attention. The scheduler checks the built model and pool again
+    (``check_runtime_supported``)."""
+    name = f"--model-path {model_path}" + (f" ({shape.architecture})" if shape.architecture else "")
+    if shape.mrope:
+        raise UnsupportedFeature(
+            f"--model-path {model_path} uses M-RoPE (multimodal rotary positions), which is not "
+            f"supported with --kara-policy {policy}: its position offsets would not reach mrope_positions")
+    if shape.local_layers:
+        raise UnsupportedFeature(
+            f"{name} uses sliding-window attention (a {shape.local_window}-token window on {shape.local_layers} "
+            f"of {shape.layers} layers), which is not supported with --kara-policy {policy}: compaction moves kept "
+            "entries to lower rows and the attention backends apply a layer's window to row positions, so its "
+            "local layers would attend to entries past their window")
+    if shape.mla_rank:
+        raise UnsupportedFeature(
+            f"{name} uses multi-head latent attention (MLA, kv_lora_rank {shape.mla_rank}), which is not supported "
+            f"with --kara-policy {policy}: Kara scores and compacts per-head K/V (MHA / GQA pools only)")
+    if shape.other_layers:
+        raise UnsupportedFeature(
+            f"{name} has {', '.join(shape.other_layers)} layers (a hybrid model), which is not supported with "
+            f"--kara-policy {policy}: Kara compacts attention KV, and these layers' state follows the tokens")
+
+
+def region_tokens(cfg: KaraConfig) -> int:
+    """The most entries one request's region of this policy holds at an event: a window W (Kara,
+    random) or C_max + 1 generated entries (the threshold policies)."""
+    options = cfg.options
+    threshold = getattr(options, "threshold", None)
+    return threshold + 1 if threshold else options.window
+
+
+def observer_bytes(cfg: KaraConfig):
+    """The policy's decode-observer memory bound (``observer_bytes(shape, itemsize, pool_tokens,
+    running)``), or None."""
+    return getattr(cfg.policy_class, "observer_bytes", None) if cfg.policy_class.observes_decode else None
+
+
+def sglang_resolution(server_args):
+    """A resolved copy of these server args (SGLang 0.5.23's own resolution: its memory fraction,
+    its model config); the server args themselves stay unresolved."""
+    probe = copy.deepcopy(server_args)
+    probe.resolve_once()
+    return probe
+
+
+def reserve_device_memory(server_args, cfg: KaraConfig, shape: ModelShape | None) -> dict:
+    """On CUDA, take Kara's memory beside the pool (``memory.kara_memory``: capture ring, the
+    largest event's scores and selection, a decode observer's state and workspace) from the KV
+    pool's share of the GPU: ``--mem-fraction-static`` (the user's, or the one SGLang's own
+    resolution picks) lowered by that memory over the GPU's. SGLang sizes the pool from free
+    memory minus (1 - fraction) x the memory before the model loads, so the pool shrinks by it
+    and the headroom SGLang keeps for activations and CUDA graphs stays whole. Refused, naming
+    the flags, when no pool would be left. Returns the plan (bytes by what holds them)."""
+    from sglang.srt.arg_groups.overrides import model_config_of, resolving_view  # SGLang 0.5.23; not yet in _sglang.py
+
+    device = serving_device(server_args)
+    total = device_memory_bytes(device)
+    if total is None:
+        logger.warning("sgl_kara: the %s memory is unknown; Kara's memory beside the pool is not reserved", device)
+        return {}
+    probe = sglang_resolution(server_args)
+    resolved = resolving_view(probe)
+    if shape is None:
+        shape = ModelShape.from_config(model_config_of(probe).hf_config)
+        check_model(shape, server_args.model_path, cfg.policy)
+    fraction = float(resolved.mem_fraction_static)
+    itemsize = shape.itemsize(server_args.dtype)
+    weights = shape.weight_bytes(itemsize)
+    pool_tokens = max(0, int(fraction * total) - weights) // shape.kv_bytes_per_token(itemsize)
+    if server_args.max_total_tokens:
+        pool_tokens = min(pool_tokens, int(server_args.max_total_tokens))
+    rows = planned_ring_rows(server_args, cfg) if cfg.query_source == "capture" else 0
+    sizes = kara_memory(shape, itemsize, pool_tokens, server_args.max_running_requests, region_tokens(cfg),
+                        rows, cfg.query_ring_capacity, observer_bytes(cfg))
+    share = math.ceil(1000 * sum(sizes.values()) / total) / 1000
+    lowered = round(fraction - share, 3)
+    plan = ", ".join(f"{k.replace('_', ' ')} {gib(v)}" for k, v in sizes.items() if v)
+    if lowered * total <= weights or lowered <= share:
+        raise UnsupportedFeature(
+            f"Kara's memory beside the KV pool ({plan}) is {share:.3f} of the {gib(total)} GPU, which leaves no KV pool "
+            f"under --mem-fraction-static {fraction}: lower --max-running-requests, --kara-query-ring-rows or "
+            "--kara-window, use --kara-query-source recompute, or raise --mem-fraction-static")
+    server_args.mem_fraction_static = lowered
+    logger.info("sgl_kara memory plan: %s beside the KV pool: --mem-fraction-static %s -> %s", plan, fraction, lowered)
+    return sizes
+
+
 def check_runtime_supported(scheduler) -> None:
-    """Checks that need the built model / pools (run in the scheduler process)."""
-    from sgl_kara._sglang import MHATokenToKVPool
+    """Checks of the built model, pool and CUDA graphs (run in the scheduler process, after the
+    model loads): the second line behind ``check_model`` and ``keep_decode_eager``."""
+    from sgl_kara._sglang import MHATokenToKVPool, RadixAttention
 
     pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
     if type(pool) is not MHATokenToKVPool:
@@ -229,3 +406,16 @@ def check_runtime_supported(scheduler) -> None:
             f"Kara supports standard multi-head/GQA attention KV pools only; this model uses "
             f"{type(pool).__name__} (MLA, hybrid, sliding-window or quantized pools are not supported yet)"
         )
+    runner = scheduler.tp_worker.model_runner
+    windows = sorted({m.sliding_window_size for m in runner.model.modules()
+                      if isinstance(m, RadixAttention) and (m.sliding_window_size or -1) >= 0})
+    if windows:
+        raise UnsupportedFeature(
+            f"{type(runner.model).__name__} applies a sliding window ({', '.join(map(str, windows))} tokens) on some "
+            "attention layers, which Kara does not support: compaction moves kept entries to lower rows and the "
+            "window applies to row positions")
+    cfg = getattr(scheduler, "kara_config", None)
+    why = hooks_every_decode_step(cfg) if cfg is not None and cfg.enabled else None
+    if why is not None and getattr(runner, "decode_cuda_graph_runner", None) is not None:
+        raise UnsupportedFeature(f"decode CUDA graphs were captured, but {why} needs the attention hook at every "
+                                 "decode step: run with --disable-decode-cuda-graph")

@@ -32,14 +32,32 @@ def write_gpu_model(path: str, arch: str = "llama") -> str:
                                 head_dim=64, intermediate_size=512, seed=11))
 
 
+# CUDA graph capture sizes (SGLang 0.5.23 captures decode and, breakable, prefill graphs by
+# default on CUDA): decode batches up to 16 requests (6 graphs), prefill batches up to 64 tokens
+# (10 graphs). The checks run a few requests; capture time bounds each engine start.
+DECODE_GRAPH_MAX_BS = 16
+PREFILL_GRAPH_MAX_TOKENS = 64
+
+
 def device_options(backend: str, page: int) -> dict:
-    """Engine options for one attention backend and page size on this machine. CUDA graphs are
-    captured for batch sizes up to 16 only (the checks run a few requests; capture time bounds
-    each engine start)."""
+    """Engine options (ServerArgs fields) for one attention backend and page size on this machine
+    (tests/test_gpu_resolution.py resolves them with SGLang as on CUDA)."""
     if cuda():
         return dict(device="cuda", attention_backend=backend, page_size=page, dtype="bfloat16",
-                    mem_fraction_static=0.5, cuda_graph_max_bs=16)
+                    mem_fraction_static=0.5, cuda_graph_max_bs_decode=DECODE_GRAPH_MAX_BS,
+                    cuda_graph_max_bs_prefill=PREFILL_GRAPH_MAX_TOKENS)
     return dict(device="cpu", attention_backend=backend, page_size=page, dtype="float32")
+
+
+def decode_graphs_off(server_args) -> bool:
+    """Whether an engine's resolved server args replay no decode CUDA graph (SGLang 0.5.23's
+    resolved ``cuda_graph_config``; a record not resolved yet is read as it stands)."""
+    cfg = server_args
+    if getattr(server_args, "_resolution_finished", False):
+        from sglang.srt.arg_groups.overrides import resolving_view
+
+        cfg = resolving_view(server_args)
+    return cfg.cuda_graph_config.decode.backend == "disabled"
 
 
 def start(kind: str, model: str, **opts):
@@ -65,20 +83,20 @@ _VANILLA: dict[tuple, list] = {}  # (model, backend, page, graphs off, gen) -> v
 
 def token_identity(model: str, backend: str, page: int, query_source: str, gen: int = 96) -> dict:
     """Retention 1.0 (every window compacted into fresh slots, nothing dropped) must give vanilla
-    SGLang's greedy tokens with the same backend, page size and CUDA-graph setting (the Kara
-    run's, as resolved at its start: off for capture, on for recompute); a vanilla reference is
-    started once per configuration and reused."""
+    SGLang's greedy tokens with the same backend, page size and decode CUDA-graph setting (the
+    Kara run's, as resolved at its start: off for capture, on for recompute; prefill graphs as
+    SGLang sets them in both); a vanilla reference is started once per configuration and reused."""
     greedy = {"max_new_tokens": gen, "temperature": 0.0, "ignore_eos": True}
     opts = device_options(backend, page)
     eng = start("kara", model, kara_retention=1.0, kara_query_source=query_source, **KARA_SMALL, **opts)
     try:
         outs = eng.generate(PROMPTS, greedy)
-        graphs_off = bool(eng.server_args.disable_cuda_graph)
+        graphs_off = decode_graphs_off(eng.server_args)
     finally:
         eng.shutdown()
     key = (model, backend, page, graphs_off, gen)
     if key not in _VANILLA:
-        ref = start("sglang", model, disable_cuda_graph=graphs_off, **opts)
+        ref = start("sglang", model, disable_decode_cuda_graph=graphs_off, **opts)
         try:
             _VANILLA[key] = [o["output_ids"] for o in ref.generate(PROMPTS, greedy)]
         finally:
@@ -168,7 +186,7 @@ def kernels(model_name: str | None = None) -> dict:
 # One entry per check: (name, function, args, engine starts, decode steps, pass predicate). Each
 # check starts its engines once; a vanilla reference is shared by the checks of one configuration.
 # The time bound (budget_seconds) follows from the counts.
-START_S = 20.0  # one engine start on one H100: imports, a 2-layer model, graph capture up to bs 16
+START_S = 20.0  # one engine start on one H100: imports, a 2-layer model, 6 decode + 10 prefill graphs
 STEP_S = 0.02  # one decode step of a few requests (pessimistic: 50 steps/s)
 REFERENCE_S = 10.0  # the HF reference of one oracle check
 KERNELS_S = 90.0  # bench/gpu_kernels.py for one model (gpu_kernels.estimate_seconds per model)

@@ -1,6 +1,6 @@
 """What SGLang's GPU paths need of the runtime, checked on CPU: the recompute pass writes no K/V
-even when the model writes the cache inside RoPE, decode observers turn CUDA graphs off and sync
-nothing, a KV cache dtype other than the model's scores correctly, events keep up with any
+even when the model writes the cache inside RoPE, decode observers turn decode CUDA graphs off and
+sync nothing, a KV cache dtype other than the model's scores correctly, events keep up with any
 number of running requests, and the start-up warm-up compiles what the first event launches."""
 
 from __future__ import annotations
@@ -120,18 +120,21 @@ def test_recompute_pass_writes_no_kv_with_fused_rope_write(monkeypatch):
 def _cuda_args(model, **kw):
     base = dict(model_path=model, device="cuda", dtype="bfloat16", max_running_requests=None,
                 max_total_tokens=None, radix_cache_backend=None, disable_overlap_schedule=False,
-                disable_cuda_graph=False, kv_cache_dtype="auto")
+                disable_cuda_graph=False, disable_decode_cuda_graph=False, kv_cache_dtype="auto")
     return types.SimpleNamespace(**{**base, **kw})
 
 
 @pytest.mark.parametrize("policy, graphs_off", [("h2o", True), ("kara", False), ("snapkv", False)])
-def test_decode_observers_turn_cuda_graphs_off(monkeypatch, tiny_llama, policy, graphs_off):
-    """A replayed decode graph never calls the attention hook, so H2O's observer would see nothing."""
+def test_decode_observers_turn_decode_cuda_graphs_off(monkeypatch, tiny_llama, policy, graphs_off):
+    """A replayed decode graph never calls the attention hook, so H2O's observer would see nothing:
+    its decode graphs are turned off (prefill graphs and the legacy switch left as they were);
+    tests/test_gpu_resolution.py resolves every such configuration with SGLang itself."""
     monkeypatch.setattr(support, "cuda_available", lambda: False)
+    monkeypatch.setattr(support, "device_memory_bytes", lambda device: None)
     args = _cuda_args(tiny_llama)
     cfg = support.prepare_server_args(args, KaraConfig.build(policy=policy, query_source="recompute"))
     assert cfg.query_source == "recompute"
-    assert args.disable_cuda_graph is graphs_off
+    assert args.disable_decode_cuda_graph is graphs_off and args.disable_cuda_graph is False
 
 
 def test_decode_observer_reads_rows_from_the_host():
@@ -195,6 +198,7 @@ def test_every_policy_scores_and_observes_with_mixed_dtypes():
 
 def test_kv_cache_dtype_other_than_the_model_dtype_is_accepted(monkeypatch, tiny_llama):
     monkeypatch.setattr(support, "cuda_available", lambda: False)
+    monkeypatch.setattr(support, "device_memory_bytes", lambda device: None)
     for kv in ("float16", "bfloat16", "float32"):
         support.prepare_server_args(_cuda_args(tiny_llama, kv_cache_dtype=kv), KaraConfig())
     with pytest.raises(support.UnsupportedFeature, match="--kv-cache-dtype"):

@@ -76,11 +76,12 @@ class ForwardContext:
             if self.ring is not None:
                 self.capture = (self.ring.rows_for(rows), fb.positions.to(torch.int64))
             if self.policy is not None and self.policy.observes_decode:
-                # Rows and lengths from the host (the requests, the batch's CPU lengths): reading
-                # the device tensors here would sync the host at every decode step.
-                lens = fb.seq_lens_cpu if fb.seq_lens_cpu is not None else batch.seq_lens_cpu
-                self.observed = ([self.req_to_token[int(r.kv.req_pool_idx), :n].to(torch.int64)
-                                  for r, n in zip(reqs, lens.tolist())], states)
+                # Lengths from the host (the batch's CPU lengths; reading the device tensors here
+                # would sync the host at every decode step); the rows in one gather, each request's
+                # slots a view of it (one list per forward: every layer's observer gets it).
+                lens = (fb.seq_lens_cpu if fb.seq_lens_cpu is not None else batch.seq_lens_cpu).tolist()
+                table = self.req_to_token[rows, : max(lens)].to(torch.int64)
+                self.observed = ([table[i, :n] for i, n in enumerate(lens)], states)
         else:
             # Only requests never compressed (or reset by retraction) are ever extended.
             assert not any(s is not None and s.pos_offset for s in states), "extend of a compressed request"

@@ -99,11 +99,13 @@ class KaraRuntime:
     def _make_ring(self, capacity: int) -> QueryRing:
         """The capture ring, allocated now (start-up), one row per request that can run at once
         (memory.ring_rows: the request limit, bounded by what the pool holds and by
-        ``--kara-query-ring-rows``); refused, naming the flags, when it does not fit in the memory
-        the KV pool left."""
+        ``--kara-query-ring-rows``). Its memory was planned before the model loaded: on CUDA taken
+        from the KV pool's share of the GPU (support.reserve_device_memory), so the ring must not
+        outgrow that plan; on CPU counted in the RAM check, and it must fit in the memory the KV
+        pool left. Refused, naming the flags, otherwise."""
         from sgl_kara._sglang import RadixAttention
         from sgl_kara.memory import available_ram_bytes, gib, ring_bytes, ring_rows
-        from sgl_kara.support import UnsupportedFeature
+        from sgl_kara.support import UnsupportedFeature, planned_ring_rows
 
         layers = {
             m.layer_id: (m.tp_q_head_num, m.qk_head_dim)
@@ -114,15 +116,25 @@ class KaraRuntime:
         device, dtype = self.req_to_token_pool.req_to_token.device, self.model_runner.dtype
         itemsize = torch.empty((), dtype=dtype).element_size()
         need = ring_bytes(rows, capacity, layers.values(), itemsize)
-        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_ram_bytes()
-        if need > 0.9 * free:
-            raise UnsupportedFeature(
-                f"the capture query ring needs {gib(need)} ({rows} rows: one per running request, "
-                f"--max-running-requests {running}, bounded by the KV pool and --kara-query-ring-rows; x {capacity} "
-                f"queries: the policy's window and period; x {len(layers)} layers) but only {gib(free)} is free after "
-                "the KV pool: use --kara-query-source recompute, or lower --kara-query-ring-rows / "
-                "--max-running-requests / --kara-window / --kara-period / --max-total-tokens"
-            )
+        flags = ("use --kara-query-source recompute, or lower --kara-query-ring-rows / --max-running-requests / "
+                 "--kara-window / --kara-period / --max-total-tokens")
+        if device.type == "cuda":
+            planned_rows = planned_ring_rows(self.scheduler.server_args, self.cfg)
+            planned = ring_bytes(planned_rows, capacity, layers.values(), itemsize)
+            if need > planned:
+                raise UnsupportedFeature(
+                    f"the capture query ring needs {gib(need)} ({rows} rows: one per running request, "
+                    f"--max-running-requests {running}, bounded by the KV pool and --kara-query-ring-rows) but "
+                    f"{gib(planned)} ({planned_rows} rows) was taken from the KV pool at start-up: {flags}")
+        else:
+            free = available_ram_bytes()
+            if need > 0.9 * free:
+                raise UnsupportedFeature(
+                    f"the capture query ring needs {gib(need)} ({rows} rows: one per running request, "
+                    f"--max-running-requests {running}, bounded by the KV pool and --kara-query-ring-rows; x {capacity} "
+                    f"queries: the policy's window and period; x {len(layers)} layers) but only {gib(free)} of RAM is "
+                    f"free after the KV pool: {flags}"
+                )
         ring = QueryRing(layers, rows, capacity, self.req_to_token_pool.req_to_token.shape[0], dtype, device,
                          poison=self.check)
         logger.info("sgl_kara: capture query ring allocated: %d rows x %d queries x %d layers, %s",
