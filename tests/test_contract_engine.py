@@ -17,13 +17,14 @@ import torch
 
 from oracle import run_and_check, small_options
 from sgl_kara.policies.base import Region
-from sgl_kara.scheduler.events import EventRunner
+from sgl_kara.scheduler.scoring import Scorer
 from sgl_kara.scheduler.jobs import Job
 from support import flush_when_idle
 
 BASELINES = ["snapkv", "streaming", "h2o", "rkv"]
 
 
+@pytest.mark.integration  # an engine per baseline at page size 16 (docs/TESTING.md, tiers)
 @pytest.mark.parametrize("name", BASELINES)
 def test_threshold_baseline_at_page_size_16(name, tiny_llama, tmp_path, engines):
     outs, engine, _, _ = run_and_check(tiny_llama, tmp_path, 16, "capture", policy=name, extra=small_options(name),
@@ -42,16 +43,16 @@ def test_recompute_pass_is_split_by_chunked_prefill_size(tokens, jobs, forwards)
     each sub-pass scores exactly its own requests' rows and slots, results in the jobs' order."""
     calls = []
     rt = SimpleNamespace(recompute_tokens=tokens)
-    runner = EventRunner(rt)
+    runner = Scorer(rt)
 
     def scoring_pass(sub, slots):
         return SimpleNamespace(jobs=sub, slots=slots, result=lambda: slots[:, None, None, :].float())
 
-    def recompute(batch, sub, rows, scoring):
+    def recompute(batch, sub, rows, scoring, q_lo, n):
         assert [j.index for j in sub] == rows.tolist() and scoring.jobs is sub
         calls.append(len(sub))
 
-    runner._scoring_pass, runner._recompute = scoring_pass, recompute
+    runner.scoring_pass, runner._recompute = scoring_pass, recompute
     js = [Job(i, None, None, Region(10, 32, 8, 0, 40)) for i in range(jobs)]
     rows = torch.arange(jobs)
     slots = torch.arange(jobs * 32).view(jobs, 32)

@@ -184,6 +184,7 @@ def test_engine_events_keep_up_with_256_requests(tiny_llama):
     _check(r)
 
 
+@pytest.mark.integration  # an engine per phase (docs/TESTING.md, tiers)
 @pytest.mark.parametrize("phase", ["request", "server"])
 def test_engine_identical_requests_answer_alike_whenever_they_arrive(tiny_llama, phase):
     """One greedy request run twice, alone, with a 3-token request between (2 decode steps, so the

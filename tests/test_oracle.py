@@ -33,6 +33,7 @@ def test_buffer_scoring_matches_masked_reference(tiny_llama, tmp_path, engines):
     run_and_check(tiny_llama, tmp_path, 1, "recompute", extra=dict(kara_scoring="buffer"), engines=engines)
 
 
+@pytest.mark.integration  # engines of their own configurations (docs/TESTING.md, tiers)
 def test_requests_without_a_ring_row_fall_back_to_recompute(tiny_llama, tmp_path, engines):
     """A capture ring with fewer rows than running requests (memory.ring_rows bounds it by the
     pool; ``--kara-query-ring-rows 1`` forces it here): the requests without a row are scored from
@@ -65,6 +66,7 @@ def test_requests_without_a_ring_row_fall_back_to_recompute(tiny_llama, tmp_path
     assert "neither" not in source and set(source) == {"recompute", "capture"}, source
 
 
+@pytest.mark.integration  # engines of their own configurations (docs/TESTING.md, tiers)
 def test_recency_band_matches_masked_reference(tiny_llama, tmp_path, engines):
     """--kara-recent R: exact against the masked reference with the capture ring alone (its
     capacity W + period + R still holds a window's queries when the window is finally scored: no

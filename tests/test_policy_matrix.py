@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from oracle import run_and_check, small_options
+from oracle import run_and_check, shared_engine, small_options
 from sgl_kara.policies import base
 from support import flush_when_idle
 
@@ -29,3 +29,23 @@ def test_policy_through_the_engine(name, tiny_llama, tmp_path, engines):
         assert kara["kv_physical_len"] < kara["kv_logical_len"], kara
         assert kara["integrity_checks"] >= kara["compressions"] - 1, kara
     assert flush_when_idle(engine), "slots still held after every request finished"
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "streaming"])
+def test_threshold_baselines_bound_generated_kv(policy, tiny_llama, tmp_path, engines):
+    """SnapKV-threshold and StreamingLLM share the compaction machinery: generated KV grows to
+    C_max (48 here), then is compacted back to N (32; the last w = 8 entries always kept), on the
+    matrix's engines."""
+    opts = small_options(policy)
+    threshold, budget = opts[f"kara_{policy}_threshold"], opts[f"kara_{policy}_budget"]
+    engine, _ = shared_engine(engines, tiny_llama, 1, "capture", policy=policy, extra=opts)
+    outs = engine.generate(["Hello world", "The answer is"], {"max_new_tokens": 200, "temperature": 0.0,
+                                                               "ignore_eos": True})
+    for out in outs:
+        meta, kara = out["meta_info"], out["meta_info"]["kara"]
+        assert meta["completion_tokens"] == 200
+        generated_held = kara["kv_physical_len"] - meta["prompt_tokens"]
+        assert budget <= generated_held <= threshold
+        # every event drops (threshold + 1) - budget entries
+        assert kara["compressions"] >= (200 - threshold) // (threshold + 1 - budget)
+        assert kara["kv_logical_len"] == meta["prompt_tokens"] + 199

@@ -86,6 +86,7 @@ def test_fresh_slots_needed_is_what_compaction_allocates(page):
     assert sum(allocated) == sum(fresh_slots_needed(a, n, M, K, page) for a, n in zip(starts, lengths))
 
 
+@pytest.mark.integration  # engines of their own pool sizes and triggers (docs/TESTING.md, tiers)
 def test_deferring_triggers_leave_a_request_exact_while_the_pool_has_room(tiny_llama, tmp_path):
     """One long request in a pool that holds it uncompressed: under pressure and headroom every due
     event is deferred, the output is full KV's token for token."""
@@ -136,6 +137,7 @@ def _three_requests_checked(model, tmp_path, trigger: str, pool: int):
     return outs, steps
 
 
+@pytest.mark.integration  # engines of their own pool sizes and triggers (docs/TESTING.md, tiers)
 def test_pressure_compresses_when_the_pool_binds_and_stays_exact(tiny_llama, tmp_path):
     """Three requests in a pool that holds them uncompressed only part of the way: events are first
     deferred, then run when the pool would run short -- at times the periodic schedule never picks,
@@ -147,6 +149,7 @@ def test_pressure_compresses_when_the_pool_binds_and_stays_exact(tiny_llama, tmp
     assert steps[first_event]["kara_deferred"] > 0  # deferred before the pool bound
 
 
+@pytest.mark.integration  # engines of their own pool sizes and triggers (docs/TESTING.md, tiers)
 def test_headroom_compresses_from_the_first_due_step_when_the_remainder_does_not_fit(tiny_llama, tmp_path):
     """Three requests whose whole remainder (3 x 233-251 slots) never fits the 480-slot pool at the
     start: headroom runs the first due event (nothing deferred before it), as the schedule would;

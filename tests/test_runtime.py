@@ -29,8 +29,8 @@ FULL = {**GREEDY, "custom_params": {"kara": {"retention": 1.0}}}  # per request:
 KARA_SMALL = dict(KARA, kara_retention=0.25)
 
 
-def kara_engine(engines, model_path: str, query_source: str, extra: dict | None = None):
-    return shared_engine(engines, model_path, 1, query_source, extra=extra)[0]
+def kara_engine(engines, model_path: str, query_source: str, extra: dict | None = None, page: int = 1):
+    return shared_engine(engines, model_path, page, query_source, extra=extra)[0]
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +45,16 @@ def vanilla(tiny_llama, tiny_qwen3):
     return refs
 
 
-# The shared Llama capture engine last: the tests after this one run on it too.
-@pytest.mark.parametrize("arch, query_source", [("qwen3", "capture"), ("qwen3", "recompute"), ("llama", "recompute"),
-                                                ("llama", "capture")])
-def test_full_retention_is_token_identical(arch, query_source, vanilla, tiny_llama, tiny_qwen3, engines):
+# Both architectures, both query sources, page sizes 1 and 16, on the exactness oracle's engines
+# (tests/test_oracle.py); the shared Llama capture engine last: the tests after this one run on it.
+@pytest.mark.parametrize("arch, page, query_source", [("qwen3", 16, "capture"), ("qwen3", 1, "recompute"),
+                                                      ("llama", 16, "recompute"), ("llama", 1, "recompute"),
+                                                      ("llama", 1, "capture")])
+def test_full_retention_is_token_identical(arch, page, query_source, vanilla, tiny_llama, tiny_qwen3, engines):
     """Retention 1.0 for these requests (``custom_params.kara``): every window still goes through
-    scoring, selection and fresh-slot compaction, and the tokens are plain SGLang's."""
-    engine = kara_engine(engines, tiny_llama if arch == "llama" else tiny_qwen3, query_source)
+    scoring, selection and compaction into fresh slots (at page size 16, the kept entries and the
+    shifted tail go to fresh page-aligned pages), and the tokens are plain SGLang's."""
+    engine = kara_engine(engines, tiny_llama if arch == "llama" else tiny_qwen3, query_source, page=page)
     outs = engine.generate(PROMPTS, FULL)
     for out, ref in zip(outs, vanilla[arch]):
         meta = out["meta_info"]
@@ -121,37 +124,6 @@ def test_flush_leaves_every_slot_free(compressing_engine):
     # scheduler on any leaked slot; a further request proves the scheduler is alive.
     out = compressing_engine.generate("Hello", {"max_new_tokens": 2, "temperature": 0.0})
     assert out["meta_info"]["completion_tokens"] == 2
-
-
-@pytest.mark.parametrize("query_source", ["capture", "recompute"])
-def test_full_retention_is_token_identical_page16(query_source, vanilla, tiny_llama, engines):
-    """Page size 16: kept entries and the shifted tail go to fresh page-aligned pages."""
-    engine = engines("kara", tiny_llama, page_size=16, kara_query_source=query_source,
-                     **{**KARA_SMALL, "kara_window": 48, "kara_retention": 1.0})
-    outs = engine.generate(PROMPTS, GREEDY)
-    for out, ref in zip(outs, vanilla["llama"]):
-        assert out["meta_info"]["kara"]["compressions"] >= 5
-        assert out["text"] == ref
-
-
-@pytest.mark.parametrize("policy", ["snapkv", "streaming"])
-def test_threshold_baselines_bound_generated_kv(policy, tiny_llama, engines):
-    """SnapKV-threshold and StreamingLLM share the compaction machinery: generated KV grows to
-    C_max, then is compacted back to N (the last w entries always kept)."""
-    threshold, budget, window = 64, 48, 8
-    own = {f"kara_{policy}_threshold": threshold, f"kara_{policy}_budget": budget, f"kara_{policy}_window": window}
-    if policy == "streaming":
-        own["kara_streaming_sinks"] = 4
-    engine = engines("kara", tiny_llama, kara_policy=policy, **own)
-    outs = engine.generate(PROMPTS[:2], {"max_new_tokens": 200, "temperature": 0.0, "ignore_eos": True})
-    for out in outs:
-        meta, kara = out["meta_info"], out["meta_info"]["kara"]
-        assert meta["completion_tokens"] == 200
-        generated_held = kara["kv_physical_len"] - meta["prompt_tokens"]
-        assert budget <= generated_held <= threshold
-        # every event drops (threshold + 1) - budget entries
-        assert kara["compressions"] >= (200 - threshold) // (threshold + 1 - budget)
-        assert kara["kv_logical_len"] == meta["prompt_tokens"] + 199
 
 
 @pytest.mark.integration  # a retraction scenario on an engine of its own (docs/TESTING.md, tiers)
@@ -286,6 +258,7 @@ def test_retracted_request_keeps_its_own_budget(tiny_llama):
         assert 24 <= held <= 40 + 1, (held, meta)  # its own N..C_max, not the server's 200..216
 
 
+@pytest.mark.integration  # an engine of its own configuration (docs/TESTING.md, tiers)
 def test_buffer_scoring_recomputes_the_decoded_queries(tiny_llama, engines):
     """--kara-scoring buffer: a region's query window is the last U tokens of the window, and the
     recompute forward extends those alone (prefix = every row before them). On each request's
