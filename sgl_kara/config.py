@@ -31,6 +31,7 @@ NONE = "none"  # plain SGLang: no compression
 QUERY_SOURCES = ("auto", "recompute", "capture")
 TRIGGERS = ("schedule", "pressure", "headroom")
 PHASES = ("request", "server")
+SPREADS = ("even", "off")
 
 
 def policy_names() -> tuple[str, ...]:
@@ -52,20 +53,26 @@ def flag_name(name: str) -> str:
 
 COMMON_HELP = {
     "policy": "compression policy: {policies}",
-    "query_source": f"window queries: {QUERY_SOURCES} (auto: capture on CPU, recompute on CUDA unless "
+    "query_source": f"window queries: {', '.join(QUERY_SOURCES)} (auto: capture on CPU, recompute on CUDA unless "
                     "the ring is small; resolved at start-up)",
     "query_ring_rows": "capture ring rows at most (0: one per request that can run at once, bounded by the "
                        "pool); auto judges the capped ring; a running request without a row is scored from a "
                        "recompute forward",
     "max_seqs": "N: max requests compressed per event, unless more are overdue (their tails would outgrow "
                 "what admission charged before the next event)",
-    "trigger": f"when due events run: {TRIGGERS} (schedule: always, the paper's periodic policy; pressure: "
+    "trigger": f"when due events run: {', '.join(TRIGGERS)} (schedule: always, the paper's periodic policy; pressure: "
                "only while memory binds -- requests wait for admission, or the pool cannot take the running "
                "requests' growth until the next due step; headroom: only while requests wait for admission or "
                "the pool cannot take the running requests' whole uncompressed remainder)",
-    "phase": f"whose decode steps a policy's period counts: {PHASES} (request: each request's own generated "
+    "phase": f"whose decode steps a policy's period counts: {', '.join(PHASES)} (request: each request's own generated "
              "tokens, so when a request is compressed, and its answer, does not depend on when it arrived or what "
              "else runs; server: the scheduler's step, every request in step as in the paper: fewer, larger events)",
+    "spread": f"when a window is scored: {', '.join(SPREADS)} (even: a few queries per decode step from when its "
+              "keys are all decoded until its due step, so no step carries a whole window's scoring; off: all at its "
+              "due step, the paper's; applies to additive scorers: kara)",
+    "spread_max": "most queries of one request's window scored per decode step under --kara-spread even (0: no cap, "
+                  "events never delayed; a cap too small to finish by the due step moves the event to a later due "
+                  "step, and admission charges the rows held meanwhile)",
 }
 
 
@@ -77,6 +84,8 @@ class KaraConfig:
     max_seqs: int = 30
     trigger: str = "schedule"
     phase: str = "request"
+    spread: str = "even"
+    spread_max: int = 0
     options: Any = field(default=None, compare=True)  # the selected policy's Options (None: its defaults)
 
     def __post_init__(self):
@@ -98,6 +107,12 @@ class KaraConfig:
             raise KaraConfigError("trigger", f"must be one of {', '.join(TRIGGERS)} (got {self.trigger!r})")
         if self.phase not in PHASES:
             raise KaraConfigError("phase", f"must be one of {', '.join(PHASES)} (got {self.phase!r})")
+        if self.spread not in SPREADS:
+            raise KaraConfigError("spread", f"must be one of {', '.join(SPREADS)} (got {self.spread!r})")
+        if not 0 <= self.spread_max <= 65536:
+            raise KaraConfigError("spread_max", f"must be an integer in [0, 65536] (got {self.spread_max!r})")
+        if self.spread_max and self.spread == "off":
+            raise KaraConfigError("spread_max", "applies to --kara-spread even, not off")
         if self.enabled and self.options is None:
             object.__setattr__(self, "options", _build_options(self.policy_class, {}))
 
@@ -169,7 +184,7 @@ class KaraConfig:
 
 # The knobs every policy shares (flat names = field names), in CLI order.
 COMMON_TYPES = {"policy": str, "query_source": str, "query_ring_rows": int, "max_seqs": int, "trigger": str,
-                "phase": str}
+                "phase": str, "spread": str, "spread_max": int}
 
 
 def _owner(name: str):

@@ -11,7 +11,8 @@ the new one; the new name wins when both are set.
 | KARA_CROSSCHECK_QUERIES | bool | 0 | compare capture and recompute scores on first windows |
 | KARA_RECORD_EVICTIONS | path | - | JSON lines: evicted logical positions per event (oracle) |
 | KARA_TRACE | path | - | JSON lines: running and waiting requests and free slots per decode step |
-| KARA_INJECT_FAULT_RID_PREFIX | str | - | scoring raises for rids with this prefix (tests) |
+| KARA_INJECT_FAULT_RID_PREFIX | str | - | an event raises for rids with this prefix (tests) |
+| KARA_INJECT_FAULT_AT | str | score | where that event raises: `score` (before scoring) or `commit` (after the kept K/V are copied into fresh slots, just before the rows are rewritten) |
 | KARA_FAST_CPU_DECODE | bool | 1 | torch_native on CPU: decode gathers K/V once per layer; the recompute pass attends its window queries only (cpu/attention.py) |
 | KARA_BATCHED_CPU_DECODE | bool | 1 | with the fast decode: one padded SDPA call per layer for the whole batch, GQA group folded into the query axis (not bit-identical to SGLang's: float summation order; 0 = the per-request loop, bit-identical; bench/cpu_decode_batched.py) |
 | KARA_PACKED_CPU_LINEAR | bool | 1 | on CPU: float32 weight matmuls through oneDNN on weights packed in place after loading (the lm_head: a packed copy, for decode batches), instead of MKL's sgemm (not bit-identical: float summation order; cpu/linear.py; read when the plugin loads) |
@@ -107,6 +108,10 @@ def trace() -> str | None:
 
 def inject_fault_rid_prefix() -> str:
     return _get("INJECT_FAULT_RID_PREFIX") or ""
+
+
+def inject_fault_stage() -> str:
+    return _get("INJECT_FAULT_AT") or "score"
 
 
 def fast_cpu_decode() -> bool:

@@ -270,8 +270,9 @@ def prepare_server_args(server_args, cfg: KaraConfig) -> KaraConfig:
             "Kara needs its own backend ('kara') so compressed KV never enters the tree"
         )
     server_args.radix_cache_backend = "kara"
-    # Compression edits rows the overlapped forward would still read: run without overlap.
-    server_args.disable_overlap_schedule = True
+    # SGLang's overlap scheduler stays as the user set it (on by default): events are ordered
+    # after the overlapped forward (scheduler/runtime.py _fence) and count a request's tokens
+    # the same way under both schedulers (scheduler/jobs.py decoded_tokens).
     shape = ModelShape.from_model_path(server_args.model_path)
     if shape is not None:
         check_model(shape, server_args.model_path, cfg.policy)

@@ -81,7 +81,7 @@ def test_recompute_pass_writes_no_kv_with_fused_rope_write(monkeypatch):
     """Each layer's fused write lands in the padding slot; the window's K/V bytes (and every other
     real slot's) are unchanged; the attention itself still sees the window's real slots."""
     from sgl_kara import _sglang
-    from sgl_kara.scheduler.events import EventRunner
+    from sgl_kara.scheduler.scoring import Scorer
 
     monkeypatch.setattr(_sglang, "ForwardBatch", types.SimpleNamespace(
         init_new=lambda sb, mr, **kw: types.SimpleNamespace(
@@ -105,7 +105,7 @@ def test_recompute_pass_writes_no_kv_with_fused_rope_write(monkeypatch):
     region = req_to_token[rows[:, None], 8 + torch.arange(12)].to(torch.int64)
     before = [t.clone() for t in pool.k + pool.v]
     batch = types.SimpleNamespace(reqs=[j.req for j in jobs])
-    scores = EventRunner(rt)._recompute_scores(batch, jobs, rows, region)
+    scores = Scorer(rt)._recompute_scores(batch, jobs, rows, region)
     assert scores.shape == (2, LAYERS, HKV, 12) and bool(torch.isfinite(scores).all())
     assert len(mr.fused_wrote) == LAYERS  # the last layer's rotary runs before ScoringComplete
     assert all(bool((w == 0).all()) for w in mr.fused_wrote), "fused write not sent to the padding slot"
@@ -337,7 +337,7 @@ def test_captured_scores_are_read_in_bounded_chunks():
     """An event may hold every running request: the ring is read for at most recompute_tokens
     window tokens at a time, and the scores are those of one read of all of them."""
     from sgl_kara.kernels.window_score import window_scores_paged_ref
-    from sgl_kara.scheduler.events import EventRunner
+    from sgl_kara.scheduler.scoring import Scorer
     from sgl_kara.scheduler.queries import QueryRing
 
     pool = Pool()
@@ -357,7 +357,7 @@ def test_captured_scores_are_read_in_bounded_chunks():
     region = torch.stack([torch.arange(12) + 20 * i for i in range(5)])
     rt = types.SimpleNamespace(ring=ring, policy=policy, kv_pool=pool, layer_ids=list(range(LAYERS)), check=False,
                                recompute_tokens=32)
-    got = EventRunner(rt)._captured_scores(None, jobs, rows, region, [8] * 5)
+    got = Scorer(rt)._captured_scores(None, jobs, rows, region, [8] * 5)
     assert reads and max(reads) <= 2, reads  # 32 tokens / 16 per window
     for lid in range(LAYERS):
         q = ring.read(lid, ring.rows_for(rows), torch.full((5,), 8), 16)

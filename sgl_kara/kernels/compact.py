@@ -35,7 +35,12 @@ _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _TL_INT = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 
 
-@triton.jit
+# Counts that vary per event (kept entries per window, slots copied) are not specialised and the
+# block sizes are fixed: one compiled kernel per element size and head dim (warm_up.py).
+BLOCK_T = 64
+
+
+@triton.jit(do_not_specialize=["K"])
 def _compact_kernel(k_table, v_table, src_ptr, dst_ptr, L, H, K, stride_s, stride_h,
                     ELEM: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
     pid = tl.program_id(0)  # (b, l, h) flattened, h fastest
@@ -56,7 +61,7 @@ def _compact_kernel(k_table, v_table, src_ptr, dst_ptr, L, H, K, stride_s, strid
     tl.store(v_ptr + dst_off, tl.load(v_ptr + src_off, mask=mask), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _copy_rows_kernel(k_table, v_table, src_ptr, dst_ptr, N, ROW, stride_s,
                       ELEM: tl.constexpr, BLOCK: tl.constexpr):
     """Pool rows dst[i] <- pool rows src[i] of layer l, directly (src and dst disjoint)."""
@@ -73,7 +78,7 @@ def _copy_rows_kernel(k_table, v_table, src_ptr, dst_ptr, N, ROW, stride_s,
     tl.store(v_ptr + dst * stride_s + offs, tl.load(v_ptr + src * stride_s + offs, mask=ok), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _gather_rows_kernel(k_table, v_table, src_ptr, k_ws, v_ws, N, ROW, stride_s,
                         ELEM: tl.constexpr, BLOCK: tl.constexpr):
     """Workspace [L, N, ROW] <- pool rows src[i] of layer l (pass 1 of copy_slots)."""
@@ -90,7 +95,7 @@ def _gather_rows_kernel(k_table, v_table, src_ptr, k_ws, v_ws, N, ROW, stride_s,
     tl.store(v_ws + ws, tl.load(v_ptr + src * stride_s + offs, mask=ok), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _scatter_rows_kernel(k_table, v_table, dst_ptr, k_ws, v_ws, N, ROW, stride_s,
                          ELEM: tl.constexpr, BLOCK: tl.constexpr):
     """Pool rows dst[i] of layer l <- workspace [L, N, ROW] (pass 2 of copy_slots)."""
@@ -183,7 +188,7 @@ def compact_kv(k_buffers, v_buffers, src_slots, dst_slots, use_triton=None, chec
     n = ref.element_size()
     k_views = [t.view(_INT_VIEW[n]) for t in k_buffers]
     v_views = [t.view(_INT_VIEW[n]) for t in v_buffers]
-    block_t = min(64, triton.next_power_of_2(k))
+    block_t = BLOCK_T
     grid = (b * len(k_buffers) * h, triton.cdiv(k, block_t))
     _compact_kernel[grid](
         _ptr_table(k_views), _ptr_table(v_views), aligned(src_slots), aligned(dst_slots),

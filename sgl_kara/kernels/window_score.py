@@ -33,7 +33,16 @@ _SCORE_BLOCK_ELEMS = 1 << 24
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@triton.jit
+# Integer arguments that vary with the region and the query span (W: a window, its buffer, or a
+# spread chunk; M and the slots' row stride with a threshold policy's region) are not
+# specialised, and the block sizes are fixed: one compiled kernel per dtype pair, head dim and
+# GQA group, whatever the shapes an event brings (scheduler/warm_up.py compiles it at start-up).
+_VARYING = ["W", "M", "stride_qb", "stride_sb"]
+BLOCK_W = 32
+BLOCK_M = 64
+
+
+@triton.jit(do_not_specialize=_VARYING)
 def _lse_kernel(q_ptr, k_ptr, slots_ptr, lse_ptr, W, M, H_Q, GROUP, scale,
                 stride_qb, stride_qw, stride_qh, stride_ks, stride_kh, stride_sb,
                 FP32_DOT: tl.constexpr, D: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -68,7 +77,7 @@ def _lse_kernel(q_ptr, k_ptr, slots_ptr, lse_ptr, W, M, H_Q, GROUP, scale,
     tl.store(lse_ptr + (b * H_Q + j) * W + offs_w, lse, mask=w_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_VARYING)
 def _colsum_kernel(q_ptr, k_ptr, slots_ptr, lse_ptr, out_ptr, W, M, H_Q, H_KV, GROUP, scale,
                    stride_qb, stride_qw, stride_qh, stride_ks, stride_kh, stride_sb,
                    FP32_DOT: tl.constexpr, D: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -189,8 +198,7 @@ def window_scores_paged(q, k_buffer, slots, scale=None, use_triton=None):
         return out
     q, slots = aligned(q), aligned(slots)
     lse = torch.empty(b, hq, w, dtype=torch.float32, device=q.device)
-    block_w = 32 if w > 16 else 16
-    block_m = 64 if m > 32 else 32
+    block_w, block_m = BLOCK_W, BLOCK_M
     # fp32 inputs: exact-fp32 dot (no tf32). Mixed q / key dtypes (a KV cache dtype other than the
     # model's): both widened to fp32, exact for every pair (bf16 / fp16 products are exact in
     # fp32). The CPU interpreter multiplies bf16 operands as their raw uint16 bits (triton 3.x

@@ -11,6 +11,12 @@ The M old slots are freed (none of them is shared: the region lies above the pro
 prefix), K are allocated, so the pool gains d per request. With K == M (retention 1.0) the
 full path still runs: fresh slots, exact copy, old slots freed. Imports nothing from SGLang;
 the caller passes the allocator's ``alloc``/``free`` and the per-layer KV buffers.
+
+Two phases, so that an event can be undone (scheduler/events.py): ``prepare_compaction``
+allocates the fresh slots and copies the kept K/V into them -- everything that can fail (out of
+slots, a kernel, device memory) -- while every row still names its old slots; the returned
+``PreparedCompaction`` then either commits (row rewrites and frees: index writes) or aborts (the
+fresh slots given back, the pool as before).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ class CompactionPlan:
     lengths: list[int]  # L_b: physical length of each row before compaction
     region: int  # M: rows in the region
     kept: torch.Tensor  # [B, L_layers, H_kv, K] int64 indices in [0, M), sorted per head
+    row_ids: list[int] | None = None  # ``rows`` on the host (None: read from ``rows``, a device sync)
 
     @property
     def keep(self) -> int:
@@ -38,15 +45,52 @@ class CompactionPlan:
     def dropped(self) -> int:
         return self.region - self.keep
 
+    def host_rows(self) -> list[int]:
+        return list(self.row_ids) if self.row_ids is not None else self.rows.tolist()
+
 
 class OutOfSlots(RuntimeError):
     pass
 
 
+@dataclass
+class PreparedCompaction:
+    """A compaction whose kept K/V already sit in fresh slots, not yet visible to anyone: the
+    rows still name their old slots. ``commit`` rewrites the rows and frees the old slots (index
+    writes only: nothing there can run out of memory); ``abort`` gives the fresh slots back and
+    leaves the pool as it was before ``prepare_compaction``.
+
+        writes  [(row, p, slots)]: req_to_token[row, p : p + len(slots)] = slots at commit
+        old     slots freed at commit (the region's, or with pages every old page of [s, L))
+        fresh   slots allocated by prepare (given back by abort)
+    """
+
+    dropped: int
+    writes: list
+    old: torch.Tensor
+    fresh: torch.Tensor
+    done: bool = False
+
+    def commit(self, req_to_token: torch.Tensor, free) -> int:
+        assert not self.done, "compaction committed or aborted twice"
+        self.done = True
+        for row, p, slots in self.writes:
+            req_to_token[row, p : p + slots.numel()] = slots.to(req_to_token.dtype)
+        if self.old.numel():
+            free(self.old)
+        return self.dropped
+
+    def abort(self, free) -> None:
+        assert not self.done, "compaction committed or aborted twice"
+        self.done = True
+        if self.fresh.numel():
+            free(self.fresh)
+
+
 def fresh_slots_needed(start: int, length: int, region: int, keep: int, page_size: int = 1) -> int:
     """Fresh slots compacting rows [start, start + region) of a row of ``length`` to ``keep``
     entries allocates before it frees the old ones: ``keep`` with page size 1; with pages, every
-    row from the region's page start to the new end, in whole pages (see _compact_rows_paged)."""
+    row from the region's page start to the new end, in whole pages (see _prepare_paged)."""
     if page_size <= 1:
         return keep
     s = start - start % page_size
@@ -55,21 +99,30 @@ def fresh_slots_needed(start: int, length: int, region: int, keep: int, page_siz
 
 def compact_rows(plan: CompactionPlan, req_to_token: torch.Tensor, k_buffers, v_buffers, alloc, free, page_size: int = 1,
                  use_triton: bool | None = None):
-    """Apply ``plan``; returns the per-request drop count d (same for every request).
+    """Apply ``plan`` at once (``prepare_compaction`` then ``commit``); returns the per-request
+    drop count d (same for every request). Raises OutOfSlots (nothing changed) when the fresh
+    slots cannot be allocated."""
+    return prepare_compaction(plan, req_to_token, k_buffers, v_buffers, alloc, free, page_size,
+                              use_triton).commit(req_to_token, free)
 
-    ``alloc(n) -> LongTensor[n] | None`` and ``free(slots)`` are the token allocator's.
-    Raises OutOfSlots (nothing changed) when the fresh slots cannot be allocated.
-    """
+
+def prepare_compaction(plan: CompactionPlan, req_to_token: torch.Tensor, k_buffers, v_buffers, alloc, free,
+                       page_size: int = 1, use_triton: bool | None = None) -> PreparedCompaction:
+    """Allocate fresh slots and copy the kept K/V (and, with pages, the shifted tail) into them;
+    the rows are not touched. ``alloc(n) -> LongTensor[n] | None`` and ``free(slots)`` are the
+    token allocator's. Raises OutOfSlots when the fresh slots cannot be allocated; on any failure
+    the fresh slots are given back first (nothing changed)."""
     if page_size > 1:
-        return _compact_rows_paged(plan, req_to_token, k_buffers, v_buffers, alloc, free, page_size, use_triton)
+        return _prepare_paged(plan, req_to_token, k_buffers, v_buffers, alloc, free, page_size, use_triton)
     B, K, M = len(plan.starts), plan.keep, plan.region
-    if B == 0:
-        return 0
     device = req_to_token.device
+    empty = torch.empty(0, dtype=torch.int64, device=device)
+    if B == 0:
+        return PreparedCompaction(0, [], empty, empty)
     dst = alloc(B * K)
     if dst is None:
         raise OutOfSlots(f"need {B * K} free KV slots for compaction")
-    try:  # any failure before the rows are rewritten gives the fresh slots back
+    try:  # any failure before the commit gives the fresh slots back
         dst = dst.to(device=device, dtype=torch.int64).view(B, K)
         offs = torch.arange(M, device=device)
         starts = torch.tensor(plan.starts, device=device, dtype=torch.int64)
@@ -79,22 +132,17 @@ def compact_rows(plan: CompactionPlan, req_to_token: torch.Tensor, k_buffers, v_
         Bk, L, H, _ = plan.kept.shape
         src = torch.gather(region_slots[:, None, None, :].expand(B, L, H, M), 3, plan.kept.to(device))
         compact_kv(k_buffers, v_buffers, src, dst, use_triton=use_triton)
+        writes = []
+        for b, (row, a, length) in enumerate(zip(plan.host_rows(), plan.starts, plan.lengths)):
+            # row[a : a+K] = fresh slots, row[a+K : L-d] = the tail's slots, shifted down
+            writes.append((row, a, torch.cat([dst[b], req_to_token[row, a + M : length].to(torch.int64)])))
     except BaseException:
-        free(dst.reshape(-1))  # rows untouched: give the fresh slots back
+        free(dst.reshape(-1))
         raise
-
-    d = M - K
-    row_ids = rows.tolist()  # one device->host read for the group (not one per request)
-    for b in range(B):
-        row, a, length = row_ids[b], plan.starts[b], plan.lengths[b]
-        tail = req_to_token[row, a + M : length].clone()
-        req_to_token[row, a : a + K] = dst[b].to(req_to_token.dtype)
-        req_to_token[row, a + K : length - d] = tail
-    free(region_slots.reshape(-1))
-    return d
+    return PreparedCompaction(M - K, writes, region_slots.reshape(-1), dst.reshape(-1))
 
 
-def _compact_rows_paged(plan, req_to_token, k_buffers, v_buffers, alloc, free, page: int, use_triton=None):
+def _prepare_paged(plan, req_to_token, k_buffers, v_buffers, alloc, free, page: int, use_triton=None):
     """Page size > 1: a slot's offset in its page must equal its row position mod page, so the
     rewritten part of each row goes to fresh, page-aligned pages:
 
@@ -102,13 +150,15 @@ def _compact_rows_paged(plan, req_to_token, k_buffers, v_buffers, alloc, free, p
         new row:  [ s ... a | kept (K)   | a+K .. L-d )           all rows >= s on fresh pages
                     copied    gathered     copied (tail shifted down by d)
 
-    and every old page of rows [s, L) is freed (they hold only this request's KV: s >= P).
+    and every old page of rows [s, L) is freed at commit (they hold only this request's KV:
+    s >= P).
     """
     B, K, M = len(plan.starts), plan.keep, plan.region
-    if B == 0:
-        return 0
-    d = M - K
     device = req_to_token.device
+    empty = torch.empty(0, dtype=torch.int64, device=device)
+    if B == 0:
+        return PreparedCompaction(0, [], empty, empty)
+    d = M - K
     rows = plan.rows.to(device=device, dtype=torch.int64)
     spans = []  # (s, a, L, n_new, n_pages)
     for a, length in zip(plan.starts, plan.lengths):
@@ -119,15 +169,13 @@ def _compact_rows_paged(plan, req_to_token, k_buffers, v_buffers, alloc, free, p
     if fresh is None:
         raise OutOfSlots(f"need {total} free KV slots (page-aligned) for compaction")
     fresh = fresh.to(device=device, dtype=torch.int64)
-    try:  # any failure before the rows are rewritten gives the fresh pages back
+    try:  # any failure before the commit gives the fresh pages back
         new_rows = _paged_copy(plan, req_to_token, k_buffers, v_buffers, fresh, spans, rows, page, use_triton)
     except BaseException:
-        free(fresh)  # rows untouched: give the fresh pages back
+        free(fresh)
         raise
-    for row, s, new, _ in new_rows:
-        req_to_token[row, s : s + new.numel()] = new.to(req_to_token.dtype)
-    free(torch.cat([old for *_, old in new_rows]))
-    return d
+    writes = [(row, s, new) for row, s, new, _ in new_rows]
+    return PreparedCompaction(d, writes, torch.cat([old for *_, old in new_rows]), fresh)
 
 
 def _paged_copy(plan, req_to_token, k_buffers, v_buffers, fresh, spans, rows, page, use_triton):
@@ -143,7 +191,7 @@ def _paged_copy(plan, req_to_token, k_buffers, v_buffers, fresh, spans, rows, pa
 
     new_rows, kept_dst, copy_src, copy_dst = [], [], [], []
     cursor = 0
-    row_ids = rows.tolist()  # one device->host read for the group
+    row_ids = plan.host_rows()
     for b, (s, a, length, n_new, n_pages) in enumerate(spans):
         row = row_ids[b]
         new = fresh[cursor : cursor + n_pages * page][:n_new]

@@ -19,8 +19,17 @@ window of logical positions and the runtime hands ``score`` that window's post-R
 (from the capture ring, ``query_capacity()`` per request, or a recompute forward). Per-step
 observation (e.g. H2O's accumulated attention): set ``observes_decode`` and implement
 ``observe`` (called at every decode forward, per layer) and ``on_compacted`` (the request's
-rows were rewritten: re-lay your per-request state the same way); per-request state lives in
-``row.state.policy_state`` and is dropped when the request is retracted.
+rows are rewritten: re-lay your per-request state the same way); per-request state lives in
+``row.state.policy_state`` and is dropped when the request is retracted. ``on_compacted`` runs
+before the event commits (it may fail, e.g. out of device memory, and the event is then undone):
+it must build new tensors and rebind them in ``policy_state``'s dicts, never write the old ones
+in place (the runtime hands it a copy of the dicts and keeps it only if the event commits).
+
+Spread scoring: a policy whose ``score`` is ``additive`` (a sum of independent per-query terms:
+scoring the query window in consecutive parts and adding the results equals scoring it whole)
+and whose next region is known before it is due (``upcoming``) lets the runtime score the window
+a few queries per decode step ahead of the event (``--kara-spread``), so that no decode step
+carries the whole scoring.
 
 Options: each policy declares a frozen dataclass ``Options`` (its own flags, validated in its
 ``__post_init__`` by raising ``OptionError(field, message)``); flags are
@@ -127,6 +136,7 @@ class Policy(ABC):
     request_options: ClassVar[tuple[str, ...]] = ()
     needs_queries: ClassVar[bool] = True
     observes_decode: ClassVar[bool] = False
+    additive: ClassVar[bool] = False  # score(q[:a]) + score(q[a:]) == score(q) over the query axis
 
     def __init__(self, options):
         self.options = options
@@ -138,6 +148,22 @@ class Policy(ABC):
     @abstractmethod
     def region(self, row: RowView) -> Region | None:
         """The rows to compress now, or None when nothing is due for this request."""
+
+    def upcoming(self, row: RowView) -> tuple[Region, int] | None:
+        """The region the next event of this request will compress, as soon as its keys are final
+        (it may not be due yet), and the decode steps until ``region`` names it (0: now); None
+        while not known. The runtime scores an additive policy's upcoming region early, its
+        queries as they are decoded. Default: known only once due."""
+        r = self.region(row)
+        return None if r is None else (r, 0)
+
+    def next_due(self, step: int) -> int:
+        """The first due step at or after ``step`` (``due`` recurs at most ``event_interval()``
+        steps apart)."""
+        for s in range(step, step + self.event_interval() + 1):
+            if self.due(s):
+                return s
+        raise RuntimeError(f"{self.name}: no due step within event_interval() of {step}")
 
     def query_capacity(self) -> int:
         """Queries per request a capture ring must keep for this policy (0: none)."""
@@ -179,8 +205,10 @@ class Policy(ABC):
         pass
 
     def on_compacted(self, state, start: int, region: int, kept: torch.Tensor, length: int) -> None:
-        """The request's rows [start, start + region) became ``kept`` ([L, H_kv, K] indices),
-        its rows past the region moved down by region - K; ``length`` was its row length."""
+        """The request's rows [start, start + region) become ``kept`` ([L, H_kv, K] indices),
+        its rows past the region move down by region - K; ``length`` is its row length before.
+        ``state.policy_state`` is a copy of the request's dicts (tensors shared): rebind new
+        tensors, never write the old ones in place; the copy is kept if the event commits."""
 
 
 def top_k(scores: torch.Tensor, keep: int) -> torch.Tensor:

@@ -223,14 +223,31 @@ class KaraPolicy(Policy):
     prefix = ""
     Options = KaraOptions
     request_options = ("retention",)
+    additive = True  # Eq. 4: a softmax per query, summed over the queries
 
     def due(self, step: int) -> bool:
         return step % self.options.period == 0
+
+    def next_due(self, step: int) -> int:
+        return -(-step // self.options.period) * self.options.period
 
     def region(self, row: RowView) -> Region | None:
         o = self.options
         if row.length - row.frontier < o.window + o.recent:
             return None
+        return self._window_region(row)
+
+    def upcoming(self, row: RowView) -> tuple[Region, int] | None:
+        """The oldest uncompressed window once its W - U compressible keys are all decoded: at
+        most U + R steps before ``region`` names it (the buffer's queries are still to come)."""
+        o = self.options
+        tail = row.length - row.frontier
+        if tail < o.compressible:
+            return None
+        return self._window_region(row), max(0, o.window + o.recent - tail)
+
+    def _window_region(self, row: RowView) -> Region:
+        o = self.options
         m = o.compressible
         retention = row.state.retention if row.state.retention is not None else o.retention
         # buffer scoring: only the last U queries score, so a recompute forward computes those alone

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 
 def compressed_future_tokens(remaining: int, runtime, state=None) -> int:
-    """Tokens a request that may still generate ``remaining`` will hold."""
-    return runtime.policy.footprint(remaining, state)
+    """Tokens a request that may still generate ``remaining`` will hold (the runtime's
+    ``footprint``: the policy's, plus what a capped spread may leave uncompressed)."""
+    return runtime.footprint(remaining, state)
 
 
 def make_prefill_adder(base, runtime):

@@ -42,9 +42,10 @@ class EvictionRecorder:
             out[..., :below] = shadow[..., lo : lo + below]
         return out
 
-    def record(self, req, state, start: int, region_len: int, kept: torch.Tensor, logical_len: int) -> None:
-        """kept: [layers, heads, K] indices into the region rows [start, start + region_len);
-        call after the compaction, before the request's state advances."""
+    def prepare(self, req, state, start: int, region_len: int, kept: torch.Tensor, logical_len: int):
+        """kept: [layers, heads, K] indices into the region rows [start, start + region_len); call
+        before the request's state advances. Returns what ``commit`` writes once the event commits
+        (nothing changes here)."""
         layers, heads, _ = kept.shape
         region = self.region_logical(state, start, region_len, layers, heads)
         kept_pos = torch.gather(region, 2, kept.cpu().to(torch.int64))
@@ -53,8 +54,12 @@ class EvictionRecorder:
             evicted.append([sorted(set(region[l, h].tolist()) - set(kept_pos[l, h].tolist())) for h in range(heads)])
         shadow = getattr(state, "logical_rows", None)
         head = shadow[..., : start - state.protected] if shadow is not None else torch.empty(layers, heads, 0, dtype=torch.int64)
-        state.logical_rows = torch.cat([head, kept_pos], dim=2)
+        return req.rid, logical_len, evicted, torch.cat([head, kept_pos], dim=2)
+
+    def commit(self, state, prepared) -> None:
+        rid, logical_len, evicted, logical_rows = prepared
+        state.logical_rows = logical_rows
         self.events += 1
         with open(self.path, "a") as f:
-            f.write(json.dumps({"rid": req.rid, "event": self.events, "logical_len": logical_len,
+            f.write(json.dumps({"rid": rid, "event": self.events, "logical_len": logical_len,
                                 "evicted": evicted}) + "\n")

@@ -83,36 +83,42 @@ class ScoringPass:
         return self.scores
 
 
-def recompute_batch(batch, jobs, rows: torch.Tensor, req_to_token: torch.Tensor, scoring: ScoringPass):
-    """A copy of the running ScheduleBatch turned into an EXTEND batch over the jobs' query
-    windows (physical rows [query_start, query_start + W), logical positions + pos_offset).
-    Every field SGLang's ForwardBatch.init_new reads for an extend batch is set here."""
+def recompute_batch(batch, jobs, rows: torch.Tensor, req_to_token: torch.Tensor, scoring: ScoringPass,
+                    q_lo: list[int] | None = None, n: int | None = None):
+    """A copy of the running ScheduleBatch turned into an EXTEND batch over ``n`` query tokens of
+    each job from its physical row ``q_lo`` (default: the jobs' whole query windows), at logical
+    positions + pos_offset. Every field SGLang's ForwardBatch.init_new reads for an extend batch
+    is set here, from host data (no device read)."""
     from sgl_kara._sglang import ForwardMode
 
     device = req_to_token.device
-    W = jobs[0].region.query_len
-    ids, positions, prefix, seq = [], [], [], []
-    for j in jobs:
+    if q_lo is None:
+        q_lo = [j.region.query_start for j in jobs]
+    W = jobs[0].region.query_len if n is None else n
+    ids, positions, seq = [], [], []
+    for j, lo_row in zip(jobs, q_lo):
         tokens = j.req.origin_input_ids + j.req.output_ids
-        lo = j.region.query_start + j.state.pos_offset
+        lo = lo_row + j.state.pos_offset
+        if lo + W > len(tokens):
+            raise AssertionError(f"recompute of {j.req.rid}: tokens [{lo}, {lo + W}) not all known ({len(tokens)})")
         ids.extend(tokens[lo : lo + W])
         positions.extend(range(lo, lo + W))
-        prefix.append(j.region.query_start)
-        seq.append(j.region.query_start + W)
-    row_pos = torch.tensor(prefix, device=device)[:, None] + torch.arange(W, device=device)[None, :]
+        seq.append(lo_row + W)
+    row_ids = [int(j.req.kv.req_pool_idx) for j in jobs]
+    row_pos = torch.tensor(q_lo, device=device)[:, None] + torch.arange(W, device=device)[None, :]
     scoring.window_slots = req_to_token[rows[:, None], row_pos].reshape(-1).to(torch.int64)
     sb = copy.copy(batch)
     sb.reqs = [j.req for j in jobs]
     sb.forward_mode = ForwardMode.EXTEND
     sb.input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
     sb.req_pool_indices = rows
-    sb.req_pool_indices_cpu = rows.cpu()
+    sb.req_pool_indices_cpu = torch.tensor(row_ids, dtype=torch.int64)
     sb.seq_lens = torch.tensor(seq, dtype=torch.int64, device=device)
     sb.seq_lens_cpu = torch.tensor(seq, dtype=torch.int64)
     sb.orig_seq_lens = sb.seq_lens.to(torch.int32)
     sb.seq_lens_sum = int(sum(seq))
     sb.out_cache_loc = torch.full((W * len(jobs),), PADDING_SLOT, dtype=torch.int64, device=device)
-    sb.prefix_lens = prefix
+    sb.prefix_lens = list(q_lo)
     sb.extend_lens = [W] * len(jobs)
     sb.extend_num_tokens = W * len(jobs)
     sb.extend_logprob_start_lens = [W] * len(jobs)
@@ -121,13 +127,25 @@ def recompute_batch(batch, jobs, rows: torch.Tensor, req_to_token: torch.Tensor,
     sb.token_ids_logprobs = None
     sb.decoding_reqs = None
     sb.multimodal_inputs = [None] * len(jobs)
-    sb.sampling_info = None
+    sb.sampling_info = scoring_sampling_info(getattr(batch, "sampling_info", None))
     sb.spec_info = None
     sb.input_embeds = None
     sb.extend_input_logprob_token_ids = None
     scoring.positions = torch.tensor(positions, dtype=torch.int64, device=device)
     sb._kara_scoring = scoring
     return sb
+
+
+def scoring_sampling_info(info):
+    """The recompute batch samples nothing, but ForwardBatch.init_new and the model runner read
+    its sampling info (grammars, watermark candidates: SGLang's ``--watermark-config``): a
+    shallow copy of the running batch's with neither (None when it has none)."""
+    if info is None:
+        return None
+    out = copy.copy(info)
+    out.grammars = None
+    out.has_watermark_candidates = False
+    return out
 
 
 class QueryRing:

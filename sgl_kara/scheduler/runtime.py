@@ -18,6 +18,7 @@ they need per forward is in ``self.forward`` (forward.py).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -25,14 +26,16 @@ import torch
 from sgl_kara import env
 from sgl_kara.mem_cache.integrity import check_prefix_unchanged, check_row_ownership
 from sgl_kara.policies import base as policy_base
+from sgl_kara.policies.base import RowView
 from sgl_kara.process import STATE
 from sgl_kara.request_options import check_supported, validate
 from sgl_kara.scheduler.events import EventRunner
 from sgl_kara.scheduler.evictions import EvictionRecorder
 from sgl_kara.scheduler.forward import ForwardContext
-from sgl_kara.scheduler.jobs import due_at, plan_jobs
+from sgl_kara.scheduler.jobs import decoded_tokens, due_at, overdue, plan_jobs
 from sgl_kara.scheduler.pressure import DEFERRING, growth_within, horizon, memory_binds
 from sgl_kara.scheduler.queries import QueryRing
+from sgl_kara.scheduler.spread import plan_chunks, slack, spreads
 from sgl_kara.scheduler.state import KaraReqState, get_state
 from sgl_kara.scheduler.warm_up import query_heads, warm_up_kernels
 
@@ -64,6 +67,9 @@ class KaraStats:
     deferred_events: int = 0  # trigger=pressure / headroom: due events not run (memory did not bind)
     failed_requests: int = 0
     event_peak_bytes: int = 0  # CUDA: most device memory an event allocated above its start
+    spread_queries: int = 0  # --kara-spread: window queries scored ahead of their events
+    spread_seconds: float = 0.0  # ... and the time it took (part of compression_seconds)
+    event_max_seconds: float = 0.0  # the longest event work in one decode step (spread steps included)
 
 
 class KaraRuntime:
@@ -90,6 +96,13 @@ class KaraRuntime:
         self.ring = self._make_ring(capacity) if cfg.query_source == "capture" and capacity else None
         self.forward = ForwardContext(self.policy, self.ring, self.req_to_token_pool.req_to_token, self.kv_pool)
         self.events = EventRunner(self)
+        self.spreading = spreads(self.policy, cfg.spread)
+        self.slack = slack(self.policy, cfg.spread_max) if self.spreading else 0  # charged by admission too
+        # SGLang's overlap scheduler on CUDA: the previous batch's forward may still run on its
+        # stream while this step is planned (see _fence).
+        self.forward_stream = None
+        if getattr(scheduler, "enable_overlap", False) and self.req_to_token_pool.req_to_token.device.type == "cuda":
+            self.forward_stream = getattr(scheduler, "forward_stream", None) or self.model_runner.forward_stream
         chunk = getattr(scheduler.server_args, "chunked_prefill_size", None)
         self.recompute_tokens = chunk if chunk and chunk > 0 else 8192  # tokens per recompute forward
         if self.req_to_token_pool.req_to_token.device.type == "cuda":
@@ -207,23 +220,43 @@ class KaraRuntime:
             state.kv_sum += length
             state.kv_steps += 1
         self.decode_steps += 1
+        tic = time.perf_counter()
+        try:
+            if self._step(batch):
+                # Freed slots admit waiting requests at once: SGLang's prefill otherwise skips
+                # admission while the running batch is marked full, until a request ends.
+                batch.batch_is_full = False
+        finally:
+            self.stats.event_max_seconds = max(self.stats.event_max_seconds, time.perf_counter() - tic)
+
+    def _step(self, batch) -> int:
+        """This decode step's compression work: spread scoring, then the due events. Returns the
+        KV slots freed."""
         phase, step = self.cfg.phase, self.decode_steps
+        if self.spreading:
+            chunks = plan_chunks(self.policy, batch.reqs, self.state_of, self.page_size, self.cfg.spread_max,
+                                 lambda r: step if phase == "server" else decoded_tokens(r, r.kara),
+                                 on_protected=self._snapshot_prefix if self.check else None)
+            if chunks:
+                self._fence()
+                self.events.advance(batch, chunks)
         if phase == "server" and not self.policy.due(step):
-            return
+            return 0
 
         def due(req) -> bool:
             return due_at(self.policy, phase, step, req)
 
-        jobs = self._plan(batch.reqs, due)
+        jobs = self._ready(self._plan(batch.reqs, due))
         deferring = self.cfg.trigger in DEFERRING
         if jobs and deferring and not self.memory_binds(batch, jobs):
             self.stats.deferred_events += 1
             if self.metrics is not None:
                 self.metrics.deferred.inc()
-            return
-        passes = 0
+            return 0
+        passes = freed = 0
         while jobs:
-            self.events.run(batch, jobs)
+            self._fence()
+            freed += self.events.run(batch, jobs)
             if self.check:
                 self.check_integrity(batch)
             # Catch-up: a request still due after its compression (re-prefilled after a retraction,
@@ -236,11 +269,41 @@ class KaraRuntime:
             jobs = [j for j in self._plan(batch.reqs, due) if id(j.req) in compressed]
             if jobs and deferring and not self.memory_binds(batch, jobs):
                 break
+        return freed
+
+    def _ready(self, jobs):
+        """Due jobs an event takes now. A spread window still being scored waits for a later due
+        step (its scores then complete: spread.deadline), unless its tail would outgrow what
+        admission charged it; a window with no spread job (a backlog after a retraction, a job
+        dropped) is scored whole now."""
+        if not self.spreading:
+            return jobs
+        out = []
+        for j in jobs:
+            s = j.state.scoring
+            if s is not None and s.covers(j.region) and s.remaining > 0:
+                row = RowView(j.state.protected, j.state.frontier, int(j.req.kv.kv_committed_len), j.state.pos_offset,
+                              j.state)
+                charge = self.policy.tail_charge(row)
+                tail = row.length - row.frontier
+                if not overdue(tail, None if charge is None else charge + self.slack, self.policy.event_interval()):
+                    continue
+            out.append(j)
+        return out
+
+    def _fence(self) -> None:
+        """Under SGLang's overlap scheduler on CUDA the previous batch's forward may still run on
+        the forward stream while this step is planned, reading the rows and slots an event
+        rewrites and writing the ring / observer state it reads: order this step's event work
+        after it on the device (stream order, as SGLang's own WAR barrier does; the host does
+        not wait). The next forward waits for this stream (SGLang's run_batch)."""
+        if self.forward_stream is not None:
+            torch.cuda.current_stream().wait_stream(self.forward_stream)
 
     def memory_binds(self, batch, jobs) -> bool:
         """trigger=pressure / headroom: are the slots these jobs free needed (pressure.py)?"""
         sched = self.scheduler
-        remaining = [r.sampling_params.max_new_tokens - len(r.output_ids) for r in batch.reqs]
+        remaining = [r.sampling_params.max_new_tokens - decoded_tokens(r, self.state_of(r)) for r in batch.reqs]
         growth = growth_within(remaining, horizon(self.cfg.trigger, self.policy.event_interval()), self.page_size)
         fresh = sum(j.fresh_slots(self.page_size) for j in jobs)
         return memory_binds(self.free_slots(), growth, fresh, len(sched.waiting_queue), len(batch.reqs),
@@ -248,7 +311,14 @@ class KaraRuntime:
 
     def _plan(self, reqs, due):
         return plan_jobs(self.policy, reqs, self.state_of, self.page_size, self.cfg.max_seqs,
-                         on_protected=self._snapshot_prefix if self.check else None, due=due)
+                         on_protected=self._snapshot_prefix if self.check else None, due=due, slack=self.slack)
+
+    def footprint(self, remaining: int, state) -> int:
+        """Tokens a request that may still generate ``remaining`` will hold (admission): the
+        policy's footprint plus the rows a capped spread may leave uncompressed."""
+        if remaining <= 0:
+            return remaining
+        return min(remaining, self.policy.footprint(remaining, state) + self.slack)
 
     def free_slots(self) -> int:
         """Slots an allocation can get now: free, plus what ``alloc_slots`` may evict from the tree."""
@@ -277,11 +347,16 @@ class KaraRuntime:
 
     def check_integrity(self, batch) -> None:
         """Every running row: protected prefix unchanged (slots and K/V bytes); the rows' own
-        slots [P, L) named by one row only and none free; ring rows and device offsets agree."""
+        slots [P, L) named by one row only and none free; ring rows and device offsets agree; the
+        request's token count from its rows agrees with SGLang's (one ahead under overlap)."""
         req_to_token = self.req_to_token_pool.req_to_token
         owned = []
+        lag = (0, 1) if getattr(self.scheduler, "enable_overlap", False) else (0,)
         for req in batch.reqs:
             state = get_state(req)
+            if state is not None and decoded_tokens(req, state) - len(req.output_ids) not in lag:
+                raise AssertionError(f"Kara integrity: {req.rid} counts {decoded_tokens(req, state)} tokens from its "
+                                     f"KV rows, SGLang {len(req.output_ids)} (overlap scheduler: {len(lag) > 1})")
             if state is None or state.protected < 0 or state.prefix_snapshot is None:
                 continue
             slots, kv = self._prefix_view(req, state)

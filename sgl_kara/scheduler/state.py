@@ -11,8 +11,9 @@ Row layout of one request in ``req_to_token`` (see ARCHITECTURE.md):
 
 Two kinds of fields: the request's own options and lifetime statistics (kept for its whole
 life), and its row state (P, f, offset, compressions, capture ring position, the policy's
-per-request state), which ``reset_row`` clears when SGLang retracts the request and re-prefills
-it from its tokens (its KV is exact again). The scheduler's KaraRuntime is the one owner.
+per-request state, the spread scoring of its upcoming window), which ``reset_row`` clears when
+SGLang retracts the request and re-prefills it from its tokens (its KV is exact again). The
+scheduler's KaraRuntime is the one owner.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class KaraReqState:
     capture_from: int | None = None  # first logical position whose query is in the capture ring
     offset_row: int | None = None  # req_pool_idx whose device offset mirrors pos_offset (forward.py)
     policy_state: dict = field(default_factory=dict, repr=False)  # the policy's (observers)
+    scoring: object = field(default=None, repr=False, compare=False)  # spread.ScoringJob of the upcoming window
     # Diagnostics (KARA_CHECK_INTEGRITY / _CROSSCHECK_QUERIES / _RECORD_EVICTIONS only).
     prefix_snapshot: object = field(default=None, repr=False, compare=False)
     integrity_checks: int = 0
@@ -48,7 +50,7 @@ class KaraReqState:
         """The request was retracted: it will be re-prefilled from its tokens, uncompressed."""
         fresh = KaraReqState()
         for name in ("protected", "frontier", "pos_offset", "compressions", "capture_from", "offset_row", "policy_state",
-                     "prefix_snapshot", "logical_rows"):
+                     "scoring", "prefix_snapshot", "logical_rows"):
             setattr(self, name, getattr(fresh, name))
 
     def meta(self, physical_len: int) -> dict:
