@@ -1,4 +1,4 @@
-"""Write tiny, seeded, random-weight Llama / Qwen3 models with a real tokenizer to a folder.
+"""Write tiny, seeded, random-weight Llama / Qwen3 / Qwen2 models with a real tokenizer to a folder.
 
 Used by the tests (fixtures).
 The tokenizer is a byte-level BPE trained here on a fixed corpus, so any text round-trips and
@@ -73,14 +73,19 @@ def write_tiny_model(
     vocab_size: int = 512,
     seed: int = 0,
     init_std: float = 0.5,
+    rope_theta: float | None = None,
 ) -> Path:
-    """Write a random-weight causal LM (``arch`` in {"llama", "qwen3"}) plus tokenizer to ``path``.
+    """Write a random-weight causal LM (``arch`` in {"llama", "qwen3", "qwen2"}) plus tokenizer to ``path``.
+
+    ``rope_theta``: default 10000 (llama, qwen3) and 50000 (qwen2: a non-default base, so a checkpoint
+    whose RoPE base does not reach the runtime fails the exactness oracle). Qwen2 has q/k/v biases
+    (random here, like every weight).
 
     ``init_std`` is large on purpose: with near-zero weights every logit ties and greedy decoding
     of a random model would be degenerate; larger weights give varied, seed-determined tokens.
     """
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -96,7 +101,7 @@ def write_tiny_model(
         head_dim=head_dim,
         max_position_embeddings=max_position_embeddings,
         rms_norm_eps=1e-5,
-        rope_theta=10000.0,
+        rope_theta=rope_theta or (50000.0 if arch == "qwen2" else 10000.0),
         tie_word_embeddings=False,
         bos_token_id=0,
         eos_token_id=1,
@@ -107,8 +112,10 @@ def write_tiny_model(
         config = LlamaConfig(**common)
     elif arch == "qwen3":
         config = Qwen3Config(**common, use_sliding_window=False)
+    elif arch == "qwen2":
+        config = Qwen2Config(**common, use_sliding_window=False)
     else:
-        raise ValueError(f"arch must be 'llama' or 'qwen3', got {arch!r}")
+        raise ValueError(f"arch must be 'llama', 'qwen3' or 'qwen2', got {arch!r}")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     with torch.no_grad():
