@@ -1,12 +1,15 @@
 """Every SGLang 0.5.23 internal sgl_kara touches, imported or named in one place.
 
-A version bump is one file to review: each name below is listed in patches/ with why it is used,
-and ``ATTRIBUTES`` names every attribute of SGLang objects that sgl_kara (and its tests) read or
-write; tests/test_layering.py checks they all still exist. Import this module only from runtime
-glue (plugin, engine, launcher, scheduler, mem_cache), never from sgl_kara.policies /
-sgl_kara.kernels / sgl_kara.config.
+A version bump is one file to review: no other file of the package imports ``sglang``; each name
+below is listed in patches/ with why it is used; ``SIGNATURES`` records the signature of every
+SGLang callable that sgl_kara hooks or overrides, and ``ATTRIBUTES`` every attribute of SGLang
+objects that sgl_kara (and its tests) read or write; tests/test_layering.py checks all of it
+against the installed SGLang. Import this module only from runtime glue (plugin, engine,
+launcher, scheduler, mem_cache, cpu), never from sgl_kara.policies / sgl_kara.kernels /
+sgl_kara.config.
 """
 
+from sglang.srt.arg_groups.overrides import model_config_of, resolving_view  # noqa: F401
 from sglang.srt.entrypoints.engine import Engine as SGLangEngine  # noqa: F401
 from sglang.srt.entrypoints.http_server import launch_server as sglang_launch_server  # noqa: F401
 from sglang.srt.layers.logits_processor import should_apply_lm_head_quant_method  # noqa: F401
@@ -27,34 +30,95 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMo
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: F401
 from sglang.srt.runtime_context import get_parallel  # noqa: F401
 from sglang.srt.server_args import ServerArgs, prepare_server_args  # noqa: F401
-from sglang.srt.utils.common import get_cpu_ids_by_node, use_intel_amx_backend  # noqa: F401
+from sglang.srt.layers.rotary_embedding import base as rotary_embedding_base  # noqa: F401
+from sglang.srt.plugins import load_plugins  # noqa: F401
+from sglang.srt.utils import kill_process_tree  # noqa: F401
+from sglang.srt.utils.common import (  # noqa: F401
+    get_cpu_ids_by_node,
+    get_device_memory_capacity,
+    use_intel_amx_backend,
+)
 
-# Hook targets (dotted paths), one per touch point; see patches/*.md.
-TARGET_INIT_NEW = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
-TARGET_ATTENTION = "sglang.srt.layers.radix_attention.RadixAttention.forward"
-TARGET_RESET_FOR_RETRACT = "sglang.srt.managers.schedule_batch.Req.reset_for_retract"
-TARGET_RETRACTION_ORDER = "sglang.srt.managers.schedule_batch.ScheduleBatch._get_decode_retraction_order"
-TARGET_META_INFO = "sglang.srt.managers.tokenizer_manager.TokenizerManager.update_request_meta_info"
-TARGET_SAMPLING_VERIFY = "sglang.srt.sampling.sampling_params.SamplingParams.verify"
-TARGET_UPDATE_RUNNING_BATCH = "sglang.srt.managers.scheduler.Scheduler.update_running_batch"
-TARGET_VALIDATE_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
-TARGET_SET_ENVS = "sglang.srt.entrypoints.engine._set_envs_and_config"
-TARGET_TORCH_NATIVE_DECODE = (
-    "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_decode")
-TARGET_TORCH_NATIVE_EXTEND = (
-    "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_extend")
-TARGET_LINEAR_APPLY = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply"
-TARGET_LINEAR_APPLY_INTO = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply_into"
-TARGET_LINEAR_PROCESS_WEIGHTS = (
-    "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.process_weights_after_loading")
-TARGET_LINEAR_RESTORE_WEIGHTS = (
-    "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.restore_weights_before_loading")
-TARGET_WEIGHT_EXPORTS = tuple(
-    f"sglang.srt.model_executor.model_runner_components.weight_exporter.WeightExporter.{name}"
-    for name in ("get_weights_by_name", "save_sharded_model", "save_remote_model", "send_weights_to_remote_instance"))
-TARGET_LM_HEAD = "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head"
-TARGET_TORCH_NATIVE_METADATA = (
-    "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.init_forward_metadata")
+# Hook targets (dotted paths), one per touch point (see patches/*.md), each with its signature in
+# SGLang 0.5.23: parameter names, order, kinds and defaults, as ``str(inspect.signature)`` prints
+# them without annotations (a class: its ``__init__``). ``SIGNATURES`` also holds the SGLang
+# methods that sgl_kara's subclasses override. tests/test_layering.py checks every one against the
+# installed SGLang, and that each hook and override takes the same parameters under the same
+# names (so SGLang may pass any of them by position or by keyword); hooks call the original with
+# keywords wherever SGLang's parameters allow it.
+SIGNATURES: dict[str, str] = {}
+
+
+def _target(path: str, signature: str) -> str:
+    SIGNATURES[path] = signature
+    return path
+
+
+_FB = "sglang.srt.model_executor.forward_batch_info.ForwardBatch"
+_TORCH_NATIVE = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
+_SDPA = ("(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, {}encoder_lens=None, "
+         "scaling=None, enable_gqa=False, causal=False, is_cross_attn=False, sliding_window_size=None)")
+_LINEAR = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod"
+_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+_TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
+_WEIGHT_EXPORTER = "sglang.srt.model_executor.model_runner_components.weight_exporter.WeightExporter"
+
+TARGET_INIT_NEW = _target(
+    f"{_FB}.init_new",
+    "(cls, batch, model_runner, *, capture_hidden_mode=None, return_hidden_states_before_norm, "
+    "extend_position_info=None, spec_mrope_positions=None, kv_loc_plan=None, write_cols=None)")
+TARGET_ATTENTION = _target(
+    "sglang.srt.layers.radix_attention.RadixAttention.forward",
+    "(self, q, k, v, forward_batch, save_kv_cache=True, key_value_num_tokens=None, **kwargs)")
+TARGET_RESET_FOR_RETRACT = _target("sglang.srt.managers.schedule_batch.Req.reset_for_retract", "(self)")
+TARGET_RETRACTION_ORDER = _target(  # a staticmethod
+    "sglang.srt.managers.schedule_batch.ScheduleBatch._get_decode_retraction_order", "(reqs)")
+TARGET_META_INFO = _target(
+    f"{_TOKENIZER_MANAGER}.update_request_meta_info",
+    "(self, meta_info, state, customized_info, index, finish_reason)")
+TARGET_SAMPLING_VERIFY = _target("sglang.srt.sampling.sampling_params.SamplingParams.verify", "(self, vocab_size)")
+TARGET_UPDATE_RUNNING_BATCH = _target(f"{_SCHEDULER}.update_running_batch", "(self, batch)")
+TARGET_GET_INTERNAL_STATE = _target(f"{_SCHEDULER}.get_internal_state", "(self, recv_req)")
+TARGET_VALIDATE_REQUEST = _target(f"{_TOKENIZER_MANAGER}._validate_one_request", "(self, obj, input_ids)")
+TARGET_SET_ENVS = _target("sglang.srt.entrypoints.engine._set_envs_and_config", "(server_args)")
+TARGET_TORCH_NATIVE_DECODE = _target(f"{_TORCH_NATIVE}._run_sdpa_forward_decode", _SDPA.format(""))
+TARGET_TORCH_NATIVE_EXTEND = _target(f"{_TORCH_NATIVE}._run_sdpa_forward_extend",
+                                     _SDPA.format("extend_prefix_lens, extend_seq_lens, "))
+TARGET_TORCH_NATIVE_METADATA = _target(f"{_TORCH_NATIVE}.init_forward_metadata", "(self, forward_batch)")
+TARGET_LINEAR_APPLY = _target(f"{_LINEAR}.apply", "(self, layer, x, bias=None)")
+TARGET_LINEAR_APPLY_INTO = _target(f"{_LINEAR}.apply_into", "(self, layer, x, output, bias=None)")
+TARGET_LINEAR_PROCESS_WEIGHTS = _target(f"{_LINEAR}.process_weights_after_loading", "(self, layer)")
+TARGET_LINEAR_RESTORE_WEIGHTS = _target(f"{_LINEAR}.restore_weights_before_loading", "(self, layer)")
+TARGET_WEIGHT_EXPORTS = (
+    _target(f"{_WEIGHT_EXPORTER}.get_weights_by_name", "(self, name, truncate_size=100)"),
+    _target(f"{_WEIGHT_EXPORTER}.save_sharded_model", "(self, path, pattern=None, max_size=None)"),
+    _target(f"{_WEIGHT_EXPORTER}.save_remote_model", "(self, url)"),
+    _target(f"{_WEIGHT_EXPORTER}.send_weights_to_remote_instance", "(self, master_address, ports, group_name)"),
+)
+TARGET_LM_HEAD = _target("sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head",
+                         "(self, hidden_states, lm_head, embedding_bias=None, *, out=None)")
+# The scheduler class itself: KaraScheduler replaces it (a class REPLACE hook) in the scheduler
+# processes of a compressing server only (scheduler/kara_scheduler.py, patches/scheduler.md).
+TARGET_SCHEDULER = _target(_SCHEDULER, "(self, server_args, port_args)")
+
+# SGLang methods that sgl_kara's subclasses override (KaraScheduler, the output streamer and
+# prefill adder it returns, the "kara" radix cache), and the process function it wraps.
+OVERRIDDEN = (
+    _target(f"{_SCHEDULER}.get_output_streamer_class", "(self)"),
+    _target(f"{_SCHEDULER}.get_prefill_adder_class", "(self)"),
+    _target("sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
+            ".build_additional_customized_info", "(self, reqs)"),
+    _target("sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
+            ".is_request_level_customized_info_key", "(self, key)"),
+    _target("sglang.srt.managers.schedule_policy.PrefillAdder._get_running_request_total_token_offset",
+            "(self, req)"),
+    _target("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
+            "(self, req, has_chunked_req, truncation_align_size)"),
+    _target("sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.checkpoint", "(self, req, *, up_to, **kwargs)"),
+    _target("sglang.srt.managers.scheduler.run_scheduler_process",
+            "(server_args, port_args, gpu_id, tp_rank, pp_rank, dp_rank, pipe_writer, display_tp_rank=None, "
+            "display_dp_rank=None, display_moe_ep_rank=None)"),
+)
 ROTARY_BASE_MODULE = "sglang.srt.layers.rotary_embedding.base"
 
 # Attributes of SGLang objects read or written by sgl_kara (and by its tests), by owner, with
@@ -111,6 +175,8 @@ ATTRIBUTES = {
     "sglang.srt.utils.watchdog.SubprocessWatchdog": ["_stop_event", "_processes", "_names"],
     # kara_scheduler.py: the replica's Kara stats in /server_info
     "sglang.srt.managers.io_struct.GetInternalStateReqOutput": ["internal_state"],
+    # plugin.py registers and applies hooks; tests/test_plain_sglang.py reads what is registered
+    "sglang.srt.plugins.hook_registry.HookRegistry": ["register", "apply_hooks", "_hooks", "_patched"],
     # module attributes: launcher fork hook, CPU RoPE flag, the tests' kill_process_tree guard
     "sglang.srt.entrypoints.engine": ["_set_envs_and_config", "kill_process_tree"],
     "sglang.srt.managers.tokenizer_manager": ["kill_process_tree"],

@@ -3,17 +3,25 @@
     engine = sgl_kara.Engine(model_path=..., kara_policy="kara", kara_retention=0.25)
 
 Without ``model_path`` the embedded default model is served; without CUDA the CPU defaults
-(device cpu, torch_native attention, page size 1) apply. ``kara_policy="none"`` is plain SGLang.
+(device cpu, torch_native attention, page size 1) apply. ``kara_policy="none"`` is SGLang's
+scheduler with sgl_kara's request checks and CPU kernels. The processes the Engine starts serve
+with sgl_kara (``KARA_SERVE=1`` while it starts them; sgl_kara/plugin.py).
+
+SGLang starts its workers by spawn, which runs the calling script again in each of them: a script
+that creates an Engine must do so under ``if __name__ == "__main__":`` (checked before anything
+starts: ``check_main_guard``).
 """
 
 from __future__ import annotations
 
+import ast
 import functools
+import sys
 
 from sgl_kara._sglang import SGLangEngine
 from sgl_kara.config import KaraConfig
 from sgl_kara.models.default import default_model_path
-from sgl_kara.plugin import register
+from sgl_kara.plugin import serving
 from sgl_kara.support import prepare_server_args, server_defaults
 
 
@@ -87,26 +95,80 @@ def shutdown_cleanly(engine, shutdown=None) -> None:
         release_loop_tasks(engine)
 
 
+class MainGuardMissing(RuntimeError):
+    """An Engine created by a script's top-level code outside ``if __name__ == "__main__":``."""
+
+
+def _guarded_lines(tree: ast.Module) -> list[tuple[int, int]]:
+    """Line ranges of the module's top-level ``if __name__ == "__main__":`` bodies."""
+    ranges = []
+    for node in tree.body:
+        if not isinstance(node, ast.If) or not isinstance(node.test, ast.Compare) or len(node.test.ops) != 1:
+            continue
+        sides = [node.test.left, *node.test.comparators]
+        names = {s.id for s in sides if isinstance(s, ast.Name)}
+        consts = {s.value for s in sides if isinstance(s, ast.Constant)}
+        if isinstance(node.test.ops[0], ast.Eq) and names == {"__name__"} and consts == {"__main__"}:
+            ranges.append((node.body[0].lineno, node.body[-1].end_lineno))
+    return ranges
+
+
+def check_main_guard() -> None:
+    """Raise ``MainGuardMissing`` when this call runs from the top-level code of the script
+    Python started (``python script.py`` / ``python -m module``) outside ``if __name__ ==
+    "__main__":``. SGLang starts its scheduler by spawn, which imports that script again in the
+    child: an unguarded Engine there starts again while the child bootstraps, the child dies
+    ("An attempt has been made to start a new process before the current process has finished its
+    bootstrapping phase") and SGLang's parent reports a dead scheduler, a minute later, blaming
+    the OOM killer. Interactive sessions, ``python -c``, a package's ``__main__`` (which spawn does
+    not run again) and imported modules pass."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    spec_name = getattr(getattr(main, "__spec__", None), "name", None) or ""
+    if main is None or not path or spec_name == "__main__" or spec_name.endswith(".__main__"):
+        return
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_globals is vars(main) and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    if frame is None:
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return
+    line = frame.f_lineno
+    if any(a <= line <= b for a, b in _guarded_lines(tree)):
+        return
+    raise MainGuardMissing(
+        f"{path}, line {line}: sgl_kara.Engine is created by the script's top-level code. SGLang starts "
+        "its scheduler by spawn, which runs this script again in the new process; put the code that "
+        'creates and uses the Engine under `if __name__ == "__main__":` (README, Quick start).')
+
+
 class Engine(SGLangEngine):
     def __init__(self, **kwargs):
-        register()  # hooks + radix backend before ServerArgs validates --radix-cache-backend
+        check_main_guard()
         if "server_args" in kwargs:
             raise TypeError("sgl_kara.Engine takes keyword options, not server_args=")
-        self.kara_config, server_args = build_server_args(kwargs)
-        if server_args.device == "cpu":
-            from sgl_kara.cpu.threads import prefer_passive_omp
+        # The hooks and the "kara" radix backend before ServerArgs validates --radix-cache-backend;
+        # KARA_SERVE=1 for the processes this engine starts (the caller's value after).
+        with serving():
+            self.kara_config, server_args = build_server_args(kwargs)
+            if server_args.device == "cpu":
+                from sgl_kara.cpu.threads import prefer_passive_omp
 
-            prefer_passive_omp()  # the scheduler is spawned: it loads torch with this set
-        from sgl_kara.plugin import set_serving_policy
+                prefer_passive_omp()  # the scheduler is spawned: it loads torch with this set
+            from sgl_kara.plugin import set_serving_policy
 
-        set_serving_policy(self.kara_config.policy)
-        if self.kara_config.enabled:
-            from sgl_kara.scheduler.kara_scheduler import run_kara_scheduler_process
+            set_serving_policy(self.kara_config.policy)
+            if self.kara_config.enabled:
+                from sgl_kara.scheduler.kara_scheduler import run_kara_scheduler_process
 
-            self.run_scheduler_process_func = functools.partial(
-                run_kara_scheduler_process, kara_config=self.kara_config.to_dict()
-            )
-        super().__init__(server_args=server_args)
+                self.run_scheduler_process_func = functools.partial(
+                    run_kara_scheduler_process, kara_config=self.kara_config.to_dict()
+                )
+            super().__init__(server_args=server_args)
 
     def shutdown(self):
         shutdown_cleanly(self, super().shutdown)

@@ -5,6 +5,8 @@ the new one; the new name wins when both are set.
 
 | variable | type | default | meaning |
 |---|---|---|---|
+| KARA_SERVE | bool | 0 | this process and the SGLang processes it starts serve with sgl_kara: the plugin registers its hooks (set by sgl_kara's launcher and Engine; unset, the plugin only puts RoPE on its CPU path) |
+| KARA_CPU_KERNELS | bool | KARA_SERVE | the CPU speed-ups of sgl_kara/cpu in this process (decode and window-extend attention, packed linear); 1 opts plain SGLang in |
 | KARA_CACHE | path | $XDG_CACHE_HOME/sgl_kara or ~/.cache/sgl_kara | converted default model |
 | KARA_FORK | bool | 1 | launcher on CPU: fork SGLang's workers instead of spawn |
 | KARA_CHECK_INTEGRITY | bool | 0 | check prefixes, slot ownership, ring, offsets at every event |
@@ -13,9 +15,9 @@ the new one; the new name wins when both are set.
 | KARA_TRACE | path | - | JSON lines: running and waiting requests and free slots per decode step |
 | KARA_INJECT_FAULT_RID_PREFIX | str | - | an event raises for rids with this prefix (tests) |
 | KARA_INJECT_FAULT_AT | str | score | where that event raises: `score` (before scoring) or `commit` (after the kept K/V are copied into fresh slots, just before the rows are rewritten) |
-| KARA_FAST_CPU_DECODE | bool | 1 | torch_native on CPU: decode gathers K/V once per layer; the recompute pass attends its window queries only (cpu/attention.py) |
+| KARA_FAST_CPU_DECODE | bool | 1 | with the CPU kernels: torch_native on CPU: decode gathers K/V once per layer; the recompute pass attends its window queries only (cpu/attention.py) |
 | KARA_BATCHED_CPU_DECODE | bool | 1 | with the fast decode: one padded SDPA call per layer for the whole batch, GQA group folded into the query axis (not bit-identical to SGLang's: float summation order; 0 = the per-request loop, bit-identical; bench/cpu_decode_batched.py) |
-| KARA_PACKED_CPU_LINEAR | bool | 1 | on CPU: float32 weight matmuls through oneDNN on weights packed in place after loading (the lm_head: a packed copy, for decode batches), instead of MKL's sgemm (not bit-identical: float summation order; cpu/linear.py; read when the plugin loads) |
+| KARA_PACKED_CPU_LINEAR | bool | 1 | with the CPU kernels, on CPU: float32 weight matmuls through oneDNN on weights packed in place after loading (the lm_head: a packed copy, for decode batches), instead of MKL's sgemm (not bit-identical: float summation order; cpu/linear.py; read when the plugin loads) |
 
 Booleans take SGLang's spellings (``EnvBool``), in any case: true ``1 true yes y``, false
 ``0 false no n``; empty means the default, and any other value warns once and means the default.
@@ -84,6 +86,18 @@ def cache_dir() -> Path:
         return Path(value).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "sgl_kara"
+
+
+SERVE = PREFIX + "SERVE"
+CPU_KERNELS = PREFIX + "CPU_KERNELS"
+
+
+def serving() -> bool:
+    return _bool("SERVE", False)
+
+
+def cpu_kernels() -> bool:
+    return _bool("CPU_KERNELS", serving())
 
 
 def fork_workers() -> bool:

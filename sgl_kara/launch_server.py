@@ -1,6 +1,7 @@
 """``python -m sgl_kara.launch_server [SGLang server flags] [--kara-* flags]``.
 
-Starts SGLang's HTTP server (OpenAI-compatible API, /generate, /metrics) with Kara's scheduler.
+Starts SGLang's HTTP server (OpenAI-compatible API, /generate, /metrics) with Kara's scheduler and
+sgl_kara's hooks (``KARA_SERVE=1`` for every process it starts; sgl_kara/plugin.py).
 With no --model-path the embedded default model is served; without CUDA, CPU defaults apply.
 Invalid Kara flags or unsupported combinations exit with status 2 before any model loads.
 """
@@ -60,12 +61,17 @@ def parse(argv: list[str]):
     except KaraConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
+    from sgl_kara.plugin import serving
+
+    with serving():  # the hooks and the "kara" radix backend, before SGLang validates the flags
+        return _resolve(cfg, rest)
+
+
+def _resolve(cfg, rest: list[str]):
     from sgl_kara.models.default import default_model_path
     from sgl_kara.models.smollm2 import DefaultModelMissing
-    from sgl_kara.plugin import register
     from sgl_kara.support import UnsupportedFeature, prepare_server_args, server_defaults
 
-    register()
     if not _has_flag(rest, "--model-path") and not _has_flag(rest, "--model"):
         try:
             rest = ["--model-path", default_model_path()] + rest
@@ -88,9 +94,11 @@ def parse(argv: list[str]):
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg, server_args = parse(sys.argv[1:] if argv is None else argv)
-    from sgl_kara._sglang import sglang_launch_server
+    from sgl_kara import env
 
+    os.environ[env.SERVE] = "1"  # this process and every SGLang process it starts serve with sgl_kara
+    cfg, server_args = parse(sys.argv[1:] if argv is None else argv)  # registers and applies the hooks
+    from sgl_kara._sglang import kill_process_tree, sglang_launch_server
     from sgl_kara.plugin import set_serving_policy
 
     set_serving_policy(cfg.policy)
@@ -102,8 +110,6 @@ def main(argv: list[str] | None = None) -> None:
             run_kara_scheduler_process, kara_config=cfg.to_dict()
         )
     server_args.resolve_once()
-    from sgl_kara import env
-
     if server_args.device == "cpu" and env.fork_workers():
         from sgl_kara.plugin import fork_server_processes
 
@@ -111,8 +117,6 @@ def main(argv: list[str] | None = None) -> None:
     try:
         sglang_launch_server(server_args, **kwargs)
     finally:
-        from sglang.srt.utils import kill_process_tree
-
         kill_process_tree(os.getpid(), include_parent=False)
 
 

@@ -1,22 +1,34 @@
 """SGLang general plugin (entry point ``sglang.srt.plugins``: ``sgl_kara``).
 
-SGLang calls ``register()`` early in every process it starts. Each hook stands in for one
-upstream change (see patches/) and is inert unless a Kara scheduler runs in this process
-(``sgl_kara.scheduler.runtime.active()``), so plain ``sglang.Engine`` in the same environment
-behaves exactly like SGLang -- except hooks that act for every request: the input-ids
-validation, which rejects out-of-vocabulary ids with a 400 (SGLang 0.5.23 would crash its
-scheduler); torch_native's CPU decode attention, which gathers K/V once per layer instead of
-once per request and layer (sgl_kara/cpu/attention.py); and, on CPU, float32 weight matmuls on
-weights packed in place for oneDNN (sgl_kara/cpu/linear.py). The last two change float summation
-order only (KARA_BATCHED_CPU_DECODE=0 / KARA_PACKED_CPU_LINEAR=0 turn them off). The
-torch_native extend hook acts only inside Kara's recompute pass.
+SGLang calls ``register()`` early in every process it starts (the launcher or Engine process, the
+scheduler, the detokenizer, the data-parallel controller) for every installed plugin, plain
+``python -m sglang.launch_server`` and ``sglang.Engine`` included. What it registers depends on
+the process's environment, so installing sgl_kara leaves plain SGLang as it was:
+
+    always                  on a machine without CUDA, RoPE's CPU path (``apply_cpu_shim``):
+                            SGLang 0.5.23 does not start on a CPU without vLLM otherwise
+    KARA_SERVE=1            "serving": Kara's touch points (inert unless a Kara scheduler runs
+                            in the process: ``runtime.active()``), the request checks
+                            (``custom_params.kara``, beam search, out-of-vocabulary input ids),
+                            the radix-cache backend "kara"
+    KARA_CPU_KERNELS=1      "cpu_kernels": the CPU speed-ups of sgl_kara/cpu -- torch_native decode
+      (default: KARA_SERVE) attention (one K/V gather per layer, one padded call per batch), the
+                            recompute pass's window extend, float32 matmuls on oneDNN-packed
+                            weights; each changes float summation order only
+    either of the two       "report": ``kara_cpu_kernels`` in /server_info's internal states
+    KARA_TRACE=path         "trace": one JSON line per decode step (benchmarks; any scheduler)
+
+sgl_kara's launcher and Engine set ``KARA_SERVE=1`` for the SGLang processes they start (spawned
+or forked, each runs ``register()`` again and reads it) and apply the hooks in their own process
+(``serve`` / ``serving``). Each hook stands in for one upstream change (patches/).
 """
 
 from __future__ import annotations
 
-import importlib
+import contextlib
 import json
 import logging
+import os
 import time
 
 from sgl_kara import env
@@ -24,50 +36,68 @@ from sgl_kara.process import STATE
 
 logger = logging.getLogger(__name__)
 
+# The plugin's parts, in registration order (process.STATE.parts holds those registered).
+PARTS = ("serving", "cpu_kernels", "report", "trace")
+
+
+def wanted_parts() -> list[str]:
+    """The parts this process's environment asks for."""
+    serving, kernels = env.serving(), env.cpu_kernels()
+    asked = {"serving": serving, "cpu_kernels": kernels, "report": serving or kernels, "trace": env.trace() is not None}
+    return [p for p in PARTS if asked[p]]
+
 
 def register() -> None:
-    if STATE.registered:
-        return
-    STATE.registered = True
+    """SGLang's entry point: RoPE's CPU path, then the hooks of every part asked for and not yet
+    registered in this process (SGLang applies them after its plugins ran; ``serve`` otherwise)."""
     apply_cpu_shim()
     from sgl_kara import _sglang as sg
-    from sgl_kara.mem_cache.radix import BACKEND_NAME, kara_radix_cache_factory
 
-    if BACKEND_NAME not in sg.registered_radix_cache_backends():
-        sg.register_radix_cache_backend(BACKEND_NAME, kara_radix_cache_factory)
-    sg.HookRegistry.register(sg.TARGET_INIT_NEW, _init_new_hook, sg.HookType.AROUND)
-    sg.HookRegistry.register(sg.TARGET_ATTENTION, _attention_hook, sg.HookType.AROUND)
-    sg.HookRegistry.register(sg.TARGET_RESET_FOR_RETRACT, _reset_for_retract_hook, sg.HookType.AFTER)
-    sg.HookRegistry.register(sg.TARGET_RETRACTION_ORDER, _retraction_order_hook, sg.HookType.AROUND)
-    from sgl_kara.scheduler.output import unwrap_meta_hook
+    for part in wanted_parts():
+        if part in STATE.parts:
+            continue
+        STATE.parts.add(part)
+        if part == "serving":
+            from sgl_kara.mem_cache.radix import BACKEND_NAME, kara_radix_cache_factory
 
-    sg.HookRegistry.register(sg.TARGET_META_INFO, unwrap_meta_hook, sg.HookType.AROUND)
-    sg.HookRegistry.register(sg.TARGET_SAMPLING_VERIFY, _verify_hook, sg.HookType.AFTER)
-    sg.HookRegistry.register(sg.TARGET_VALIDATE_REQUEST, _validate_input_ids_hook, sg.HookType.AFTER)
-    from sgl_kara.cpu.attention import reset_metadata_hook, run_sdpa_forward_decode
+            if BACKEND_NAME not in sg.registered_radix_cache_backends():
+                sg.register_radix_cache_backend(BACKEND_NAME, kara_radix_cache_factory)
+        for target, hook, hook_type in HOOKS[part]():
+            sg.HookRegistry.register(target, hook, hook_type)
+            if target == sg.TARGET_LINEAR_APPLY:
+                STATE.parts.add("packed_linear")
+        if part == "cpu_kernels":
+            logger.info("sgl_kara: CPU kernels in this process: %s", cpu_kernels_in_use())
 
-    sg.HookRegistry.register(sg.TARGET_TORCH_NATIVE_METADATA, reset_metadata_hook, sg.HookType.AFTER)
-    sg.HookRegistry.register(sg.TARGET_TORCH_NATIVE_DECODE, run_sdpa_forward_decode, sg.HookType.AROUND)
-    sg.HookRegistry.register(sg.TARGET_TORCH_NATIVE_EXTEND, _recompute_extend_hook, sg.HookType.AROUND)
-    if env.packed_cpu_linear():
-        from sgl_kara.cpu import linear as cpu_linear
 
-        if cpu_linear.available():
-            sg.HookRegistry.register(sg.TARGET_LINEAR_PROCESS_WEIGHTS, cpu_linear.process_weights_hook,
-                                     sg.HookType.AROUND)
-            sg.HookRegistry.register(sg.TARGET_LINEAR_RESTORE_WEIGHTS, cpu_linear.restore_weights_hook,
-                                     sg.HookType.AROUND)
-            sg.HookRegistry.register(sg.TARGET_LINEAR_APPLY, cpu_linear.linear_apply_hook, sg.HookType.AROUND)
-            sg.HookRegistry.register(sg.TARGET_LINEAR_APPLY_INTO, cpu_linear.linear_apply_into_hook,
-                                     sg.HookType.AROUND)
-            sg.HookRegistry.register(sg.TARGET_LM_HEAD, cpu_linear.lm_head_hook, sg.HookType.AROUND)
-            for target in sg.TARGET_WEIGHT_EXPORTS:
-                sg.HookRegistry.register(target, cpu_linear.weight_export_hook, sg.HookType.AROUND)
+def serve() -> None:
+    """This process serves with sgl_kara, and so does every SGLang process it starts from now on:
+    ``KARA_SERVE=1`` in its environment, then its hooks registered and applied -- by SGLang's own
+    loader (idempotent; it calls ``register``), or, where SGLang loaded its plugins in this
+    process before, by ``register`` for the parts now asked for and SGLang's ``apply_hooks``."""
+    os.environ[env.SERVE] = "1"
+    from sgl_kara import _sglang as sg
+
+    sg.load_plugins()
+    register()
+    sg.HookRegistry.apply_hooks()
+
+
+@contextlib.contextmanager
+def serving():
+    """``serve()`` for the duration (sgl_kara.Engine while it starts SGLang's processes, the
+    launcher's flag parsing); the caller's ``KARA_SERVE`` after. Hooks stay applied in this
+    process (SGLang cannot remove them): a plain ``sglang.Engine`` started later here serves with
+    sgl_kara's request checks in this process, and plain SGLang in its scheduler."""
+    saved = os.environ.get(env.SERVE)
+    try:
+        serve()
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(env.SERVE, None)
         else:
-            logger.warning("sgl_kara: this torch has no oneDNN linear; CPU weight matmuls stay F.linear")
-    if env.trace():
-        # Benchmark instrument (vanilla and Kara alike): one line per decode scheduling step.
-        sg.HookRegistry.register(sg.TARGET_UPDATE_RUNNING_BATCH, _trace_hook, sg.HookType.AFTER)
+            os.environ[env.SERVE] = saved
 
 
 def apply_cpu_shim() -> None:
@@ -76,9 +106,91 @@ def apply_cpu_shim() -> None:
 
     if torch.cuda.is_available():
         return
-    from sgl_kara._sglang import ROTARY_BASE_MODULE
+    from sgl_kara._sglang import rotary_embedding_base
 
-    importlib.import_module(ROTARY_BASE_MODULE)._is_cpu = True
+    rotary_embedding_base._is_cpu = True
+
+
+def serving_hooks() -> list:
+    from sgl_kara import _sglang as sg
+    from sgl_kara.scheduler.output import unwrap_meta_hook
+
+    return [
+        (sg.TARGET_INIT_NEW, _init_new_hook, sg.HookType.AROUND),
+        (sg.TARGET_ATTENTION, _attention_hook, sg.HookType.AROUND),
+        (sg.TARGET_RESET_FOR_RETRACT, _reset_for_retract_hook, sg.HookType.AFTER),
+        (sg.TARGET_RETRACTION_ORDER, _retraction_order_hook, sg.HookType.AROUND),
+        (sg.TARGET_META_INFO, unwrap_meta_hook, sg.HookType.AROUND),
+        (sg.TARGET_SAMPLING_VERIFY, _verify_hook, sg.HookType.AFTER),
+        (sg.TARGET_VALIDATE_REQUEST, _validate_input_ids_hook, sg.HookType.AFTER),
+    ]
+
+
+def cpu_kernel_hooks() -> list:
+    """sgl_kara/cpu as one part; ``KARA_FAST_CPU_DECODE`` / ``KARA_BATCHED_CPU_DECODE`` choose
+    within the attention hooks at each call, ``KARA_PACKED_CPU_LINEAR`` whether the linear hooks
+    are registered at all (the weights are packed when the model loads)."""
+    from sgl_kara import _sglang as sg
+    from sgl_kara.cpu.attention import reset_metadata_hook, run_sdpa_forward_decode
+
+    hooks = [
+        (sg.TARGET_TORCH_NATIVE_METADATA, reset_metadata_hook, sg.HookType.AFTER),
+        (sg.TARGET_TORCH_NATIVE_DECODE, run_sdpa_forward_decode, sg.HookType.AROUND),
+        (sg.TARGET_TORCH_NATIVE_EXTEND, _recompute_extend_hook, sg.HookType.AROUND),
+    ]
+    if not env.packed_cpu_linear():
+        return hooks
+    from sgl_kara.cpu import linear as cpu_linear
+
+    if not cpu_linear.available():
+        logger.warning("sgl_kara: this torch has no oneDNN linear; CPU weight matmuls stay F.linear")
+        return hooks
+    return hooks + [
+        (sg.TARGET_LINEAR_PROCESS_WEIGHTS, cpu_linear.process_weights_hook, sg.HookType.AROUND),
+        (sg.TARGET_LINEAR_RESTORE_WEIGHTS, cpu_linear.restore_weights_hook, sg.HookType.AROUND),
+        (sg.TARGET_LINEAR_APPLY, cpu_linear.linear_apply_hook, sg.HookType.AROUND),
+        (sg.TARGET_LINEAR_APPLY_INTO, cpu_linear.linear_apply_into_hook, sg.HookType.AROUND),
+        (sg.TARGET_LM_HEAD, cpu_linear.lm_head_hook, sg.HookType.AROUND),
+        *[(target, cpu_linear.weight_export_hook, sg.HookType.AROUND) for target in sg.TARGET_WEIGHT_EXPORTS],
+    ]
+
+
+def report_hooks() -> list:
+    from sgl_kara import _sglang as sg
+
+    return [(sg.TARGET_GET_INTERNAL_STATE, _internal_state_hook, sg.HookType.AFTER)]
+
+
+def trace_hooks() -> list:
+    from sgl_kara import _sglang as sg
+
+    return [(sg.TARGET_UPDATE_RUNNING_BATCH, _trace_hook, sg.HookType.AFTER)]
+
+
+HOOKS = {"serving": serving_hooks, "cpu_kernels": cpu_kernel_hooks, "report": report_hooks, "trace": trace_hooks}
+
+
+def cpu_kernels_in_use() -> dict:
+    """What this process runs of sgl_kara/cpu: ``decode_attention`` "batched" (one padded call per
+    layer where the cost rule says so), "gather" (one K/V gather per layer, SGLang's per-request
+    SDPA loop) or "sglang" (SGLang's own code); ``window_extend`` (Kara's recompute pass);
+    ``packed_linear`` and the weights held packed so far (torch_native / CPU models only)."""
+    on = "cpu_kernels" in STATE.parts
+    fast = on and env.fast_cpu_decode()
+    return {
+        "enabled": on,
+        "decode_attention": ("batched" if env.batched_cpu_decode() else "gather") if fast else "sglang",
+        "window_extend": fast,
+        "packed_linear": "packed_linear" in STATE.parts,
+        "packed_weights": _packed_weights(),
+    }
+
+
+def _internal_state_hook(result, scheduler, recv_req):
+    """AFTER ``Scheduler.get_internal_state``: which CPU kernels this scheduler runs, so a
+    benchmark can state it for each side (``kara_cpu_kernels`` in /server_info's internal states)."""
+    result.internal_state["kara_cpu_kernels"] = cpu_kernels_in_use()
+    return result
 
 
 def fork_server_processes() -> None:
@@ -98,7 +210,7 @@ def fork_server_processes() -> None:
     sg.HookRegistry.apply_hooks()  # plugins were applied at start-up; this adds the new target
 
 
-def _fork_after_set_envs(result, *args, **kwargs):
+def _fork_after_set_envs(result, server_args):
     import multiprocessing
 
     multiprocessing.set_start_method("fork", force=True)
@@ -111,19 +223,26 @@ def _active():
     return runtime.active()
 
 
-def _init_new_hook(original, cls, batch, model_runner, *args, **kwargs):
-    fb = original(cls, batch, model_runner, *args, **kwargs)
+def _init_new_hook(original, cls, batch, model_runner, **kwargs):
+    fb = original(cls, batch=batch, model_runner=model_runner, **kwargs)
     rt = _active()
     if rt is not None and batch is not None and hasattr(batch, "reqs"):
         rt.forward.on_forward_batch(batch, fb)
     return fb
 
 
-def _attention_hook(original, layer, q, k, v, forward_batch, save_kv_cache=True, *args, **kwargs):
+def _attention_hook(original, layer, q, k, v, forward_batch, save_kv_cache=True, key_value_num_tokens=None,
+                    **kwargs):
     rt = _active()
     if rt is None:
-        return original(layer, q, k, v, forward_batch, save_kv_cache, *args, **kwargs)
-    return rt.forward.on_attention(original, layer, q, k, v, forward_batch, save_kv_cache, *args, **kwargs)
+        return original(layer, q=q, k=k, v=v, forward_batch=forward_batch, save_kv_cache=save_kv_cache,
+                        key_value_num_tokens=key_value_num_tokens, **kwargs)
+
+    def call(layer, q, k, v, forward_batch, save_kv_cache):  # SGLang's forward, by keyword
+        return original(layer, q=q, k=k, v=v, forward_batch=forward_batch, save_kv_cache=save_kv_cache,
+                        key_value_num_tokens=key_value_num_tokens, **kwargs)
+
+    return rt.forward.on_attention(call, layer, q, k, v, forward_batch, save_kv_cache)
 
 
 def _recompute_extend_hook(original, backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
@@ -139,15 +258,18 @@ def _recompute_extend_hook(original, backend, query, output, k_cache, v_cache, r
 
         return run_window_extend(backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                                  extend_prefix_lens, extend_seq_lens, scaling=scaling, enable_gqa=enable_gqa)
-    return original(backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-                    extend_prefix_lens, extend_seq_lens, encoder_lens, scaling=scaling, enable_gqa=enable_gqa,
-                    causal=causal, is_cross_attn=is_cross_attn, sliding_window_size=sliding_window_size)
+    return original(backend, query=query, output=output, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token,
+                    req_pool_indices=req_pool_indices, seq_lens=seq_lens, extend_prefix_lens=extend_prefix_lens,
+                    extend_seq_lens=extend_seq_lens, encoder_lens=encoder_lens, scaling=scaling,
+                    enable_gqa=enable_gqa, causal=causal, is_cross_attn=is_cross_attn,
+                    sliding_window_size=sliding_window_size)
 
 
 def _trace_hook(result, scheduler, batch, *args, **kwargs):
-    """KARA_TRACE=path: append {t, cpu, running, rows, waiting, free, retracted, kara_*} per decode
-    step (JSON lines). ``cpu``: this (scheduler) process's CPU clock; ``rows``: KV rows the running
-    requests hold (physical, what decode attention reads); bench/step_costs.py reads both."""
+    """KARA_TRACE=path: append {t, cpu, running, rows, waiting, free, retracted, kara_*,
+    packed_weights, cpu_kernels} per decode step (JSON lines). ``cpu``: this (scheduler) process's
+    CPU clock; ``rows``: KV rows the running requests hold (physical, what decode attention reads);
+    bench/step_costs.py reads both. ``cpu_kernels``: ``cpu_kernels_in_use()`` but the count."""
     running = 0 if result is None or result.is_empty() else len(result.reqs)
     lens = None if running == 0 else result.seq_lens_cpu
     rt = _active()
@@ -167,6 +289,7 @@ def _trace_hook(result, scheduler, batch, *args, **kwargs):
         "kara_recompute_fallbacks": rt.stats.recompute_fallbacks if rt is not None else 0,
         "kara_ring_bytes": rt.ring.nbytes if rt is not None and rt.ring is not None else 0,
         "packed_weights": _packed_weights(),
+        "cpu_kernels": {k: v for k, v in cpu_kernels_in_use().items() if k != "packed_weights"},
     }
     STATE.trace_file(env.trace()).write(json.dumps(record) + "\n")
     return result
@@ -213,13 +336,13 @@ def _reset_for_retract_hook(result, req, *args, **kwargs):
     return result
 
 
-def _retraction_order_hook(original, reqs, *args, **kwargs):
+def _retraction_order_hook(original, reqs, **kwargs):
     """Retract uncompressed requests first (Zipage §4.4): the loop pops from the end.
 
     Among uncompressed requests, those already retracted more often are kept first: a request
     that was just re-prefilled is uncompressed again until its catch-up compression, and would
     otherwise be retracted again and again while the others never are."""
-    order = original(reqs, *args, **kwargs)
+    order = original(reqs=reqs, **kwargs)
     if _active() is None:
         return order
     compressed = [i for i in order if getattr(getattr(reqs[i], "kara", None), "compressions", 0) > 0]

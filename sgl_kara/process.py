@@ -1,5 +1,5 @@
-"""What sgl_kara holds per process, in one owner with a lifecycle: whether the plugin's hooks are
-registered, the compression policy of the server this process fronts (per-request checks), the
+"""What sgl_kara holds per process, in one owner with a lifecycle: which parts of the plugin's hooks
+are registered, the compression policy of the server this process fronts (per-request checks), the
 Kara runtime of a scheduler process, and the trace file (opened at the first traced step, closed
 at shutdown: the scheduler's exit or the interpreter's). Imports nothing of sgl_kara or SGLang."""
 
@@ -11,7 +11,9 @@ from typing import IO, Any
 
 class ProcessState:
     def __init__(self):
-        self.registered = False  # plugin.register() ran: the hooks are in SGLang's registry
+        # The plugin's parts whose hooks are in SGLang's registry (plugin.PARTS), and
+        # "packed_linear" when the cpu_kernels part included the linear hooks.
+        self.parts: set[str] = set()
         self.serving_policy: str | None = None  # set in the process that validates requests (launcher / Engine)
         self.runtime: Any = None  # the KaraRuntime of this scheduler process (None: the hooks stay inert)
         self._trace: IO[str] | None = None

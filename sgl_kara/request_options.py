@@ -1,22 +1,39 @@
 """Per-request Kara options: ``sampling_params.custom_params = {"kara": {...}}``.
 
     {"kara": {"enable": false}}        this request is never compressed
-    {"kara": {"retention": 0.5}}       keep this fraction of each window (overrides --kara-retention)
-    {"kara": {"budget": 300}}          snapkv/streaming: generated KV kept for this request
-                                       (budget matching; the threshold keeps its configured gap)
+    {"kara": {"retention": 0.5}}       Kara (and random): keep this fraction of each window
+                                       (overrides --kara-retention)
+    {"kara": {"budget": 300}}          the threshold baselines (snapkv, streaming, h2o, rkv):
+                                       generated KV kept for this request (budget matching;
+                                       the threshold keeps its configured gap)
 
-Validated in the tokenizer process (a ValueError becomes an HTTP 400 naming the field); the
-scheduler reads the already-validated dict. With ``retention`` below what the configured chunk
-budget needs, that request's Token2Chunk budget shrinks to ``K - 1`` (its retention is honoured).
-No SGLang import.
+Which policies take an option is each policy's ``request_options`` (sgl_kara/policies); the
+messages name them from there. Validated in the tokenizer process (a ValueError becomes an HTTP
+400 naming the field); the scheduler reads the already-validated dict and refuses an option the
+served policy does not take. With ``retention`` below what the configured chunk budget needs,
+that request's Token2Chunk budget shrinks to ``K - 1`` (its retention is honoured). No SGLang
+import.
 """
 
 from __future__ import annotations
 
 import math
 
+from sgl_kara.policies import base as policy_base
+
 KEY = "kara"
-FIELDS = {"enable": "bool", "retention": "float in (0, 1]", "budget": "int in [2, 10000000] (snapkv/streaming)"}
+RANGES = {"enable": "bool", "retention": "float in (0, 1]", "budget": "int in [2, 10000000]"}
+
+
+def accepting(name: str) -> list[str]:
+    """The policies that take the per-request option ``name`` (their ``request_options``)."""
+    return [p.name for p in policy_base.policies() if name in p.request_options]
+
+
+def fields() -> dict[str, str]:
+    """Each field, its type and range, and the policies that take it (``enable``: every policy)."""
+    return {name: f"{kind} ({'/'.join(accepting(name)) or 'every policy'})" if name != "enable" else kind
+            for name, kind in RANGES.items()}
 
 
 def validate(custom_params) -> dict:
@@ -25,10 +42,10 @@ def validate(custom_params) -> dict:
         return {}
     opts = custom_params[KEY]
     if not isinstance(opts, dict):
-        raise ValueError(f"custom_params.kara must be an object with fields {FIELDS}, got {type(opts).__name__}")
-    unknown = sorted(set(opts) - set(FIELDS))
+        raise ValueError(f"custom_params.kara must be an object with fields {fields()}, got {type(opts).__name__}")
+    unknown = sorted(set(opts) - set(RANGES))
     if unknown:
-        raise ValueError(f"custom_params.kara has unknown field(s) {unknown}; accepted: {FIELDS}")
+        raise ValueError(f"custom_params.kara has unknown field(s) {unknown}; accepted: {fields()}")
     if "enable" in opts and not isinstance(opts["enable"], bool):
         raise ValueError(f"custom_params.kara.enable must be a bool, got {opts['enable']!r}")
     if "retention" in opts:

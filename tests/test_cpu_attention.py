@@ -78,19 +78,20 @@ def test_new_forward_reads_rows_anew(monkeypatch, batched):
 
 
 def test_unsupported_cases_take_sglang_path(monkeypatch):
+    from sglang_original import sglang_original
+
+    from sgl_kara._sglang import TARGET_TORCH_NATIVE_DECODE
+
     calls = []
-
-    def original(*args, **kwargs):
-        calls.append(kwargs.get("sliding_window_size"))
-        return "sglang"
-
+    original = sglang_original(TARGET_TORCH_NATIVE_DECODE, calls, "sglang")  # by keyword, SGLang's names
     q, k, v, rtt, idx, lens = _case(5, 2, 4, 2, 16, torch.float32)
     b = _Backend()
     assert run_sdpa_forward_decode(original, b, q, q, k, v, rtt, idx, lens, None, sliding_window_size=8) == "sglang"
-    assert run_sdpa_forward_decode(original, b, q, q, k, v, rtt, idx, lens, lens) == "sglang"  # encoder lens
+    assert run_sdpa_forward_decode(original, b, q, q, k, v, rtt, idx, lens, lens, scaling=0.5) == "sglang"  # encoder
     monkeypatch.setenv("KARA_FAST_CPU_DECODE", "0")
     assert run_sdpa_forward_decode(original, b, q, q, k, v, rtt, idx, lens, None) == "sglang"
-    assert len(calls) == 3
+    assert [c["sliding_window_size"] for c in calls] == [8, None, None]
+    assert calls[1]["encoder_lens"] is lens and calls[1]["scaling"] == 0.5 and calls[0]["seq_lens"] is lens
 
 
 def _sglang_extend():
@@ -128,6 +129,25 @@ def test_window_extend_matches_sglang(batch, hq, hkv, d, window, dtype, tol):
         run_window_extend(backend, q, got, k, v, rtt, idx, lens, prefix, extend, scaling=kw["scaling"],
                           enable_gqa=kw["enable_gqa"])
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_extend_outside_the_recompute_pass_is_sglangs(monkeypatch):
+    """The plugin's extend hook: with no Kara scoring pass in flight (prefills, plain SGLang) the
+    call goes to SGLang's own function, by keyword, with every argument as given."""
+    from sglang_original import sglang_original
+
+    from sgl_kara import plugin
+    from sgl_kara._sglang import TARGET_TORCH_NATIVE_EXTEND
+
+    monkeypatch.setattr(plugin, "_active", lambda: None)
+    calls = []
+    q, k, v, rtt, idx, lens = _case(6, 2, 4, 2, 16, torch.float32)
+    prefix = torch.zeros_like(lens)
+    out = plugin._recompute_extend_hook(sglang_original(TARGET_TORCH_NATIVE_EXTEND, calls, "sglang"), _Backend(), q, q,
+                                        k, v, rtt, idx, lens, prefix, lens, scaling=0.25, causal=True)
+    assert out == "sglang" and len(calls) == 1
+    assert calls[0]["extend_prefix_lens"] is prefix and calls[0]["extend_seq_lens"] is lens
+    assert calls[0]["scaling"] == 0.25 and calls[0]["causal"] is True and calls[0]["encoder_lens"] is None
 
 
 def test_window_extend_refuses_a_row_that_is_not_prefix_plus_window():

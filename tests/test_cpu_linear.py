@@ -1,7 +1,8 @@
-"""sgl_kara/cpu/linear.py (KARA_PACKED_CPU_LINEAR, on by default): float32 linear weights
+"""sgl_kara/cpu/linear.py (KARA_PACKED_CPU_LINEAR, on with the CPU kernels): float32 linear weights
 packed in place after loading (no second copy) compute F.linear within float rounding for any
-rows and leading dims, unpack exactly for a weight update, and in an engine every weight matmul
-of the model runs packed, with the same outputs as without, before and after a weight reload."""
+rows and leading dims, unpack exactly for a weight update, hand every other call to SGLang's own
+function by keyword, and in an engine every weight matmul of the model runs packed, with the same
+outputs as without, before and after a weight reload."""
 
 from __future__ import annotations
 
@@ -92,24 +93,27 @@ def test_what_is_not_packed():
         assert not cpu_linear.pack_in_place(layer) and layer.weight is before and not before.is_mkldnn
 
 
-def _original(calls, value="sglang's own"):
-    def original(owner, *args, **kwargs):
-        calls.append((args, kwargs))
-        return value
-    return original
+def _original(calls, target="TARGET_LINEAR_APPLY", value="sglang's own", side_effect=None):
+    """SGLang's function as the hook calls it (tests/sglang_original.py: bound to SGLang's real
+    signature, every argument but self by keyword)."""
+    from sglang_original import sglang_original
+
+    from sgl_kara import _sglang as sg
+
+    return sglang_original(getattr(sg, target), calls, value, side_effect)
 
 
 def test_weight_hooks_pack_after_sglang_and_unpack_before_it():
     layer, calls = _layer(), []
     dense = layer.weight.detach().clone()
-    assert cpu_linear.process_weights_hook(_original(calls, None), object(), layer) is None
+    assert cpu_linear.process_weights_hook(_original(calls, "TARGET_LINEAR_PROCESS_WEIGHTS", None), object(),
+                                           layer) is None
     assert len(calls) == 1 and layer.weight.is_mkldnn  # SGLang's processing ran, then the packing
 
-    def restore(method, lyr):
-        assert not lyr.weight.is_mkldnn  # SGLang's restore (and the loader after it) sees a dense weight
-        calls.append("restore")
-    cpu_linear.restore_weights_hook(restore, object(), layer)
-    assert calls[-1] == "restore" and torch.equal(layer.weight, dense)
+    def restore(self, layer):
+        assert not layer.weight.is_mkldnn  # SGLang's restore (and the loader after it) sees a dense weight
+    cpu_linear.restore_weights_hook(_original(calls, "TARGET_LINEAR_RESTORE_WEIGHTS", None, restore), object(), layer)
+    assert len(calls) == 2 and calls[-1]["layer"] is layer and torch.equal(layer.weight, dense)
 
 
 def test_apply_hooks_take_the_packed_weight_and_leave_dense_ones_to_sglang():
@@ -121,11 +125,17 @@ def test_apply_hooks_take_the_packed_weight_and_leave_dense_ones_to_sglang():
     out = cpu_linear.linear_apply_hook(_original(calls), object(), layer, x, bias)
     torch.testing.assert_close(out, F.linear(x, dense, bias), rtol=1e-5, atol=1e-5)
     buf = torch.empty(5, 48)
-    assert cpu_linear.linear_apply_into_hook(_original(calls), object(), layer, x, buf, bias) is buf
+    assert cpu_linear.linear_apply_into_hook(_original(calls, "TARGET_LINEAR_APPLY_INTO"), object(), layer, x, buf,
+                                             bias) is buf
     torch.testing.assert_close(buf, F.linear(x, dense, bias), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="shape"):
-        cpu_linear.linear_apply_into_hook(_original(calls), object(), layer, x, torch.empty(4, 48))
-    assert len(calls) == 1
+        cpu_linear.linear_apply_into_hook(_original(calls, "TARGET_LINEAR_APPLY_INTO"), object(), layer, x,
+                                          torch.empty(4, 48))
+    assert len(calls) == 1 and calls[0]["x"] is x and calls[0]["bias"] is bias
+    cpu_linear.unpack_in_place(layer)
+    assert cpu_linear.linear_apply_into_hook(_original(calls, "TARGET_LINEAR_APPLY_INTO"), object(), layer, x,
+                                             buf) == "sglang's own"
+    assert calls[-1]["output"] is buf
 
 
 def test_lm_head_copy_is_made_once_and_renewed_when_the_weight_changes():
@@ -164,7 +174,7 @@ def test_lm_head_hook_takes_only_sglangs_plain_matmul_branch_for_decode_rows():
     head = SimpleNamespace(weight=torch.randn(100, 24))
     h = torch.randn(6, 24)
     calls = []
-    got = cpu_linear.lm_head_hook(_original(calls), proc, h, head)
+    got = cpu_linear.lm_head_hook(_original(calls, "TARGET_LM_HEAD"), proc, h, head)
     torch.testing.assert_close(got, h @ head.weight.T, rtol=1e-5, atol=1e-5)
     assert calls == []
     lora = SimpleNamespace(weight=head.weight, set_lora=None, apply_lora=None)
@@ -175,8 +185,9 @@ def test_lm_head_hook_takes_only_sglangs_plain_matmul_branch_for_decode_rows():
                             ((h, head), {}, SimpleNamespace(use_fp32_lm_head=False, rl_on_policy_target="x")),
                             ((torch.randn(2, 24), head), {}, proc),  # two rows: MKL's own path
                             ((torch.randn(65, 24), head), {}, proc)]:  # prefill-sized
-        assert cpu_linear.lm_head_hook(_original(calls), p, *args, **kwargs) == "sglang's own"
+        assert cpu_linear.lm_head_hook(_original(calls, "TARGET_LM_HEAD"), p, *args, **kwargs) == "sglang's own"
     assert len(calls) == 7
+    assert calls[1]["embedding_bias"] is not None and calls[2]["out"] is not None
     assert cpu_linear.LM_HEAD_ROWS == (3, 64)
 
 
@@ -211,7 +222,7 @@ def test_engine_default_packs_every_weight_matches_and_survives_a_weight_reload(
     then reloads its weights from disk (SGLang's restore -> load -> process path): the reload
     succeeds and the outputs are unchanged; and get_weights_by_name reads a packed weight's
     values as the checkpoint has them."""
-    from conftest import start_engine
+    from support import start_engine
 
     prompts = [f"Question {i}: what is {i} plus {i}?" for i in range(4)]
     params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}

@@ -12,6 +12,8 @@ from sgl_kara import env
 
 # (variable without prefix, reader, a value to set, what the reader returns for it, its default)
 VARIABLES = [
+    ("SERVE", env.serving, "1", lambda v: v is True, False),
+    ("CPU_KERNELS", env.cpu_kernels, "1", lambda v: v is True, False),  # default: KARA_SERVE's (unset here)
     ("CACHE", env.cache_dir, "/tmp/kara-cache", lambda v: str(v) == "/tmp/kara-cache", None),
     ("FORK", env.fork_workers, "0", lambda v: v is False, True),
     ("CHECK_INTEGRITY", env.check_integrity, "1", lambda v: v is True, False),
@@ -19,6 +21,7 @@ VARIABLES = [
     ("RECORD_EVICTIONS", env.record_evictions, "/tmp/ev.jsonl", lambda v: v == "/tmp/ev.jsonl", None),
     ("TRACE", env.trace, "/tmp/trace.jsonl", lambda v: v == "/tmp/trace.jsonl", None),
     ("INJECT_FAULT_RID_PREFIX", env.inject_fault_rid_prefix, "faulty", lambda v: v == "faulty", ""),
+    ("INJECT_FAULT_AT", env.inject_fault_stage, "commit", lambda v: v == "commit", "score"),
     ("FAST_CPU_DECODE", env.fast_cpu_decode, "0", lambda v: v is False, True),
     ("BATCHED_CPU_DECODE", env.batched_cpu_decode, "0", lambda v: v is False, True),
     ("PACKED_CPU_LINEAR", env.packed_cpu_linear, "0", lambda v: v is False, True),
@@ -73,6 +76,19 @@ def test_new_name_wins_over_old(monkeypatch):
     monkeypatch.setenv("KARA_CHECK_INTEGRITY", "")  # set but empty: the default, not the old value
     monkeypatch.setenv("SGL_KARA_CHECK_INTEGRITY", "1")
     assert env.check_integrity() is False
+
+
+@pytest.mark.parametrize("serve", [None, "1", "0"])
+@pytest.mark.parametrize("kernels", [None, "1", "0", ""])
+def test_cpu_kernels_default_to_serving(monkeypatch, serve, kernels):
+    """The CPU kernels follow KARA_SERVE unless KARA_CPU_KERNELS says otherwise: on for
+    sgl_kara's server, off for plain SGLang, either way when set."""
+    for name, value in (("KARA_SERVE", serve), ("KARA_CPU_KERNELS", kernels)):
+        if value is not None:
+            monkeypatch.setenv(name, value)
+    assert env.serving() is (serve == "1")
+    assert env.cpu_kernels() is (kernels == "1" if kernels else serve == "1")
+    assert (env.SERVE, env.CPU_KERNELS) == ("KARA_SERVE", "KARA_CPU_KERNELS")
 
 
 def _sglang_bool(value: str, default: bool) -> bool:

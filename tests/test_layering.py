@@ -1,6 +1,8 @@
-"""The package's structure: imports only point down the layers, and every SGLang touch point
-named in sgl_kara/_sglang.py still exists in the installed SGLang (a version bump fails here
-first, fast, instead of deep inside a scheduler process).
+"""The package's structure: imports only point down the layers; only sgl_kara/_sglang.py imports
+SGLang; every SGLang touch point named there still exists in the installed SGLang, and every
+SGLang callable sgl_kara hooks or overrides has the signature recorded there, which its hook or
+override follows (a version bump fails here first, fast, instead of deep inside a scheduler
+process).
 
     wiring      launch_server, engine, plugin, support, memory      may import anything below
     process     per-process state (process.py)                       nothing of sgl_kara or SGLang
@@ -116,3 +118,153 @@ def test_every_patch_note_is_indexed():
     notes = {p.name for p in (ROOT.parent / "patches").glob("*.md")} - {"README.md"}
     index = (ROOT.parent / "patches" / "README.md").read_text()
     assert all(f"({n})" in index for n in notes), sorted(n for n in notes if f"({n})" not in index)
+
+
+def _sglang_imports(path: Path) -> list[str]:
+    """``import sglang...`` / ``from sglang... import`` statements in ``path``, and calls of
+    ``importlib.import_module`` / ``__import__`` / ``pkgutil.resolve_name`` on a literal SGLang
+    name, anywhere in the file (functions included), as "line: what"."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if called in ("import_module", "__import__", "resolve_name") and isinstance(node.args[0].value, str):
+                names = [node.args[0].value]
+        found += [f"{node.lineno}: {n}" for n in names if n == "sglang" or n.startswith("sglang.")]
+    return found
+
+
+def test_only_the_sglang_module_imports_sglang():
+    bad = {str(p.relative_to(ROOT)): hits for p in sorted(ROOT.rglob("*.py"))
+           if p != ROOT / "_sglang.py" and (hits := _sglang_imports(p))}
+    assert not bad, bad
+    assert _sglang_imports(ROOT / "_sglang.py")  # the check sees imports where they are
+
+
+def _raw(path: str):
+    """The SGLang object a dotted path names, as its owner holds it (a class's ``__init__``; a
+    classmethod or staticmethod unwrapped to its function; a plugin hook's wrapper to SGLang's own)."""
+    owner_path, _, name = path.rpartition(".")
+    owner = pkgutil.resolve_name(owner_path)
+    obj = inspect.getattr_static(owner, name) if inspect.isclass(owner) else getattr(owner, name)
+    if isinstance(obj, (classmethod, staticmethod)):
+        obj = obj.__func__
+    if inspect.isclass(obj):
+        obj = obj.__init__
+    return inspect.unwrap(obj)
+
+
+def signature_text(fn) -> str:
+    """Names, order, kinds and defaults of ``fn``'s parameters, without annotations."""
+    sig = inspect.signature(fn, follow_wrapped=False)
+    params = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]
+    return str(sig.replace(parameters=params, return_annotation=inspect.Signature.empty))
+
+
+def test_every_hooked_or_overridden_sglang_callable_has_the_recorded_signature():
+    from sgl_kara import _sglang as sg
+
+    targets = [t for k, v in vars(sg).items() if k.startswith("TARGET_")
+               for t in (v if isinstance(v, tuple) else (v,))]
+    assert set(targets) | set(sg.OVERRIDDEN) == set(sg.SIGNATURES)  # every target has one
+    changed = {path: (signature_text(_raw(path)), want) for path, want in sg.SIGNATURES.items()
+               if signature_text(_raw(path)) != want}
+    assert not changed, "SGLang signatures differ from sgl_kara/_sglang.py (installed, recorded): " + repr(changed)
+
+
+def _follows(impl, path: str, first: str) -> str | None:
+    """Why ``impl`` (a hook: its ``first`` parameter is SGLang's original or result; or an
+    override: none) does not take SGLang's parameters as SGLang passes them, else None. Each
+    named parameter must be SGLang's parameter at the same place under the same name (the first,
+    self / cls, may be renamed: it is always passed by position), keyword-only ones SGLang's
+    keyword-only ones; what it does not name, ``*args`` / ``**kwargs`` must take."""
+    want = [p for p in inspect.signature(_raw(path), follow_wrapped=False).parameters.values()]
+    got = list(inspect.signature(impl, follow_wrapped=False).parameters.values())
+    if first:
+        if not got or got[0].name != first:
+            return f"first parameter should be {first!r}"
+        got = got[1:]
+    P = inspect.Parameter
+    positional = [p for p in got if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    keyword = {p.name: p for p in got if p.kind == P.KEYWORD_ONLY}
+    var_pos = any(p.kind == P.VAR_POSITIONAL for p in got)
+    var_kw = any(p.kind == P.VAR_KEYWORD for p in got)
+    sg_positional = [p for p in want if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    if len(positional) > len(sg_positional):
+        return f"takes {len(positional)} positional parameters, SGLang {len(sg_positional)}"
+    for i, (mine, theirs) in enumerate(zip(positional, sg_positional)):
+        if mine.name != theirs.name and not (i == 0 and theirs.name in ("self", "cls")):
+            return f"parameter {i} is {mine.name!r}, SGLang's {theirs.name!r}"
+        if (mine.default is P.empty) != (theirs.default is P.empty) and i > 0:
+            return f"parameter {mine.name!r}: SGLang's has {'no ' if theirs.default is P.empty else ''}default"
+        if theirs.default is not P.empty and mine.default != theirs.default:
+            return f"parameter {mine.name!r} defaults to {mine.default!r}, SGLang's to {theirs.default!r}"
+    for theirs in sg_positional[len(positional):]:
+        if not (var_pos or var_kw):
+            return f"does not take SGLang's {theirs.name!r}"
+    for theirs in want:
+        if theirs.kind == P.KEYWORD_ONLY and theirs.name not in keyword and not var_kw:
+            return f"does not take SGLang's keyword {theirs.name!r}"
+        if theirs.kind == P.VAR_KEYWORD and not var_kw:
+            return "does not take SGLang's **kwargs"
+    extra = [n for n in keyword if n not in {p.name for p in want}]
+    if extra:
+        return f"keyword parameters SGLang does not have: {extra}"
+    return None
+
+
+def test_every_hook_takes_its_targets_parameters_as_sglang_names_them(monkeypatch):
+    from sgl_kara import _sglang as sg
+    from sgl_kara import plugin
+
+    monkeypatch.setenv("KARA_PACKED_CPU_LINEAR", "1")  # the linear hooks are in the list
+
+    hooks = [h for part in plugin.PARTS for h in plugin.HOOKS[part]()]
+    hooks.append((sg.TARGET_SET_ENVS, plugin._fork_after_set_envs, sg.HookType.AFTER))
+    assert {t for t, *_ in hooks} == {t for k, v in vars(sg).items() if k.startswith("TARGET_") and k != "TARGET_SCHEDULER"
+                                      for t in (v if isinstance(v, tuple) else (v,))}
+    first = {sg.HookType.AROUND: "original", sg.HookType.AFTER: "result"}
+    bad = {f"{target} <- {hook.__qualname__}": why for target, hook, kind in hooks
+           if (why := _follows(hook, target, first[kind]))}
+    assert not bad, bad
+
+
+def _overrides():
+    """(SGLang path, sgl_kara's method) for every method sgl_kara's SGLang subclasses define over
+    one of their SGLang bases."""
+    from sgl_kara import _sglang as sg
+    from sgl_kara.mem_cache.radix import KaraRadixCache
+    from sgl_kara.scheduler.admission import make_prefill_adder
+    from sgl_kara.scheduler.kara_scheduler import KaraScheduler
+    from sgl_kara.scheduler.output import make_output_streamer
+
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+
+    classes = [KaraScheduler, KaraRadixCache, make_output_streamer(sg.SchedulerOutputStreamer),
+               make_prefill_adder(PrefillAdder, runtime=None)]
+    out = []
+    for cls in classes:
+        for name, value in vars(cls).items():
+            if not inspect.isfunction(value) or name.startswith("__"):
+                continue
+            base = next((b for b in cls.__mro__[1:] if b.__module__.startswith("sglang.") and name in vars(b)), None)
+            if base is not None:
+                out.append((f"{base.__module__}.{base.__qualname__}.{name}", value))
+    return out
+
+
+def test_every_override_takes_sglangs_parameters():
+    from sgl_kara import _sglang as sg
+
+    overrides = _overrides()
+    assert len(overrides) >= 8  # KaraScheduler 4, output streamer 2, prefill adder 2, radix 1
+    missing = [path for path, _ in overrides if path not in sg.SIGNATURES]
+    assert not missing, f"record these in sgl_kara/_sglang.py (OVERRIDDEN): {missing}"
+    bad = {f"{path} <- {fn.__qualname__}": why for path, fn in overrides if (why := _follows(fn, path, ""))}
+    assert not bad, bad

@@ -1,11 +1,13 @@
 """sgl_kara.process: the one owner of per-process state. The trace file is opened at the first
 traced step and closed at shutdown (the scheduler's exit, or atexit), the runtime is what the
-hooks see through runtime.active(), and the serving policy is what the request checks use."""
+hooks see through runtime.active(), the serving policy is what the request checks use, and the
+plugin's registered parts are what ``register()`` adds once each, as the environment asks."""
 
 from __future__ import annotations
 
 import atexit
 import json
+import os
 import types
 
 import pytest
@@ -73,19 +75,96 @@ def test_serving_policy_decides_the_request_checks(state):
     assert state.serving_policy == "kara"  # the front end keeps serving its policy
 
 
-class _Stop(Exception):
-    pass
+class _Registry:
+    """Stands in for SGLang's HookRegistry: records (target, hook, type)."""
+
+    def __init__(self):
+        self.hooks = []
+
+    def register(self, target, hook, hook_type):
+        self.hooks.append((target, hook, hook_type))
 
 
-def test_register_runs_once(state, monkeypatch):
+@pytest.fixture
+def registry(state, monkeypatch):
+    from sgl_kara import _sglang as sg
+
+    fake = _Registry()
+    monkeypatch.setattr(sg, "HookRegistry", fake)
+    monkeypatch.setattr(plugin, "apply_cpu_shim", lambda: fake.hooks.append("rope"))
+    monkeypatch.setattr(sg, "register_radix_cache_backend", lambda name, factory: fake.hooks.append(("radix", name)))
+    monkeypatch.setattr(sg, "registered_radix_cache_backends", lambda: [])
+    for name in ("KARA_SERVE", "KARA_CPU_KERNELS", "KARA_TRACE", "KARA_PACKED_CPU_LINEAR"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv("SGL_" + name, raising=False)
+    return fake
+
+
+def _targets(fake) -> set[str]:
+    return {h[0] for h in fake.hooks if isinstance(h, tuple) and h[0] != "radix"}
+
+
+def test_plain_sglang_gets_the_rope_cpu_path_only(registry):
+    """No variable set (plain SGLang with sgl_kara installed): RoPE's CPU path, nothing else."""
+    plugin.register()
+    plugin.register()
+    assert registry.hooks == ["rope", "rope"] and state_parts(plugin) == set()
+
+
+def state_parts(mod) -> set[str]:
+    return set(mod.STATE.parts)
+
+
+@pytest.mark.parametrize("variables,parts", [
+    ({"KARA_SERVE": "1"}, {"serving", "cpu_kernels", "packed_linear", "report"}),
+    ({"KARA_SERVE": "1", "KARA_CPU_KERNELS": "0"}, {"serving", "report"}),
+    ({"KARA_CPU_KERNELS": "1"}, {"cpu_kernels", "packed_linear", "report"}),
+    ({"KARA_CPU_KERNELS": "1", "KARA_PACKED_CPU_LINEAR": "0"}, {"cpu_kernels", "report"}),
+    ({"KARA_TRACE": "/dev/null"}, {"trace"}),
+])
+def test_register_adds_the_parts_the_environment_asks_for_once_each(registry, monkeypatch, variables, parts):
+    from sgl_kara import _sglang as sg
+    from sgl_kara.cpu import linear
+
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    plugin.register()
+    first = list(registry.hooks)
+    plugin.register()  # again (SGLang's loader, then the launcher or Engine): nothing twice
+    assert registry.hooks[len(first):] == ["rope"]
+    assert state_parts(plugin) == (parts if linear.available() else parts - {"packed_linear"})
+    want = {t for p in plugin.PARTS if p in parts for t, *_ in plugin.HOOKS[p]()}
+    assert _targets(registry) == want and len(first) - 1 == len(want) + ("serving" in parts)
+    assert (("radix", "kara") in first) == ("serving" in parts)
+    assert (sg.TARGET_LINEAR_APPLY in want) == ("packed_linear" in parts)
+
+
+def test_a_part_asked_for_later_is_added_later(registry, monkeypatch):
+    """A process whose plugins loaded plain (a plain sglang.Engine first) and then serves."""
+    monkeypatch.setenv("KARA_TRACE", "/dev/null")
+    plugin.register()
+    assert state_parts(plugin) == {"trace"}
+    monkeypatch.setenv("KARA_SERVE", "1")
+    monkeypatch.setenv("KARA_CPU_KERNELS", "0")
+    plugin.register()
+    assert state_parts(plugin) == {"trace", "serving", "report"}
+    assert len([h for h in registry.hooks if isinstance(h, tuple) and h[0] != "radix"]) == len(_targets(registry))
+
+
+def test_serving_sets_the_variable_for_the_duration_only(monkeypatch):
+    from sgl_kara import _sglang as sg
+
     calls = []
-
-    def shim():
-        calls.append(1)
-        raise _Stop  # before the hooks reach SGLang's registry
-
-    monkeypatch.setattr(plugin, "apply_cpu_shim", shim)
-    with pytest.raises(_Stop):
-        plugin.register()
-    plugin.register()  # already registered: no second set of hooks
-    assert calls == [1] and state.registered
+    monkeypatch.setattr(sg, "load_plugins", lambda: calls.append("load"))
+    monkeypatch.setattr(plugin, "register", lambda: calls.append(("register", os.environ.get("KARA_SERVE"))))
+    monkeypatch.setattr(sg.HookRegistry, "apply_hooks", classmethod(lambda cls: calls.append("apply")))
+    monkeypatch.delenv("KARA_SERVE", raising=False)
+    with plugin.serving():
+        assert os.environ["KARA_SERVE"] == "1"
+    assert "KARA_SERVE" not in os.environ
+    assert calls == ["load", ("register", "1"), "apply"]
+    monkeypatch.setenv("KARA_SERVE", "0")
+    with pytest.raises(RuntimeError):
+        with plugin.serving():
+            raise RuntimeError
+    assert os.environ["KARA_SERVE"] == "0"

@@ -1,6 +1,7 @@
-"""torch_native attention on CPU, for every torch_native decode in a process where the plugin is
-registered (plain SGLang too, so benchmark comparisons run the same attention; cross-attention,
-sliding windows, CUDA tensors and ``KARA_FAST_CPU_DECODE=0`` take SGLang's path). SGLang 0.5.23
+"""torch_native attention on CPU, for every torch_native decode in a process that runs sgl_kara's
+CPU kernels (``KARA_CPU_KERNELS``: on for sgl_kara's server, and for plain SGLang that opts in, so
+a benchmark comparison can run the same attention on both sides; cross-attention, sliding
+windows, CUDA tensors and ``KARA_FAST_CPU_DECODE=0`` take SGLang's path). SGLang 0.5.23
 gathers each request's K/V per layer by advanced indexing (52% of the scheduler's time at 48
 requests x ~1,000 tokens); here the rows are read once per forward and shared by every layer, and
 one padded SDPA call per layer serves the whole batch, the GQA group folded into the query axis,
@@ -127,8 +128,9 @@ def run_sdpa_forward_decode(original, backend, query, output, k_cache, v_cache, 
     plain = (encoder_lens is None and not is_cross_attn and query.device.type == "cpu"
              and (sliding_window_size is None or sliding_window_size <= -1) and env.fast_cpu_decode())
     if not plain:
-        return original(backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-                        encoder_lens, scaling=scaling, enable_gqa=enable_gqa, causal=causal,
+        return original(backend, query=query, output=output, k_cache=k_cache, v_cache=v_cache,
+                        req_to_token=req_to_token, req_pool_indices=req_pool_indices, seq_lens=seq_lens,
+                        encoder_lens=encoder_lens, scaling=scaling, enable_gqa=enable_gqa, causal=causal,
                         is_cross_attn=is_cross_attn, sliding_window_size=sliding_window_size)
     meta = _rows(backend, req_to_token, req_pool_indices, seq_lens)
     if env.batched_cpu_decode() and not causal and query.shape[1] % k_cache.shape[1] == 0:

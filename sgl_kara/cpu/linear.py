@@ -1,9 +1,10 @@
-"""CPU serving (on by default; ``KARA_PACKED_CPU_LINEAR=0`` turns it off): float32 weight matmuls
-through oneDNN on weights reordered once, after loading, to its blocked layout -- in place, as
-SGLang's AMX path does for bfloat16 -- instead of ``F.linear`` (MKL sgemm), which streams the
-weights once for 1-2 rows but not for 4-12, so each running request added ~10-19 ms to a decode
-step (bench/cpu_linear.py, SmolLM2-135M, one thread: MKL 72-127 ms at 4-12 rows, packed 50-64 ms;
-~11% slower at 1 row). Not bit-identical (float summation order; ~1e-6 on the logits).
+"""CPU serving (one of the CPU kernels, ``KARA_CPU_KERNELS``; ``KARA_PACKED_CPU_LINEAR=0`` leaves it
+out): float32 weight matmuls through oneDNN on weights reordered once, after loading, to its
+blocked layout -- in place, as SGLang's AMX path does for bfloat16 -- instead of ``F.linear``
+(MKL sgemm), which streams the weights once for 1-2 rows but not for 4-12, so each running
+request added ~10-19 ms to a decode step (bench/cpu_linear.py, SmolLM2-135M, one thread: MKL
+72-127 ms at 4-12 rows, packed 50-64 ms; ~11% slower at 1 row). Not bit-identical (float
+summation order; ~1e-6 on the logits).
 
     linear layers (UnquantizedLinearMethod)  layer.weight replaced after loading by a Parameter
         holding oneDNN's opaque packed tensor (``is_mkldnn``; same shape and dtype, the
@@ -132,10 +133,10 @@ def lm_head_takes_copy(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 # --- hooks (plugin.py) --------------------------------------------------------------------------
 
-def process_weights_hook(original, method, layer, *args, **kwargs):
+def process_weights_hook(original, method, layer, **kwargs):
     """AROUND ``UnquantizedLinearMethod.process_weights_after_loading``: SGLang's own processing
     (AMX packing where the CPU has AMX), then the float32 packing if the weight is still dense."""
-    result = original(method, layer, *args, **kwargs)
+    result = original(method, layer=layer, **kwargs)
     pack_in_place(layer)
     return result
 
@@ -155,26 +156,27 @@ def dense_weights(model: torch.nn.Module):
 
 def weight_export_hook(original, exporter, *args, **kwargs):
     """AROUND ``WeightExporter.get_weights_by_name`` / ``save_sharded_model`` / ``save_remote_model``
-    / ``send_weights_to_remote_instance``: they read the weights' values."""
+    / ``send_weights_to_remote_instance``: they read the weights' values. The call is passed on as
+    SGLang made it (one hook for four signatures)."""
     with dense_weights(exporter.get_model()):
         return original(exporter, *args, **kwargs)
 
 
-def restore_weights_hook(original, method, layer, *args, **kwargs):
+def restore_weights_hook(original, method, layer, **kwargs):
     """AROUND ``restore_weights_before_loading``: a weight update loads into a dense weight."""
     unpack_in_place(layer)
-    return original(method, layer, *args, **kwargs)
+    return original(method, layer=layer, **kwargs)
 
 
-def linear_apply_hook(original, method, layer, x, bias=None, *args, **kwargs):
+def linear_apply_hook(original, method, layer, x, bias=None, **kwargs):
     """AROUND ``UnquantizedLinearMethod.apply(layer, x, bias)``."""
     weight = layer.weight
     if weight.is_mkldnn:
         return packed_linear(x, weight, bias)
-    return original(method, layer, x, bias, *args, **kwargs)
+    return original(method, layer=layer, x=x, bias=bias, **kwargs)
 
 
-def linear_apply_into_hook(original, method, layer, x, output, bias=None, *args, **kwargs):
+def linear_apply_into_hook(original, method, layer, x, output, bias=None, **kwargs):
     """AROUND ``UnquantizedLinearMethod.apply_into(layer, x, output, bias)`` (caller-owned output)."""
     weight = layer.weight
     if weight.is_mkldnn:
@@ -182,17 +184,17 @@ def linear_apply_into_hook(original, method, layer, x, output, bias=None, *args,
         if output.shape != out.shape:
             raise ValueError(f"linear output has shape {tuple(output.shape)}, expected {tuple(out.shape)}")
         return output.copy_(out)
-    return original(method, layer, x, output, bias, *args, **kwargs)
+    return original(method, layer=layer, x=x, output=output, bias=bias, **kwargs)
 
 
-def lm_head_hook(original, processor, hidden_states, lm_head, embedding_bias=None, *args, out=None, **kwargs):
+def lm_head_hook(original, processor, hidden_states, lm_head, embedding_bias=None, *, out=None, **kwargs):
     """AROUND ``LogitsProcessor._compute_lm_head``: its plain ``hidden @ lm_head.weight.T`` branch."""
     from sgl_kara._sglang import should_apply_lm_head_quant_method, use_intel_amx_backend
 
     weight = getattr(lm_head, "weight", None)
     plain = (  # the row check first: prefill and 1-2-row steps skip SGLang's branch conditions
         weight is not None and lm_head_takes_copy(hidden_states, weight)
-        and not args and not kwargs and out is None and embedding_bias is None
+        and not kwargs and out is None and embedding_bias is None
         and not (hasattr(lm_head, "set_lora") and hasattr(lm_head, "apply_lora"))
         and not should_apply_lm_head_quant_method(lm_head, getattr(lm_head, "quant_method", None))
         and not processor.use_fp32_lm_head and processor.rl_on_policy_target is None
@@ -200,4 +202,5 @@ def lm_head_hook(original, processor, hidden_states, lm_head, embedding_bias=Non
     )
     if plain:
         return packed_linear(hidden_states, packed_copy(weight))
-    return original(processor, hidden_states, lm_head, embedding_bias, *args, out=out, **kwargs)
+    return original(processor, hidden_states=hidden_states, lm_head=lm_head, embedding_bias=embedding_bias, out=out,
+                    **kwargs)

@@ -1,9 +1,11 @@
 """KaraScheduler: SGLang's Scheduler plus periodic compression events.
 
 ``run_kara_scheduler_process`` is the module-level process function handed to SGLang's
-Engine / HTTP server (processes are spawned, so it must be importable by name). It installs
-KaraScheduler as the Scheduler class of that scheduler process only, then runs SGLang's own
-process function.
+Engine / HTTP server (``run_scheduler_process_func``; processes are spawned, so it must be
+importable by name). It installs KaraScheduler as the Scheduler class of that scheduler process
+only, through SGLang's plugin mechanism (a class REPLACE hook: ``run_scheduler_process`` loads
+plugins first "so hooks can override Scheduler"), then runs SGLang's own process function
+(patches/scheduler.md).
 """
 
 from __future__ import annotations
@@ -69,14 +71,17 @@ def replica_stats(scheduler) -> dict:
 
 
 def run_kara_scheduler_process(*args, kara_config: dict, **kwargs):
-    import sglang.srt.managers.scheduler as scheduler_module
-
+    from sgl_kara import _sglang as sg
     from sgl_kara.process import STATE
 
     KaraScheduler.kara_config = KaraConfig.build(**kara_config)
-    scheduler_module.Scheduler = KaraScheduler  # this spawned scheduler process only
+    # This scheduler process only; applied now (SGLang applies the other plugins' hooks after its
+    # plugins load, at the start of run_scheduler_process, and a method hook on Scheduler then
+    # lands on KaraScheduler, which calls SGLang's through super()).
+    sg.HookRegistry.register(sg.TARGET_SCHEDULER, KaraScheduler, sg.HookType.REPLACE)
+    sg.HookRegistry.apply_hooks()
     try:
-        return scheduler_module.run_scheduler_process(*args, **kwargs)
+        return sg.run_scheduler_process(*args, **kwargs)
     finally:
         STATE.shutdown()  # SGLang's event loop has ended: close the trace file
 

@@ -34,7 +34,8 @@ def make_output_streamer(base):
 
 def unwrap_meta_hook(original, self, meta_info, state, customized_info, index, finish_reason):
     """TokenizerManager.update_request_meta_info: meta_info["kara"] is a dict, not a list."""
-    result = original(self, meta_info, state, customized_info, index, finish_reason)
+    result = original(self, meta_info=meta_info, state=state, customized_info=customized_info, index=index,
+                      finish_reason=finish_reason)
     value = meta_info.get(KEY)
     if isinstance(value, list):
         if value:
