@@ -39,11 +39,6 @@ PROCESS_FLOOR_BYTES = 3 * 900 * (1 << 20)
 # auto query source: capture on CPU while the ring needs at most this share of available RAM;
 # on CUDA only when the running-request limit is known and the ring fits this share of the GPU.
 CPU_RING_SHARE = 0.25
-# ... and while the ring is no larger than the KV pool it serves: past that, the memory buys more
-# by holding KV than by saving one forward per event (SmolLM2 default server: ring 0.37 GiB for
-# 8 x 640 queries vs pool 0.35 GiB; recompute took the same 52.4 s for a 700-token answer and
-# the server's PSS fell from 3.28 to 2.90 GB; bench/RESULTS.md).
-CPU_RING_KV_RATIO = 1.0
 CUDA_RING_SHARE = 0.05
 # An event's scores [B, layers, H_kv, M] and their selection, per score: the float32 score (4), its
 # sort's float32 values and int64 order (12), Token2Chunk's float64 copy (8) and masks: <= 32 bytes
@@ -165,13 +160,13 @@ def ring_bytes(rows: int, capacity: int, layer_heads, itemsize: int) -> int:
     return (rows + 1) * capacity * sum(hq * d for hq, d in layer_heads) * itemsize
 
 
-def cpu_ring_budget(available_ram: int, kv_pool_bytes: int | None = None) -> int:
-    """Bytes a CPU capture ring may take: CPU_RING_SHARE of the available RAM and, when the KV
-    pool's size is known, CPU_RING_KV_RATIO x the pool."""
-    budget = CPU_RING_SHARE * available_ram
-    if kv_pool_bytes is not None:
-        budget = min(budget, CPU_RING_KV_RATIO * kv_pool_bytes)
-    return int(budget)
+def cpu_ring_budget(available_ram: int) -> int:
+    """Bytes a CPU capture ring may take: CPU_RING_SHARE of the available RAM. On CPU the ring sits
+    beside the KV pool (the pool's size is set, not taken from what is left), and it saves each
+    window's recompute forward: with 8 concurrent requests on the default server that forward
+    stalled every request for 9.6 s at the event, or cost 17% of throughput spread over the steps,
+    where capture matched plain SGLang (bench/RESULTS.md, "Events that do not stop the server")."""
+    return int(CPU_RING_SHARE * available_ram)
 
 
 def total_ram_bytes() -> int:

@@ -108,7 +108,7 @@ def server_defaults(model_path: str, given: dict) -> dict:
 def device_memory_bytes(device: str) -> int | None:
     """The serving device's total memory (None: unknown), as SGLang's own resolution reads it
     (on CUDA ``nvidia-smi``: no CUDA context in this process)."""
-    from sglang.srt.utils.common import get_device_memory_capacity  # SGLang 0.5.23; not yet in _sglang.py
+    from sgl_kara._sglang import get_device_memory_capacity
 
     mib = get_device_memory_capacity(device)
     return int(mib * (1 << 20)) if mib else None
@@ -164,17 +164,16 @@ def keep_decode_eager(server_args, cfg: KaraConfig) -> bool:
     return True
 
 
-def choose_query_source(device: str, ring_bytes: int | None, available_ram: int, device_memory: int | None,
-                        kv_pool_bytes: int | None = None) -> str:
+def choose_query_source(device: str, ring_bytes: int | None, available_ram: int, device_memory: int | None) -> str:
     """``--kara-query-source auto`` by memory: capture (no extra forward per event) on CPU, where
     compute is the bottleneck, while its ring needs at most CPU_RING_SHARE of the available RAM
-    and at most CPU_RING_KV_RATIO x the KV pool (when the pool's size is known); on CUDA while the
+    (memory.cpu_ring_budget); on CUDA while the
     ring is known and within CUDA_RING_SHARE of the device memory (it is then taken from the
     pool). ``resolve_query_source`` asks only where capture would cost no decode CUDA graph."""
     if ring_bytes is None:
         return "recompute"
     if device == "cpu":
-        return "capture" if ring_bytes <= cpu_ring_budget(available_ram, kv_pool_bytes) else "recompute"
+        return "capture" if ring_bytes <= cpu_ring_budget(available_ram) else "recompute"
     if device_memory is None:
         return "recompute"
     return "capture" if ring_bytes <= CUDA_RING_SHARE * device_memory else "recompute"
@@ -199,8 +198,8 @@ def serving_device(server_args) -> str:
 
 def resolve_query_source(cfg: KaraConfig, server_args, shape: ModelShape | None) -> KaraConfig:
     """``auto`` -> capture or recompute (choose_query_source), for the ring ``--kara-query-ring-rows``
-    leaves. A ring over budget is not shrunk to fit: on CPU its memory sits beside the KV pool,
-    and where memory binds it buys more as KV than as saved forwards (bench/RESULTS.md). ``auto``
+    leaves. A ring over budget is not shrunk to fit (a request without a ring row is scored from
+    a recompute forward). ``auto``
     never trades decode CUDA graphs away (capture turns them off, ``keep_decode_eager``): on CUDA
     it considers capture only where they are off anyway, and decode graphs the user asked for keep
     it at recompute on any device."""
@@ -208,18 +207,15 @@ def resolve_query_source(cfg: KaraConfig, server_args, shape: ModelShape | None)
         return cfg
     capacity = cfg.query_ring_capacity
     rows = planned_ring_rows(server_args, cfg)
-    ring = kv_pool = None
+    ring = None
     if shape is not None and rows:
-        itemsize = shape.itemsize(server_args.dtype)
-        ring = shape.ring_bytes(rows, capacity, itemsize)
-        if server_args.max_total_tokens:
-            kv_pool = server_args.max_total_tokens * shape.kv_bytes_per_token(itemsize)
+        ring = shape.ring_bytes(rows, capacity, shape.itemsize(server_args.dtype))
     device = serving_device(server_args)
     backend, flag = decode_graphs_requested(server_args)
     if backend != "disabled" and (flag is not None or device != "cpu"):
         ring = None  # decode graphs asked for, or SGLang's default on CUDA: capture would turn them off
     device_memory = device_memory_bytes(device) if device != "cpu" and ring is not None else None
-    source = choose_query_source(device, ring, available_ram_bytes(), device_memory, kv_pool)
+    source = choose_query_source(device, ring, available_ram_bytes(), device_memory)
     rows_cap = cfg.query_ring_rows if source == "capture" else 0  # a cap is refused with recompute
     return dataclasses.replace(cfg, query_source=source, query_ring_rows=rows_cap)
 
@@ -362,7 +358,7 @@ def reserve_device_memory(server_args, cfg: KaraConfig, shape: ModelShape | None
     memory minus (1 - fraction) x the memory before the model loads, so the pool shrinks by it
     and the headroom SGLang keeps for activations and CUDA graphs stays whole. Refused, naming
     the flags, when no pool would be left. Returns the plan (bytes by what holds them)."""
-    from sglang.srt.arg_groups.overrides import model_config_of, resolving_view  # SGLang 0.5.23; not yet in _sglang.py
+    from sgl_kara._sglang import model_config_of, resolving_view
 
     device = serving_device(server_args)
     total = device_memory_bytes(device)

@@ -24,11 +24,11 @@ from support import (  # noqa: F401  (names tests/gpu_checks.py and some test fi
 from support import release_tasks_on_shutdown as _release_tasks_on_shutdown  # noqa: F401
 from support import track as _track  # noqa: F401
 
-# Small engines: a bounded KV pool, few requests, no overlap (Kara requires it; vanilla matches).
+# Small engines: a bounded KV pool, few requests; SGLang's overlap scheduler on (its default), as
+# for users: compression runs under it (tests/test_overlap.py compares with it off).
 ENGINE_COMMON = dict(
     max_total_tokens=16384,
     max_running_requests=16,
-    disable_overlap_schedule=True,
     log_level="error",
     random_seed=0,
 )

@@ -137,58 +137,52 @@ def test_launcher_process_exits_nonzero_naming_flag():
     assert "--kara-retention" in proc.stderr and "(0, 1]" in proc.stderr
 
 
-@pytest.mark.parametrize("device, ring, ram, gpu, want, kv", [
-    ("cpu", 400 << 20, 20 << 30, None, "capture", None),       # CPU: compute-bound, small ring
-    ("cpu", 100 << 20, 20 << 30, None, "capture", 400 << 20),  # CPU: ring smaller than the KV pool
-    ("cpu", 380 << 20, 20 << 30, None, "recompute", 360 << 20),  # CPU: ring larger than the KV pool (SmolLM2 default)
-    ("cpu", 8 << 30, 20 << 30, None, "recompute", None),       # CPU: ring over 25% of RAM
-    ("cuda", None, 20 << 30, 80 << 30, "recompute", None),     # CUDA, request limit unknown (SGLang's default)
-    ("cuda", 16 << 30, 20 << 30, 80 << 30, "recompute", None), # CUDA: ring per slot, 8B model
-    ("cuda", 1 << 30, 20 << 30, 80 << 30, "capture", None),    # CUDA: a few running requests
+@pytest.mark.parametrize("device, ring, ram, gpu, want", [
+    ("cpu", 400 << 20, 20 << 30, None, "capture"),         # CPU: compute-bound, a ring well within RAM
+    ("cpu", 380 << 20, 20 << 30, None, "capture"),         # SmolLM2 default server: 0.37 GiB beside a 0.35 GiB pool
+    ("cpu", 8 << 30, 20 << 30, None, "recompute"),         # CPU: ring over 25% of the available RAM
+    ("cuda", None, 20 << 30, 80 << 30, "recompute"),       # CUDA, request limit unknown (SGLang's default)
+    ("cuda", 16 << 30, 20 << 30, 80 << 30, "recompute"),   # CUDA: ring per slot, 8B model
+    ("cuda", 1 << 30, 20 << 30, 80 << 30, "capture"),      # CUDA: a few running requests
 ])
-def test_auto_query_source_by_device(device, ring, ram, gpu, want, kv):
+def test_auto_query_source_by_device(device, ring, ram, gpu, want):
     from sgl_kara.support import choose_query_source
 
-    assert choose_query_source(device, ring, ram, gpu, kv) == want
+    assert choose_query_source(device, ring, ram, gpu) == want
 
 
-def test_capture_ring_rows_are_bounded_by_the_pool():
+def test_capture_ring_rows_are_bounded_by_the_pool(monkeypatch):
     """One ring row per request that can run at once: the request limit, bounded by what the pool
-    holds at one ring row's worth of tokens each. A run with --max-running 256 on a 4k-token pool
-    used to size 257 rows and outgrow the pool, so ``auto`` picked recompute; with the bound a
-    multi-head-attention model's ring is about half its pool and ``auto`` picks capture. (With
-    GQA, H_q = g x H_kv, the bounded ring is ~g/2 of the pool: still recompute from g = 2, unless
-    ``--kara-query-ring-rows`` caps the ring within the pool.)"""
+    holds at one ring row's worth of tokens each (a run with --max-running 256 on a 4k-token pool
+    used to size 257 rows); ``--kara-query-ring-rows`` caps it further. ``auto`` judges the ring
+    it would allocate against the RAM share: capture while it fits, recompute past it (a cap is
+    then dropped: it is refused with recompute)."""
     import types
 
-    from sgl_kara.memory import ModelShape, available_ram_bytes, ring_rows
-    from sgl_kara.support import choose_query_source, resolve_query_source
+    from sgl_kara import support
+    from sgl_kara.memory import CPU_RING_SHARE, ModelShape, ring_rows
 
     assert ring_rows(8, 8192, 640) == 8        # SmolLM2 default server: the request limit binds
     assert ring_rows(256, 4300, 160) == 27     # ceil(4300 / 160): the pool binds
     assert ring_rows(256, 160, 160) == 1 and ring_rows(256, 1, 160) == 1
     assert ring_rows(256, None, 160) == 256    # pool unknown (CUDA before SGLang sizes it)
+    assert ring_rows(256, 4300, 160, 16) == 16 and ring_rows(8, 4300, 160, 16) == 8
     cfg = KaraConfig.build(window=128, buffer=8, period=32)
     cap = cfg.query_ring_capacity
     assert cap == 160
-    mha = ModelShape(layers=4, q_heads=4, kv_heads=4, head_dim=32, context_len=4096, checkpoint_dtype="float32",
-                     weight_file_bytes=1 << 20)
-    args = types.SimpleNamespace(max_running_requests=256, max_total_tokens=4300, dtype="float32", device="cpu")
-    pool_bytes = 4300 * mha.kv_bytes_per_token(4)
-    # a row per request slot outgrows the pool; the bounded ring does not
-    assert choose_query_source("cpu", mha.ring_bytes(256, cap, 4), available_ram_bytes(), None, pool_bytes) == "recompute"
-    assert mha.ring_bytes(27, cap, 4) <= 0.55 * pool_bytes
-    assert resolve_query_source(cfg, args, mha).query_source == "capture"
     gqa3 = ModelShape(layers=4, q_heads=12, kv_heads=4, head_dim=32, context_len=4096, checkpoint_dtype="float32",
                       weight_file_bytes=1 << 20)
-    assert resolve_query_source(cfg, args, gqa3).query_source == "recompute"
-    # --kara-query-ring-rows: a ring capped within the pool is chosen, and keeps its cap
-    capped = resolve_query_source(dataclasses.replace(cfg, query_ring_rows=16), args, gqa3)
-    assert (capped.query_source, capped.query_ring_rows) == ("capture", 16)
-    assert gqa3.ring_bytes(16, cap, 4) <= 4300 * gqa3.kv_bytes_per_token(4) < gqa3.ring_bytes(17, cap, 4)
-    too_many = resolve_query_source(dataclasses.replace(cfg, query_ring_rows=17), args, gqa3)
-    assert (too_many.query_source, too_many.query_ring_rows) == ("recompute", 0)
-    assert ring_rows(256, 4300, cap, 16) == 16 and ring_rows(8, 4300, cap, 16) == 8
+    args = types.SimpleNamespace(max_running_requests=256, max_total_tokens=4300, dtype="float32", device="cpu")
+    ring27 = gqa3.ring_bytes(27, cap, 4)  # what auto judges: the pool-bounded ring, not 256 rows
+    monkeypatch.setattr(support, "available_ram_bytes", lambda: int(ring27 / CPU_RING_SHARE) + 1)
+    assert support.resolve_query_source(cfg, args, gqa3).query_source == "capture"
+    monkeypatch.setattr(support, "available_ram_bytes", lambda: int(ring27 / CPU_RING_SHARE) - 1)
+    assert support.resolve_query_source(cfg, args, gqa3).query_source == "recompute"
+    capped = support.resolve_query_source(dataclasses.replace(cfg, query_ring_rows=16), args, gqa3)
+    assert (capped.query_source, capped.query_ring_rows) == ("capture", 16)  # 16 rows fit where 27 did not
+    monkeypatch.setattr(support, "available_ram_bytes", lambda: 0)
+    none = support.resolve_query_source(dataclasses.replace(cfg, query_ring_rows=16), args, gqa3)
+    assert (none.query_source, none.query_ring_rows) == ("recompute", 0)
 
 
 def test_query_ring_rows_is_validated():

@@ -46,7 +46,7 @@ def vanilla_texts(tiny_llama):
     cpu = [f"--{k.replace('_', '-')}={v}" for k, v in support.cpu_defaults().items()]
     # plain SGLang's launcher (sgl_kara's plugin loads, its hooks inert without a Kara scheduler,
     # as in every vanilla comparison of the suite)
-    srv = Server(["--host", "127.0.0.1", "--model-path", tiny_llama, "--dp-size", "2", "--disable-overlap-schedule",
+    srv = Server(["--host", "127.0.0.1", "--model-path", tiny_llama, "--dp-size", "2",
                   *cpu, *SIZING], env={THREADS_BIND_VAR: split_cores(get_cpu_ids_by_node(), 2) or "all"},
                  module="sglang.launch_server")
     try:

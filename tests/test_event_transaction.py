@@ -8,7 +8,7 @@ every compaction (as H2O's), failing on purpose at each stage an event passes th
 kept K/V are copied into fresh slots. Checked after every event: each slot is free or named by
 exactly one row, never both; the failed request's row, lengths, K/V bytes and state are
 untouched; the others hold exactly their kept entries. The engine-level case (an injected fault
-at the commit stage in a running server) is in tests/test_event_faults.py.
+at the commit stage in a running engine, under the overlap scheduler) is in tests/test_overlap.py.
 """
 
 from __future__ import annotations

@@ -270,7 +270,8 @@ def _event_launches(policy, pool, q_dtype, page: int, tails: list[int], prompt: 
     """What one event launches for rows of these lengths: queries read from a capture ring, scores
     per layer (all rows at once, and one by one as a recompute split would), one compaction."""
     from sgl_kara.mem_cache.compaction import CompactionPlan, compact_rows
-    from sgl_kara.scheduler.queries import QueryRing, ScoringPass
+    from sgl_kara.scheduler.queries import ScoringPass
+    from sgl_kara.scheduler.ring import QueryRing
 
     protected = -(-prompt // page) * page
     lengths = [protected + t for t in tails]
@@ -338,7 +339,7 @@ def test_captured_scores_are_read_in_bounded_chunks():
     window tokens at a time, and the scores are those of one read of all of them."""
     from sgl_kara.kernels.window_score import window_scores_paged_ref
     from sgl_kara.scheduler.scoring import Scorer
-    from sgl_kara.scheduler.queries import QueryRing
+    from sgl_kara.scheduler.ring import QueryRing
 
     pool = Pool()
     policy = KaraPolicy(KaraOptions(window=16, buffer=4, period=4))

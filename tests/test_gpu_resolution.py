@@ -258,11 +258,14 @@ def test_the_scheduler_allocates_the_ring_within_the_start_up_plan(monkeypatch, 
     from sgl_kara.config import KaraConfig
     from sgl_kara.memory import ModelShape, ring_bytes
     from sgl_kara.scheduler import runtime
+    from sgl_kara.scheduler.ring import make_ring
     from sgl_kara.support import UnsupportedFeature
 
     shape = ModelShape.from_model_path(gpu_model)
     made = []
-    monkeypatch.setattr(runtime, "QueryRing", lambda layers, rows, capacity, *a, **kw: made.append(
+    from sgl_kara.scheduler import ring as ring_module
+
+    monkeypatch.setattr(ring_module, "QueryRing", lambda layers, rows, capacity, *a, **kw: made.append(
         types.SimpleNamespace(rows=rows, nbytes=ring_bytes(rows, capacity, layers.values(), 2))) or made[-1])
 
     def ring(planned_running, running, pool, cap=0):
@@ -276,7 +279,7 @@ def test_the_scheduler_allocates_the_ring_within_the_start_up_plan(monkeypatch, 
             RadixAttention(shape.q_heads, shape.head_dim, 1.0, shape.kv_heads, layer_id=i) for i in range(shape.layers)))
         cuda_table = types.SimpleNamespace(device=torch.device("cuda"), shape=(running + 1, 64))
         rt.req_to_token_pool = types.SimpleNamespace(req_to_token=cuda_table)
-        return rt._make_ring(rt.policy.query_capacity())
+        return make_ring(rt, rt.policy.query_capacity())
 
     assert ring(16, 16, 1 << 20).rows == 16
     assert ring(16, 16, 80 * 10).rows == 10  # the pool bounds it further: 800 tokens / 80 queries

@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from sgl_kara.scheduler.queries import QueryRing
+from sgl_kara.scheduler.ring import QueryRing, make_ring
 from support import FakeReq
 
 
@@ -73,7 +73,7 @@ def test_resident_memory_follows_the_rows_written():
 @pytest.mark.parametrize("running,pool,limit", [(8, 8192, 0), (64, 1000, 0), (8, 8192, 3)])
 def test_start_up_plan_and_allocated_ring_agree(tiny_llama, monkeypatch, running, pool, limit):
     """The memory plan support.prepare_server_args checks at start-up (rows and bytes of the ring)
-    is the ring the scheduler allocates (KaraRuntime._make_ring over the model's attention layers),
+    is the ring the scheduler allocates (scheduler/ring.py make_ring over the model's attention layers),
     and both are (rows + 1) x capacity x layers x H_q x D x 4 bytes with rows = the request limit,
     bounded by the pool's requests of ``capacity`` tokens and by --kara-query-ring-rows."""
     from sgl_kara import support
@@ -105,7 +105,7 @@ def test_start_up_plan_and_allocated_ring_agree(tiny_llama, monkeypatch, running
         RadixAttention(shape.q_heads, shape.head_dim, 1.0, shape.kv_heads, layer_id=i) for i in range(shape.layers)))
     rt.req_to_token_pool = types.SimpleNamespace(req_to_token=torch.zeros(running + 1, 8, dtype=torch.int32))
     capacity = rt.policy.query_capacity()
-    ring = rt._make_ring(capacity)
+    ring = make_ring(rt, capacity)
 
     rows = min(running, -(-pool // capacity))
     rows = min(rows, limit) if limit else rows

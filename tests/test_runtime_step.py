@@ -110,3 +110,21 @@ def test_compaction_reads_no_row_index_back_to_the_host():
     prepared.commit(req_to_token, lambda s: None)
     assert DeviceLike.reads == [], DeviceLike.reads
     assert req_to_token[1, :15].unique().numel() == 15  # rewritten: 4 + 3 kept + 8 tail
+
+
+def test_the_recompute_batch_carries_no_watermark_candidates_or_grammars():
+    """SGLang's ForwardBatch.init_new and ModelRunner read ``sampling_info.has_watermark_candidates``
+    whenever a watermark is configured (``--watermark-config``, CUDA only in SGLang 0.5.23) and
+    set ``sampling_info.grammars``: a recompute batch without a sampling info failed every event
+    with a watermark. It gets a copy of the running batch's, with neither (nothing is sampled)."""
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+    from sgl_kara.scheduler.queries import scoring_sampling_info
+
+    running = SamplingBatchInfo.__new__(SamplingBatchInfo)
+    running.has_watermark_candidates, running.grammars = True, ["grammar"]
+    got = scoring_sampling_info(running)
+    assert isinstance(got, SamplingBatchInfo) and got is not running
+    assert got.has_watermark_candidates is False and got.grammars is None
+    assert running.has_watermark_candidates is True and running.grammars == ["grammar"]  # untouched
+    assert scoring_sampling_info(None) is None

@@ -68,7 +68,7 @@ class ForwardContext:
         states = [get_state(r) for r in reqs]
         if fb.forward_mode.is_decode():
             if len(reqs) != fb.batch_size:
-                # Extra decode rows (beam search is refused at start-up); nothing compressed here.
+                # Extra decode rows (beam search: refused per request, a 400); nothing compressed here.
                 assert not any(s is not None and s.pos_offset for s in states), "Kara offsets with extra decode rows"
                 return
             rows = fb.req_pool_indices.to(torch.int64)

@@ -1,4 +1,5 @@
-"""Window queries for scoring: a capture ring filled during decode, or a recompute forward.
+"""Window queries for scoring: a capture ring filled during decode (ring.py), or a recompute
+forward (here), over a span of the window (all of it at an event, a few queries at a spread step).
 
 Both end in the same per-layer call, ``ScoringPass.score_layer(layer_id, q)``, with ``q`` of
 shape ``[B, W_q, H_q, D]`` (the policy's query window, post-RoPE), which asks the policy to score
@@ -146,91 +147,3 @@ def scoring_sampling_info(info):
     out.grammars = None
     out.has_watermark_candidates = False
     return out
-
-
-class QueryRing:
-    """Recent decode queries of the running requests, for scoring without a recompute forward.
-
-    Sized by the running-request limit, not by request slots, and allocated at construction:
-
-        buffers[layer]  [rows + 1, capacity, H_q, D]   row ``rows`` is a trash row: requests
-                                                        holding no ring row write there
-        row_of          [req_slots] int64 (device)     ring row of each req_to_token row
-        query of logical position p of a request -> buffers[l][row_of[req_pool_idx], p % capacity]
-
-    Rows are handed out at a request's decode steps (``assign``) and taken back when it leaves
-    the running batch (``sweep``); ``owner`` (host) is the one record of who holds which row.
-
-    The buffers are left unwritten (``torch.empty``): a window is read only from positions its
-    request wrote (events check ``capture_from`` and the capacity), so on CPU a row's pages become
-    resident only once a request writes them, and rows are reused last-in first-out, so the
-    resident ring follows the requests that actually ran at once rather than the row count
-    (``--max-running 32`` sized 32 rows where at most 11 ran). ``poison`` (integrity
-    mode) fills them with NaN instead, so a read of an unwritten query would turn the scores NaN.
-    """
-
-    def __init__(self, layers: dict[int, tuple[int, int]], rows: int, capacity: int, req_slots: int, dtype, device,
-                 poison: bool = False):
-        """layers: layer_id -> (H_q, D)."""
-        self.rows = rows
-        self.capacity = capacity
-        self.buffers = {
-            lid: torch.empty((rows + 1, capacity, hq, d), dtype=dtype, device=device) for lid, (hq, d) in layers.items()
-        }
-        if poison:
-            for b in self.buffers.values():
-                b.fill_(float("nan"))
-        self.row_of = torch.full((req_slots,), rows, dtype=torch.int64, device=device)
-        self.owner: dict[int, tuple[int, object]] = {}  # req_pool_idx -> (ring row, request)
-        self.free_rows = list(range(rows - 1, -1, -1))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers.values())
-
-    def holds(self, req) -> bool:
-        held = self.owner.get(req.kv.req_pool_idx)
-        return held is not None and held[1] is req
-
-    def assign(self, req) -> bool:
-        """Give ``req`` a ring row (True), or False when every row is held."""
-        idx = req.kv.req_pool_idx
-        held = self.owner.get(idx)
-        if held is not None:  # the slot's previous request finished between sweeps: take over
-            self.owner[idx] = (held[0], req)
-            return True
-        if not self.free_rows:
-            return False
-        row = self.free_rows.pop()
-        self.owner[idx] = (row, req)
-        self.row_of[idx] = row
-        return True
-
-    def sweep(self, running_slots: set[int]) -> None:
-        """Take back the rows of requests no longer running (finished, aborted, retracted)."""
-        for idx in [i for i in self.owner if i not in running_slots]:
-            row, _ = self.owner.pop(idx)
-            self.row_of[idx] = self.rows
-            self.free_rows.append(row)
-
-    def check(self) -> None:
-        """Integrity: every row is free xor owned once, and row_of agrees with owner."""
-        owned = [row for row, _ in self.owner.values()]
-        if sorted(owned + self.free_rows) != list(range(self.rows)):
-            raise AssertionError(f"query ring rows inconsistent: owned {sorted(owned)} free {sorted(self.free_rows)}")
-        for idx, (row, _) in self.owner.items():
-            if int(self.row_of[idx]) != row:
-                raise AssertionError(f"query ring row_of[{idx}] = {int(self.row_of[idx])}, owner says {row}")
-
-    def rows_for(self, req_pool_indices: torch.Tensor) -> torch.Tensor:
-        return self.row_of[req_pool_indices]
-
-    def write(self, layer_id: int, q: torch.Tensor, ring_rows: torch.Tensor, positions: torch.Tensor) -> None:
-        """q: [T, H_q, D] queries of T decode tokens; ring_rows (from ``rows_for``) / positions: [T]."""
-        self.buffers[layer_id][ring_rows, positions % self.capacity] = q
-
-    def read(self, layer_id: int, ring_rows: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Tensor:
-        """Queries of logical positions [start_b, start_b + length) -> [B, length, H_q, D]."""
-        buf = self.buffers[layer_id]
-        pos = (starts[:, None] + torch.arange(length, device=starts.device)[None, :]) % self.capacity
-        return buf[ring_rows[:, None], pos]

@@ -24,17 +24,17 @@ from dataclasses import dataclass
 import torch
 
 from sgl_kara import env
-from sgl_kara.mem_cache.integrity import check_prefix_unchanged, check_row_ownership
 from sgl_kara.policies import base as policy_base
 from sgl_kara.policies.base import RowView
 from sgl_kara.process import STATE
 from sgl_kara.request_options import check_supported, validate
+from sgl_kara.scheduler.checks import RuntimeChecks
 from sgl_kara.scheduler.events import EventRunner
 from sgl_kara.scheduler.evictions import EvictionRecorder
 from sgl_kara.scheduler.forward import ForwardContext
 from sgl_kara.scheduler.jobs import decoded_tokens, due_at, overdue, plan_jobs
 from sgl_kara.scheduler.pressure import DEFERRING, growth_within, horizon, memory_binds
-from sgl_kara.scheduler.queries import QueryRing
+from sgl_kara.scheduler.ring import make_ring
 from sgl_kara.scheduler.spread import plan_chunks, slack, spreads
 from sgl_kara.scheduler.state import KaraReqState, get_state
 from sgl_kara.scheduler.warm_up import query_heads, warm_up_kernels
@@ -72,7 +72,7 @@ class KaraStats:
     event_max_seconds: float = 0.0  # the longest event work in one decode step (spread steps included)
 
 
-class KaraRuntime:
+class KaraRuntime(RuntimeChecks):
     def __init__(self, cfg, scheduler):
         self.cfg = cfg
         self.policy = cfg.make_policy()
@@ -93,7 +93,7 @@ class KaraRuntime:
         self.check = env.check_integrity()
         self.recorder = EvictionRecorder.from_env()  # diagnostic: evicted logical positions per event
         capacity = self.policy.query_capacity()
-        self.ring = self._make_ring(capacity) if cfg.query_source == "capture" and capacity else None
+        self.ring = make_ring(self, capacity) if cfg.query_source == "capture" and capacity else None
         self.forward = ForwardContext(self.policy, self.ring, self.req_to_token_pool.req_to_token, self.kv_pool)
         self.events = EventRunner(self)
         self.spreading = spreads(self.policy, cfg.spread)
@@ -108,51 +108,6 @@ class KaraRuntime:
         if self.req_to_token_pool.req_to_token.device.type == "cuda":
             warm_up_kernels(self.kv_pool, self.layer_ids, self.policy, query_heads(self.model_runner.model),
                             self.model_runner.dtype, self.page_size)
-
-    def _make_ring(self, capacity: int) -> QueryRing:
-        """The capture ring, allocated now (start-up), one row per request that can run at once
-        (memory.ring_rows: the request limit, bounded by what the pool holds and by
-        ``--kara-query-ring-rows``). Its memory was planned before the model loaded: on CUDA taken
-        from the KV pool's share of the GPU (support.reserve_device_memory), so the ring must not
-        outgrow that plan; on CPU counted in the RAM check, and it must fit in the memory the KV
-        pool left. Refused, naming the flags, otherwise."""
-        from sgl_kara._sglang import RadixAttention
-        from sgl_kara.memory import available_ram_bytes, gib, ring_bytes, ring_rows
-        from sgl_kara.support import UnsupportedFeature, planned_ring_rows
-
-        layers = {
-            m.layer_id: (m.tp_q_head_num, m.qk_head_dim)
-            for m in self.model_runner.model.modules() if isinstance(m, RadixAttention)
-        }
-        running = int(self.scheduler.max_running_requests)
-        rows = ring_rows(running, int(self.scheduler.max_total_num_tokens), capacity, self.cfg.query_ring_rows)
-        device, dtype = self.req_to_token_pool.req_to_token.device, self.model_runner.dtype
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        need = ring_bytes(rows, capacity, layers.values(), itemsize)
-        flags = ("use --kara-query-source recompute, or lower --kara-query-ring-rows / --max-running-requests / "
-                 "--kara-window / --kara-period / --max-total-tokens")
-        if device.type == "cuda":
-            planned_rows = planned_ring_rows(self.scheduler.server_args, self.cfg)
-            planned = ring_bytes(planned_rows, capacity, layers.values(), itemsize)
-            if need > planned:
-                raise UnsupportedFeature(
-                    f"the capture query ring needs {gib(need)} ({rows} rows: one per running request, "
-                    f"--max-running-requests {running}, bounded by the KV pool and --kara-query-ring-rows) but "
-                    f"{gib(planned)} ({planned_rows} rows) was taken from the KV pool at start-up: {flags}")
-        else:
-            free = available_ram_bytes()
-            if need > 0.9 * free:
-                raise UnsupportedFeature(
-                    f"the capture query ring needs {gib(need)} ({rows} rows: one per running request, "
-                    f"--max-running-requests {running}, bounded by the KV pool and --kara-query-ring-rows; x {capacity} "
-                    f"queries: the policy's window and period; x {len(layers)} layers) but only {gib(free)} of RAM is "
-                    f"free after the KV pool: {flags}"
-                )
-        ring = QueryRing(layers, rows, capacity, self.req_to_token_pool.req_to_token.shape[0], dtype, device,
-                         poison=self.check)
-        logger.info("sgl_kara: capture query ring allocated: %d rows x %d queries x %d layers, %s",
-                    rows, capacity, len(layers), gib(ring.nbytes))
-        return ring
 
     # ---------------------------------------------------------------- request state
     def state_of(self, req) -> KaraReqState:
@@ -333,37 +288,3 @@ class KaraRuntime:
             evict_from_tree_cache(self.scheduler.tree_cache, n)
             slots = self.allocator.alloc(n)
         return slots
-
-    # ---------------------------------------------------------------- integrity (diagnostic)
-    def _prefix_view(self, req, state):
-        slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : state.protected].to(torch.int64).clone()
-        first, last = self.layer_ids[0], self.layer_ids[-1]
-        kv = [self.kv_pool.get_key_buffer(l)[slots].clone() for l in (first, last)]
-        kv += [self.kv_pool.get_value_buffer(l)[slots].clone() for l in (first, last)]
-        return slots, kv
-
-    def _snapshot_prefix(self, req, state) -> None:
-        state.prefix_snapshot = self._prefix_view(req, state)
-
-    def check_integrity(self, batch) -> None:
-        """Every running row: protected prefix unchanged (slots and K/V bytes); the rows' own
-        slots [P, L) named by one row only and none free; ring rows and device offsets agree; the
-        request's token count from its rows agrees with SGLang's (one ahead under overlap)."""
-        req_to_token = self.req_to_token_pool.req_to_token
-        owned = []
-        lag = (0, 1) if getattr(self.scheduler, "enable_overlap", False) else (0,)
-        for req in batch.reqs:
-            state = get_state(req)
-            if state is not None and decoded_tokens(req, state) - len(req.output_ids) not in lag:
-                raise AssertionError(f"Kara integrity: {req.rid} counts {decoded_tokens(req, state)} tokens from its "
-                                     f"KV rows, SGLang {len(req.output_ids)} (overlap scheduler: {len(lag) > 1})")
-            if state is None or state.protected < 0 or state.prefix_snapshot is None:
-                continue
-            slots, kv = self._prefix_view(req, state)
-            check_prefix_unchanged(req.rid, slots, kv, *state.prefix_snapshot, state.protected)
-            owned.append(req_to_token[req.kv.req_pool_idx, state.protected : int(req.kv.kv_committed_len)])
-            state.integrity_checks += 1
-        if self.ring is not None:
-            self.ring.check()
-        self.forward.check_offsets(batch.reqs)
-        check_row_ownership(owned, self.allocator.get_all_free_pages(), self.page_size)

@@ -1,12 +1,16 @@
-"""Compiling the Triton kernels at start-up with the launches an event makes, so the first event
-compiles nothing mid-serving.
+"""Compiling the Triton kernels at start-up with the launches an event makes, so that no event
+compiles anything mid-serving.
 
 Triton compiles one kernel per specialisation: argument dtypes, constexprs, and for integers and
 pointers whether they equal 1 and are divisible by 16 (pointers: 16-byte aligned; the launchers
-align index tensors, kernels/_dispatch.aligned). The warm-up therefore launches with the model's
-query heads per layer (the GQA group), the model's dtype for queries and the pool's for keys, the
-policy's own region shapes (query window, region length, kept count) at its first due row
-lengths, and, for slot copies whose count varies per event, counts of each class (1, 16, 17).
+align index tensors, kernels/_dispatch.aligned). The kernels fix their block sizes and do not
+specialise the integers that vary from event to event (window, region and chunk lengths, kept
+counts, slot counts, the strides that follow them: ``do_not_specialize``), so what is left to
+compile is one kernel per model shape and dtype pair: the warm-up launches with the model's query
+heads per layer (the GQA group), the model's dtype for queries and the pool's for keys, the
+policy's own region shapes at its first due row lengths, and slot copies (page > 1).
+tests/test_warm_up.py checks that events with any per-request retention or budget, and spread
+chunks of any length, launch nothing the warm-up did not.
 """
 
 from __future__ import annotations
