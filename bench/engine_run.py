@@ -127,14 +127,16 @@ def run_system(system: str, args, pool: int, max_running: int, kara: dict | None
     if system != "vanilla" and kara is None:
         raise ValueError(f"run_system({system!r}): a compressing system needs its kara_* options")
     trace_path = tempfile.mktemp(prefix=f"trace_{system}_", suffix=".jsonl")
-    # Vanilla runs with the overlap scheduler off, as sgl_kara does while it compresses.
+    # Both sides at SGLang's defaults (the overlap scheduler on); plain SGLang runs sgl_kara's CPU
+    # kernels (KARA_CPU_KERNELS=1) so that only compression differs.
     common = dict(
-        max_total_tokens=pool, max_running_requests=max_running, disable_overlap_schedule=True,
+        max_total_tokens=pool, max_running_requests=max_running,
         log_level="error", random_seed=0, disable_radix_cache=False,
     )
+    kernels = {"KARA_CPU_KERNELS": "1"} if system == "vanilla" else {}
     if args.model_path:
         common["model_path"] = args.model_path
-    with engine_env(args.omp_threads, KARA_TRACE=trace_path):
+    with engine_env(args.omp_threads, KARA_TRACE=trace_path, **kernels):
         if system == "vanilla":
             from sgl_kara.models.default import default_model_path
 

@@ -26,6 +26,10 @@ Systems (``--systems``; the same model, KV pool, request limit and CPU kernels o
     kara-recompute  the defaults with --kara-query-source recompute (spread recompute forwards)
     kara-nospread sgl_kara with overlap on, --kara-spread off (each event whole in its step)
     kara-capN     sgl_kara with --kara-spread-max N
+    POLICY        sgl_kara at its defaults with --kara-policy POLICY (snapkv, h2o, streaming, rkv,
+                  random); a threshold baseline keeps Kara's kept KV (budget U + r (W - U)) and
+                  triggers one window later (threshold budget + W - U): the same compression
+                  rhythm as Kara, with its own events and observers
 
 Workloads (``--workload``):
 
@@ -56,6 +60,8 @@ import requests
 
 from bench.serve_numbers import start, stop
 
+BASELINES = ("snapkv", "h2o", "streaming", "rkv", "random")
+THRESHOLD = ("snapkv", "h2o", "streaming", "rkv")
 PROMPT = "Write a long story about a robot named Unit {i} who learns to paint."
 WORKLOADS = {
     "free": dict(requests=8, tokens=700, kara=[], pool=None),
@@ -130,7 +136,8 @@ def commands(system: str, model_argv: list[str], workload: dict, resolved) -> tu
         if system == "sglang-nooverlap":
             cmd.append("--disable-overlap-schedule")
         return cmd, {"KARA_CPU_KERNELS": "1"}
-    cmd = [py, "-m", "sgl_kara.launch_server", *model_argv, *workload["kara"],
+    kara_flags = [] if system in BASELINES else workload["kara"]  # W, U, delta are Kara's options
+    cmd = [py, "-m", "sgl_kara.launch_server", *model_argv, *kara_flags,
            "--max-total-tokens", str(resolved.max_total_tokens),
            "--max-running-requests", str(resolved.max_running_requests)]
     if system == "kara-before":
@@ -141,6 +148,13 @@ def commands(system: str, model_argv: list[str], workload: dict, resolved) -> tu
         cmd += ["--kara-query-source", "recompute"]
     elif system.startswith("kara-cap"):
         cmd += ["--kara-spread-max", system[len("kara-cap"):]]
+    elif system in BASELINES:
+        cmd += ["--kara-policy", system]
+        if system in THRESHOLD:
+            flags = dict(zip(workload["kara"][::2], workload["kara"][1::2]))
+            window, buffer = int(flags.get("--kara-window", 512)), int(flags.get("--kara-buffer", 32))
+            budget = buffer + round(0.25 * (window - buffer))
+            cmd += [f"--kara-{system}-budget", str(budget), f"--kara-{system}-threshold", str(budget + window - buffer)]
     elif system != "kara":
         raise ValueError(f"unknown system {system!r}")
     return cmd, {}
@@ -183,7 +197,7 @@ def main(argv=None):
     for rep in range(args.reps):
         for system in systems:
             cmd, extra = commands(system, model_argv, workload, resolved)
-            if system.startswith("kara"):
+            if not system.startswith("sglang"):
                 record.add_server(system, cmd[3:])
             else:
                 record.add_config(system, {"kara": {"policy": "none"}, "argv": cmd[1:], "env": extra})
@@ -193,7 +207,7 @@ def main(argv=None):
                 res = run_load(url, workload["requests"], workload["tokens"])
                 internal = requests.get(url + "/server_info", timeout=30).json()["internal_states"][0]
                 res["cpu_kernels"] = internal.get("kara_cpu_kernels")  # None: SGLang's own code
-                if system.startswith("kara"):
+                if not system.startswith("sglang"):
                     state = internal["kara"]
                     res.update(events=state["events"], event_max_ms=round(1e3 * state["event_max_seconds"], 1),
                                spread_queries=state["spread_queries"],

@@ -143,7 +143,7 @@ def main(argv=None):
         command = [sys.executable, "-m", "sglang.launch_server", "--model-path", sa.model_path, "--device", "cpu",
                    "--attention-backend", "torch_native", "--dtype", "float32", "--page-size", "1",
                    "--max-total-tokens", str(sa.max_total_tokens),
-                   "--max-running-requests", str(sa.max_running_requests), "--disable-overlap-schedule"]
+                   "--max-running-requests", str(sa.max_running_requests)]
         record.add_config("vanilla sglang", {"kara": {"policy": "none"}, "argv": command[1:]})
         proc, _, secs = start(env, os.path.join(args.out, "vanilla.log"), 600, command)
         res["vanilla_sglang_startup_s"] = round(secs, 1)

@@ -144,19 +144,25 @@ ATTRIBUTES = {
         "input_ids", "req_pool_indices", "req_pool_indices_cpu", "out_cache_loc", "prefix_lens", "extend_lens",
         "extend_num_tokens", "extend_logprob_start_lens", "return_logprob", "top_logprobs_nums",
         "token_ids_logprobs", "decoding_reqs", "multimodal_inputs", "sampling_info", "spec_info", "input_embeds",
-        "extend_input_logprob_token_ids", "_get_decode_retraction_order"],
+        "extend_input_logprob_token_ids", "_get_decode_retraction_order",
+        # runtime.py: freed slots reopen admission
+        "batch_is_full"],
+    # queries.py: a recompute batch's sampling info carries no grammars or watermark candidates
+    "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo": ["grammars", "has_watermark_candidates"],
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch": [
         "init_new", "positions", "forward_mode", "batch_size", "req_pool_indices", "seq_lens", "seq_lens_cpu",
         "out_cache_loc"],
     "sglang.srt.layers.radix_attention.RadixAttention": ["forward", "layer_id", "tp_q_head_num", "qk_head_dim"],
     # events.py: the recompute forward runs eagerly (prefill CUDA graph runner set aside)
     "sglang.srt.model_executor.model_runner.ModelRunner": [
-        "forward", "prefill_cuda_graph_runner", "model", "dtype"],
+        "forward", "prefill_cuda_graph_runner", "model", "dtype", "forward_stream"],
     # scheduler/kara_scheduler.py, runtime.py; plugin trace hook
     "sglang.srt.managers.scheduler.Scheduler": [
         "update_running_batch", "get_prefill_adder_class", "get_output_streamer_class",
         "token_to_kv_pool_allocator", "req_to_token_pool", "tp_worker", "tree_cache", "max_running_requests",
-        "server_args", "metrics_reporter", "waiting_queue", "get_internal_state", "max_total_num_tokens"],
+        "server_args", "metrics_reporter", "waiting_queue", "get_internal_state", "max_total_num_tokens",
+        # runtime.py: events ordered after the overlapped forward (its stream), checks.py
+        "enable_overlap", "forward_stream"],
     "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter": ["num_retracted_reqs"],
     "sglang.srt.managers.schedule_policy.PrefillAdder": ["add_one_req", "_get_running_request_total_token_offset"],
     "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer": [

@@ -163,9 +163,10 @@ def ring_bytes(rows: int, capacity: int, layer_heads, itemsize: int) -> int:
 def cpu_ring_budget(available_ram: int) -> int:
     """Bytes a CPU capture ring may take: CPU_RING_SHARE of the available RAM. On CPU the ring sits
     beside the KV pool (the pool's size is set, not taken from what is left), and it saves each
-    window's recompute forward: with 8 concurrent requests on the default server that forward
-    stalled every request for 9.6 s at the event, or cost 17% of throughput spread over the steps,
-    where capture matched plain SGLang (bench/RESULTS.md, "Events that do not stop the server")."""
+    window's recompute forwards: with 8 concurrent requests on the default server, recompute
+    stalled every request for 9.7-10.0 s at the event scored whole, and spread over the steps still
+    cost 15% of throughput with 4x-median stalls, where capture ran at 0.98x plain SGLang with
+    2x-median stalls (bench/RESULTS.md, "Events that do not stop the server")."""
     return int(CPU_RING_SHARE * available_ram)
 
 

@@ -166,11 +166,7 @@ def event_memory(model: str, backend: str, page: int, n_requests: int = 16) -> d
 def kernels(model_name: str | None = None) -> dict:
     """bench/gpu_kernels.py for one model's serving shapes (CUDA; the tiny shapes on CPU): every
     Triton kernel against its reference, the pool sized to the device's memory."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import gpu_kernels as gk
+    from bench import gpu_kernels as gk  # the repository root is on the path (pytest, python -m)
 
     small = not cuda()
     models = gk.SMALL_MODELS if small else gk.MODELS

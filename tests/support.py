@@ -258,16 +258,20 @@ def _url(target) -> str:
     return target if isinstance(target, str) else target.url
 
 
-def generate(target, prompt, sampling_params: dict | None = None, custom: dict | None = None, rid=None,
-             timeout: float = 300, **body):
+def generate(target, prompt, sampling_params: dict | list[dict] | None = None, custom: dict | None = None,
+             rid=None, timeout: float = 300, **body):
     """POST ``target``/generate (a Server or a URL): ``prompt`` is text, a list of texts, or a list
-    of token ids; ``custom``: the request's ``custom_params`` (e.g. ``{"kara": {...}}``); more
-    body fields (``stream``, ``return_logprob``, ...) as keywords. The raw ``requests`` response."""
+    of token ids; ``sampling_params`` one dict, or one per text of a list; ``custom``: the
+    request's ``custom_params`` (e.g. ``{"kara": {...}}``); more body fields (``stream``,
+    ``return_logprob``, ...) as keywords. The raw ``requests`` response."""
     import requests
 
-    sp = dict(sampling_params or {})
-    if custom is not None:
-        sp["custom_params"] = custom
+    if isinstance(sampling_params, list):
+        sp = [dict(p) if custom is None else {**p, "custom_params": custom} for p in sampling_params]
+    else:
+        sp = dict(sampling_params or {})
+        if custom is not None:
+            sp["custom_params"] = custom
     payload = {"sampling_params": sp, **body}
     ids = isinstance(prompt, list) and prompt and isinstance(prompt[0], int)
     payload["input_ids" if ids else "text"] = prompt

@@ -51,7 +51,7 @@ import pytest
 import torch
 
 import sgl_kara.mem_cache.compaction as compaction_mod
-from sgl_kara.mem_cache.compaction import CompactionPlan, OutOfSlots, compact_rows
+from sgl_kara.mem_cache.compaction import CompactionPlan, OutOfSlots, compact_rows, prepare_compaction
 
 OPS = int(os.environ.get("KARA_FUZZ_OPS", "2000"))
 BASE_SEED = int(os.environ.get("KARA_FUZZ_SEED", "0"))
@@ -63,7 +63,7 @@ POS_BITS = 20  # token id = request id << POS_BITS | logical position
 # Every kind must run at least this often per page size in the default suite.
 MUST_RUN = ("admit", "admit_shared", "tree_insert", "readmit", "decode", "compress", "compress_batched",
             "compress_identity", "compress_snapkv", "oom_forced", "fault_bad_kept", "fault_kernel",
-            "retract", "finish", "evict")
+            "fault_after_copy", "retract", "finish", "evict")
 
 
 class FuzzFailure(AssertionError):
@@ -404,8 +404,11 @@ class World:
         return [(r, r.length - r.frontier) for r in self.running if r.length >= r.protected]
 
     def op_compress(self, force_oom=False, fault=None):
-        """fault: None, "bad_kept" (an index == M: bad input) or "kernel" (a kernel raises
-        after writing): compact_rows must raise and change nothing."""
+        """fault: None, "bad_kept" (an index == M: bad input), "kernel" (a kernel raises after
+        writing): compact_rows must raise and change nothing; or "after_copy" (the kept K/V sit in
+        fresh slots, then the event fails before its commit: the policy's re-layout, the eviction
+        record or the commit itself raised): the prepared compaction is aborted and nothing a
+        request owns changed, the fresh slots are free again."""
         rng = self.rng
         cands = [(r, a) for r, a in self.compress_candidates() if a >= 2]
         if not cands:
@@ -463,6 +466,15 @@ class World:
             inject = mock.patch.object(compaction_mod, name, broken)
         try:
             with inject:
+                if fault == "after_copy":
+                    prepared = prepare_compaction(plan, self.req_to_token, self.k_bufs, self.v_bufs, alloc,
+                                                  self.alloc.free, page_size=self.page, use_triton=self.use_triton)
+                    if prepared.fresh.numel() and bool(self.alloc.is_free[np.unique(prepared.fresh.numpy() // self.page)].any()):
+                        self.fail("prepare_compaction handed out fresh slots that are still free")
+                    prepared.abort(self.alloc.free)
+                    with pytest.raises(AssertionError, match="twice"):
+                        prepared.commit(self.req_to_token, self.alloc.free)
+                    raise RuntimeError("injected fault after the K/V copy")
                 d = compact_rows(plan, self.req_to_token, self.k_bufs, self.v_bufs, alloc, self.alloc.free,
                                  page_size=self.page, use_triton=self.use_triton)
         except OutOfSlots:
@@ -673,7 +685,7 @@ class World:
         elif kind == "oom":
             self.op_compress(force_oom=True)
         elif kind == "fault":
-            self.op_compress(fault="bad_kept" if rng.random() < 0.5 else "kernel")
+            self.op_compress(fault=("bad_kept", "kernel", "after_copy")[int(rng.integers(3))])
         else:
             getattr(self, f"op_{kind}")()
         self.counts["ops"] += 1

@@ -214,6 +214,7 @@ def _agree(a, b, n_tokens):
         assert max(abs(x - y) for x, y in zip(la[:n], lb[:n])) < 1e-4
 
 
+@pytest.mark.integration  # two engines of its own
 def test_engine_default_packs_every_weight_matches_and_survives_a_weight_reload(tiny_llama, tmp_path):
     """A default engine (variable unset) and one with KARA_PACKED_CPU_LINEAR=0 decode the same
     four greedy requests together (4 rows): by the trace, the default held every weight matmul of

@@ -43,7 +43,7 @@ def _generate(kind, model, kernels, **kwargs):
         os.environ.pop("KARA_CPU_KERNELS", None) if saved is None else os.environ.__setitem__("KARA_CPU_KERNELS", saved)
 
 
-@pytest.mark.parametrize("kernels", ["0", "1"])
+@pytest.mark.parametrize("kernels", [pytest.param("0", marks=pytest.mark.integration), "1"])  # "0": two engine starts more
 def test_policy_none_matches_sglang_running_the_same_kernels(tiny_llama, kernels):
     vanilla, vanilla_kernels = _generate("sglang", tiny_llama, None if kernels == "0" else "1")
     mine, my_kernels = _generate("kara", tiny_llama, None if kernels == "1" else "0", kara_policy="none")
@@ -76,6 +76,7 @@ print("started")
 """
 
 
+@pytest.mark.integration  # a script of its own per layout
 @pytest.mark.parametrize("layout", ["top level", "in a function called at top level"])
 def test_a_script_without_a_main_guard_is_stopped_at_once(tiny_llama, tmp_path, layout):
     """SGLang spawns its scheduler, which runs the script again: unguarded, the child dies while it

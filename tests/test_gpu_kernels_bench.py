@@ -10,10 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+from bench import gpu_kernels
 
-import gpu_kernels  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 BLOCK_SGLANG = """
 import runpy, sys

@@ -45,7 +45,7 @@ def cuda_assumed(monkeypatch):
     """SGLang (and sgl_kara) told they run on one H100: the platform facts, SGLang's CUDA probe
     (``is_cuda``), the device ``get_device`` reports and the GPU memory ``nvidia-smi`` would give.
     SGLang's modules are imported first, as on a GPU machine (their import-time probes ran)."""
-    import sgl_kara._sglang  # noqa: F401
+    import sgl_kara._sglang as kara_sglang
     from sgl_kara import support
     from sgl_kara.plugin import register
 
@@ -59,7 +59,7 @@ def cuda_assumed(monkeypatch):
 
     for mod in (common, sglang_utils):
         monkeypatch.setattr(mod, "is_cuda", lambda: True)
-    for mod in (common, memory_hook, kv_shard_hook):
+    for mod in (common, memory_hook, kv_shard_hook, kara_sglang):
         monkeypatch.setattr(mod, "get_device_memory_capacity", lambda device=None: H100_MIB)
     monkeypatch.setattr(serving_hook, "get_device", lambda device_id=None: "cuda")
     monkeypatch.setattr(torch.cuda, "get_device_properties",

@@ -150,9 +150,12 @@ def test_compact_kv_bit_exact(dtype, b, n_layers, h, d, k):
                        for _ in range(b * n_layers * h)]).view(b, n_layers, h, k).to(DEV)
     dst = (old + torch.randperm(b * k, generator=gen)).view(b, k).to(DEV)
     kr, vr = [t.clone() for t in kb], [t.clone() for t in vb]
+    kc, vc = [t.clone() for t in kb], [t.clone() for t in vb]
     compact_kv(kb, vb, src, dst, use_triton=True)
     compact_kv_ref(kr, vr, src, dst)
+    compact_kv(kc, vc, src, dst, use_triton=False)  # the path without Triton (CPU serving)
     assert _bits_equal(kb + vb, kr + vr)
+    assert _bits_equal(kc + vc, kr + vr)
     # and the reference does what the docstring says
     kb0, _ = _pools(n_layers, s, h, d, dtype, seed=k + h)
     for l in range(n_layers):

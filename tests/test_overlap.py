@@ -24,6 +24,8 @@ import pytest
 
 from support import flush_when_idle
 
+pytestmark = pytest.mark.integration  # engines of their own (docs/TESTING.md, tiers)
+
 WINDOW = dict(kara_window=16, kara_buffer=4, kara_period=4)
 PROMPTS = [[1 + (i * 7 + j) % 200 for j in range(10 + 3 * i)] for i in range(6)]
 GREEDY = {"max_new_tokens": 80, "temperature": 0, "ignore_eos": True}

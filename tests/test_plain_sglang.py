@@ -54,6 +54,8 @@ SERVING_HOOKS = {
 }
 PROCESSES = ("main", "scheduler", "detokenizer")
 
+pytestmark = pytest.mark.integration  # engines of their own (docs/TESTING.md, tiers)
+
 
 def _targets(hooks) -> set[str]:
     return {h.split(" <- ")[0] for h in hooks}

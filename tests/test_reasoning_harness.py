@@ -109,7 +109,7 @@ def test_every_configuration_is_what_sgl_kara_resolves(config):
         return
     assert cfg.policy == {"kara-band": "kara"}.get(config, config)
     assert cfg.query_source == "capture"
-    whole = gsm8k.whole_event_options()
+    whole = gsm8k.WHOLE_EVENTS
     assert whole and all(getattr(cfg, k.removeprefix("kara_")) == v for k, v in whole.items())
     o = cfg.options
     if config in ("kara", "kara-band", "random"):
@@ -171,6 +171,7 @@ PROBLEMS = [
 ]
 
 
+@pytest.mark.integration  # three engines (docs/TESTING.md, tiers)
 def test_end_to_end_interrupted_and_resumed(tiny_llama, tmp_path):
     """full, kara and snapkv on a tiny model (answers are noise; the plumbing is checked): a kara
     run interrupted after one answer is resumed without answering it again; the baseline's
@@ -201,7 +202,7 @@ def test_end_to_end_interrupted_and_resumed(tiny_llama, tmp_path):
     record = json.loads((out / "run-2.json").read_text())
     assert set(record["configs"]) == {"kara_r0.25", "snapkv_r0.25"}
     assert record["configs"]["kara_r0.25"]["kara"]["policy"] == "kara" and record["git"]["commit"]
-    assert record["notes"]["whole_events"] == gsm8k.whole_event_options()
+    assert record["notes"]["whole_events"] == gsm8k.WHOLE_EVENTS
     # Nothing left to do: a rerun starts no engine and writes the same table.
     before = (out / "gsm8k.json").read_text()
     gsm8k.main(common + ["--configs", "full", "kara", "snapkv"])

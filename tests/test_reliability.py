@@ -271,7 +271,7 @@ def test_injected_compression_failure_is_isolated(server):
     rids = [f"faulty-{i}" for i in range(3)] + [f"normal-{i}" for i in range(5)]
     tic = time.time()
     with ThreadPoolExecutor(len(rids)) as pool:
-        futs = {rid: pool.submit(generate, server, f"Let x = {rid}.", n, rid=rid) for rid in rids}
+        futs = {rid: pool.submit(sampled, server, f"Let x = {rid}.", n, rid=rid) for rid in rids}
         results = {rid: f.result() for rid, f in futs.items()}
     seconds = time.time() - tic
     for rid, r in results.items():
@@ -373,7 +373,7 @@ def test_kill9_and_restart_on_same_port(server):
     """SIGKILL the whole process group (HTTP server, tokenizer, scheduler, detokenizer) mid-
     request, then a new server on the same port serves; the shared fixture continues with it."""
     port, pgid = server.port, server.proc.pid
-    victim = ThreadPoolExecutor(1).submit(generate, server, "Killed mid-answer", 300, timeout=60)
+    victim = ThreadPoolExecutor(1).submit(sampled, server, "Killed mid-answer", 300, timeout=60)
     time.sleep(2)
     os.killpg(pgid, signal.SIGKILL)
     server.proc.wait(30)

@@ -134,14 +134,14 @@ def test_killing_a_worker_mid_load(cluster):
     texts = [f"{w} {i}: " + ("let the numbers grow " * (i % 4 + 1)) for i, w in enumerate(words)]
     steps = kara_stats(victim)["decode_steps"]
     with ThreadPoolExecutor(len(texts) + 4) as pool:
-        inflight = [pool.submit(generate, router.url, t, n) for t in texts]
+        inflight = [pool.submit(greedy, router.url, t, n) for t in texts]
         deadline = time.time() + 60
         while kara_stats(victim)["decode_steps"] < steps + 30:  # the victim is decoding this load
             assert time.time() < deadline, "the router sent none of the load to the victim"
             time.sleep(0.2)
         os.killpg(victim.proc.pid, signal.SIGKILL)
         killed = time.time()
-        after = [pool.submit(generate, router.url, f"After {i}: a new question", 64) for i in range(4)]
+        after = [pool.submit(greedy, router.url, f"After {i}: a new question", 64) for i in range(4)]
         inflight = [f.result() for f in inflight]
         after = [f.result() for f in after]
     while victim.url in router.healthy():

@@ -15,7 +15,7 @@ from sgl_kara.policies.base import RowView
 from sgl_kara.policies.kara import KaraOptions, KaraPolicy
 from sgl_kara.policies.snapkv import SnapKVOptions, SnapKVPolicy
 from sgl_kara.scheduler.jobs import decoded_tokens
-from sgl_kara.scheduler.spread import ScoringJob, chunk, deadline, first_lead, plan_chunks, slack, spreads
+from sgl_kara.scheduler.spread import MIN_CHUNK, ScoringJob, phase, chunk, deadline, first_lead, plan_chunks, slack, spreads
 from sgl_kara.scheduler.state import KaraReqState
 
 PAPER = KaraPolicy(KaraOptions())  # W 512, U 32, delta 128
@@ -122,8 +122,11 @@ def test_a_window_is_scored_evenly_until_its_due_step():
     # then 23 rows left (79 - 56), the next window complete at 121, due at 128
     assert [c for _, c in compressed][:3] == [80, 128, 192], compressed
     first = share[56:80]  # share[t] is the step feeding token t + 1
-    assert sum(first) == 64 and max(first) <= 3, first  # ceil(64 / 24) = 3
-    assert all(n <= 64 // 8 for n in share), max(share)  # never more than W / U per step
+    # 64 queries in chunks of MIN_CHUNK (32) over the 24 steps: every 12th step, from the phase
+    # the request's prompt gives
+    p = phase(Req(9, 10), 12)
+    assert 0 < p < 12 and [(i, n) for i, n in enumerate(first) if n] == [(p, 32), (p + 12, 32)], first
+    assert all(n <= MIN_CHUNK for n in share), max(share)
     # no cap: every window compressed at the first due step at which it is complete, as unspread
     assert all(due == done for due, done in compressed), compressed
 
@@ -146,7 +149,10 @@ def test_queries_are_scored_only_once_decoded():
     region, _ = policy.upcoming(RowView(4, 4, 12, 0, KaraReqState(protected=4, frontier=4)))
     assert decoded(region, 12, 0) == 8 and decoded(region, 12, 5) == 3 and decoded(region, 20, 16) == 0
     share, compressed = simulate(policy, cap=0, steps=60)  # asserts decoded-only at every chunk
-    assert max(share) == 2 and compressed  # 16 queries in the 9 steps from keys to due: 2 a step
+    # 16 queries, one chunk's worth: at the first scoring step (the prompt's phase) all decoded by
+    # then, the others at the due step
+    p = phase(Req(9, 10), 9)
+    assert share[8:17] == [0] * p + [8 + p] + [0] * (7 - p) + [8 - p] and compressed[0] == (17, 17), share[8:17]
 
 
 def test_a_request_is_scored_the_same_whatever_else_runs():
@@ -184,3 +190,25 @@ def test_scoring_job_covers_only_its_own_region():
     assert job.covers(policy.region(RowView(4, 4, 68, 0, state)))
     state.retention = 0.5  # another kept count: another region
     assert not job.covers(policy.region(RowView(4, 4, 68, 0, state)))
+
+
+def test_requests_in_step_score_their_parts_on_different_steps():
+    """Eight requests that arrived together (same prompt length, different prompts) decode in step;
+    their parts land on different steps (each request's phase comes from its own prompt), so no
+    step scores all of them, and every window is still whole by its due step."""
+    policy = KaraPolicy(KaraOptions(window=64, buffer=8, period=16))
+    reqs = []
+    for i in range(8):
+        r = Req(9, 10_000)
+        r.origin_input_ids = [i + 1, 2 * i + 3] + [0] * 7
+        reqs.append(r)
+    per_step = []
+    for t in range(80):
+        chunks = plan_chunks(policy, reqs, lambda r: r.kara, 1, 0, lambda r: decoded_tokens(r, r.kara))
+        for j, n in chunks:
+            j.state.scoring.add(torch.zeros(1, 1, j.region.length), n)
+        per_step.append(len(chunks))
+        for r in reqs:
+            r.step()
+    assert sum(per_step) >= 16 and max(per_step) < 8, per_step  # 2 parts each
+    assert all(r.kara.scoring.remaining == 0 for r in reqs)  # whole before the due step (80)

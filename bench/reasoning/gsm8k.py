@@ -19,8 +19,8 @@ Configurations (``--configs``; W, U, delta, r from the flags):
                 that problem over Kara's decode steps (bench/quality/real_lm.py: budget_for_mean);
                 needs the kara run at the same ratio first
 
-Every compressing configuration runs each event whole at its due step (``--kara-spread off``, or
-``kara_step_budget=0`` where the runtime has that keyword) and scores from captured queries.
+Every compressing configuration runs each event whole at its due step (``--kara-spread off``: the
+paper's schedule) and scores from captured queries.
 
 Reported per configuration: accuracy with a 95% Wilson interval; paired with full KV on the same
 problems: problems won (policy right, full wrong) and lost, exact McNemar p; mean and peak
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import gzip
 import json
 import os
@@ -55,6 +54,7 @@ from bench.reasoning.grading import grade
 
 CONFIGS = ("full", "kara", "kara-band", "random", "snapkv", "streaming", "h2o", "rkv")
 THRESHOLD = ("snapkv", "streaming", "h2o", "rkv")
+WHOLE_EVENTS = {"kara_spread": "off"}  # each event whole at its due step: the paper's schedule
 
 
 def result_name(config: str, ratio: float) -> str:
@@ -76,19 +76,6 @@ def model_path(name: str) -> str:
     return name
 
 
-def whole_event_options() -> dict:
-    """Engine keywords that run each compression event whole at its due step, for the runtime in
-    use: ``kara_step_budget=0`` where it exists, else ``kara_spread="off"`` where that exists."""
-    from sgl_kara.config import KaraConfig
-
-    names = {f.name for f in dataclasses.fields(KaraConfig)}
-    if "step_budget" in names:
-        return {"kara_step_budget": 0}
-    if "spread" in names:
-        return {"kara_spread": "off"}
-    return {}
-
-
 def threshold_budgets(kara_rows: list[dict], gap: int, floor: int) -> list[int]:
     """Per problem: the threshold baseline's budget N at Kara's measured mean generated KV over
     Kara's own decode steps (completion tokens - 1)."""
@@ -102,7 +89,7 @@ def engine_options(config: str, ratio: float, args, kara_rows: list[dict] | None
     opts = dict(max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running)
     if config == "full":
         return dict(opts, kara_policy="none"), None
-    opts.update(kara_query_source="capture", **whole_event_options())
+    opts.update(kara_query_source="capture", **WHOLE_EVENTS)
     window = dict(window=args.window, buffer=args.buffer, period=args.period, retention=ratio)
     if config in ("kara", "kara-band"):
         opts.update(kara_policy="kara", **{f"kara_{k}": v for k, v in window.items()})
@@ -401,7 +388,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     record.note(problems=len(problems), source=args.problems or f"{data.PACKAGE}=={data.VERSION}",
                 model=args.model, max_new_tokens=args.max_new_tokens, max_running=args.max_running,
                 max_total_tokens=args.max_total_tokens, ratio=args.ratio, window=args.window, buffer=args.buffer,
-                period=args.period, recent=args.recent, whole_events=whole_event_options(),
+                period=args.period, recent=args.recent, whole_events=WHOLE_EVENTS,
                 omp_threads=args.omp_threads)
     order = sorted(args.configs, key=lambda c: (c in THRESHOLD, CONFIGS.index(c)))  # kara before the baselines
     for config in order:

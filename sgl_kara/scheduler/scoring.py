@@ -35,10 +35,13 @@ class Scorer:
             for s, j in zip(q_starts, jobs)
         ]
         fallbacks = held.count(False)
-        if fallbacks:
-            self.rt.stats.recompute_fallbacks += fallbacks
+        # counted once per window: at the span holding its first query (a spread window is scored
+        # a span per step; a later span is held whenever the first one is)
+        windows = sum(not h and lo == j.region.query_start for h, lo, j in zip(held, q_lo, jobs))
+        if windows:
+            self.rt.stats.recompute_fallbacks += windows
             if self.rt.metrics is not None:
-                self.rt.metrics.fallbacks.inc(fallbacks)
+                self.rt.metrics.fallbacks.inc(windows)
         if fallbacks == len(jobs):
             return self._recompute_scores(batch, jobs, rows, region_slots, q_lo, n)
         if not fallbacks:
