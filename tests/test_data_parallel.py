@@ -44,8 +44,8 @@ def vanilla_texts(tiny_llama):
     from sgl_kara.rank_cores import THREADS_BIND_VAR, split_cores
 
     cpu = [f"--{k.replace('_', '-')}={v}" for k, v in support.cpu_defaults().items()]
-    # plain SGLang's launcher (sgl_kara's plugin loads, its hooks inert without a Kara scheduler,
-    # as in every vanilla comparison of the suite)
+    # plain SGLang's launcher: sgl_kara's plugin loads but applies only RoPE's CPU path there
+    # (tests/test_plain_sglang.py)
     srv = Server(["--host", "127.0.0.1", "--model-path", tiny_llama, "--dp-size", "2",
                   *cpu, *SIZING], env={THREADS_BIND_VAR: split_cores(get_cpu_ids_by_node(), 2) or "all"},
                  module="sglang.launch_server")

@@ -40,9 +40,9 @@ from sgl_kara.scheduler.state import KaraReqState
 
 # A spread step scores at least this many queries of a window (fewer only when fewer are left or
 # decoded), on every stride-th step: a step's scoring cost is mostly reading the region's keys
-# (per layer), nearly the same for 4 queries as for 32 (SmolLM2 on CPU, 8 requests x 30 layers:
-# 63 ms for 4, 129 ms for 32; the whole window of 512: 3.0 s). Under --kara-spread-max every step
-# scores (at most the cap).
+# (per layer), nearly the same for 4 queries as for 32 (SmolLM2's shapes on a 2-core CPU, 8
+# requests x 30 layers: 54 ms for 4, 121 ms for 32, 2.7 s for the whole window of 512;
+# python -m bench.score_parts). Under --kara-spread-max every step scores (at most the cap).
 MIN_CHUNK = 32
 
 @dataclass
