@@ -139,8 +139,7 @@ def main(argv=None):
         from bench.record import RunRecord
 
         record = RunRecord.beside(args.out, argv)
-        with open(args.out, "w") as f:
-            f.write(f"command: {record.data['command']}\n{record.stamp}\n\n" + "\n".join(lines) + "\n")
+        record.write_md(args.out, "\n".join(lines))
         record.finish()
 
 

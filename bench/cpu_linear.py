@@ -99,8 +99,7 @@ def main(argv=None):
 
         record = RunRecord.beside(args.out, argv)
         record.note(threads=args.threads, model=args.model_path or "SmolLM2-135M shapes")
-        with open(args.out, "w") as f:
-            f.write(f"command: {record.data['command']}\n{record.stamp}\n\n" + text)
+        record.write_md(args.out, text)
         record.finish()
     print(text)
 

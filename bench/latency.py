@@ -223,8 +223,7 @@ def main(argv=None):
     for system, runs in results.items():
         for rep, res in enumerate(runs):
             lines.append(f"| {system} | {rep} | " + " | ".join(str(res.get(k, "-")) for k in keys) + " |")
-    with open(os.path.join(args.out, "latency.md"), "w") as f:
-        f.write(f"command: {record.data['command']}\n{record.stamp}\n\n" + "\n".join(lines) + "\n")
+    record.write_md(os.path.join(args.out, "latency.md"), "\n".join(lines))
     record.finish()
     print("\n".join(lines))
 

@@ -224,8 +224,7 @@ def main(argv=None):
     steps = r.get("steps_rate")
     step_ms = 1e3 * steps["cpu"] / steps["steps"] if steps else None
     text += summarize(stacks, step_ms) if os.path.exists(stacks) else "py-spy wrote no stacks\n"
-    with open(os.path.join(args.out, "summary.md"), "w") as f:
-        f.write(f"command: {record.data['command']}\n{record.stamp}\n\n" + text)
+    record.write_md(os.path.join(args.out, "summary.md"), text)
     record.finish()
     print(text)
 

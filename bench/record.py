@@ -186,6 +186,16 @@ class RunRecord:
         """The lines a results table carries under its command: date and machine."""
         return f"date: {self.data['date'][:10]}\nmachine: {self.data['machine']['text']}"
 
+    @property
+    def header(self) -> str:
+        """What a results file starts with: the command, then the stamp, then a blank line."""
+        return f"command: {self.data['command']}\n{self.stamp}\n\n"
+
+    def write_md(self, path: str, text: str) -> None:
+        """A results table (markdown) at ``path``, under the header."""
+        with open(path, "w") as f:
+            f.write(self.header + text.rstrip("\n") + "\n")
+
     def add_engine(self, label: str, engine) -> None:
         self.add_config(label, engine_config(engine))
 

@@ -65,8 +65,7 @@ def main(argv=None):
     text = "\n".join(lines) + "\n"
     print(text)
     if record is not None:
-        with open(args.out, "w") as f:
-            f.write(f"command: {record.data['command']}\n{record.stamp}\n\n" + text)
+        record.write_md(args.out, text)
         record.finish()
 
 

@@ -61,8 +61,7 @@ def main(argv=None):
              "|---|---|---|---|---|"]
     lines += [f"| {r['queries']} | {r['ms_all_layers']} | {r['ms_per_query']} | {r['parts_per_window']} | "
               f"{r['ms_per_window']:.0f} |" for r in rows]
-    with open(os.path.join(args.out, "score_parts.md"), "w") as f:
-        f.write(f"command: {record.data['command']}\n{record.stamp}\n\n" + "\n".join(lines) + "\n")
+    record.write_md(os.path.join(args.out, "score_parts.md"), "\n".join(lines))
     record.finish()
     print("\n".join(lines))
 

@@ -164,8 +164,7 @@ def main(argv=None):
     with open(os.path.join(args.out, "serve_numbers.json"), "w") as f:
         json.dump(res, f, indent=1)
     lines = ["| measure | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in res.items()]
-    with open(os.path.join(args.out, "serve_numbers.md"), "w") as f:
-        f.write(f"command: {record.data['command']}\n{record.stamp}\n\n" + "\n".join(lines) + "\n")
+    record.write_md(os.path.join(args.out, "serve_numbers.md"), "\n".join(lines))
     record.finish()
     print("\n".join(lines))
 

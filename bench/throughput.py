@@ -162,9 +162,7 @@ def main(argv=None):
             )
     table = "\n".join(lines)
     print(table)
-    with open(os.path.join(args.out, "throughput.md"), "w") as f:
-        f.write(f"command: {record.data['command']}\n{record.stamp}\n\n")
-        f.write(table + "\n")
+    record.write_md(os.path.join(args.out, "throughput.md"), table)
     with open(os.path.join(args.out, "throughput.json"), "w") as f:
         json.dump([{**{k: v for k, v in r.__dict__.items() if k != "trace"}, "tps": r.tps, "steps": r.steps,
                     "ms_per_step": r.ms_per_step} for r in results], f, indent=1)

@@ -103,6 +103,15 @@ def test_configs_of_one_label_are_kept_apart(tmp_path):
     assert Path(beside.path) == tmp_path / "table.run.json" and beside.stamp.startswith("date: 20")
 
 
+def test_a_results_table_starts_with_its_command_date_and_machine(tmp_path):
+    rec = record.RunRecord(str(tmp_path), ["--out", "x y"])
+    rec.write_md(str(tmp_path / "t.md"), "| a |\n|---|\n| 1 |\n\n")
+    lines = (tmp_path / "t.md").read_text().split("\n")
+    assert lines[0] == "command: " + rec.data["command"] and rec.data["command"].endswith(" --out 'x y'")
+    assert lines[1] == "date: " + rec.data["date"][:10] and lines[2] == "machine: " + rec.data["machine"]["text"]
+    assert lines[3:] == ["", "| a |", "|---|", "| 1 |", ""]  # one newline at the end, whatever the text had
+
+
 @pytest.mark.parametrize("argv, want", [(["a b", "c"], "'a b' c"), ([], "")])
 def test_command_line_quotes_what_needs_it(argv, want):
     assert record.command_line(argv).endswith(want) and record.command_line(argv).startswith("python ")

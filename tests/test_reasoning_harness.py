@@ -14,7 +14,7 @@ from fractions import Fraction
 import pytest
 
 from bench.reasoning import data, gsm8k, stats
-from bench.reasoning.grading import extract, gold_number, grade, to_number
+from bench.reasoning.grading import extract, gold_number, grade, last_boxed, to_number
 
 
 @pytest.mark.parametrize("text, answer, value", [
@@ -33,6 +33,11 @@ from bench.reasoning.grading import extract, gold_number, grade, to_number
 def test_extraction(text, answer, value):
     assert extract(text) == answer
     assert to_number(answer) == value
+
+
+def test_last_boxed_reads_nested_braces_and_the_last_box():
+    assert last_boxed(r"so \boxed{1} then \boxed{\frac{1}{2}}") == r"\frac{1}{2}"
+    assert last_boxed("no answer") is None and last_boxed(r"\boxed{1") is None
 
 
 def test_grading_is_exact_on_the_number():
@@ -140,7 +145,8 @@ def _result(config, ratio, correct, lengths, kv_mean=None, budgets=None):
 def test_summary_and_table(tmp_path):
     full = _result("full", None, [True, True, False, True, None], [50, 100, 80, 60, 100])
     kara = _result("kara", 0.25, [True, False, True, False, False], [50, 90, 80, 100, 30], kv_mean=20.0)
-    for res in (full, kara):
+    snap = _result("snapkv", 0.25, [False, True, True, True, True], [50, 90, 80, 100, 30], budgets=[8] * 5)
+    for res in (full, kara, snap):
         with open(tmp_path / f"{res['name']}.json", "w") as f:
             json.dump(res, f)
     args = argparse.Namespace(out=str(tmp_path), max_new_tokens=100, model_path="m")
@@ -154,6 +160,11 @@ def test_summary_and_table(tmp_path):
     assert k["tok_s"] == sum([50, 90, 80, 100, 30]) / 10.0 and k["tok_cpu_s"] == 350 / 5.0
     table = (tmp_path / "gsm8k.md").read_text()
     assert "| full | - | 3/5 = 0.60" in table and "| kara | 0.25 | 2/5 = 0.40" in table and "| 1 / 2 |" in table
+    # a baseline is paired with full KV and with Kara at its ratio; Kara and full not with Kara
+    sn = rows["snapkv"]
+    assert (sn["won"], sn["lost"], sn["kara_won"], sn["kara_lost"]) == (2, 1, 3, 1)
+    assert sn["kara_p"] == stats.mcnemar_exact(3, 1) and "kara_won" not in k and "kara_won" not in rows["full"]
+    assert f"| 3 / 1 ({stats.mcnemar_exact(3, 1):.3f}) |" in table
 
 
 def test_a_wrong_wheel_is_refused(tmp_path):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import time
@@ -24,6 +23,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from bench.quality.task import check, extract_answer, make_problem  # noqa: E402
+from bench.reasoning.stats import wilson  # noqa: E402
 
 DEFAULT_SEED = 20260611
 
@@ -31,16 +31,6 @@ DEFAULT_SEED = 20260611
 def held_out_problems(n: int, seed: int = DEFAULT_SEED, size_min: int = 21, size_max: int = 62):
     rng = random.Random(seed)
     return [make_problem(rng, rng.randint(size_min, size_max)) for _ in range(n)]
-
-
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    if n == 0:
-        return 0.0, 1.0
-    p = k / n
-    d = 1 + z * z / n
-    c = (p + z * z / (2 * n)) / d
-    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return max(0.0, c - h), min(1.0, c + h)
 
 
 def main(argv=None):

@@ -378,8 +378,7 @@ def main(argv=None):
               + f"  ({time.time() - tic:.0f}s)", flush=True)
         json.dump(results, open(os.path.join(args.out, "event_analysis.json"), "w"))
     table = summarize(results, fid_methods)
-    open(os.path.join(args.out, "event_analysis.md"), "w").write(
-        f"command: {record.data['command']}\n{record.stamp}\n\n{table}")
+    record.write_md(os.path.join(args.out, "event_analysis.md"), table)
     record.finish()
     print(table)
 

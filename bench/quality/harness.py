@@ -39,8 +39,9 @@ import os
 import sys
 import time
 
-from bench.engine_env import engine_env, kara_opts
-from bench.quality.eval_hf import wilson
+from bench.engine_env import kara_opts
+from bench.reasoning.grading import last_boxed
+from bench.reasoning.stats import wilson
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BENCH = os.path.dirname(HERE)
@@ -53,22 +54,6 @@ POLICIES = {
     "snapkv": dict(kara_policy="snapkv"),
     "streaming": dict(kara_policy="streaming"),
 }
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} (nested braces allowed)."""
-    i = text.rfind("\\boxed{")
-    if i < 0:
-        return None
-    depth, j = 0, i + len("\\boxed{")
-    for k in range(j, len(text)):
-        if text[k] == "{":
-            depth += 1
-        elif text[k] == "}":
-            if depth == 0:
-                return text[j:k].strip()
-            depth -= 1
-    return None
 
 
 def load_problems(args):
@@ -90,40 +75,19 @@ def load_problems(args):
 
 
 def run_engine(model_path, options, problems, per_request=None, threads=1, fidelity=None, record=None, label=None):
-    """Greedy outputs of ``problems``; per_request: custom_params.kara per problem; fidelity:
-    custom_params.fidelity per problem (record / force, bench/quality/fidelity.py); ``record``: a
-    bench.record.RunRecord that gets the engine's resolved settings under ``label``."""
-    import sgl_kara
+    """Greedy outputs of ``problems`` ((prompt, answer, max_new_tokens, checker) tuples) on one
+    engine (bench/quality/real_lm.py: run_engine); per_request: custom_params.kara per problem;
+    fidelity: custom_params.fidelity per problem (record / force, bench/quality/fidelity.py), a
+    forced problem generating exactly its forced tokens; ``record``: a bench.record.RunRecord that
+    gets the engine's resolved settings under ``label``."""
+    from bench.quality import real_lm
 
-    if fidelity:
-        options = dict(options, enable_custom_logit_processor=True)
-    with engine_env(threads):
-        engine = sgl_kara.Engine(model_path=model_path, log_level="error", random_seed=0,
-                                 disable_overlap_schedule=True, **options)
-    if record is not None:
-        record.add_engine(label or options.get("kara_policy", "engine"), engine)
-    try:
-        params = []
-        for i, (_, _, max_new, _) in enumerate(problems):
-            p = {"max_new_tokens": max_new, "temperature": 0.0}
-            custom = {}
-            if per_request and per_request[i]:
-                custom["kara"] = per_request[i]
-            if fidelity:
-                custom["fidelity"] = fidelity[i]
-                if fidelity[i]["mode"] == "force":
-                    p["max_new_tokens"] = len(fidelity[i]["tokens"])
-            if custom:
-                p["custom_params"] = custom
-            params.append(p)
-        processor = None
-        if fidelity:
-            from bench.quality.fidelity import FidelityProcessor
+    def params_of(i, problem):
+        forced = fidelity and fidelity[i]["mode"] == "force"
+        return {"max_new_tokens": len(fidelity[i]["tokens"]) if forced else problem[2], "temperature": 0.0}
 
-            processor = [FidelityProcessor.to_str()] * len(problems)
-        return engine.generate([p[0] for p in problems], params, custom_logit_processor=processor)
-    finally:
-        engine.shutdown()
+    return real_lm.run_engine(model_path, options, problems, params_of, per_request, fidelity, threads, record,
+                              label, text_of=lambda problem: problem[0])
 
 
 def baseline_budget(meta: dict, args) -> int:
@@ -459,8 +423,7 @@ def write_table(rows, args, argv):
             lines.append(f"| {r['policy']} | {r['ratio'] if r['ratio'] is not None else '-'} | "
                          + " | ".join(f"{100 * d / max(1, n):.1f}" for d, n in cells) + " |")
     table = "\n".join(lines)
-    with open(os.path.join(args.out, "quality.md"), "w") as f:
-        f.write(f"command: {args.record.data['command']}\n{args.record.stamp}\n\n{table}\n")
+    args.record.write_md(os.path.join(args.out, "quality.md"), table)
     with open(os.path.join(args.out, "quality.json"), "w") as f:
         json.dump(rows, f, indent=1)
     return table

@@ -10,7 +10,8 @@ token by token through a custom logit processor) and, per step, compared with fu
 
     agreement      the policy's greedy choice equals full KV's
     KL             KL(p_full || p_policy), nats per token
-    PPL            perplexity of the full-KV text under the policy
+    PPL            perplexity of the full-KV text under the policy, each step's distribution
+                   without the EOS tokens (suppressed while the forced output runs)
     shared prefix  first disagreement = length of the output free greedy decoding would share
                    with full KV (median over prompts; "identical" = never disagrees)
 
@@ -202,9 +203,11 @@ def _engine_options(name, ratio, args, kara_peaks=None, kara_means=None):
 
 
 def run_engine(model_path, opts, problems, params_of, per_request=None, fidelity=None, threads=1, record=None,
-               label=None):
-    """Outputs of ``problems`` on one engine; ``record``: a bench.record.RunRecord that gets the
-    engine's resolved settings under ``label``."""
+               label=None, text_of=None):
+    """Outputs of ``problems`` on one engine: ``params_of(i, problem)`` its sampling params,
+    per_request / fidelity its custom_params.kara / .fidelity (None: none); the prompt is
+    ``problem["input_ids"]``, or the text ``text_of(problem)``; ``record``: a
+    bench.record.RunRecord that gets the engine's resolved settings under ``label``."""
     import sgl_kara
 
     from bench.engine_env import engine_env
@@ -222,7 +225,7 @@ def run_engine(model_path, opts, problems, params_of, per_request=None, fidelity
         for i, p in enumerate(problems):
             sp = params_of(i, p)
             custom = {}
-            if per_request:
+            if per_request and per_request[i]:
                 custom["kara"] = per_request[i]
             if fidelity:
                 custom["fidelity"] = fidelity[i]
@@ -234,6 +237,8 @@ def run_engine(model_path, opts, problems, params_of, per_request=None, fidelity
             from bench.quality.fidelity import FidelityProcessor
 
             processor = [FidelityProcessor.to_str()] * len(problems)
+        if text_of is not None:
+            return engine.generate([text_of(p) for p in problems], params, custom_logit_processor=processor)
         return engine.generate(input_ids=[p["input_ids"] for p in problems], sampling_params=params,
                                custom_logit_processor=processor)
     finally:
@@ -469,7 +474,7 @@ def write(rows, texts, args, argv):
             f"{r['shared_prefix_median']:.0f} | {r['identical']}/{r['n']} | {r['agree_noloop']:.4f} | "
             f"{r['kl_noloop']:.4f} | {r['agree_late']:.4f} | {r['kl_late']:.4f} | {kv} |")
     with open(os.path.join(args.out, "quality_real.md"), "w") as f:
-        f.write(f"command: {args.record.data['command']}\n{args.record.stamp}\n\n" + "\n".join(lines) + "\n")
+        f.write(args.record.header + "\n".join(lines) + "\n")
         for key, outs in texts.items():
             f.write(f"\n### Free generation: {key}\n\n")
             for i, t in enumerate(outs):

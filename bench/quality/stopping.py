@@ -153,8 +153,7 @@ def write(rows, args, argv):
                      f"{f(r, 'loops', 'd')} | "
                      f"{f(r, 'length_ratio', '.2f')} | {f(r, 'extra_tokens', '.0f')} | {f(r, 'identical', '.3f')} | "
                      f"{f(r, 'runaway_all', '.3f')} | {f(r, 'peak_kv', '.0f')} | {f(r, 'mean_kv', '.0f')} |")
-    with open(os.path.join(args.out, "quality_stopping.md"), "w") as fh:
-        fh.write(f"command: {args.record.data['command']}\n{args.record.stamp}\n\n" + "\n".join(lines) + "\n")
+    args.record.write_md(os.path.join(args.out, "quality_stopping.md"), "\n".join(lines))
     with open(os.path.join(args.out, "quality_stopping.json"), "w") as fh:
         json.dump({"rows": rows, "args": {k: v for k, v in vars(args).items() if k != "record"}}, fh, indent=1)
     return "\n".join(lines)

@@ -23,7 +23,8 @@ Every compressing configuration runs each event whole at its due step (``--kara-
 paper's schedule) and scores from captured queries.
 
 Reported per configuration: accuracy with a 95% Wilson interval; paired with full KV on the same
-problems: problems won (policy right, full wrong) and lost, exact McNemar p; mean and peak
+problems: problems won (policy right, full wrong) and lost, exact McNemar p; every other
+compressing configuration also paired with Kara at its ratio the same way; mean and peak
 generated KV per answer (``meta_info["kara"]`` kv_mean_len / kv_peak_len minus the prompt; full
 KV: its length), answer length, truncated answers (hit ``--max-new-tokens``), answers without a
 ``\\boxed{}`` / ``####``, tokens per wall second and per CPU second of the engine's processes.
@@ -266,7 +267,20 @@ def _read_jsonl(path: str) -> list[dict]:
     return rows
 
 
-def summarize(result: dict, full: dict | None, max_new_tokens: int) -> dict:
+def _paired_with(reference: dict | None, probs: list[dict]) -> dict | None:
+    """won / lost / McNemar p of ``probs`` against ``reference`` on the same problems, else None."""
+    if reference is None:
+        return None
+    by_id = {r["id"]: r["correct"] for r in reference["problems"]}
+    if set(by_id) != {r["id"] for r in probs}:
+        return None
+    return stats.paired([by_id[r["id"]] for r in probs], [r["correct"] for r in probs])
+
+
+def summarize(result: dict, full: dict | None, max_new_tokens: int, kara: dict | None = None) -> dict:
+    """One table row; paired with ``full`` (every configuration but full) and with ``kara`` at
+    the same ratio (every configuration but full and kara): ``kara_won`` = this one right, Kara
+    wrong."""
     probs = result["problems"]
     n = len(probs)
     k = sum(r["correct"] for r in probs)
@@ -286,10 +300,10 @@ def summarize(result: dict, full: dict | None, max_new_tokens: int) -> dict:
            "tok_s": tokens / seconds if seconds else None, "tok_cpu_s": tokens / cpu if cpu else None}
     if "budget" in probs[0]:
         row["budget_mean"] = sum(r["budget"] for r in probs) / n
-    if full is not None and result["config"] != "full":
-        by_id = {r["id"]: r["correct"] for r in full["problems"]}
-        if set(by_id) == {r["id"] for r in probs}:
-            row.update(stats.paired([by_id[r["id"]] for r in probs], [r["correct"] for r in probs]))
+    if result["config"] != "full" and (vs_full := _paired_with(full, probs)) is not None:
+        row.update(vs_full)
+    if result["config"] not in ("full", "kara") and (vs_kara := _paired_with(kara, probs)) is not None:
+        row.update(kara_won=vs_kara["won"], kara_lost=vs_kara["lost"], kara_p=vs_kara["mcnemar_p"])
     return row
 
 
@@ -303,21 +317,23 @@ def report(args) -> list[dict]:
         res = load_result(args.out, fname[:-5])
         if res is None or "problems" not in res:
             continue
-        rows.append(summarize(res, full, res.get("max_new_tokens", args.max_new_tokens)))
+        kara = load_result(args.out, result_name("kara", res["ratio"])) if res["ratio"] is not None else None
+        rows.append(summarize(res, full, res.get("max_new_tokens", args.max_new_tokens), kara))
     order = {c: i for i, c in enumerate(CONFIGS)}
     rows.sort(key=lambda r: (r["ratio"] or 0, order.get(r["config"], 99)))
 
     def fmt(v, spec, dash="-"):
         return dash if v is None else format(v, spec)
 
-    head = ("| configuration | r | accuracy [95% CI] | won / lost vs full | McNemar p | mean gen. KV | peak gen. KV "
-            "| answer tokens | truncated | no answer | compressed | tok/s | tok/CPU-s |")
+    head = ("| configuration | r | accuracy [95% CI] | won / lost vs full | McNemar p | won / lost vs Kara (p) "
+            "| mean gen. KV | peak gen. KV | answer tokens | truncated | no answer | compressed | tok/s | tok/CPU-s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         paired = f"{r['won']} / {r['lost']}" if "won" in r else "-"
+        vs_kara = f"{r['kara_won']} / {r['kara_lost']} ({r['kara_p']:.3f})" if "kara_won" in r else "-"
         lines.append(
             f"| {r['config']} | {fmt(r['ratio'], 'g')} | {r['correct']}/{r['n']} = {r['acc']:.2f} "
-            f"[{r['lo']:.2f}, {r['hi']:.2f}] | {paired} | {fmt(r.get('mcnemar_p'), '.3f')} | {r['kv_mean']:.0f} "
+            f"[{r['lo']:.2f}, {r['hi']:.2f}] | {paired} | {fmt(r.get('mcnemar_p'), '.3f')} | {vs_kara} | {r['kv_mean']:.0f} "
             f"| {r['kv_peak']:.0f} | {r['answer_len']:.0f} | {r['truncated']} | {r['no_answer']} | {r['compressed']} "
             f"| {fmt(r['tok_s'], '.1f')} | {fmt(r['tok_cpu_s'], '.1f')} |")
     from bench.record import stamp
