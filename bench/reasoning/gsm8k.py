@@ -309,16 +309,17 @@ def summarize(result: dict, full: dict | None, max_new_tokens: int, kara: dict |
 
 def report(args) -> list[dict]:
     """OUT/gsm8k.md and OUT/gsm8k.json from every finished configuration in OUT."""
-    full = load_result(args.out, "full")
-    rows = []
+    results = {}  # name -> finished result, each file read once
     for fname in sorted(os.listdir(args.out)):
         if not fname.endswith(".json") or fname.startswith(("run", "gsm8k")):
             continue
         res = load_result(args.out, fname[:-5])
-        if res is None or "problems" not in res:
-            continue
-        kara = load_result(args.out, result_name("kara", res["ratio"])) if res["ratio"] is not None else None
-        rows.append(summarize(res, full, res.get("max_new_tokens", args.max_new_tokens), kara))
+        if res is not None and "problems" in res:
+            results[fname[:-5]] = res
+    full = results.get("full")
+    rows = [summarize(res, full, res.get("max_new_tokens", args.max_new_tokens),
+                      None if res["ratio"] is None else results.get(result_name("kara", res["ratio"])))
+            for res in results.values()]
     order = {c: i for i, c in enumerate(CONFIGS)}
     rows.sort(key=lambda r: (r["ratio"] or 0, order.get(r["config"], 99)))
 
