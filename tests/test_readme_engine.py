@@ -1,7 +1,8 @@
 """README's Python example (Quick start), saved to a file as written and run as a script: it starts
-``sgl_kara.Engine`` on the default model, its 700-token answer is compressed once (W 512, due every
-128 of its tokens: at token 640), it prints ``meta_info["kara"]`` and exits 0. Integration tier
-(an engine of its own on SmolLM2, ~2.5 min on the 2-core VM)."""
+``sgl_kara.Engine`` on the default model, its 700-token answer (greedy, EOS ignored: the length does
+not depend on sampling) is compressed once (W 512, due every 128 of its tokens: at token 640), it
+prints ``meta_info["kara"]`` and exits 0. Integration tier (an engine of its own on SmolLM2, ~2.5 min
+on the 2-core VM); the check that the example fixes its length runs in the default suite."""
 
 from __future__ import annotations
 
@@ -22,6 +23,15 @@ def readme_engine_example() -> str:
     found = [b for b in blocks if "sgl_kara.Engine(" in b]
     assert len(found) == 1, f"README should hold one Python block that starts sgl_kara.Engine, found {len(found)}"
     return found[0]
+
+
+def test_readme_python_example_fixes_its_answer_length():
+    """SGLang samples at temperature 1 unless told: an example whose compression count depends on where
+    a sampled story ends would print ``compressions 0`` on some runs."""
+    block = readme_engine_example()
+    params = ast.literal_eval(re.search(r"engine\.generate\([^,]+,\s*(\{.*?\})\)", block).group(1))
+    assert params["temperature"] == 0 and params["ignore_eos"] is True, params
+    assert params["max_new_tokens"] > 640, params  # past the first due step of window 512, period 128
 
 
 @pytest.mark.integration
