@@ -206,6 +206,23 @@ def run_and_check(model_path: str, tmp_path, page: int, query_source: str, polic
     return outs, engine if keep_engine else None, worst, control
 
 
+def check_policy_through_engine(model_path: str, tmp_path, page: int, name: str, engines) -> None:
+    """One registered policy on the session's shared engine (capture, its small options): the oracle's
+    step-by-step check, then several events per request, physical KV below logical, integrity checks
+    at every event, and every slot free afterwards (tests/test_policy_matrix.py, page 16:
+    tests/test_contract_engine.py)."""
+    from support import flush_when_idle
+
+    outs, engine, _, _ = run_and_check(model_path, tmp_path, page, "capture", policy=name, extra=small_options(name),
+                                       engines=engines)
+    for out in outs:
+        kara = out["meta_info"]["kara"]
+        assert kara["compressions"] >= 2, kara
+        assert kara["kv_physical_len"] < kara["kv_logical_len"], kara
+        assert kara["integrity_checks"] >= kara["compressions"] - 1, kara
+    assert flush_when_idle(engine), "slots still held after every request finished"
+
+
 def _check_against_reference(model_path, prompts, outs, events, policy, page, query_source, tol=TOL, margin=None):
     """Returns (worst |dlogprob| vs the masked reference, smallest gap of the unmasked control)."""
     model = load_reference(model_path)

@@ -16,6 +16,7 @@ when first imported) and SGLang's strict memory checks for every engine and serv
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import subprocess
@@ -252,6 +253,34 @@ class Server:
         self.log.flush()
         with open(self.log.name) as f:
             return f.read()
+
+
+@contextlib.contextmanager
+def servers_at_once(specs: dict[str, dict]):
+    """Start one ``Server(**specs[name])`` per name, all at once (threads: each start is mostly
+    waiting), and yield ``{name: Server}``; every server that started is stopped on exit, and a start
+    that failed fails the caller with its error."""
+    import threading
+
+    started, errors = {}, []
+
+    def start(name, kw):
+        try:
+            started[name] = Server(**kw)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=start, args=item) for item in specs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert not errors, errors
+        yield started
+    finally:
+        for srv in started.values():
+            srv.stop()
 
 
 def _url(target) -> str:

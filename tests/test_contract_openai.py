@@ -14,7 +14,6 @@ follow-up turn's prefill exact (the radix tree never hands out compressed KV).
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 import time
@@ -22,7 +21,7 @@ import time
 import pytest
 import requests
 
-from support import Server, generated
+from support import generated, servers_at_once
 
 pytestmark = pytest.mark.integration  # a server of its own (docs/TESTING.md, tiers)
 
@@ -61,26 +60,11 @@ def servers(model_path):
     """Both servers, started at once. The vanilla one is SGLang's own scheduler and radix cache
     (``--kara-policy none``: sgl_kara's launcher with its CPU defaults, Kara off; equal to
     ``sglang.Engine``'s tokens, tests/test_engine.py), so both compute the same numbers."""
-    started, errors = {}, []
-
-    def start(name, args, env=None):
-        try:
-            started[name] = Server(["--model-path", model_path, *args], env=env, timeout=300)
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=start, args=("kara", KARA_ARGS, KARA_ENV)),
-               threading.Thread(target=start, args=("vanilla", ["--kara-policy", "none", *COMMON]))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    try:
-        assert not errors, errors
+    with servers_at_once({
+        "kara": dict(args=["--model-path", model_path, *KARA_ARGS], env=KARA_ENV, timeout=300),
+        "vanilla": dict(args=["--model-path", model_path, "--kara-policy", "none", *COMMON], timeout=300),
+    }) as started:
         yield started
-    finally:
-        for srv in started.values():
-            srv.stop()
 
 
 @pytest.fixture(scope="module")

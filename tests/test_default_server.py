@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from pathlib import Path
 
 import pytest
 import requests
 
-from support import Server
+from support import servers_at_once
 
 pytestmark = pytest.mark.integration  # a server of its own (docs/TESTING.md, tiers)
 
@@ -109,28 +108,12 @@ def test_long_generation_is_compressed_as_documented(default_server):
 def test_two_default_servers_at_once(default_server):
     """Two more default servers started together (beside the fixture's: three in all) both
     answer; the per-server memory defaults keep them and this test process within the machine."""
-    servers, errors = [], []
-
-    def start():
-        try:
-            servers.append(Server([], timeout=600))
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=start) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    try:
-        assert not errors, errors
-        for srv in servers:
+    with servers_at_once({i: dict(args=[], timeout=600) for i in range(2)}) as started:
+        for srv in started.values():
             r = requests.post(srv.url + "/v1/chat/completions", json={
                 "model": "default", "messages": [{"role": "user", "content": "Say hello."}],
                 "max_tokens": 8, "temperature": 0,
             }, timeout=300)
             assert r.status_code == 200, r.text[:300]
             assert r.json()["choices"][0]["message"]["content"]
-    finally:
-        for srv in servers:
-            srv.stop()
+        assert len(started) == 2

@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 
+from kernel_launches import Allocator, Launches, Pool
 from sgl_kara import support
 from sgl_kara.config import KaraConfig
 from sgl_kara.kernels.window_score import window_scores_paged, window_scores_paged_ref
@@ -19,23 +20,7 @@ from sgl_kara.scheduler.forward import ForwardContext
 from sgl_kara.scheduler.jobs import Job
 from sgl_kara.scheduler.state import KaraReqState
 
-D, HQ, HKV, LAYERS, SLOTS = 16, 4, 2, 2, 256
-
-
-class Pool:
-    """One K and one V buffer per layer, as SGLang's MHATokenToKVPool hands them out."""
-
-    def __init__(self, dtype=torch.float32, seed=0, slots=SLOTS):
-        g = torch.Generator().manual_seed(seed)
-        self.k = [torch.randn(slots, HKV, D, generator=g).to(dtype) for _ in range(LAYERS)]
-        self.v = [torch.randn(slots, HKV, D, generator=g).to(dtype) for _ in range(LAYERS)]
-        self.start_layer = 0
-
-    def get_key_buffer(self, layer):
-        return self.k[layer]
-
-    def get_value_buffer(self, layer):
-        return self.v[layer]
+D, HQ, HKV, LAYERS = 16, 4, 2, 2  # tests/kernel_launches.Pool's defaults
 
 
 def _request(pool_idx: int, length: int, prompt: int = 8):
@@ -206,66 +191,6 @@ def test_kv_cache_dtype_other_than_the_model_dtype_is_accepted(monkeypatch, tiny
 
 
 # ------------------------------------------------------------------ warm-up compiles what events launch
-class LaunchLog:
-    """Wraps the Triton kernels of the launchers: records each launch's specialisation as Triton
-    keys its compiled kernels (argument types, == 1 and divisible-by-16 classes of integers and
-    pointers, constexpr values)."""
-
-    KERNELS = {"sgl_kara.kernels.window_score": ("_lse_kernel", "_colsum_kernel"),
-               "sgl_kara.kernels.compact": ("_compact_kernel", "_copy_rows_kernel", "_gather_rows_kernel",
-                                            "_scatter_rows_kernel")}
-
-    def __init__(self, monkeypatch):
-        import importlib
-
-        from triton._C.libtriton import native_specialize_impl
-        from triton.backends.compiler import BaseBackend
-
-        self.specs: set = set()
-        log = self
-
-        class Wrapped:
-            def __init__(self, name, kernel):
-                self.name, self.kernel = name, kernel
-
-            def __getitem__(self, grid):
-                launch = self.kernel[grid]
-
-                def run(*args, **kw):
-                    spec = tuple(native_specialize_impl(BaseBackend, a, False, True, True) for a in args)
-                    log.specs.add((self.name, spec, tuple(sorted((k, repr(v)) for k, v in kw.items()))))
-                    return launch(*args, **kw)
-
-                return run
-
-        for mod_name, names in self.KERNELS.items():
-            mod = importlib.import_module(mod_name)
-            for name in names:
-                monkeypatch.setattr(mod, name, Wrapped(name, getattr(mod, name)))
-
-    def take(self) -> set:
-        out, self.specs = self.specs, set()
-        return out
-
-
-class Allocator:
-    """SGLang's free list: each allocation is a slice of what is left, at any offset."""
-
-    def __init__(self, size: int, page: int):
-        self.page = page
-        self.free_pages = torch.arange(1, size // page)
-
-    def alloc(self, n: int):
-        pages = n // self.page
-        got, self.free_pages = self.free_pages[:pages], self.free_pages[pages:]
-        if self.page == 1:
-            return got
-        return (got[:, None] * self.page + torch.arange(self.page)).reshape(-1)
-
-    def free(self, slots):
-        pass
-
-
 def _event_launches(policy, pool, q_dtype, page: int, tails: list[int], prompt: int):
     """What one event launches for rows of these lengths: queries read from a capture ring, scores
     per layer (all rows at once, and one by one as a recompute split would), one compaction."""
@@ -324,7 +249,7 @@ def test_warm_up_compiles_every_specialisation_an_event_launches(monkeypatch, po
     else:
         policy = SnapKVPolicy(SnapKVOptions(threshold=40, budget=20, window=4))
         tails = [41 + i for i in (0, 1, 6, 7, 13, 20)]  # region lengths of both classes
-    log = LaunchLog(monkeypatch)
+    log = Launches(monkeypatch)
     pool = Pool(kv_dtype, slots=1024)
     warm_up_kernels(pool, list(range(LAYERS)), policy, [HQ], q_dtype, page)
     warm = log.take()

@@ -14,21 +14,13 @@ from __future__ import annotations
 
 import pytest
 
-from oracle import run_and_check, shared_engine, small_options
+from oracle import check_policy_through_engine, shared_engine, small_options
 from sgl_kara.policies import base
-from support import flush_when_idle
 
 
 @pytest.mark.parametrize("name", base.names())
 def test_policy_through_the_engine(name, tiny_llama, tmp_path, engines):
-    outs, engine, _, _ = run_and_check(tiny_llama, tmp_path, 1, "capture", policy=name, extra=small_options(name),
-                                       engines=engines)
-    for out in outs:
-        kara = out["meta_info"]["kara"]
-        assert kara["compressions"] >= 2, kara
-        assert kara["kv_physical_len"] < kara["kv_logical_len"], kara
-        assert kara["integrity_checks"] >= kara["compressions"] - 1, kara
-    assert flush_when_idle(engine), "slots still held after every request finished"
+    check_policy_through_engine(tiny_llama, tmp_path, 1, name, engines)
 
 
 @pytest.mark.parametrize("policy", ["snapkv", "streaming"])

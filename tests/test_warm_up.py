@@ -2,20 +2,16 @@
 launch, whatever a request brings: a per-request retention or budget (another kept count), a
 spread chunk of any length (another query span), a threshold policy's growing region.
 
-Triton keys a compiled kernel on its constexprs and on each other argument's type and, unless
-the kernel lists it in ``do_not_specialize``, on whether an integer equals 1 or is divisible by 16
-(pointers: 16-byte alignment). The recorder below computes that key for every launch (Triton's
-own ``native_specialize_impl``, honouring each kernel's ``do_not_specialize``) under the CPU
-interpreter, so a launch the warm-up did not make is a compile mid-serving on a GPU.
+Each launch is recorded under the key Triton compiles it by (tests/kernel_launches.py), under the
+CPU interpreter, so a launch the warm-up did not make is a compile mid-serving on a GPU.
 """
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
+from kernel_launches import Allocator, Launches, Pool
 from sgl_kara.mem_cache.compaction import CompactionPlan, compact_rows
 from sgl_kara.policies.base import RowView, ScoreInput
 from sgl_kara.policies.kara import KaraOptions, KaraPolicy
@@ -24,79 +20,6 @@ from sgl_kara.scheduler.state import KaraReqState
 from sgl_kara.scheduler.warm_up import warm_up_kernels
 
 LAYERS, HQ, HKV, D = 2, 4, 2, 16
-KERNELS = {"sgl_kara.kernels.window_score": ("_lse_kernel", "_colsum_kernel"),
-           "sgl_kara.kernels.compact": ("_compact_kernel", "_copy_rows_kernel", "_gather_rows_kernel",
-                                        "_scatter_rows_kernel")}
-
-
-class Launches:
-    """Every launch of the launchers' Triton kernels, keyed as Triton keys its compiled kernels."""
-
-    def __init__(self, monkeypatch):
-        from triton._C.libtriton import native_specialize_impl
-        from triton.backends.compiler import BaseBackend
-
-        self.keys: set = set()
-        log = self
-
-        class Recorded:
-            def __init__(self, name, kernel):
-                self.name, self.kernel = name, kernel
-                self.arg_names = list(kernel.arg_names)
-                self.fixed = set(kernel.kwargs.get("do_not_specialize") or ())
-
-            def __getitem__(self, grid):
-                launch = self.kernel[grid]
-
-                def run(*args, **kw):
-                    key = tuple(native_specialize_impl(BaseBackend, a, False, name not in self.fixed, True)
-                                for name, a in zip(self.arg_names, args))
-                    log.keys.add((self.name, key, tuple(sorted((k, repr(v)) for k, v in kw.items()))))
-                    return launch(*args, **kw)
-
-                return run
-
-        for mod_name, names in KERNELS.items():
-            mod = importlib.import_module(mod_name)
-            for name in names:
-                monkeypatch.setattr(mod, name, Recorded(name, getattr(mod, name)))
-
-    def take(self) -> set:
-        out, self.keys = self.keys, set()
-        return out
-
-
-class Pool:
-    def __init__(self, dtype, slots=2048):
-        g = torch.Generator().manual_seed(0)
-        self.k = [torch.randn(slots, HKV, D, generator=g).to(dtype) for _ in range(LAYERS)]
-        self.v = [torch.randn(slots, HKV, D, generator=g).to(dtype) for _ in range(LAYERS)]
-        self.start_layer, self.layer_num = 0, LAYERS
-
-    def get_key_buffer(self, layer):
-        return self.k[layer]
-
-    def get_value_buffer(self, layer):
-        return self.v[layer]
-
-
-class Allocator:
-    """SGLang's free list: each allocation a slice of what is left, at any offset."""
-
-    def __init__(self, size: int, page: int):
-        self.page = page
-        self.free_pages = torch.arange(1, size // page)
-
-    def alloc(self, n: int):
-        pages = -(-n // self.page)
-        got, self.free_pages = self.free_pages[:pages], self.free_pages[pages:]
-        if self.page == 1:
-            return got
-        return (got[:, None] * self.page + torch.arange(self.page)).reshape(-1)
-
-    def free(self, slots):
-        pass
-
 
 def event_launches(policy, pool, q_dtype, page, rows: list[tuple[int, KaraReqState]], spans=()):
     """One request per (row length, state): its region scored by its whole query window and by
@@ -141,7 +64,7 @@ def states(protected: int, **fields):
 def test_kara_events_with_any_retention_and_spread_chunk_compile_nothing_new(monkeypatch, page, q_dtype, kv_dtype):
     policy = KaraPolicy(KaraOptions(window=32, buffer=4, period=8))
     log = Launches(monkeypatch)
-    pool = Pool(kv_dtype)
+    pool = Pool(kv_dtype, slots=2048, layers=LAYERS, kv_heads=HKV, head_dim=D)
     warm_up_kernels(pool, list(range(LAYERS)), policy, [HQ], q_dtype, page)
     warm = log.take()
     p = 16
@@ -155,7 +78,7 @@ def test_kara_events_with_any_retention_and_spread_chunk_compile_nothing_new(mon
 def test_threshold_events_with_any_budget_compile_nothing_new(monkeypatch, page):
     policy = SnapKVPolicy(SnapKVOptions(threshold=40, budget=20, window=4))
     log = Launches(monkeypatch)
-    pool = Pool(torch.float32)
+    pool = Pool(torch.float32, slots=2048, layers=LAYERS, kv_heads=HKV, head_dim=D)
     warm_up_kernels(pool, list(range(LAYERS)), policy, [HQ], torch.float32, page)
     warm = log.take()
     p = 16

@@ -36,6 +36,7 @@ import time
 
 import torch
 
+from bench.quality.real_lm import first_loop
 from sgl_kara.policies.kara import default_chunk_budget, kept_count, select, window_scores
 from sgl_kara.policies.snapkv import snapkv_pool
 from tests.oracle import visibility  # the exactness oracle's masking, shared on purpose
@@ -114,21 +115,6 @@ def full_output(model, tok, prompt, n_new, cache_dir):
     if path:
         json.dump(rec, open(path, "w"))
     return rec
-
-
-def first_loop(ids: list[int], span: int = 24, repeats: int = 3) -> int:
-    """Start of the first repetition loop: a segment of 4..span tokens repeated ``repeats`` times
-    back to back; len(ids) if none."""
-    n = len(ids)
-    for end in range(n):
-        for p in range(4, span + 1):
-            start = end - repeats * p + 1
-            if start < 0:
-                break
-            seg = ids[end - p + 1 : end + 1]
-            if all(ids[start + r * p : start + (r + 1) * p] == seg for r in range(repeats - 1)):
-                return start
-    return n
 
 
 # ------------------------------------------------------------------------------------- selection

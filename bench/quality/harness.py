@@ -40,20 +40,15 @@ import sys
 import time
 
 from bench.engine_env import kara_opts
+from bench.quality import real_lm
 from bench.reasoning.grading import last_boxed
 from bench.reasoning.stats import wilson
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BENCH = os.path.dirname(HERE)
 
-POLICIES = {
-    "none": dict(kara_policy="none"),
-    "kara": dict(kara_policy="kara"),
-    "kara-noT2C": dict(kara_policy="kara", kara_chunk_budget=0),
-    "kara-causal": dict(kara_policy="kara", kara_scoring="buffer"),
-    "snapkv": dict(kara_policy="snapkv"),
-    "streaming": dict(kara_policy="streaming"),
-}
+# the synthetic harness's policies: real_lm's own settings, those the synthetic task runs
+POLICIES = {name: real_lm.POLICIES[name] for name in ("none", "kara", "kara-noT2C", "kara-causal", "snapkv", "streaming")}
 
 
 def load_problems(args):
@@ -80,7 +75,6 @@ def run_engine(model_path, options, problems, per_request=None, threads=1, fidel
     fidelity: custom_params.fidelity per problem (record / force, bench/quality/fidelity.py), a
     forced problem generating exactly its forced tokens; ``record``: a bench.record.RunRecord that
     gets the engine's resolved settings under ``label``."""
-    from bench.quality import real_lm
 
     def params_of(i, problem):
         forced = fidelity and fidelity[i]["mode"] == "force"
@@ -231,8 +225,6 @@ def main(argv=None):
 
     args.record = RunRecord(args.out, argv)  # every mode: date, machine, commit, command; engines as they start
     if args.real:
-        from bench.quality import real_lm
-
         given = argv if argv is not None else sys.argv[1:]
         if "--policies" not in given:
             args.policies = list(real_lm.POLICIES)

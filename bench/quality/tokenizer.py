@@ -8,6 +8,7 @@ plain concatenation of message contents after ``<bos>`` (the prompt text already
 
 from __future__ import annotations
 
+import os
 import sys
 
 from bench.quality.task import WORDS
@@ -39,7 +40,7 @@ def build_tokenizer(words: list[str] | None = None):
     return fast
 
 
-def save_tokenizer(out_dir: str | Path):
+def save_tokenizer(out_dir: str | os.PathLike):
     tok = build_tokenizer()
     tok.save_pretrained(str(out_dir))
     return tok

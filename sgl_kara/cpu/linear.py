@@ -26,7 +26,6 @@ import contextlib
 import weakref
 
 import torch
-import torch.nn.functional as F
 
 # Rows (tokens in the forward) for which the lm_head's packed copy is used: decode batches. One or
 # two rows stream the weights once in MKL already; prefill computes logits of a few rows only.

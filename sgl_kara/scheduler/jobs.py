@@ -91,10 +91,10 @@ def choose(tails: list[int], charges: list, interval: int, max_seqs: int) -> lis
     return [i for i in order if i in picked]
 
 
-def eligible(req, state: KaraReqState, page_size: int, on_protected=None) -> tuple[int, int] | None:
-    """(row length, tokens still to generate) of a request an event may touch now: compression
-    on for it, not finishing, its KV fully committed, P fixed (here, at the first check once the
-    row reaches it). None otherwise."""
+def eligible(req, state: KaraReqState, page_size: int, on_protected=None) -> tuple[RowView, int] | None:
+    """(its row as a policy sees it, tokens still to generate) of a request an event may touch now:
+    compression on for it, not finishing, its KV fully committed, P fixed (here, at the first check
+    once the row reaches it). None otherwise."""
     if not state.enabled or req.finished() or getattr(req, "to_finish", None) is not None:
         return None
     length = int(req.kv.kv_committed_len)
@@ -108,7 +108,7 @@ def eligible(req, state: KaraReqState, page_size: int, on_protected=None) -> tup
         return None
     if fixed_now and on_protected is not None:
         on_protected(req, state)
-    return length, remaining
+    return RowView(state.protected, state.frontier, length, state.pos_offset, state), remaining
 
 
 def plan_jobs(policy, reqs, state_of, page_size: int, max_seqs: int, on_protected=None, due=None,
@@ -125,11 +125,10 @@ def plan_jobs(policy, reqs, state_of, page_size: int, max_seqs: int, on_protecte
         ok = eligible(req, state, page_size, on_protected)
         if ok is None:
             continue
-        length, remaining = ok
-        row = RowView(state.protected, state.frontier, length, state.pos_offset, state)
+        row, remaining = ok
         region = policy.region(row)
         if region is not None and policy.worth_compressing(row, remaining):
             charge = policy.tail_charge(row)
-            cands.append((length - state.frontier, None if charge is None else charge + slack, Job(i, req, state, region)))
+            cands.append((row.length - state.frontier, None if charge is None else charge + slack, Job(i, req, state, region)))
     picked = choose([c[0] for c in cands], [c[1] for c in cands], policy.event_interval(), max_seqs)
     return [cands[i][2] for i in picked]

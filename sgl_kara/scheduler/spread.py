@@ -30,6 +30,7 @@ the row, a compaction of the region clears it. Its scores are the only memory it
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -162,8 +163,8 @@ def plan_chunks(policy, reqs, state_of, page_size: int, cap: int, now_of, on_pro
         ok = eligible(req, state, page_size, on_protected)
         if ok is None:
             continue
-        length, remaining = ok
-        row = RowView(state.protected, state.frontier, length, state.pos_offset, state)
+        row, remaining = ok
+        length = row.length
         up = policy.upcoming(row)
         if up is None:
             continue
@@ -171,7 +172,7 @@ def plan_chunks(policy, reqs, state_of, page_size: int, cap: int, now_of, on_pro
         job = state.scoring
         now = now_of(req)
         if job is None or not job.covers(region):
-            ahead = RowView(state.protected, state.frontier, length + to_region, state.pos_offset, state)
+            ahead = dataclasses.replace(row, length=length + to_region)
             if not policy.worth_compressing(ahead, remaining - to_region):
                 continue  # it finishes before this window would be compressed
             steps = deadline(policy, now, to_region, region.query_len, cap) - now + 1
