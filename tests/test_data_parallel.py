@@ -178,7 +178,9 @@ def test_aborted_requests_lose_nothing(server):
         assert rep["free_slots"] == rep["pool_slots"] == POOL and rep["evictable_slots"] == 0, rep
         assert rep["failed_requests"] == 0, rep
     assert server.proc.poll() is None
-    ok = generate_batch(server, ["Hello", "Hello"], {"max_new_tokens": 4})
-    assert [o["meta_info"]["completion_tokens"] for o in ok] == [4, 4]
+    # EOS ignored: the tiny model samples its EOS id now and then, which would end an answer early
+    ok = generate_batch(server, ["Hello", "Hello"], {"max_new_tokens": 4, "temperature": 0.7, "ignore_eos": True})
+    assert [(o["meta_info"]["completion_tokens"], o["meta_info"]["finish_reason"]["type"]) for o in ok] == \
+        [(4, "length")] * 2, [o["meta_info"] for o in ok]
     bad = [line for line in server.log_text().splitlines() if "leak" in line.lower() or "Traceback" in line]
     assert not bad, bad[:5]

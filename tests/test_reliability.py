@@ -413,7 +413,7 @@ def run_retraction_storm(model_path, n_requests: int, gen: int, interval: int, m
         outs = engine.generate(RETRACT_PROMPTS[:n_requests], {"max_new_tokens": gen, "min_new_tokens": gen, "temperature": 0.7})
         seconds = time.time() - tic
         assert flush_when_idle(engine)  # strict idle check: no slot leaked
-        again = engine.generate("Hello", {"max_new_tokens": 2})
+        again = engine.generate("Hello", {"max_new_tokens": 2, "ignore_eos": True})
         assert again["meta_info"]["completion_tokens"] == 2
     finally:
         engine.shutdown()
