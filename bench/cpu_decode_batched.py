@@ -31,8 +31,15 @@ import torch
 
 from sgl_kara.cpu import attention as cpu_attention
 
-SHAPES = ["4x280x4x2x32", "16x120x4x2x32", "16x280x4x2x32", "32x300x4x2x32", "16x1000x4x2x32",
-          "8x145x9x3x64", "48x650x9x3x64"]
+SHAPES = [
+    "4x280x4x2x32",
+    "16x120x4x2x32",
+    "16x280x4x2x32",
+    "32x300x4x2x32",
+    "16x1000x4x2x32",
+    "8x145x9x3x64",
+    "48x650x9x3x64",
+]
 FLAG = "KARA_BATCHED_CPU_DECODE"
 
 
@@ -40,7 +47,9 @@ def _sglang_decode():
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
     fn = TorchNativeAttnBackend._run_sdpa_forward_decode
-    return getattr(fn, "__wrapped__", fn)  # SGLang's own, whether or not the plugin hooked it
+    return getattr(
+        fn, "__wrapped__", fn
+    )  # SGLang's own, whether or not the plugin hooked it
 
 
 class _Backend:  # the instance state the runtime keeps (SGLang's backend needs a model runner)
@@ -62,78 +71,135 @@ def measure(shape: str, spread: float, layers: int, reps: int, forwards: int, or
     width = max(lens)
     pool = 2 * sum(lens) + 1
     gen = torch.Generator().manual_seed(0)
-    k_cache, v_cache = torch.randn(pool, hkv, d, generator=gen), torch.randn(pool, hkv, d, generator=gen)
-    req_to_token = (torch.randperm(pool - 1, generator=gen)[: t * width].view(t, width) + 1).to(torch.int32)
+    k_cache, v_cache = (
+        torch.randn(pool, hkv, d, generator=gen),
+        torch.randn(pool, hkv, d, generator=gen),
+    )
+    req_to_token = (
+        torch.randperm(pool - 1, generator=gen)[: t * width].view(t, width) + 1
+    ).to(torch.int32)
     req_pool_indices, seq_lens = torch.arange(t), torch.tensor(lens)
     q = torch.randn(t, hq, d, generator=gen)
-    kw = dict(scaling=d ** -0.5, enable_gqa=hq != hkv, causal=False)
+    kw = dict(scaling=d**-0.5, enable_gqa=hq != hkv, causal=False)
     outs = {name: torch.empty(t, hq, d) for name in ("sglang", "loop", "padded")}
 
     def runtime(name):
-        backend = _Backend()  # lives across forwards, as SGLang's backend (K/V buffers reused)
+        backend = (
+            _Backend()
+        )  # lives across forwards, as SGLang's backend (K/V buffers reused)
 
         def forward():
             os.environ[FLAG] = "1" if name == "padded" else "0"
             cpu_attention.reset_metadata_hook(None, backend)
             for _ in range(layers):
-                cpu_attention.run_sdpa_forward_decode(original, backend, q, outs[name], k_cache, v_cache,
-                                                      req_to_token, req_pool_indices, seq_lens, None, **kw)
+                cpu_attention.run_sdpa_forward_decode(
+                    original,
+                    backend,
+                    q,
+                    outs[name],
+                    k_cache,
+                    v_cache,
+                    req_to_token,
+                    req_pool_indices,
+                    seq_lens,
+                    None,
+                    **kw,
+                )
             return backend
+
         return forward
 
     def sglang():
         for _ in range(layers):
-            original(_Backend(), q, outs["sglang"], k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-                     None, **kw)
+            original(
+                _Backend(),
+                q,
+                outs["sglang"],
+                k_cache,
+                v_cache,
+                req_to_token,
+                req_pool_indices,
+                seq_lens,
+                None,
+                **kw,
+            )
 
     runs = {"sglang": sglang, "loop": runtime("loop"), "padded": runtime("padded")}
     saved = os.environ.get(FLAG)
     try:
-        taken = getattr(runs["padded"](), cpu_attention._META).padded(hq * d) is not None
+        taken = (
+            getattr(runs["padded"](), cpu_attention._META).padded(hq * d) is not None
+        )
         times = {name: [] for name in runs}
         for _ in range(reps):
             for name, fn in runs.items():
                 tic = time.perf_counter()
                 for _ in range(forwards):
                     fn()
-                times[name].append((time.perf_counter() - tic) / (forwards * layers) * 1e6)
+                times[name].append(
+                    (time.perf_counter() - tic) / (forwards * layers) * 1e6
+                )
     finally:
         if saved is None:
             os.environ.pop(FLAG, None)
         else:
             os.environ[FLAG] = saved
     if not torch.equal(outs["loop"], outs["sglang"]):
-        raise AssertionError(f"{shape}: the runtime loop is not bit-identical to SGLang's")
+        raise AssertionError(
+            f"{shape}: the runtime loop is not bit-identical to SGLang's"
+        )
     err = float((outs["padded"] - outs["sglang"]).abs().max())
     return {name: statistics.median(v) for name, v in times.items()}, err, taken
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shapes", nargs="+", default=SHAPES, help="T x L x H_q x H_kv x D")
-    ap.add_argument("--spread", type=float, default=0.0, help="row lengths over [L(1-S), L(1+S)], 0 <= S < 1")
+    ap.add_argument(
+        "--shapes", nargs="+", default=SHAPES, help="T x L x H_q x H_kv x D"
+    )
+    ap.add_argument(
+        "--spread",
+        type=float,
+        default=0.0,
+        help="row lengths over [L(1-S), L(1+S)], 0 <= S < 1",
+    )
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--layers", type=int, default=4, help="calls per forward (rows read once per forward)")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=4,
+        help="calls per forward (rows read once per forward)",
+    )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--forwards", type=int, default=12)
-    ap.add_argument("--out", default=None, help="also write the table to this file, the run record beside it")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="also write the table to this file, the run record beside it",
+    )
     args = ap.parse_args(argv)
     if not 0 <= args.spread < 1:
         ap.error(f"--spread must be in [0, 1) (got {args.spread})")
     torch.set_num_threads(args.threads)
     original = _sglang_decode()
-    lines = [f"torch {torch.__version__}, {args.threads} thread(s), spread {args.spread}, medians of "
-             f"{args.reps} x {args.forwards} forwards x {args.layers} layers, µs per layer",
-             "| requests x row | H_q / H_kv, D | SGLang µs | loop µs | padded µs | padded / loop speed-up "
-             "| max |padded - SGLang| |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"torch {torch.__version__}, {args.threads} thread(s), spread {args.spread}, medians of "
+        f"{args.reps} x {args.forwards} forwards x {args.layers} layers, µs per layer",
+        "| requests x row | H_q / H_kv, D | SGLang µs | loop µs | padded µs | padded / loop speed-up "
+        "| max |padded - SGLang| |",
+        "|---|---|---|---|---|---|---|",
+    ]
     print("\n".join(lines), flush=True)
     for shape in args.shapes:
-        us, err, taken = measure(shape, args.spread, args.layers, args.reps, args.forwards, original)
+        us, err, taken = measure(
+            shape, args.spread, args.layers, args.reps, args.forwards, original
+        )
         t, length, hq, hkv, d = shape.split("x")
         note = "" if taken else " (loop taken: padding costs more)"
-        lines.append(f"| {t} x {length} | {hq} / {hkv}, {d} | {us['sglang']:,.0f} | {us['loop']:,.0f} | "
-                     f"{us['padded']:,.0f} | {us['loop'] / us['padded']:.2f}x{note} | {err:.1e} |")
+        lines.append(
+            f"| {t} x {length} | {hq} / {hkv}, {d} | {us['sglang']:,.0f} | {us['loop']:,.0f} | "
+            f"{us['padded']:,.0f} | {us['loop'] / us['padded']:.2f}x{note} | {err:.1e} |"
+        )
         print(lines[-1], flush=True)
     if args.out:
         from bench.record import RunRecord

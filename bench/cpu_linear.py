@@ -21,8 +21,14 @@ import os
 import statistics
 import time
 
-SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-               num_key_value_heads=3, vocab_size=49152)
+SMOLLM2 = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    vocab_size=49152,
+)
 
 
 def shapes(cfg: dict) -> list[tuple[int, int]]:
@@ -36,8 +42,14 @@ def shapes(cfg: dict) -> list[tuple[int, int]]:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model-path", default=None, help="an HF checkpoint's config.json shapes (default: SmolLM2-135M)")
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32])
+    ap.add_argument(
+        "--model-path",
+        default=None,
+        help="an HF checkpoint's config.json shapes (default: SmolLM2-135M)",
+    )
+    ap.add_argument(
+        "--rows", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
+    )
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None)
@@ -59,7 +71,9 @@ def main(argv=None):
     in_sizes = {w.shape[1] for w in weights}
 
     lm_head = weights[-1]
-    packed = [cpu_linear.packed_copy(w) for w in weights[:-1]]  # in serving: in place, no dense copy left
+    packed = [
+        cpu_linear.packed_copy(w) for w in weights[:-1]
+    ]  # in serving: in place, no dense copy left
 
     def served(x, i):
         """Weight i's matmul as the hooks run it (i = len(weights) - 1: the lm_head)."""
@@ -73,16 +87,24 @@ def main(argv=None):
         xs = {i: torch.randn(rows, i, generator=g) for i in in_sizes}
         tic = time.perf_counter()
         for i, w in enumerate(weights):
-            F.linear(xs[w.shape[1]], w) if form == "F.linear" else served(xs[w.shape[1]], i)
+            F.linear(xs[w.shape[1]], w) if form == "F.linear" else served(
+                xs[w.shape[1]], i
+            )
         return 1e3 * (time.perf_counter() - tic)
 
-    lines = [f"weights {mb:.0f} MiB float32, {len(weights)} matmuls per step, {args.threads} thread(s), "
-             f"torch {torch.__version__}, median of {args.repeats} passes per form (interleaved); linear weights packed "
-             f"at every row count, the lm_head for rows in {cpu_linear.LM_HEAD_ROWS}", "",
-             "| rows | F.linear (ms) | per row | sgl_kara.cpu.linear (ms) | per row | F.linear / cpu_linear | max abs diff (first weight) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"weights {mb:.0f} MiB float32, {len(weights)} matmuls per step, {args.threads} thread(s), "
+        f"torch {torch.__version__}, median of {args.repeats} passes per form (interleaved); linear weights packed "
+        f"at every row count, the lm_head for rows in {cpu_linear.LM_HEAD_ROWS}",
+        "",
+        "| rows | F.linear (ms) | per row | sgl_kara.cpu.linear (ms) | per row | F.linear / cpu_linear | max abs diff (first weight) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for rows in args.rows:
-        for form in ("F.linear", "packed"):  # warm-up: packs the weights, touches every page
+        for form in (
+            "F.linear",
+            "packed",
+        ):  # warm-up: packs the weights, touches every page
             one_pass(form, rows)
         times = {"F.linear": [], "packed": []}
         for _ in range(args.repeats):
@@ -91,14 +113,18 @@ def main(argv=None):
         a, b = statistics.median(times["F.linear"]), statistics.median(times["packed"])
         x = torch.randn(rows, weights[0].shape[1], generator=g)
         diff = (F.linear(x, weights[0]) - served(x, 0)).abs().max().item()
-        lines.append(f"| {rows} | {a:.1f} | {a / rows:.1f} | {b:.1f} | {b / rows:.1f} | {a / b:.2f}x | {diff:.1e} |")
+        lines.append(
+            f"| {rows} | {a:.1f} | {a / rows:.1f} | {b:.1f} | {b / rows:.1f} | {a / b:.2f}x | {diff:.1e} |"
+        )
         print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     if args.out:
         from bench.record import RunRecord
 
         record = RunRecord.beside(args.out, argv)
-        record.note(threads=args.threads, model=args.model_path or "SmolLM2-135M shapes")
+        record.note(
+            threads=args.threads, model=args.model_path or "SmolLM2-135M shapes"
+        )
         record.write_md(args.out, text)
         record.finish()
     print(text)

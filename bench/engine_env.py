@@ -29,7 +29,6 @@ def engine_env(omp_threads: int, **extra: str):
         os.environ.update(saved)
 
 
-
 def parse_value(text: str):
     """A ``--kara-opt`` value: int, float, or the string itself."""
     for kind in (int, float):

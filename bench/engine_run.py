@@ -37,8 +37,12 @@ class RunResult:
     repeat: int = 0
     cpu_seconds: float = 0.0  # engine processes' CPU time during the run
     scheduler_cpu_seconds: float = 0.0  # of which the scheduler's (the model's compute)
-    ring_bytes: int = 0  # capture query ring (memory beyond the KV pool; 0 with recompute)
-    fallbacks: int = 0  # windows scored by recompute although capture was on (no ring row)
+    ring_bytes: int = (
+        0  # capture query ring (memory beyond the KV pool; 0 with recompute)
+    )
+    fallbacks: int = (
+        0  # windows scored by recompute although capture was on (no ring row)
+    )
     mean_kv: float = 0.0  # KV rows a request held per decode step, mean over requests (what attention reads)
     skipped: int = 0  # due requests an event could not compact (no fresh slots), mostly skipped unscored
 
@@ -49,7 +53,11 @@ class RunResult:
 
     @property
     def tps_scheduler_cpu(self) -> float:
-        return self.output_tokens / self.scheduler_cpu_seconds if self.scheduler_cpu_seconds else 0.0
+        return (
+            self.output_tokens / self.scheduler_cpu_seconds
+            if self.scheduler_cpu_seconds
+            else 0.0
+        )
 
     @property
     def steps(self) -> int:
@@ -100,7 +108,9 @@ def pin_scheduler() -> tuple[set[int], list] | None:
     saved = set(cores)
     for child in me.children(recursive=True):
         try:
-            child.cpu_affinity([cores[-1]] if "scheduler" in " ".join(child.cmdline()) else cores[:-1])
+            child.cpu_affinity(
+                [cores[-1]] if "scheduler" in " ".join(child.cmdline()) else cores[:-1]
+            )
         except psutil.Error:
             pass
     me.cpu_affinity(cores[:-1])
@@ -112,8 +122,17 @@ def unpin(pinned) -> None:
         os.sched_setaffinity(0, pinned[0])
 
 
-def run_system(system: str, args, pool: int, max_running: int, kara: dict | None = None, prompts_params=None,
-               label: str | None = None, repeat: int = 0, record=None) -> RunResult:
+def run_system(
+    system: str,
+    args,
+    pool: int,
+    max_running: int,
+    kara: dict | None = None,
+    prompts_params=None,
+    label: str | None = None,
+    repeat: int = 0,
+    record=None,
+) -> RunResult:
     """One engine, one workload. ``system``: ``vanilla`` (plain ``sglang.Engine`` with sgl_kara's CPU
     defaults) or any other name (``sgl_kara.Engine`` with the ``kara_*`` options ``kara``);
     ``prompts_params``: (prompts, sampling params); ``args``: ``model_path``, ``omp_threads``,
@@ -125,13 +144,18 @@ def run_system(system: str, args, pool: int, max_running: int, kara: dict | None
     from sgl_kara.support import cpu_defaults
 
     if system != "vanilla" and kara is None:
-        raise ValueError(f"run_system({system!r}): a compressing system needs its kara_* options")
+        raise ValueError(
+            f"run_system({system!r}): a compressing system needs its kara_* options"
+        )
     trace_path = tempfile.mktemp(prefix=f"trace_{system}_", suffix=".jsonl")
     # Both sides at SGLang's defaults (the overlap scheduler on); plain SGLang runs sgl_kara's CPU
     # kernels (KARA_CPU_KERNELS=1) so that only compression differs.
     common = dict(
-        max_total_tokens=pool, max_running_requests=max_running,
-        log_level="error", random_seed=0, disable_radix_cache=False,
+        max_total_tokens=pool,
+        max_running_requests=max_running,
+        log_level="error",
+        random_seed=0,
+        disable_radix_cache=False,
     )
     kernels = {"KARA_CPU_KERNELS": "1"} if system == "vanilla" else {}
     if args.model_path:
@@ -140,7 +164,9 @@ def run_system(system: str, args, pool: int, max_running: int, kara: dict | None
         if system == "vanilla":
             from sgl_kara.models.default import default_model_path
 
-            engine = sglang.Engine(**{"model_path": default_model_path(), **cpu_defaults(), **common})
+            engine = sglang.Engine(
+                **{"model_path": default_model_path(), **cpu_defaults(), **common}
+            )
         else:
             engine = sgl_kara.Engine(**common, **kara)
     if record is not None:
@@ -163,21 +189,49 @@ def run_system(system: str, args, pool: int, max_running: int, kara: dict | None
     os.unlink(trace_path)
     running = [r["running"] for r in trace if r["running"] > 0]
     comp = [o["meta_info"]["completion_tokens"] for o in outs]
-    kv = [o["meta_info"]["kara"]["kv_mean_len"] for o in outs if (o["meta_info"].get("kara") or {}).get("kv_mean_len")]
-    if not kv:  # vanilla: every row grows by one per step, prompt + half the output on average
-        kv = [o["meta_info"]["prompt_tokens"] + o["meta_info"]["completion_tokens"] / 2 for o in outs]
+    kv = [
+        o["meta_info"]["kara"]["kv_mean_len"]
+        for o in outs
+        if (o["meta_info"].get("kara") or {}).get("kv_mean_len")
+    ]
+    if (
+        not kv
+    ):  # vanilla: every row grows by one per step, prompt + half the output on average
+        kv = [
+            o["meta_info"]["prompt_tokens"] + o["meta_info"]["completion_tokens"] / 2
+            for o in outs
+        ]
     want = [p["max_new_tokens"] for p in params]
     return RunResult(
-        system=label or system, pool=pool, max_running=max_running, seconds=seconds,
-        output_tokens=sum(comp), lengths_ok=comp == want,
+        system=label or system,
+        pool=pool,
+        max_running=max_running,
+        seconds=seconds,
+        output_tokens=sum(comp),
+        lengths_ok=comp == want,
         retractions=sum(o["meta_info"].get("num_retractions", 0) or 0 for o in outs),
-        mean_running=sum(running) / max(1, len(running)), peak_running=max(running, default=0),
+        mean_running=sum(running) / max(1, len(running)),
+        peak_running=max(running, default=0),
         events=trace[-1]["kara_events"] if trace else 0,
-        compress_seconds=(trace[-1]["kara_seconds"] - trace[0]["kara_seconds"]) if trace else 0.0,
-        trace=trace, repeat=repeat, cpu_seconds=cpu1 - cpu0, scheduler_cpu_seconds=sched1 - sched0,
+        compress_seconds=(trace[-1]["kara_seconds"] - trace[0]["kara_seconds"])
+        if trace
+        else 0.0,
+        trace=trace,
+        repeat=repeat,
+        cpu_seconds=cpu1 - cpu0,
+        scheduler_cpu_seconds=sched1 - sched0,
         ring_bytes=trace[-1].get("kara_ring_bytes", 0) if trace else 0,
-        fallbacks=(trace[-1].get("kara_recompute_fallbacks", 0) - trace[0].get("kara_recompute_fallbacks", 0))
-        if trace else 0,
+        fallbacks=(
+            trace[-1].get("kara_recompute_fallbacks", 0)
+            - trace[0].get("kara_recompute_fallbacks", 0)
+        )
+        if trace
+        else 0,
         mean_kv=sum(kv) / len(kv),
-        skipped=(trace[-1].get("kara_skipped_no_memory", 0) - trace[0].get("kara_skipped_no_memory", 0)) if trace else 0,
+        skipped=(
+            trace[-1].get("kara_skipped_no_memory", 0)
+            - trace[0].get("kara_skipped_no_memory", 0)
+        )
+        if trace
+        else 0,
     )

@@ -55,7 +55,9 @@ TOL = {"float32": 1e-4, "bfloat16": 2e-3, "float16": 2e-3}
 # Pessimistic rates for the time bound (an H100 does better on each).
 EST_BYTES_PER_S = 0.5e12
 EST_FLOPS_PER_S = 10e12
-EST_COMPILE_S = 4.0  # per compiled specialisation (measured ~0.5-2 s for kernels this size)
+EST_COMPILE_S = (
+    4.0  # per compiled specialisation (measured ~0.5-2 s for kernels this size)
+)
 SPECIALISATIONS = 15  # per model: warm-up (both policies, slot-copy classes), mixed dtypes, staged copy
 EST_START_S = 20.0  # CUDA context, imports
 
@@ -84,15 +86,48 @@ def plan(small: bool, batch: int | None = None) -> list[dict]:
         L, hq, hkv, d, item = s["layers"], s["q_heads"], s["kv_heads"], s["head_dim"], 2
         row = hkv * d * item  # bytes of one slot of one layer, K or V
         rows += [
-            dict(model=name, kernel="kara window scores", B=b, bytes=b * (w * hq * d * item + m * row),
-                 flops=2 * 2 * b * hq * w * m * d),
-            dict(model=name, kernel="kara window scores, fp16 queries / bf16 keys", B=b,
-                 bytes=b * (w * hq * d * item + m * row), flops=2 * 2 * b * hq * w * m * d),
-            dict(model=name, kernel="snapkv scores", B=b, bytes=b * (sw * hq * d * item + sm * row),
-                 flops=2 * 2 * b * hq * sw * sm * d),
-            dict(model=name, kernel="compact_kv", B=b, bytes=2 * 2 * L * b * k * row, flops=0),
-            dict(model=name, kernel="copy_slots disjoint", B=b, bytes=2 * 2 * L * b * TAIL * row, flops=0),
-            dict(model=name, kernel="copy_slots staged", B=b, bytes=2 * 4 * L * b * TAIL * row, flops=0),
+            dict(
+                model=name,
+                kernel="kara window scores",
+                B=b,
+                bytes=b * (w * hq * d * item + m * row),
+                flops=2 * 2 * b * hq * w * m * d,
+            ),
+            dict(
+                model=name,
+                kernel="kara window scores, fp16 queries / bf16 keys",
+                B=b,
+                bytes=b * (w * hq * d * item + m * row),
+                flops=2 * 2 * b * hq * w * m * d,
+            ),
+            dict(
+                model=name,
+                kernel="snapkv scores",
+                B=b,
+                bytes=b * (sw * hq * d * item + sm * row),
+                flops=2 * 2 * b * hq * sw * sm * d,
+            ),
+            dict(
+                model=name,
+                kernel="compact_kv",
+                B=b,
+                bytes=2 * 2 * L * b * k * row,
+                flops=0,
+            ),
+            dict(
+                model=name,
+                kernel="copy_slots disjoint",
+                B=b,
+                bytes=2 * 2 * L * b * TAIL * row,
+                flops=0,
+            ),
+            dict(
+                model=name,
+                kernel="copy_slots staged",
+                B=b,
+                bytes=2 * 4 * L * b * TAIL * row,
+                flops=0,
+            ),
         ]
     return rows
 
@@ -118,14 +153,18 @@ def estimate_seconds(small: bool = False, batch: int | None = None) -> float:
         total += 3 * pool_bytes(spec, pool_slots(small, b)) / EST_BYTES_PER_S
         total += SPECIALISATIONS * EST_COMPILE_S
     for r in plan(small, b):
-        total += (REPS + 2 + 4) * r["bytes"] / EST_BYTES_PER_S + (REPS + 2 + 2) * r["flops"] / EST_FLOPS_PER_S
+        total += (REPS + 2 + 4) * r["bytes"] / EST_BYTES_PER_S + (REPS + 2 + 2) * r[
+            "flops"
+        ] / EST_FLOPS_PER_S
     return total
 
 
 # --------------------------------------------------------------------------------- running
 def _setup(args):
     if args.small and not _cuda_available_quietly():
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton is first imported
+        os.environ.setdefault(
+            "TRITON_INTERPRET", "1"
+        )  # read when triton is first imported
 
 
 def _cuda_available_quietly() -> bool:
@@ -135,21 +174,32 @@ def _cuda_available_quietly() -> bool:
 
 
 def sglang_loaded() -> bool:
-    return any(mod is not None and (m == "sglang" or m.startswith("sglang.")) for m, mod in list(sys.modules.items()))
+    return any(
+        mod is not None and (m == "sglang" or m.startswith("sglang."))
+        for m, mod in list(sys.modules.items())
+    )
 
 
 def compiled_count() -> int | None:
     """Compiled kernels in Triton's in-process caches (None under the interpreter)."""
     from sgl_kara.kernels import compact, window_score
 
-    kernels = [window_score._lse_kernel, window_score._colsum_kernel, compact._compact_kernel,
-               compact._copy_rows_kernel, compact._gather_rows_kernel, compact._scatter_rows_kernel]
+    kernels = [
+        window_score._lse_kernel,
+        window_score._colsum_kernel,
+        compact._compact_kernel,
+        compact._copy_rows_kernel,
+        compact._gather_rows_kernel,
+        compact._scatter_rows_kernel,
+    ]
     total = 0
     for k in kernels:
         caches = getattr(k, "device_caches", None)
         if caches is None:
             return None
-        if not all(isinstance(v, tuple) and isinstance(v[0], dict) for v in caches.values()):
+        if not all(
+            isinstance(v, tuple) and isinstance(v[0], dict) for v in caches.values()
+        ):
             return None  # another Triton's cache layout: not counted
         total += sum(len(v[0]) for v in caches.values())
     return total
@@ -177,7 +227,10 @@ class Timer:
             return statistics.median(self.once(fn)[1] for _ in range(reps))
         times = []
         for _ in range(reps):
-            a, b = self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
+            a, b = (
+                self.torch.cuda.Event(enable_timing=True),
+                self.torch.cuda.Event(enable_timing=True),
+            )
             a.record()
             fn()
             b.record()
@@ -223,7 +276,9 @@ def choose_batch(small: bool) -> int:
     return b
 
 
-def run_model(name: str, spec: dict, small: bool, batch: int, timer: Timer, reps: int, dev: str) -> list[dict]:
+def run_model(
+    name: str, spec: dict, small: bool, batch: int, timer: Timer, reps: int, dev: str
+) -> list[dict]:
     import torch
 
     from sgl_kara.kernels.compact import compact_kv, copy_slots
@@ -240,9 +295,17 @@ def run_model(name: str, spec: dict, small: bool, batch: int, timer: Timer, reps
     sw, sm, _ = snapkv_shape(small)
     slots = pool_slots(small, batch)
     g = torch.Generator(device=dev).manual_seed(0)
-    kb = [torch.randn(slots, hkv, d, device=dev, dtype=dtype, generator=g) for _ in range(L)]
-    vb = [torch.randn(slots, hkv, d, device=dev, dtype=dtype, generator=g) for _ in range(L)]
-    pool = type("Pool", (), {"get_key_buffer": lambda self, l: kb[l], "start_layer": 0})()
+    kb = [
+        torch.randn(slots, hkv, d, device=dev, dtype=dtype, generator=g)
+        for _ in range(L)
+    ]
+    vb = [
+        torch.randn(slots, hkv, d, device=dev, dtype=dtype, generator=g)
+        for _ in range(L)
+    ]
+    pool = type(
+        "Pool", (), {"get_key_buffer": lambda self, l: kb[l], "start_layer": 0}
+    )()
     kara = KaraPolicy(KaraOptions(**(SMALL_KARA if small else KARA)))
     snap = SnapKVPolicy(SnapKVOptions(**(SMALL_SNAPKV if small else SNAPKV)))
     plans = {r["kernel"]: r for r in plan(small, batch) if r["model"] == name}
@@ -250,17 +313,32 @@ def run_model(name: str, spec: dict, small: bool, batch: int, timer: Timer, reps
 
     def record(kernel: str, ok: bool, first_ms: float, ms: float, **figures):
         p = plans[kernel]
-        out.append(dict(model=name, kernel=kernel, B=batch, ok=bool(ok), first_ms=round(first_ms, 3),
-                        ms=round(ms, 4), gb_s=round(p["bytes"] / (ms / 1e3) / 1e9, 1) if ms > 0 else None,
-                        tflop_s=round(p["flops"] / (ms / 1e3) / 1e12, 2) if ms > 0 and p["flops"] else None,
-                        **figures))
+        out.append(
+            dict(
+                model=name,
+                kernel=kernel,
+                B=batch,
+                ok=bool(ok),
+                first_ms=round(first_ms, 3),
+                ms=round(ms, 4),
+                gb_s=round(p["bytes"] / (ms / 1e3) / 1e9, 1) if ms > 0 else None,
+                tflop_s=round(p["flops"] / (ms / 1e3) / 1e12, 2)
+                if ms > 0 and p["flops"]
+                else None,
+                **figures,
+            )
+        )
 
     def timed(fn, first_ms: float) -> float:
         return first_ms if reps == 0 else timer.median(fn, reps)
 
     compiled0 = compiled_count()
-    _, warm_ms = timer.once(lambda: (warm_up_kernels(pool, list(range(L)), kara, [hq], dtype, 64),
-                                     warm_up_kernels(pool, list(range(L)), snap, [hq], dtype, 64)))
+    _, warm_ms = timer.once(
+        lambda: (
+            warm_up_kernels(pool, list(range(L)), kara, [hq], dtype, 64),
+            warm_up_kernels(pool, list(range(L)), snap, [hq], dtype, 64),
+        )
+    )
     compiled_warm = compiled_count()
 
     # Disjoint slot sets: [0, 16) padding; per request its region, kept destinations, tails.
@@ -273,10 +351,14 @@ def run_model(name: str, spec: dict, small: bool, batch: int, timer: Timer, reps
     state = KaraReqState(protected=0, frontier=0)
 
     def scores_check(policy, q, slots_, regions, ref):
-        inp = ScoreInput(0, q, kb[0], slots_, [RowView(0, 0, 0, 0, state)] * batch, regions)
+        inp = ScoreInput(
+            0, q, kb[0], slots_, [RowView(0, 0, 0, 0, state)] * batch, regions
+        )
         got, first = timer.once(lambda: policy.score(inp))
         want = ref()
-        err = float(((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item())
+        err = float(
+            ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+        )
         ms = timed(lambda: policy.score(inp), first)
         return err, first, ms
 
@@ -285,7 +367,9 @@ def run_model(name: str, spec: dict, small: bool, batch: int, timer: Timer, reps
 
     def kara_scores(kernel, qd):
         q = torch.randn(batch, w, hq, d, device=dev, generator=g).to(qd)
-        err, first, ms = scores_check(kara, q, region, kreg, lambda: window_scores_paged_ref(q, kb[0], region))
+        err, first, ms = scores_check(
+            kara, q, region, kreg, lambda: window_scores_paged_ref(q, kb[0], region)
+        )
         tol = TOL[str(qd).replace("torch.", "")]
         record(kernel, err <= tol, first, ms, rel_err=err, tol=tol)
 
@@ -294,20 +378,39 @@ def run_model(name: str, spec: dict, small: bool, batch: int, timer: Timer, reps
     sregion = blocks[:, :sm]
     q = torch.randn(batch, sw, hq, d, device=dev, dtype=dtype, generator=g)
     sreg = [Region(0, sm, snapkv_shape(small)[2], sm, sw)] * batch
-    err, first, ms = scores_check(snap, q, sregion, sreg,
-                                  lambda: snapkv_scores(q, kb[0][sregion.long()], snap.options.kernel))
-    record("snapkv scores", err <= TOL["bfloat16"], first, ms, rel_err=err, tol=TOL["bfloat16"])
+    err, first, ms = scores_check(
+        snap,
+        q,
+        sregion,
+        sreg,
+        lambda: snapkv_scores(q, kb[0][sregion.long()], snap.options.kernel),
+    )
+    record(
+        "snapkv scores",
+        err <= TOL["bfloat16"],
+        first,
+        ms,
+        rel_err=err,
+        tol=TOL["bfloat16"],
+    )
     del q
 
     # compact_kv: kept entries of every layer and head into fresh slots, bit-exact.
-    kept = torch.sort(torch.rand(batch, L, hkv, m, device=dev, generator=g).argsort(-1)[..., :k], -1).values
+    kept = torch.sort(
+        torch.rand(batch, L, hkv, m, device=dev, generator=g).argsort(-1)[..., :k], -1
+    ).values
     src = torch.gather(region[:, None, None, :].expand(-1, L, hkv, -1), 3, kept)
     heads = torch.arange(hkv, device=dev)[None, :, None]
     want = [(buf[src[:, l], heads], buf) for l in range(L) for buf in (kb[l], vb[l])]
     _, first = timer.once(lambda: compact_kv(kb, vb, src, dst))
-    exact = all(torch.equal(buf[dst[:, None, :].expand(-1, hkv, -1), heads], x) for x, buf in want)
+    exact = all(
+        torch.equal(buf[dst[:, None, :].expand(-1, hkv, -1), heads], x)
+        for x, buf in want
+    )
     del want
-    ms = timed(lambda: compact_kv(kb, vb, src, dst), first)  # idempotent: src, dst disjoint
+    ms = timed(
+        lambda: compact_kv(kb, vb, src, dst), first
+    )  # idempotent: src, dst disjoint
     record("compact_kv", exact, first, ms)
 
     # copy_slots: tails to fresh pages (disjoint), then an overlapping shift (staged).
@@ -319,11 +422,22 @@ def run_model(name: str, spec: dict, small: bool, batch: int, timer: Timer, reps
     # Every launch so far is one an event makes: each must have found its kernel compiled by the
     # warm-up. The mixed-dtype scores and the staged copy (no event launches them) follow.
     compiled_events = compiled_count()
-    out.append(dict(model=name, kernel="warm-up covers the event launches", B=batch,
-                    ok=None if compiled0 is None else compiled_events == compiled_warm,
-                    compiled_by_warm_up=None if compiled0 is None else compiled_warm - compiled0,
-                    compiled_after=None if compiled0 is None else compiled_events - compiled_warm,
-                    first_ms=round(warm_ms, 1), ms=None))
+    out.append(
+        dict(
+            model=name,
+            kernel="warm-up covers the event launches",
+            B=batch,
+            ok=None if compiled0 is None else compiled_events == compiled_warm,
+            compiled_by_warm_up=None
+            if compiled0 is None
+            else compiled_warm - compiled0,
+            compiled_after=None
+            if compiled0 is None
+            else compiled_events - compiled_warm,
+            first_ms=round(warm_ms, 1),
+            ms=None,
+        )
+    )
     kara_scores("kara window scores, fp16 queries / bf16 keys", torch.float16)
     shift_src, shift_dst = tail_src, torch.roll(tail_src, 1)  # dst overlaps src
     want = [(buf[shift_src].clone(), buf) for buf in kb + vb]
@@ -348,17 +462,35 @@ def reference_sizes(cuda: bool) -> dict:
     import torch
 
     if cuda:
-        return dict(b=32, w=512, u=64, hq=32, hkv=8, d=128, layers=32, dtype=torch.bfloat16, tail=32)
-    return dict(b=2, w=256, u=32, hq=8, hkv=2, d=128, layers=4, dtype=torch.float32, tail=16)
+        return dict(
+            b=32,
+            w=512,
+            u=64,
+            hq=32,
+            hkv=8,
+            d=128,
+            layers=32,
+            dtype=torch.bfloat16,
+            tail=32,
+        )
+    return dict(
+        b=2, w=256, u=32, hq=8, hkv=2, d=128, layers=4, dtype=torch.float32, tail=16
+    )
 
 
-def reference_rows(timer: "Timer", dev: str, repeats: int) -> list[dict]:
+def reference_rows(timer: Timer, dev: str, repeats: int) -> list[dict]:
     """Each op timed (median of ``repeats`` after a warm-up) as its torch reference and as the
     kernel; bytes = the minimum the op must read and write."""
     import torch
 
-    from sgl_kara.kernels import (compact_kv, compact_kv_ref, copy_slots, copy_slots_ref, window_scores_paged,
-                                  window_scores_paged_ref)
+    from sgl_kara.kernels import (
+        compact_kv,
+        compact_kv_ref,
+        copy_slots,
+        copy_slots_ref,
+        window_scores_paged,
+        window_scores_paged_ref,
+    )
     from sgl_kara.policies import kept_count, select, select_ref
 
     c = reference_sizes(dev == "cuda")
@@ -371,56 +503,110 @@ def reference_rows(timer: "Timer", dev: str, repeats: int) -> list[dict]:
     rows = []
 
     def row(op, shape, nbytes, ref_ms, kernel_ms, kernel="triton"):
-        rows.append(dict(op=op, shape=shape, bytes=nbytes, ref_ms=round(ref_ms, 3), kernel_ms=round(kernel_ms, 3),
-                         ref_gb_s=round(nbytes / ref_ms / 1e6, 3), kernel_gb_s=round(nbytes / kernel_ms / 1e6, 3),
-                         kernel_over_ref=round(kernel_ms / ref_ms, 2), kernel=kernel))
+        rows.append(
+            dict(
+                op=op,
+                shape=shape,
+                bytes=nbytes,
+                ref_ms=round(ref_ms, 3),
+                kernel_ms=round(kernel_ms, 3),
+                ref_gb_s=round(nbytes / ref_ms / 1e6, 3),
+                kernel_gb_s=round(nbytes / kernel_ms / 1e6, 3),
+                kernel_over_ref=round(kernel_ms / ref_ms, 2),
+                kernel=kernel,
+            )
+        )
 
-    b, w, m, hq, hkv, d, layers = c["b"], c["w"], c["w"] - c["u"], c["hq"], c["hkv"], c["d"], c["layers"]
+    b, w, m, hq, hkv, d, layers = (
+        c["b"],
+        c["w"],
+        c["w"] - c["u"],
+        c["hq"],
+        c["hkv"],
+        c["d"],
+        c["layers"],
+    )
     s = b * w + 64
     q = torch.randn(b, w, hq, d, device=dev).to(c["dtype"])
     kb = torch.randn(s, hkv, d, device=dev).to(c["dtype"])
     slots = torch.randperm(s, device=dev)[: b * m].view(b, m)
-    row("window_scores_paged", f"B={b} W={w} M={m} Hq={hq} Hkv={hkv} D={d} {str(c['dtype']).split('.')[-1]}",
-        q.numel() * q.element_size() + b * m * hkv * d * kb.element_size() + b * hkv * m * 4,
-        ms(lambda: window_scores_paged_ref(q, kb, slots)), ms(lambda: window_scores_paged(q, kb, slots, use_triton=True)))
+    row(
+        "window_scores_paged",
+        f"B={b} W={w} M={m} Hq={hq} Hkv={hkv} D={d} {str(c['dtype']).split('.')[-1]}",
+        q.numel() * q.element_size()
+        + b * m * hkv * d * kb.element_size()
+        + b * hkv * m * 4,
+        ms(lambda: window_scores_paged_ref(q, kb, slots)),
+        ms(lambda: window_scores_paged(q, kb, slots, use_triton=True)),
+    )
 
     n = b * layers * hkv
     a = torch.rand(n, m, device=dev)
     sample = a[: min(n, 32)].cpu()
-    loop_ms = ms(lambda: [select_ref(r, 0.2, 16, 8) for r in sample], 1) * n / sample.shape[0]
-    row("select (vectorised torch; reference: the select_ref loop, timed on <= 32 rows, scaled)",
-        f"N={n} M={m} r=0.2 alpha=16 gamma=8", a.numel() * 4, loop_ms, ms(lambda: select(a, 0.2, 16, 8)), kernel="torch")
+    loop_ms = (
+        ms(lambda: [select_ref(r, 0.2, 16, 8) for r in sample], 1) * n / sample.shape[0]
+    )
+    row(
+        "select (vectorised torch; reference: the select_ref loop, timed on <= 32 rows, scaled)",
+        f"N={n} M={m} r=0.2 alpha=16 gamma=8",
+        a.numel() * 4,
+        loop_ms,
+        ms(lambda: select(a, 0.2, 16, 8)),
+        kernel="torch",
+    )
 
     k = kept_count(m, 0.2)
     s = b * m + b * k + 8
     kbs = [torch.randn(s, hkv, d, device=dev).to(c["dtype"]) for _ in range(layers)]
     vbs = [torch.randn(s, hkv, d, device=dev).to(c["dtype"]) for _ in range(layers)]
-    src = torch.sort(torch.rand(b, layers, hkv, m, device=dev).argsort(-1)[..., :k], -1).values
+    src = torch.sort(
+        torch.rand(b, layers, hkv, m, device=dev).argsort(-1)[..., :k], -1
+    ).values
     src = src + (torch.arange(b, device=dev) * m).view(b, 1, 1, 1)
     dst = (b * m + torch.arange(b * k, device=dev)).view(b, k)
-    row("compact_kv", f"B={b} L={layers} Hkv={hkv} D={d} K={k}", 2 * 2 * b * layers * hkv * k * d * kbs[0].element_size(),
-        ms(lambda: compact_kv_ref(kbs, vbs, src, dst)), ms(lambda: compact_kv(kbs, vbs, src, dst, use_triton=True, check=False)))
+    row(
+        "compact_kv",
+        f"B={b} L={layers} Hkv={hkv} D={d} K={k}",
+        2 * 2 * b * layers * hkv * k * d * kbs[0].element_size(),
+        ms(lambda: compact_kv_ref(kbs, vbs, src, dst)),
+        ms(lambda: compact_kv(kbs, vbs, src, dst, use_triton=True, check=False)),
+    )
 
     n = b * c["tail"]
     s = 4 * n
     kbs = [torch.randn(s, hkv, d, device=dev).to(c["dtype"]) for _ in range(layers)]
     vbs = [torch.randn(s, hkv, d, device=dev).to(c["dtype"]) for _ in range(layers)]
     src, dst = torch.arange(n, device=dev) * 2, torch.arange(n, device=dev) * 2 + 1
-    row("copy_slots", f"L={layers} N={n} Hkv={hkv} D={d}", 2 * 2 * layers * n * hkv * d * kbs[0].element_size(),
-        ms(lambda: copy_slots_ref(kbs, vbs, src, dst)), ms(lambda: copy_slots(kbs, vbs, src, dst, use_triton=True)))
+    row(
+        "copy_slots",
+        f"L={layers} N={n} Hkv={hkv} D={d}",
+        2 * 2 * layers * n * hkv * d * kbs[0].element_size(),
+        ms(lambda: copy_slots_ref(kbs, vbs, src, dst)),
+        ms(lambda: copy_slots(kbs, vbs, src, dst, use_triton=True)),
+    )
     return rows
 
 
 def reference_table(rows: list[dict], cuda: bool) -> list[str]:
     kind = "Triton (CUDA)" if cuda else "Triton interpreter (TRITON_INTERPRET=1)"
-    lines = ["", "### Kernel versus torch reference", "",
-             f"| op | shape | reference ms | ref GB/s | kernel ({kind}) ms | kernel GB/s | kernel / reference time |",
-             "|---|---|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['op']} | {r['shape']} | {r['ref_ms']} | {r['ref_gb_s']} | {r['kernel_ms']} | {r['kernel_gb_s']} "
-              f"| {r['kernel_over_ref']}x |" for r in rows]
+    lines = [
+        "",
+        "### Kernel versus torch reference",
+        "",
+        f"| op | shape | reference ms | ref GB/s | kernel ({kind}) ms | kernel GB/s | kernel / reference time |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['op']} | {r['shape']} | {r['ref_ms']} | {r['ref_gb_s']} | {r['kernel_ms']} | {r['kernel_gb_s']} "
+        f"| {r['kernel_over_ref']}x |"
+        for r in rows
+    ]
     if not cuda:
-        lines += ["", "No GPU: the kernel column is Triton's CPU interpreter (correctness, not speed); its ratio "
-                  "to torch is no GPU prediction."]
+        lines += [
+            "",
+            "No GPU: the kernel column is Triton's CPU interpreter (correctness, not speed); its ratio "
+            "to torch is no GPU prediction.",
+        ]
     return lines
 
 
@@ -430,8 +616,11 @@ def run_record(out: str, argv):
     try:
         from bench.record import RunRecord
     except ImportError:
-        print("no run record: bench.record is not importable (run as python -m bench.gpu_kernels from the "
-              "repository root)", flush=True)
+        print(
+            "no run record: bench.record is not importable (run as python -m bench.gpu_kernels from the "
+            "repository root)",
+            flush=True,
+        )
         return None
     return RunRecord(out, argv)
 
@@ -439,11 +628,24 @@ def run_record(out: str, argv):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--small", "--cpu", action="store_true", dest="small",
-                    help="tiny shapes; on a machine without CUDA, under the Triton interpreter")
-    ap.add_argument("--reference", action="store_true",
-                    help="also time every kernel against its torch reference at one fixed size")
-    ap.add_argument("--repeats", type=int, default=5, help="timed runs per op of --reference (median)")
+    ap.add_argument(
+        "--small",
+        "--cpu",
+        action="store_true",
+        dest="small",
+        help="tiny shapes; on a machine without CUDA, under the Triton interpreter",
+    )
+    ap.add_argument(
+        "--reference",
+        action="store_true",
+        help="also time every kernel against its torch reference at one fixed size",
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="timed runs per op of --reference (median)",
+    )
     args = ap.parse_args(argv)
     _setup(args)
     import torch
@@ -451,19 +653,28 @@ def main(argv=None) -> int:
 
     cuda = torch.cuda.is_available()
     if not cuda and not args.small:
-        raise SystemExit("no CUDA device: run with --small (Triton interpreter, tiny shapes)")
+        raise SystemExit(
+            "no CUDA device: run with --small (Triton interpreter, tiny shapes)"
+        )
     dev = "cuda" if cuda else "cpu"
     timer = Timer(cuda)
     batch = choose_batch(args.small)
     record = run_record(args.out, argv)
     tic = time.time()
-    head = dict(date=time.strftime("%Y-%m-%d"), machine=record.data["machine"]["text"] if record else platform.node(),
-                device=torch.cuda.get_device_name(0) if cuda
-                else "cpu (Triton interpreter)", torch=torch.__version__, triton=triton.__version__,
-                shapes="small" if args.small else "serving", batch=batch, reps=SMALL_REPS if args.small else REPS,
-                kara=SMALL_KARA if args.small else KARA, snapkv=SMALL_SNAPKV if args.small else SNAPKV,
-                estimate_s=round(estimate_seconds(args.small, batch), 1),
-                sglang_imported=sglang_loaded())
+    head = dict(
+        date=time.strftime("%Y-%m-%d"),
+        machine=record.data["machine"]["text"] if record else platform.node(),
+        device=torch.cuda.get_device_name(0) if cuda else "cpu (Triton interpreter)",
+        torch=torch.__version__,
+        triton=triton.__version__,
+        shapes="small" if args.small else "serving",
+        batch=batch,
+        reps=SMALL_REPS if args.small else REPS,
+        kara=SMALL_KARA if args.small else KARA,
+        snapkv=SMALL_SNAPKV if args.small else SNAPKV,
+        estimate_s=round(estimate_seconds(args.small, batch), 1),
+        sglang_imported=sglang_loaded(),
+    )
     if cuda:
         nominal = nominal_bandwidth()
         head["nominal_gb_s"] = None if nominal is None else round(nominal / 1e9)
@@ -473,9 +684,19 @@ def main(argv=None) -> int:
         try:
             rows += run_model(name, spec, args.small, batch, timer, head["reps"], dev)
         except Exception as e:  # noqa: BLE001 - recorded, the other shapes still run
-            rows.append(dict(model=name, kernel="(all)", ok=False, error=f"{type(e).__name__}: {e}"[:500]))
-        print(f"{name}: {sum(r['ok'] is not False for r in rows if r['model'] == name)} / "
-              f"{sum(r['model'] == name for r in rows)} ok ({time.time() - tic:.0f} s)", flush=True)
+            rows.append(
+                dict(
+                    model=name,
+                    kernel="(all)",
+                    ok=False,
+                    error=f"{type(e).__name__}: {e}"[:500],
+                )
+            )
+        print(
+            f"{name}: {sum(r['ok'] is not False for r in rows if r['model'] == name)} / "
+            f"{sum(r['model'] == name for r in rows)} ok ({time.time() - tic:.0f} s)",
+            flush=True,
+        )
     head["seconds"] = round(time.time() - tic, 1)
     head["sglang_imported"] = head["sglang_imported"] or sglang_loaded()
     peak = head.get("nominal_gb_s") or head.get("copy_gb_s")
@@ -485,12 +706,35 @@ def main(argv=None) -> int:
     reference = reference_rows(timer, dev, args.repeats) if args.reference else []
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_kernels.json"), "w") as f:
-        json.dump({"head": head, "rows": rows, "reference": reference}, f, indent=1, default=str)
-    cols = ["model", "kernel", "B", "ok", "first_ms", "ms", "gb_s", "of_peak", "tflop_s", "rel_err"]
-    lines = [f"- {k}: {v}" for k, v in head.items()] + ["", "| " + " | ".join(cols) + " |",
-                                                         "|" + "---|" * len(cols)]
+        json.dump(
+            {"head": head, "rows": rows, "reference": reference},
+            f,
+            indent=1,
+            default=str,
+        )
+    cols = [
+        "model",
+        "kernel",
+        "B",
+        "ok",
+        "first_ms",
+        "ms",
+        "gb_s",
+        "of_peak",
+        "tflop_s",
+        "rel_err",
+    ]
+    lines = [f"- {k}: {v}" for k, v in head.items()] + [
+        "",
+        "| " + " | ".join(cols) + " |",
+        "|" + "---|" * len(cols),
+    ]
     for r in rows:
-        lines.append("| " + " | ".join("-" if r.get(c) is None else str(r.get(c)) for c in cols) + " |")
+        lines.append(
+            "| "
+            + " | ".join("-" if r.get(c) is None else str(r.get(c)) for c in cols)
+            + " |"
+        )
     if reference:
         lines += reference_table(reference, cuda)
     text = "\n".join(lines) + "\n"

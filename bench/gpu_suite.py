@@ -46,17 +46,25 @@ def main(argv=None):
     try:
         import gpu_checks as gc
     except ModuleNotFoundError as e:
-        raise SystemExit(f"{e}: tests/gpu_checks.py is imported with tests/ on the path: "
-                         "PYTHONPATH=tests python -m bench.gpu_suite ...") from None
+        raise SystemExit(
+            f"{e}: tests/gpu_checks.py is imported with tests/ on the path: "
+            "PYTHONPATH=tests python -m bench.gpu_suite ..."
+        ) from None
     from bench.record import RunRecord
 
     if not args.cpu and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: run with --cpu for the parts that can run here")
+        raise SystemExit(
+            "no CUDA device: run with --cpu for the parts that can run here"
+        )
     os.makedirs(args.out, exist_ok=True)
     record = RunRecord(args.out, argv)
     model = gc.write_gpu_model(tempfile.mkdtemp(prefix="gpu_llama_"))
-    head = {"machine": platform.node(), "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-            "torch": torch.__version__, "mode": "cpu" if args.cpu else "cuda"}
+    head = {
+        "machine": platform.node(),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "mode": "cpu" if args.cpu else "cuda",
+    }
     try:
         import sglang
 
@@ -66,7 +74,10 @@ def main(argv=None):
     checks = gc.plan(args.cpu)
     head["engine_starts"] = sum(c[3] for c in checks)
     head["budget_s"] = round(gc.budget_seconds(checks))
-    print(f"{len(checks)} checks, {head['engine_starts']} engine starts, bound {head['budget_s']} s", flush=True)
+    print(
+        f"{len(checks)} checks, {head['engine_starts']} engine starts, bound {head['budget_s']} s",
+        flush=True,
+    )
     rows = []
     for name, fn, a, _, _, ok in checks:
         if args.k and args.k not in name:
@@ -80,20 +91,45 @@ def main(argv=None):
                 r = f(model, *a, tempfile.mkdtemp())
             else:
                 r = f(model, *a)
-            rows.append(dict(check=name, ok=bool(ok(r)), seconds=round(time.time() - tic, 1), **r))
+            rows.append(
+                dict(
+                    check=name, ok=bool(ok(r)), seconds=round(time.time() - tic, 1), **r
+                )
+            )
         except Exception as e:  # noqa: BLE001 - recorded, the suite goes on
-            rows.append(dict(check=name, ok=False, seconds=round(time.time() - tic, 1),
-                             error=f"{type(e).__name__}: {e}"[:500], trace=traceback.format_exc()[-2000:]))
-        print(f"{'ok    ' if rows[-1]['ok'] else 'FAILED'} {name} ({rows[-1]['seconds']} s)", flush=True)
+            rows.append(
+                dict(
+                    check=name,
+                    ok=False,
+                    seconds=round(time.time() - tic, 1),
+                    error=f"{type(e).__name__}: {e}"[:500],
+                    trace=traceback.format_exc()[-2000:],
+                )
+            )
+        print(
+            f"{'ok    ' if rows[-1]['ok'] else 'FAILED'} {name} ({rows[-1]['seconds']} s)",
+            flush=True,
+        )
     if args.cpu:
-        rows += [dict(check=f"{b} backends", ok=None, note="not run: needs CUDA") for b in ("fa3", "flashinfer")]
+        rows += [
+            dict(check=f"{b} backends", ok=None, note="not run: needs CUDA")
+            for b in ("fa3", "flashinfer")
+        ]
     with open(os.path.join(args.out, "gpu_suite.json"), "w") as f:
         json.dump({"head": head, "checks": rows}, f, indent=1, default=str)
-    lines = [f"{k}: {v}" for k, v in head.items()] + ["", "| check | result | seconds | figures |", "|---|---|---|---|"]
+    lines = [f"{k}: {v}" for k, v in head.items()] + [
+        "",
+        "| check | result | seconds | figures |",
+        "|---|---|---|---|",
+    ]
     for r in rows:
-        figs = {k: v for k, v in r.items() if k not in ("check", "ok", "seconds", "trace")}
+        figs = {
+            k: v for k, v in r.items() if k not in ("check", "ok", "seconds", "trace")
+        }
         res = "not run" if r["ok"] is None else ("ok" if r["ok"] else "FAILED")
-        lines.append(f"| {r['check']} | {res} | {r.get('seconds', '-')} | {json.dumps(figs, default=str)[:300]} |")
+        lines.append(
+            f"| {r['check']} | {res} | {r.get('seconds', '-')} | {json.dumps(figs, default=str)[:300]} |"
+        )
     with open(os.path.join(args.out, "gpu_suite.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

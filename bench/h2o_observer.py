@@ -46,11 +46,15 @@ class LoopObserver:
                 continue
             keys = inp.k_buffer[slots]
             q = inp.queries[i].float().reshape(hkv, hq // hkv, d)
-            probs = torch.softmax(torch.einsum("hgd,lhd->hgl", q, keys.float()) / math.sqrt(d), dim=-1).sum(1)
+            probs = torch.softmax(
+                torch.einsum("hgd,lhd->hgl", q, keys.float()) / math.sqrt(d), dim=-1
+            ).sum(1)
             key = (id(state), inp.layer)
             acc = self.acc.get(key)
             if acc is None or acc.shape[1] < slots.numel():
-                grown = torch.zeros(hkv, max(64, 2 * slots.numel()), dtype=torch.float32)
+                grown = torch.zeros(
+                    hkv, max(64, 2 * slots.numel()), dtype=torch.float32
+                )
                 if acc is not None:
                     grown[:, : acc.shape[1]] = acc
                 self.acc[key] = acc = grown
@@ -76,11 +80,19 @@ class OpCount(TorchDispatchMode):
 def decode_steps(args, seed: int = 0):
     """Per step: (row slots per request, [queries per layer])."""
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(args.min_len, args.max_len + 1, (args.requests,), generator=g).tolist()
+    lengths = torch.randint(
+        args.min_len, args.max_len + 1, (args.requests,), generator=g
+    ).tolist()
     span = args.max_len + args.steps + 2
     for step in range(args.steps + 1):
-        rows = [torch.arange(i * span, i * span + n + step, dtype=torch.int64) for i, n in enumerate(lengths)]
-        queries = [torch.randn(args.requests, args.q_heads, args.head_dim, generator=g) for _ in range(args.layers)]
+        rows = [
+            torch.arange(i * span, i * span + n + step, dtype=torch.int64)
+            for i, n in enumerate(lengths)
+        ]
+        queries = [
+            torch.randn(args.requests, args.q_heads, args.head_dim, generator=g)
+            for _ in range(args.layers)
+        ]
         yield rows, queries
 
 
@@ -90,15 +102,23 @@ def run(observer, states, args, k_buffer) -> dict:
         if step == 1:  # counted, not timed
             with OpCount() as count:
                 for layer in range(args.layers):
-                    observer.observe(ObserveInput(layer, queries[layer], k_buffer, rows, states))
+                    observer.observe(
+                        ObserveInput(layer, queries[layer], k_buffer, rows, states)
+                    )
             ops = count.ops
             continue
         tic = time.perf_counter()
         for layer in range(args.layers):
-            observer.observe(ObserveInput(layer, queries[layer], k_buffer, rows, states))
+            observer.observe(
+                ObserveInput(layer, queries[layer], k_buffer, rows, states)
+            )
         if step > 1:
             times.append(time.perf_counter() - tic)  # step 0 warms up
-    return {"median_ms": 1e3 * statistics.median(times), "steps_timed": len(times), "ops_per_step": ops}
+    return {
+        "median_ms": 1e3 * statistics.median(times),
+        "steps_timed": len(times),
+        "ops_per_step": ops,
+    }
 
 
 def main(argv=None) -> int:
@@ -110,7 +130,12 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--min-len", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=192)
-    ap.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up and one counted)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=5,
+        help="timed steps (after one warm-up and one counted)",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     args = ap.parse_args(argv)
@@ -118,7 +143,9 @@ def main(argv=None) -> int:
     args.steps += 1  # the counted step
     g = torch.Generator().manual_seed(1)
     span = args.max_len + args.steps + 2
-    k_buffer = torch.randn(args.requests * span, args.kv_heads, args.head_dim, generator=g)
+    k_buffer = torch.randn(
+        args.requests * span, args.kv_heads, args.head_dim, generator=g
+    )
     loop_states = [KaraReqState() for _ in range(args.requests)]
     new_states = [KaraReqState() for _ in range(args.requests)]
     loop = LoopObserver()
@@ -131,18 +158,36 @@ def main(argv=None) -> int:
         for layer, acc in ns.policy_state["h2o"].items():
             want = loop.acc[(id(ls), layer)]
             n = min(acc.shape[0], want.shape[1] - base)
-            err = max(err, float((acc[:n].T - want[:, base:base + n]).abs().max()))
-    out = {"requests": args.requests, "layers": args.layers, "q_heads": args.q_heads, "kv_heads": args.kv_heads,
-           "head_dim": args.head_dim, "rows": [args.min_len, args.max_len], "loop": old, "batched": new,
-           "ratio": old["median_ms"] / new["median_ms"], "max_abs_diff": err, "torch": torch.__version__,
-           "threads": torch.get_num_threads(), "machine": platform.node(), "command": " ".join(sys.argv)}
-    print(f"{args.requests} requests x {args.layers} layers, rows {args.min_len}..{args.max_len} (+{args.steps} steps), "
-          f"H_q {args.q_heads}, H_kv {args.kv_heads}, D {args.head_dim}, {torch.get_num_threads()} threads")
-    print("| observer | ms per decode step (median) | operators per step (GPU launches) |")
+            err = max(err, float((acc[:n].T - want[:, base : base + n]).abs().max()))
+    out = {
+        "requests": args.requests,
+        "layers": args.layers,
+        "q_heads": args.q_heads,
+        "kv_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "rows": [args.min_len, args.max_len],
+        "loop": old,
+        "batched": new,
+        "ratio": old["median_ms"] / new["median_ms"],
+        "max_abs_diff": err,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.node(),
+        "command": " ".join(sys.argv),
+    }
+    print(
+        f"{args.requests} requests x {args.layers} layers, rows {args.min_len}..{args.max_len} (+{args.steps} steps), "
+        f"H_q {args.q_heads}, H_kv {args.kv_heads}, D {args.head_dim}, {torch.get_num_threads()} threads"
+    )
+    print(
+        "| observer | ms per decode step (median) | operators per step (GPU launches) |"
+    )
     print("|---|---|---|")
     print(f"| loop over requests | {old['median_ms']:.1f} | {old['ops_per_step']} |")
     print(f"| batched | {new['median_ms']:.1f} | {new['ops_per_step']} |")
-    print(f"ratio loop / batched: {out['ratio']:.1f}x; largest accumulator difference {err:.2e}")
+    print(
+        f"ratio loop / batched: {out['ratio']:.1f}x; largest accumulator difference {err:.2e}"
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

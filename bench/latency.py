@@ -65,14 +65,22 @@ THRESHOLD = ("snapkv", "h2o", "streaming", "rkv")
 PROMPT = "Write a long story about a robot named Unit {i} who learns to paint."
 WORKLOADS = {
     "free": dict(requests=8, tokens=700, kara=[], pool=None),
-    "bound": dict(requests=33, tokens=512, kara=["--kara-window", "64", "--kara-buffer", "8", "--kara-period", "16"],
-                  pool="quarter"),
+    "bound": dict(
+        requests=33,
+        tokens=512,
+        kara=["--kara-window", "64", "--kara-buffer", "8", "--kara-period", "16"],
+        pool="quarter",
+    ),
 }
 
 
 def stream(url: str, text: str, n: int, out: dict) -> None:
     """POST /generate streamed; ``out``: send time, [(arrival, completion tokens)], meta_info."""
-    body = {"text": text, "stream": True, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "text": text,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+    }
     out["sent"] = time.perf_counter()
     chunks = []
     meta = None
@@ -109,13 +117,18 @@ def summarize(outs: list[dict]) -> dict:
         "itl_p99_ms": round(1e3 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))], 1),
         "itl_max_ms": round(1e3 * gaps[-1], 1),
         "compressions": sum(k["compressions"] for k in kara) if kara else 0,
-        "kv_mean": round(statistics.mean(k["kv_mean_len"] for k in kara), 1) if kara else None,
+        "kv_mean": round(statistics.mean(k["kv_mean_len"] for k in kara), 1)
+        if kara
+        else None,
     }
 
 
 def run_load(url: str, requests_: int, tokens: int) -> dict:
     outs = [{} for _ in range(requests_)]
-    threads = [threading.Thread(target=stream, args=(url, PROMPT.format(i=i), tokens, outs[i])) for i in range(requests_)]
+    threads = [
+        threading.Thread(target=stream, args=(url, PROMPT.format(i=i), tokens, outs[i]))
+        for i in range(requests_)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -125,36 +138,77 @@ def run_load(url: str, requests_: int, tokens: int) -> dict:
     return summarize(outs)
 
 
-def commands(system: str, model_argv: list[str], workload: dict, resolved) -> tuple[list[str], dict]:
+def commands(
+    system: str, model_argv: list[str], workload: dict, resolved
+) -> tuple[list[str], dict]:
     """(command, extra environment) of a system's server."""
     py = sys.executable
     if system.startswith("sglang"):
-        cmd = [py, "-m", "sglang.launch_server", "--model-path", resolved.model_path, "--device", resolved.device,
-               "--attention-backend", resolved.attention_backend, "--dtype", str(resolved.dtype),
-               "--page-size", str(resolved.page_size), "--max-total-tokens", str(resolved.max_total_tokens),
-               "--max-running-requests", str(resolved.max_running_requests)]
+        cmd = [
+            py,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            resolved.model_path,
+            "--device",
+            resolved.device,
+            "--attention-backend",
+            resolved.attention_backend,
+            "--dtype",
+            str(resolved.dtype),
+            "--page-size",
+            str(resolved.page_size),
+            "--max-total-tokens",
+            str(resolved.max_total_tokens),
+            "--max-running-requests",
+            str(resolved.max_running_requests),
+        ]
         if system == "sglang-nooverlap":
             cmd.append("--disable-overlap-schedule")
         return cmd, {"KARA_CPU_KERNELS": "1"}
-    kara_flags = [] if system in BASELINES else workload["kara"]  # W, U, delta are Kara's options
-    cmd = [py, "-m", "sgl_kara.launch_server", *model_argv, *kara_flags,
-           "--max-total-tokens", str(resolved.max_total_tokens),
-           "--max-running-requests", str(resolved.max_running_requests)]
+    kara_flags = (
+        [] if system in BASELINES else workload["kara"]
+    )  # W, U, delta are Kara's options
+    cmd = [
+        py,
+        "-m",
+        "sgl_kara.launch_server",
+        *model_argv,
+        *kara_flags,
+        "--max-total-tokens",
+        str(resolved.max_total_tokens),
+        "--max-running-requests",
+        str(resolved.max_running_requests),
+    ]
     if system == "kara-before":
-        cmd += ["--disable-overlap-schedule", "--kara-spread", "off", "--kara-query-source", "recompute"]
+        cmd += [
+            "--disable-overlap-schedule",
+            "--kara-spread",
+            "off",
+            "--kara-query-source",
+            "recompute",
+        ]
     elif system == "kara-nospread":
         cmd += ["--kara-spread", "off"]
     elif system == "kara-recompute":
         cmd += ["--kara-query-source", "recompute"]
     elif system.startswith("kara-cap"):
-        cmd += ["--kara-spread-max", system[len("kara-cap"):]]
+        cmd += ["--kara-spread-max", system[len("kara-cap") :]]
     elif system in BASELINES:
         cmd += ["--kara-policy", system]
         if system in THRESHOLD:
             flags = dict(zip(workload["kara"][::2], workload["kara"][1::2]))
-            window, buffer = int(flags.get("--kara-window", 512)), int(flags.get("--kara-buffer", 32))
+            window, buffer = (
+                int(flags.get("--kara-window", 512)),
+                int(flags.get("--kara-buffer", 32)),
+            )
             budget = buffer + round(0.25 * (window - buffer))
-            cmd += [f"--kara-{system}-budget", str(budget), f"--kara-{system}-threshold", str(budget + window - buffer)]
+            cmd += [
+                f"--kara-{system}-budget",
+                str(budget),
+                f"--kara-{system}-threshold",
+                str(budget + window - buffer),
+            ]
     elif system != "kara":
         raise ValueError(f"unknown system {system!r}")
     return cmd, {}
@@ -165,7 +219,9 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="free")
     ap.add_argument("--model", choices=("default", "tiny"), default="default")
-    ap.add_argument("--systems", default="sglang,sglang-nooverlap,kara-before,kara,kara-recompute")
+    ap.add_argument(
+        "--systems", default="sglang,sglang-nooverlap,kara-before,kara,kara-recompute"
+    )
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--requests", type=int, default=None)
     ap.add_argument("--tokens", type=int, default=None)
@@ -178,19 +234,41 @@ def main(argv=None):
     workload["tokens"] = args.tokens or workload["tokens"]
     model_argv = []
     if args.model == "tiny":
-        from sgl_kara.models.tiny import write_tiny_model
+        from bench.models.tiny import write_tiny_model
 
-        model_argv = ["--model-path", str(write_tiny_model(os.path.join(args.out, "tiny_llama"), "llama", seed=1))]
+        model_argv = [
+            "--model-path",
+            str(
+                write_tiny_model(os.path.join(args.out, "tiny_llama"), "llama", seed=1)
+            ),
+        ]
         if args.workload == "free":
-            workload["kara"] = ["--kara-window", "128", "--kara-buffer", "16", "--kara-period", "32"]
+            workload["kara"] = [
+                "--kara-window",
+                "128",
+                "--kara-buffer",
+                "16",
+                "--kara-period",
+                "32",
+            ]
     probe = model_argv + workload["kara"]
     if workload["pool"] == "quarter":
         # prompt (~20 tokens) + answer per request, all requests: a quarter of it
         full = workload["requests"] * (workload["tokens"] + 32)
-        probe += ["--max-total-tokens", str(full // 4), "--max-running-requests", str(workload["requests"])]
+        probe += [
+            "--max-total-tokens",
+            str(full // 4),
+            "--max-running-requests",
+            str(workload["requests"]),
+        ]
     _, resolved = parse(list(probe))
     record = RunRecord(args.out, argv)
-    record.note(workload=args.workload, requests=workload["requests"], tokens=workload["tokens"], model=args.model)
+    record.note(
+        workload=args.workload,
+        requests=workload["requests"],
+        tokens=workload["tokens"],
+        model=args.model,
+    )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     systems = args.systems.split(",")
     results: dict = {s: [] for s in systems}
@@ -200,29 +278,59 @@ def main(argv=None):
             if not system.startswith("sglang"):
                 record.add_server(system, cmd[3:])
             else:
-                record.add_config(system, {"kara": {"policy": "none"}, "argv": cmd[1:], "env": extra})
-            proc, url, _ = start({**env, **extra}, os.path.join(args.out, f"{system}-{rep}.log"), 900, cmd)
+                record.add_config(
+                    system, {"kara": {"policy": "none"}, "argv": cmd[1:], "env": extra}
+                )
+            proc, url, _ = start(
+                {**env, **extra},
+                os.path.join(args.out, f"{system}-{rep}.log"),
+                900,
+                cmd,
+            )
             try:
                 run_load(url, 2, 16)  # warm-up: first forwards, allocator
                 res = run_load(url, workload["requests"], workload["tokens"])
-                internal = requests.get(url + "/server_info", timeout=30).json()["internal_states"][0]
-                res["cpu_kernels"] = internal.get("kara_cpu_kernels")  # None: SGLang's own code
+                internal = requests.get(url + "/server_info", timeout=30).json()[
+                    "internal_states"
+                ][0]
+                res["cpu_kernels"] = internal.get(
+                    "kara_cpu_kernels"
+                )  # None: SGLang's own code
                 if not system.startswith("sglang"):
                     state = internal["kara"]
-                    res.update(events=state["events"], event_max_ms=round(1e3 * state["event_max_seconds"], 1),
-                               spread_queries=state["spread_queries"],
-                               compression_s=round(state["compression_seconds"], 2))
+                    res.update(
+                        events=state["events"],
+                        event_max_ms=round(1e3 * state["event_max_seconds"], 1),
+                        spread_queries=state["spread_queries"],
+                        compression_s=round(state["compression_seconds"], 2),
+                    )
             finally:
                 stop(proc)
             results[system].append(res)
             print(system, rep, res, flush=True)
     with open(os.path.join(args.out, "latency.json"), "w") as f:
         json.dump(results, f, indent=1)
-    keys = ["tok_s", "itl_p50_ms", "itl_p99_ms", "itl_max_ms", "ttft_p50_s", "kv_mean", "events", "event_max_ms"]
-    lines = ["| system | rep | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
+    keys = [
+        "tok_s",
+        "itl_p50_ms",
+        "itl_p99_ms",
+        "itl_max_ms",
+        "ttft_p50_s",
+        "kv_mean",
+        "events",
+        "event_max_ms",
+    ]
+    lines = [
+        "| system | rep | " + " | ".join(keys) + " |",
+        "|---|---|" + "---|" * len(keys),
+    ]
     for system, runs in results.items():
         for rep, res in enumerate(runs):
-            lines.append(f"| {system} | {rep} | " + " | ".join(str(res.get(k, "-")) for k in keys) + " |")
+            lines.append(
+                f"| {system} | {rep} | "
+                + " | ".join(str(res.get(k, "-")) for k in keys)
+                + " |"
+            )
     record.write_md(os.path.join(args.out, "latency.md"), "\n".join(lines))
     record.finish()
     print("\n".join(lines))

@@ -47,7 +47,10 @@ STEP_STAGES = [  # outside events; the innermost matching frame decides
     ("decode attention", ("run_sdpa_forward_decode ", "_run_sdpa_forward_decode ")),
     ("attention (extend)", ("forward_extend ",)),
     ("ring writes / observers", ("QueryRing.write ", "observe (")),
-    ("per-step Kara", ("on_decode_step ", "on_forward_batch ", "sync_offset ", "plan_jobs ")),
+    (
+        "per-step Kara",
+        ("on_decode_step ", "on_forward_batch ", "sync_offset ", "plan_jobs "),
+    ),
     # the model's forward by SGLang layer file: a key ending in '/' or '.py:' names a file (py-spy
     # writes the shortest unique path suffix, e.g. "forward (linear.py:626)")
     ("forward: projections + MLP (linear)", ("linear.py:", "unquant.py:")),
@@ -59,7 +62,12 @@ STEP_STAGES = [  # outside events; the innermost matching frame decides
     ("sampling", ("sampler.py:",)),
     ("result processing", ("scheduler_output_processor_mixin.py:",)),
 ]
-ORDER = [n for n, _ in EVENT_STAGES] + ["event: other"] + [n for n, _ in STEP_STAGES] + ["scheduler (other)"]
+ORDER = (
+    [n for n, _ in EVENT_STAGES]
+    + ["event: other"]
+    + [n for n, _ in STEP_STAGES]
+    + ["scheduler (other)"]
+)
 
 
 def _in_file(frame: str, key: str) -> bool:
@@ -75,7 +83,10 @@ def stage_of(stack: str) -> str:
         stages, fallback = STEP_STAGES, "scheduler (other)"
     for frame in reversed(frames):
         for name, keys in stages:
-            if any(_in_file(frame, k) if k.endswith(("/", ".py:")) else frame.startswith(k) for k in keys):
+            if any(
+                _in_file(frame, k) if k.endswith(("/", ".py:")) else frame.startswith(k)
+                for k in keys
+            ):
                 return name
     return fallback
 
@@ -100,12 +111,18 @@ def summarize(stacks_path: str, step_ms: float | None = None) -> str:
         if stage.startswith("event"):
             event_leaves[";".join(stack.split(";")[-2:])] += n
     ms = f", CPU per decode step {step_ms:.1f} ms" if step_ms else ""
-    lines = [f"samples in the scheduler's event loop: {total}{ms}", "", "| stage | samples | share | ms per step |",
-             "|---|---|---|---|"]
+    lines = [
+        f"samples in the scheduler's event loop: {total}{ms}",
+        "",
+        "| stage | samples | share | ms per step |",
+        "|---|---|---|---|",
+    ]
     for name in ORDER:
         share = per_stage[name] / max(1, total)
-        lines.append(f"| {name} | {per_stage[name]} | {100 * share:.1f}% | "
-                     f"{'-' if not step_ms else f'{share * step_ms:.2f}'} |")
+        lines.append(
+            f"| {name} | {per_stage[name]} | {100 * share:.1f}% | "
+            f"{'-' if not step_ms else f'{share * step_ms:.2f}'} |"
+        )
     lines += ["", "heaviest frames inside events (last two frames):", ""]
     lines += [f"- {n} {leaf}" for leaf, n in event_leaves.most_common(15)]
     return "\n".join(lines) + "\n"
@@ -114,24 +131,44 @@ def summarize(stacks_path: str, step_ms: float | None = None) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The options; the parsed namespace is also what the grid's runner reads (``run_one``)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="tiny", help="tiny | smollm2 | a checkpoint path")
-    ap.add_argument("--system", default="kara", help="vanilla | kara | snapkv | streaming | h2o | rkv")
+    ap.add_argument(
+        "--model", default="tiny", help="tiny | smollm2 | a checkpoint path"
+    )
+    ap.add_argument(
+        "--system",
+        default="kara",
+        help="vanilla | kara | snapkv | streaming | h2o | rkv",
+    )
     ap.add_argument("--gen", type=int, default=256)
     ap.add_argument("--pool-fraction", type=float, default=0.5)
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--spread", type=float, default=0.0,
-                    help="output lengths spread evenly over [G(1-S), G(1+S)], as the grid's --spread")
+    ap.add_argument(
+        "--spread",
+        type=float,
+        default=0.0,
+        help="output lengths spread evenly over [G(1-S), G(1+S)], as the grid's --spread",
+    )
     ap.add_argument("--max-running", type=int, default=256)
     ap.add_argument("--retention", type=float, default=0.25)
     ap.add_argument("--omp-threads", type=int, default=1)
-    ap.add_argument("--query-source", default="auto", choices=("auto", "capture", "recompute"))
-    ap.add_argument("--kara-opt", action="append", default=[], metavar="NAME=VALUE",
-                    help="extra sgl_kara option for the kara system, e.g. trigger=pressure (repeatable)")
+    ap.add_argument(
+        "--query-source", default="auto", choices=("auto", "capture", "recompute")
+    )
+    ap.add_argument(
+        "--kara-opt",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="extra sgl_kara option for the kara system, e.g. trigger=pressure (repeatable)",
+    )
     ap.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--resummarize", action="store_true",
-                    help="only render --out's summary.md again from its stacks.txt (new stages)")
+    ap.add_argument(
+        "--resummarize",
+        action="store_true",
+        help="only render --out's summary.md again from its stacks.txt (new stages)",
+    )
     return ap
 
 
@@ -144,7 +181,13 @@ def resummarize(out: str) -> None:
     head = text.split("samples in the scheduler's event loop")[0]
     found = re.search(r"CPU per decode step ([0-9.]+) ms", text)
     with open(path, "w") as f:
-        f.write(head + summarize(os.path.join(out, "stacks.txt"), float(found.group(1)) if found else None))
+        f.write(
+            head
+            + summarize(
+                os.path.join(out, "stacks.txt"),
+                float(found.group(1)) if found else None,
+            )
+        )
 
 
 def main(argv=None):
@@ -167,7 +210,9 @@ def main(argv=None):
     p_len = max(len(tok(p)["input_ids"]) for p in prompts) + 1
     pool = int(args.pool_fraction * args.requests * (p_len + args.gen))
     try:  # --kara-opt items go into the system's options (grid.system_spec)
-        label, opts, per_request = grid.system_spec(args.system, args.gen, args.window, args, args.requests)
+        label, opts, per_request = grid.system_spec(
+            args.system, args.gen, args.window, args, args.requests
+        )
     except ValueError as e:
         ap.error(str(e))
     if args.kara_opt and opts is None:
@@ -187,11 +232,20 @@ def main(argv=None):
                     if "scheduler" in " ".join(child.cmdline()):
                         # Detached (sh exits, py-spy is re-parented): SGLang's Engine.shutdown kills every
                         # child of this process, which would kill py-spy before it writes.
-                        spy_bin = os.path.join(os.path.dirname(sys.executable), "py-spy")
+                        spy_bin = os.path.join(
+                            os.path.dirname(sys.executable), "py-spy"
+                        )
                         pid_file = os.path.join(scratch, "py-spy.pid")
-                        subprocess.run(["sh", "-c", f"'{spy_bin}' record --pid {child.pid} --rate {args.rate} --format raw "
-                                        f"--output '{stacks}' --nonblocking > '{scratch}/py-spy.log' 2>&1 & "
-                                        f"echo $! > '{pid_file}'"], check=True)
+                        subprocess.run(
+                            [
+                                "sh",
+                                "-c",
+                                f"'{spy_bin}' record --pid {child.pid} --rate {args.rate} --format raw "
+                                f"--output '{stacks}' --nonblocking > '{scratch}/py-spy.log' 2>&1 & "
+                                f"echo $! > '{pid_file}'",
+                            ],
+                            check=True,
+                        )
                         spy.append(int(open(pid_file).read()))
                         return
                 except psutil.Error:
@@ -201,7 +255,9 @@ def main(argv=None):
     t = threading.Thread(target=attach, daemon=True)
     t.start()
     try:
-        r = grid.run_one(run_system, args, prompts, args.gen, pool, label, opts, per_request, record)
+        r = grid.run_one(
+            run_system, args, prompts, args.gen, pool, label, opts, per_request, record
+        )
     finally:
         stop.set()
         t.join(timeout=10)
@@ -211,19 +267,28 @@ def main(argv=None):
             except ProcessLookupError:
                 pass
             for _ in range(600):  # py-spy writes its stacks, then exits
-                if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                if (
+                    not psutil.pid_exists(pid)
+                    or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+                ):
                     break
                 time.sleep(0.1)
-    text = (f"model {model}, {label}, G={args.gen} (spread {args.spread:g}), pool {pool} ({args.pool_fraction:g}), "
-            f"{args.requests} requests\n"
-            f"tok/sched-CPU-s {r['tps_sched']:.1f}, mean running {r['mean_running']:.1f}, events {r['events']}, "
-            f"compress share {100 * r['compress_share']:.1f}%\n"
-            f"steps with a request waiting: {100 * r.get('waiting_share', 0):.0f}%, mean running then "
-            f"{r.get('running_while_waiting')}, after {r.get('running_after_waiting')}; "
-            f"mean running by tenth of the steps: {r.get('running_by_tenth')}\n\n")
+    text = (
+        f"model {model}, {label}, G={args.gen} (spread {args.spread:g}), pool {pool} ({args.pool_fraction:g}), "
+        f"{args.requests} requests\n"
+        f"tok/sched-CPU-s {r['tps_sched']:.1f}, mean running {r['mean_running']:.1f}, events {r['events']}, "
+        f"compress share {100 * r['compress_share']:.1f}%\n"
+        f"steps with a request waiting: {100 * r.get('waiting_share', 0):.0f}%, mean running then "
+        f"{r.get('running_while_waiting')}, after {r.get('running_after_waiting')}; "
+        f"mean running by tenth of the steps: {r.get('running_by_tenth')}\n\n"
+    )
     steps = r.get("steps_rate")
     step_ms = 1e3 * steps["cpu"] / steps["steps"] if steps else None
-    text += summarize(stacks, step_ms) if os.path.exists(stacks) else "py-spy wrote no stacks\n"
+    text += (
+        summarize(stacks, step_ms)
+        if os.path.exists(stacks)
+        else "py-spy wrote no stacks\n"
+    )
     record.write_md(os.path.join(args.out, "summary.md"), text)
     record.finish()
     print(text)

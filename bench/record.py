@@ -36,10 +36,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILE = "run.json"
 
 # SGLang server arguments that decide a benchmark's figures (``ServerArgs`` attributes).
-SERVER_FIELDS = ("model_path", "device", "dtype", "attention_backend", "page_size", "max_total_tokens",
-                 "max_running_requests", "chunked_prefill_size", "disable_overlap_schedule", "disable_cuda_graph",
-                 "disable_radix_cache", "kv_cache_dtype", "mem_fraction_static", "random_seed", "dp_size",
-                 "tp_size", "schedule_policy", "radix_cache_backend")
+SERVER_FIELDS = (
+    "model_path",
+    "device",
+    "dtype",
+    "attention_backend",
+    "page_size",
+    "max_total_tokens",
+    "max_running_requests",
+    "chunked_prefill_size",
+    "disable_overlap_schedule",
+    "disable_cuda_graph",
+    "disable_radix_cache",
+    "kv_cache_dtype",
+    "mem_fraction_static",
+    "random_seed",
+    "dp_size",
+    "tp_size",
+    "schedule_policy",
+    "radix_cache_backend",
+)
 
 
 def cpu_model() -> str:
@@ -52,7 +68,9 @@ def cpu_model() -> str:
     except OSError:
         pass
     try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        out = subprocess.run(
+            ["lscpu"], capture_output=True, text=True, timeout=10
+        ).stdout
         found = re.search(r"^Model name:\s*(.+)$", out, re.M)
         if found:
             return found.group(1).strip()
@@ -63,7 +81,9 @@ def cpu_model() -> str:
 
 def ram_gib() -> float | None:
     try:
-        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+        return round(
+            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1
+        )
     except (ValueError, OSError, AttributeError):
         return None
 
@@ -78,8 +98,13 @@ def gpu_name() -> str | None:
 
 
 def machine() -> dict:
-    info = {"cpu": cpu_model(), "cores": os.cpu_count(), "ram_gib": ram_gib(), "gpu": gpu_name(),
-            "python": platform.python_version()}
+    info = {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "ram_gib": ram_gib(),
+        "gpu": gpu_name(),
+        "python": platform.python_version(),
+    }
     info["text"] = machine_text(info)
     return info
 
@@ -93,9 +118,12 @@ def machine_text(info: dict | None = None) -> str:
 
 def git_state(root: str = ROOT) -> dict:
     """{"commit": HEAD or None, "dirty": tracked files changed (None when not a git checkout)}."""
+
     def git(*args):
         try:
-            r = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
+            r = subprocess.run(
+                ["git", *args], cwd=root, capture_output=True, text=True, timeout=30
+            )
         except (OSError, subprocess.SubprocessError):
             return None
         return r.stdout.strip() if r.returncode == 0 else None
@@ -113,7 +141,10 @@ def command_line(argv: list[str] | None = None) -> str:
     if spec is not None and spec.name:
         head = ["python", "-m", spec.name.removesuffix(".__main__")]
     else:
-        head = ["python", os.path.relpath(sys.argv[0], ROOT) if sys.argv and sys.argv[0] else "-"]
+        head = [
+            "python",
+            os.path.relpath(sys.argv[0], ROOT) if sys.argv and sys.argv[0] else "-",
+        ]
     return " ".join(head + [_quote(a) for a in args])
 
 
@@ -128,9 +159,16 @@ def kernel_switches() -> dict:
     the environment) and every ``KARA_*`` / ``SGL_KARA_*`` variable set."""
     from sgl_kara import env
 
-    return {"fast_cpu_decode": env.fast_cpu_decode(), "batched_cpu_decode": env.batched_cpu_decode(),
-            "packed_cpu_linear": env.packed_cpu_linear(),
-            "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith((env.PREFIX, env.OLD_PREFIX))}}
+    return {
+        "fast_cpu_decode": env.fast_cpu_decode(),
+        "batched_cpu_decode": env.batched_cpu_decode(),
+        "packed_cpu_linear": env.packed_cpu_linear(),
+        "environment": {
+            k: v
+            for k, v in sorted(os.environ.items())
+            if k.startswith((env.PREFIX, env.OLD_PREFIX))
+        },
+    }
 
 
 def server_fields(server_args) -> dict:
@@ -141,8 +179,10 @@ def engine_config(engine) -> dict:
     """{"kara": resolved KaraConfig as a dict, "server": SERVER_FIELDS} of a started engine
     (``sgl_kara.Engine``, or a plain ``sglang.Engine``: policy none)."""
     cfg = getattr(engine, "kara_config", None)
-    return {"kara": cfg.to_dict() if cfg is not None else {"policy": "none"},
-            "server": server_fields(engine.server_args)}
+    return {
+        "kara": cfg.to_dict() if cfg is not None else {"policy": "none"},
+        "server": server_fields(engine.server_args),
+    }
 
 
 def server_config(launch_argv: list[str]) -> dict:
@@ -151,7 +191,11 @@ def server_config(launch_argv: list[str]) -> dict:
     from sgl_kara.launch_server import parse
 
     cfg, server_args = parse(list(launch_argv))
-    return {"kara": cfg.to_dict(), "server": server_fields(server_args), "argv": list(launch_argv)}
+    return {
+        "kara": cfg.to_dict(),
+        "server": server_fields(server_args),
+        "argv": list(launch_argv),
+    }
 
 
 def _plain(value):
@@ -166,7 +210,9 @@ class RunRecord:
         os.makedirs(out_dir, exist_ok=True)
         self.path = os.path.join(out_dir, name)
         self.data = {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(
+                timespec="seconds"
+            ),
             "machine": machine(),
             "git": git_state(),
             "command": command_line(argv),
@@ -176,15 +222,19 @@ class RunRecord:
         self.write()
 
     @classmethod
-    def beside(cls, path: str, argv: list[str] | None = None) -> "RunRecord":
+    def beside(cls, path: str, argv: list[str] | None = None) -> RunRecord:
         """The record of a script whose --out is one file: ``results.md`` -> ``results.run.json``."""
         stem = os.path.splitext(os.path.basename(path))[0]
-        return cls(os.path.dirname(os.path.abspath(path)), argv, name=f"{stem}.run.json")
+        return cls(
+            os.path.dirname(os.path.abspath(path)), argv, name=f"{stem}.run.json"
+        )
 
     @property
     def stamp(self) -> str:
         """The lines a results table carries under its command: date and machine."""
-        return f"date: {self.data['date'][:10]}\nmachine: {self.data['machine']['text']}"
+        return (
+            f"date: {self.data['date'][:10]}\nmachine: {self.data['machine']['text']}"
+        )
 
     @property
     def header(self) -> str:
@@ -218,7 +268,9 @@ class RunRecord:
         self.write()
 
     def finish(self) -> None:
-        self.data["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        self.data["finished"] = datetime.datetime.now(datetime.UTC).isoformat(
+            timespec="seconds"
+        )
         self.write()
 
     def write(self) -> None:

@@ -22,13 +22,34 @@ import tempfile
 from bench.record import RunRecord
 from bench.serve_numbers import generate_concurrently, start, stop, tree_memory_mb
 
-FLAGS = ["--max-total-tokens", "4172", "--max-running-requests", "32", "--kara-window", "64", "--kara-buffer", "8",
-         "--kara-period", "16"]
+FLAGS = [
+    "--max-total-tokens",
+    "4172",
+    "--max-running-requests",
+    "32",
+    "--kara-window",
+    "64",
+    "--kara-buffer",
+    "8",
+    "--kara-period",
+    "16",
+]
 
 
 def serve(source: str, requests: int, tokens: int, log: str) -> dict:
-    proc, url, _ = start(dict(os.environ), log, 600,
-                         command=[sys.executable, "-m", "sgl_kara.launch_server", *FLAGS, "--kara-query-source", source])
+    proc, url, _ = start(
+        dict(os.environ),
+        log,
+        600,
+        command=[
+            sys.executable,
+            "-m",
+            "sgl_kara.launch_server",
+            *FLAGS,
+            "--kara-query-source",
+            source,
+        ],
+    )
     try:
         idle = tree_memory_mb(proc.pid)
         outs = generate_concurrently(url, requests, tokens)
@@ -36,9 +57,19 @@ def serve(source: str, requests: int, tokens: int, log: str) -> dict:
     finally:
         stop(proc)
     text = open(log).read()
-    ring = re.search(r"capture query ring allocated: (\d+) rows x (\d+) queries x (\d+) layers, ([\d.]+ \w+)", text)
-    return dict(source=source, idle=idle, after=after, compressions=sum(o["meta_info"]["kara"]["compressions"] for o in outs),
-                ring=f"{ring.group(1)} rows x {ring.group(2)} x {ring.group(3)} layers, {ring.group(4)}" if ring else "-")
+    ring = re.search(
+        r"capture query ring allocated: (\d+) rows x (\d+) queries x (\d+) layers, ([\d.]+ \w+)",
+        text,
+    )
+    return dict(
+        source=source,
+        idle=idle,
+        after=after,
+        compressions=sum(o["meta_info"]["kara"]["compressions"] for o in outs),
+        ring=f"{ring.group(1)} rows x {ring.group(2)} x {ring.group(3)} layers, {ring.group(4)}"
+        if ring
+        else "-",
+    )
 
 
 def main(argv=None):
@@ -52,16 +83,27 @@ def main(argv=None):
         for source in ("capture", "recompute"):
             record.add_server(source, [*FLAGS, "--kara-query-source", source])
     tmp = tempfile.mkdtemp()
-    rows = [serve(s, args.requests, args.tokens, os.path.join(tmp, f"{s}.log")) for s in ("capture", "recompute")]
-    lines = [f"{args.requests} concurrent requests x {args.tokens} tokens, flags: {' '.join(FLAGS)}", "",
-             "| query source | ring allocated | windows compressed | RSS idle (MiB) | PSS idle | RSS after | PSS after |",
-             "|---|---|---|---|---|---|---|"]
+    rows = [
+        serve(s, args.requests, args.tokens, os.path.join(tmp, f"{s}.log"))
+        for s in ("capture", "recompute")
+    ]
+    lines = [
+        f"{args.requests} concurrent requests x {args.tokens} tokens, flags: {' '.join(FLAGS)}",
+        "",
+        "| query source | ring allocated | windows compressed | RSS idle (MiB) | PSS idle | RSS after | PSS after |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['source']} | {r['ring']} | {r['compressions']} | {r['idle'][0]:.0f} | {r['idle'][1]:.0f} "
-                     f"| {r['after'][0]:.0f} | {r['after'][1]:.0f} |")
+        lines.append(
+            f"| {r['source']} | {r['ring']} | {r['compressions']} | {r['idle'][0]:.0f} | {r['idle'][1]:.0f} "
+            f"| {r['after'][0]:.0f} | {r['after'][1]:.0f} |"
+        )
     cap, rec = rows
-    lines += ["", f"capture - recompute, after the requests: RSS {cap['after'][0] - rec['after'][0]:+.0f} MiB, "
-                  f"PSS {cap['after'][1] - rec['after'][1]:+.0f} MiB"]
+    lines += [
+        "",
+        f"capture - recompute, after the requests: RSS {cap['after'][0] - rec['after'][0]:+.0f} MiB, "
+        f"PSS {cap['after'][1] - rec['after'][1]:+.0f} MiB",
+    ]
     text = "\n".join(lines) + "\n"
     print(text)
     if record is not None:

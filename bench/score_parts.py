@@ -38,11 +38,25 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     record = RunRecord(args.out, argv)
     layers, hq, hkv, d, pool, region = 30, 9, 3, 64, 8192, 480
-    record.note(layers=layers, q_heads=hq, kv_heads=hkv, head_dim=d, pool=pool, region=region,
-                requests=args.requests, threads=args.threads, min_chunk=MIN_CHUNK)
+    record.note(
+        layers=layers,
+        q_heads=hq,
+        kv_heads=hkv,
+        head_dim=d,
+        pool=pool,
+        region=region,
+        requests=args.requests,
+        threads=args.threads,
+        min_chunk=MIN_CHUNK,
+    )
     gen = torch.Generator().manual_seed(0)
     k_buffers = [torch.randn(pool, hkv, d, generator=gen) for _ in range(layers)]
-    slots = torch.stack([torch.randperm(pool - 1, generator=gen)[:region] + 1 for _ in range(args.requests)])
+    slots = torch.stack(
+        [
+            torch.randperm(pool - 1, generator=gen)[:region] + 1
+            for _ in range(args.requests)
+        ]
+    )
     rows = []
     for n in (4, MIN_CHUNK, 512):
         q = torch.randn(args.requests, n, hq, d, generator=gen)
@@ -53,14 +67,26 @@ def main(argv=None):
                 window_scores_paged(q, k, slots)
             times.append(time.perf_counter() - tic)
         ms = 1e3 * statistics.median(times[1:])
-        rows.append({"queries": n, "ms_all_layers": round(ms, 1), "ms_per_query": round(ms / n, 2),
-                     "parts_per_window": -(-512 // n), "ms_per_window": round(ms * -(-512 // n), 0)})
+        rows.append(
+            {
+                "queries": n,
+                "ms_all_layers": round(ms, 1),
+                "ms_per_query": round(ms / n, 2),
+                "parts_per_window": -(-512 // n),
+                "ms_per_window": round(ms * -(-512 // n), 0),
+            }
+        )
     with open(os.path.join(args.out, "score_parts.json"), "w") as f:
         json.dump(rows, f, indent=1)
-    lines = ["| queries per part | ms per part (all layers, all requests) | ms per query | parts per window | ms per window |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['queries']} | {r['ms_all_layers']} | {r['ms_per_query']} | {r['parts_per_window']} | "
-              f"{r['ms_per_window']:.0f} |" for r in rows]
+    lines = [
+        "| queries per part | ms per part (all layers, all requests) | ms per query | parts per window | ms per window |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['queries']} | {r['ms_all_layers']} | {r['ms_per_query']} | {r['parts_per_window']} | "
+        f"{r['ms_per_window']:.0f} |"
+        for r in rows
+    ]
     record.write_md(os.path.join(args.out, "score_parts.md"), "\n".join(lines))
     record.finish()
     print("\n".join(lines))

@@ -52,19 +52,28 @@ def tree_memory_mb(pid: int) -> tuple[float, float]:
         try:
             rss += p.memory_info().rss
             with open(f"/proc/{p.pid}/smaps_rollup") as f:
-                pss += next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
+                pss += next(
+                    int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:")
+                )
         except (OSError, psutil.Error, StopIteration):
             pass
     return rss / 2**20, pss / 2**20
 
 
-def start(env: dict, log_path: str, timeout: float, command=None) -> tuple[subprocess.Popen, str, float]:
+def start(
+    env: dict, log_path: str, timeout: float, command=None
+) -> tuple[subprocess.Popen, str, float]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     tic = time.time()
     command = command or [sys.executable, "-m", "sgl_kara.launch_server"]
-    proc = subprocess.Popen([*command, "--port", str(port)],
-                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [*command, "--port", str(port)],
+        stdout=open(log_path, "w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
     while time.time() - tic < timeout:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
@@ -88,8 +97,18 @@ def stop(proc) -> None:
 
 
 def generate(url: str, text: str, n: int) -> dict:
-    r = requests.post(url + "/generate", json={"text": text, "sampling_params": {
-        "max_new_tokens": n, "temperature": 0, "ignore_eos": True}}, timeout=1800)
+    r = requests.post(
+        url + "/generate",
+        json={
+            "text": text,
+            "sampling_params": {
+                "max_new_tokens": n,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        },
+        timeout=1800,
+    )
     r.raise_for_status()
     return r.json()
 
@@ -97,8 +116,14 @@ def generate(url: str, text: str, n: int) -> dict:
 def generate_concurrently(url: str, concurrent: int, n: int) -> list[dict]:
     """``concurrent`` different story prompts of ``n`` tokens each, sent at once; their outputs."""
     outs: list[dict] = []
-    prompts = [f"Write a long story about a robot named Unit {i} who learns to paint." for i in range(concurrent)]
-    threads = [threading.Thread(target=lambda p=p: outs.append(generate(url, p, n))) for p in prompts]
+    prompts = [
+        f"Write a long story about a robot named Unit {i} who learns to paint."
+        for i in range(concurrent)
+    ]
+    threads = [
+        threading.Thread(target=lambda p=p: outs.append(generate(url, p, n)))
+        for p in prompts
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -116,35 +141,71 @@ def decode_rate(url: str, concurrent: int, n: int) -> float:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--fresh-cache", action="store_true", help="also time the first conversion")
+    ap.add_argument(
+        "--fresh-cache", action="store_true", help="also time the first conversion"
+    )
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--vanilla", action="store_true", help="also time plain `python -m sglang.launch_server`")
+    ap.add_argument(
+        "--vanilla",
+        action="store_true",
+        help="also time plain `python -m sglang.launch_server`",
+    )
     args = ap.parse_args(argv)
     from bench.record import RunRecord
 
     record = RunRecord(args.out, argv)
     record.add_server("sgl_kara (README's first command)", [])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res: dict = {"date": record.data["date"][:10], "machine": record.data["machine"]["text"],
-                 "python": sys.version.split()[0]}
+    res: dict = {
+        "date": record.data["date"][:10],
+        "machine": record.data["machine"]["text"],
+        "python": sys.version.split()[0],
+    }
     if args.fresh_cache:
         with tempfile.TemporaryDirectory(prefix="sgl_kara_cache_") as cache:
-            proc, _, secs = start({**env, "KARA_CACHE": cache}, os.path.join(args.out, "first_start.log"), 900)
+            proc, _, secs = start(
+                {**env, "KARA_CACHE": cache},
+                os.path.join(args.out, "first_start.log"),
+                900,
+            )
             stop(proc)
             res["first_start_s"] = round(secs, 1)
             marker = next(iter(os.scandir(cache)), None)
-            done = os.path.join(marker.path, "sgl_kara_conversion.json") if marker else None
+            done = (
+                os.path.join(marker.path, "sgl_kara_conversion.json")
+                if marker
+                else None
+            )
             if done and os.path.exists(done):
                 res["conversion_s"] = json.load(open(done))["seconds"]
-    if args.vanilla:  # plain SGLang with the settings sgl_kara's launcher resolves to, for comparison
+    if (
+        args.vanilla
+    ):  # plain SGLang with the settings sgl_kara's launcher resolves to, for comparison
         from sgl_kara.launch_server import parse
 
         _, sa = parse([])
-        command = [sys.executable, "-m", "sglang.launch_server", "--model-path", sa.model_path, "--device", "cpu",
-                   "--attention-backend", "torch_native", "--dtype", "float32", "--page-size", "1",
-                   "--max-total-tokens", str(sa.max_total_tokens),
-                   "--max-running-requests", str(sa.max_running_requests)]
-        record.add_config("vanilla sglang", {"kara": {"policy": "none"}, "argv": command[1:]})
+        command = [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            sa.model_path,
+            "--device",
+            "cpu",
+            "--attention-backend",
+            "torch_native",
+            "--dtype",
+            "float32",
+            "--page-size",
+            "1",
+            "--max-total-tokens",
+            str(sa.max_total_tokens),
+            "--max-running-requests",
+            str(sa.max_running_requests),
+        ]
+        record.add_config(
+            "vanilla sglang", {"kara": {"policy": "none"}, "argv": command[1:]}
+        )
         proc, _, secs = start(env, os.path.join(args.out, "vanilla.log"), 600, command)
         res["vanilla_sglang_startup_s"] = round(secs, 1)
         res["vanilla_sglang_pss_idle_mb"] = round(tree_memory_mb(proc.pid)[1])
@@ -152,18 +213,26 @@ def main(argv=None):
     proc, url, secs = start(env, os.path.join(args.out, "server.log"), 600)
     try:
         res["startup_s"] = round(secs, 1)
-        res["rss_idle_mb"], res["pss_idle_mb"] = (round(x) for x in tree_memory_mb(proc.pid))
+        res["rss_idle_mb"], res["pss_idle_mb"] = (
+            round(x) for x in tree_memory_mb(proc.pid)
+        )
         res["decode_1_tok_s"] = round(decode_rate(url, 1, args.new_tokens), 1)
         res["decode_8_tok_s"] = round(decode_rate(url, 8, args.new_tokens), 1)
-        out = generate(url, "Write a long story about a dragon who learns to cook.", 700)
+        out = generate(
+            url, "Write a long story about a dragon who learns to cook.", 700
+        )
         res["long_answer_kara"] = out["meta_info"]["kara"]
-        res["rss_after_mb"], res["pss_after_mb"] = (round(x) for x in tree_memory_mb(proc.pid))
+        res["rss_after_mb"], res["pss_after_mb"] = (
+            round(x) for x in tree_memory_mb(proc.pid)
+        )
         res["alive"] = proc.poll() is None
     finally:
         stop(proc)
     with open(os.path.join(args.out, "serve_numbers.json"), "w") as f:
         json.dump(res, f, indent=1)
-    lines = ["| measure | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in res.items()]
+    lines = ["| measure | value |", "|---|---|"] + [
+        f"| {k} | {v} |" for k, v in res.items()
+    ]
     record.write_md(os.path.join(args.out, "serve_numbers.md"), "\n".join(lines))
     record.finish()
     print("\n".join(lines))

@@ -35,12 +35,17 @@ def intervals(trace: list[dict]) -> list[dict]:
     for cur, nxt in zip(trace, trace[1:]):
         if cur["running"] <= 0 or "cpu" not in cur or "cpu" not in nxt:
             continue
-        out.append(dict(
-            running=cur["running"], rows=cur.get("rows", 0), waiting=cur.get("waiting", 0),
-            cpu=nxt["cpu"] - cur["cpu"],
-            event=nxt.get("kara_seconds", 0.0) - cur.get("kara_seconds", 0.0),
-            admitted=nxt["running"] > cur["running"] or nxt.get("waiting", 0) < cur.get("waiting", 0),
-        ))
+        out.append(
+            dict(
+                running=cur["running"],
+                rows=cur.get("rows", 0),
+                waiting=cur.get("waiting", 0),
+                cpu=nxt["cpu"] - cur["cpu"],
+                event=nxt.get("kara_seconds", 0.0) - cur.get("kara_seconds", 0.0),
+                admitted=nxt["running"] > cur["running"]
+                or nxt.get("waiting", 0) < cur.get("waiting", 0),
+            )
+        )
     return out
 
 
@@ -50,9 +55,15 @@ def rate(ivs: list[dict]) -> dict | None:
     if not ivs or cpu <= 0:
         return None
     tokens = sum(iv["running"] for iv in ivs)
-    return dict(tps=tokens / cpu, tokens=tokens, running=tokens / len(ivs),
-                rows_per_request=sum(iv["rows"] for iv in ivs) / tokens,
-                event_share=sum(iv["event"] for iv in ivs) / cpu, steps=len(ivs), cpu=cpu)
+    return dict(
+        tps=tokens / cpu,
+        tokens=tokens,
+        running=tokens / len(ivs),
+        rows_per_request=sum(iv["rows"] for iv in ivs) / tokens,
+        event_share=sum(iv["event"] for iv in ivs) / cpu,
+        steps=len(ivs),
+        cpu=cpu,
+    )
 
 
 def saturated(ivs: list[dict]) -> dict | None:
@@ -71,7 +82,11 @@ class StepCost:
     n: int  # intervals fitted
 
     def step(self, running: float, rows_per_request: float) -> float:
-        return self.fixed + self.per_request * running + self.per_row * running * rows_per_request
+        return (
+            self.fixed
+            + self.per_request * running
+            + self.per_row * running * rows_per_request
+        )
 
     def tps(self, running: float, rows_per_request: float) -> float:
         """Tokens per CPU-second of steps at this batch and row length (no events)."""
@@ -86,9 +101,13 @@ def fit_stats(ivs: list[dict]) -> dict:
     use = [iv for iv in ivs if iv["event"] == 0 and not iv["admitted"]]
     xs = [(1.0, float(iv["running"]), float(iv["rows"])) for iv in use]
     ys = [iv["cpu"] for iv in use]
-    return dict(n=len(use), xtx=[[sum(x[i] * x[j] for x in xs) for j in range(3)] for i in range(3)],
-                xty=[sum(x[i] * y for x, y in zip(xs, ys)) for i in range(3)],
-                sy=sum(ys), syy=sum(y * y for y in ys))
+    return dict(
+        n=len(use),
+        xtx=[[sum(x[i] * x[j] for x in xs) for j in range(3)] for i in range(3)],
+        xty=[sum(x[i] * y for x, y in zip(xs, ys)) for i in range(3)],
+        sy=sum(ys),
+        syy=sum(y * y for y in ys),
+    )
 
 
 def fit(stats: list[dict]) -> StepCost | None:
@@ -106,7 +125,9 @@ def fit(stats: list[dict]) -> StepCost | None:
     xtx = sum(np.array(s["xtx"]) for s in stats)
     xty = sum(np.array(s["xty"]) for s in stats)
     d = np.sqrt(np.diag(xtx))
-    if (d == 0).any() or np.linalg.cond(xtx / np.outer(d, d)) > 1e8:  # scale-free: B and rows collinear
+    if (d == 0).any() or np.linalg.cond(
+        xtx / np.outer(d, d)
+    ) > 1e8:  # scale-free: B and rows collinear
         return None
     coef = np.linalg.solve(xtx, xty)
     sy, syy = sum(s["sy"] for s in stats), sum(s["syy"] for s in stats)
@@ -116,7 +137,9 @@ def fit(stats: list[dict]) -> StepCost | None:
     return StepCost(float(coef[0]), float(coef[1]), float(coef[2]), r2, n)
 
 
-def explain(model: StepCost, base: dict, other: dict, limit_running: float | None = None) -> dict:
+def explain(
+    model: StepCost, base: dict, other: dict, limit_running: float | None = None
+) -> dict:
     """A ratio of saturated rates split into its parts with the step-cost model.
 
     ``base`` / ``other``: ``rate`` dicts (vanilla's and a compressing system's). ``predicted`` is the
@@ -127,7 +150,9 @@ def explain(model: StepCost, base: dict, other: dict, limit_running: float | Non
     what the machine allows at that concurrency."""
     b0 = model.tps(base["running"], base["rows_per_request"])
     out = dict(
-        predicted=model.tps(other["running"], other["rows_per_request"]) * (1 - other["event_share"]) / b0,
+        predicted=model.tps(other["running"], other["rows_per_request"])
+        * (1 - other["event_share"])
+        / b0,
         same_batch=model.tps(base["running"], other["rows_per_request"]) / b0,
         batching=model.tps(other["running"], base["rows_per_request"]) / b0,
         concurrency=other["running"] / base["running"],

@@ -35,11 +35,15 @@ def workload(args):
     prompts, params = [], []
     for i in range(args.requests):
         prompts.append(f"Problem {i}: let x{i} = {i % 10}. Think step by step.")
-        params.append({"max_new_tokens": args.gen, "temperature": 0.8, "ignore_eos": True, "n": 1})
+        params.append(
+            {"max_new_tokens": args.gen, "temperature": 0.8, "ignore_eos": True, "n": 1}
+        )
     # Some requests share their prompt (parallel samples): the same prompt repeated.
     for i in range(args.shared):
         prompts.append("Shared problem: let y = 7. Think step by step.")
-        params.append({"max_new_tokens": args.gen, "temperature": 0.8, "ignore_eos": True, "n": 1})
+        params.append(
+            {"max_new_tokens": args.gen, "temperature": 0.8, "ignore_eos": True, "n": 1}
+        )
     return prompts, params
 
 
@@ -47,13 +51,29 @@ def system_options(system: str, args) -> dict:
     """sgl_kara.Engine ``kara_*`` options of a system of the single-workload comparison."""
     kara = {"kara_policy": system}
     if system == "kara":
-        kara.update(kara_window=args.window, kara_buffer=args.buffer, kara_retention=args.retention,
-                    kara_chunk_budget=args.chunk_budget, kara_period=args.period,
-                    kara_max_seqs=args.max_seqs, kara_query_source=args.query_source)
-    elif system in ("snapkv", "streaming", "h2o", "rkv"):  # threshold policies: the --snapkv-* budget
+        kara.update(
+            kara_window=args.window,
+            kara_buffer=args.buffer,
+            kara_retention=args.retention,
+            kara_chunk_budget=args.chunk_budget,
+            kara_period=args.period,
+            kara_max_seqs=args.max_seqs,
+            kara_query_source=args.query_source,
+        )
+    elif system in (
+        "snapkv",
+        "streaming",
+        "h2o",
+        "rkv",
+    ):  # threshold policies: the --snapkv-* budget
         prefix = f"kara_{system}_"
-        kara.update({prefix + "threshold": args.snapkv_threshold, prefix + "budget": args.snapkv_budget,
-                     prefix + "window": args.snapkv_window})
+        kara.update(
+            {
+                prefix + "threshold": args.snapkv_threshold,
+                prefix + "budget": args.snapkv_budget,
+                prefix + "window": args.snapkv_window,
+            }
+        )
         if system != "streaming":
             kara["kara_query_source"] = args.query_source
     return kara
@@ -79,16 +99,35 @@ def main(argv=None):
         from bench import throughput_grid
 
         return throughput_grid.main(given)
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", default=None, help="default: the default model (SmolLM2-135M-Instruct)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model-path",
+        default=None,
+        help="default: the default model (SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--requests", type=int, default=40)
-    p.add_argument("--shared", type=int, default=8, help="extra requests sharing one prompt")
-    p.add_argument("--gen", type=int, default=768, help="output tokens per request (ignore_eos)")
-    p.add_argument("--pool-fractions", type=float, nargs="+", default=[0.125],
-                   help="KV pool size as a fraction of the workload's full-length KV")
+    p.add_argument(
+        "--shared", type=int, default=8, help="extra requests sharing one prompt"
+    )
+    p.add_argument(
+        "--gen", type=int, default=768, help="output tokens per request (ignore_eos)"
+    )
+    p.add_argument(
+        "--pool-fractions",
+        type=float,
+        nargs="+",
+        default=[0.125],
+        help="KV pool size as a fraction of the workload's full-length KV",
+    )
     p.add_argument("--max-running", type=int, nargs="+", default=[64])
-    p.add_argument("--systems", nargs="+", default=["vanilla", "kara", "snapkv", "none"],
-                   help="vanilla, none, kara, snapkv, streaming, h2o, rkv (threshold policies take --snapkv-*)")
+    p.add_argument(
+        "--systems",
+        nargs="+",
+        default=["vanilla", "kara", "snapkv", "none"],
+        help="vanilla, none, kara, snapkv, streaming, h2o, rkv (threshold policies take --snapkv-*)",
+    )
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--buffer", type=int, default=16)
     p.add_argument("--retention", type=float, default=0.25)
@@ -99,14 +138,31 @@ def main(argv=None):
     p.add_argument("--snapkv-threshold", type=int, default=256)
     p.add_argument("--snapkv-budget", type=int, default=192)
     p.add_argument("--snapkv-window", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=1,
-                   help="runs per system; the order of systems rotates each repeat (interleaved)")
-    p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
-                   help="scheduler on the last core alone, the other engine processes on the rest")
-    p.add_argument("--omp-threads", type=int, default=1,
-                   help="OMP_NUM_THREADS (+ OMP_WAIT_POLICY=PASSIVE) for the engines; 0 = leave as is")
-    p.add_argument("--out", default=os.path.join(HERE, "results", f"{datetime.date.today().isoformat()}-throughput"),
-                   help="output folder (default: bench/results/<today>-throughput)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per system; the order of systems rotates each repeat (interleaved)",
+    )
+    p.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="scheduler on the last core alone, the other engine processes on the rest",
+    )
+    p.add_argument(
+        "--omp-threads",
+        type=int,
+        default=1,
+        help="OMP_NUM_THREADS (+ OMP_WAIT_POLICY=PASSIVE) for the engines; 0 = leave as is",
+    )
+    p.add_argument(
+        "--out",
+        default=os.path.join(
+            HERE, "results", f"{datetime.date.today().isoformat()}-throughput"
+        ),
+        help="output folder (default: bench/results/<today>-throughput)",
+    )
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     record = RunRecord(args.out, argv)
@@ -122,14 +178,28 @@ def main(argv=None):
             k = rep % len(args.systems)
             for system in args.systems[k:] + args.systems[:k]:
                 done += 1
-                print(f"[{done}/{total}] {system:8s} pool={pool} ({frac:g} of full KV) max_running={max_running} "
-                      f"repeat {rep + 1} ...", end="", flush=True)
-                r = run_system(system, args, pool, max_running, kara=None if system == "vanilla" else
-                               system_options(system, args), prompts_params=workload(args), repeat=rep,
-                               record=record)
+                print(
+                    f"[{done}/{total}] {system:8s} pool={pool} ({frac:g} of full KV) max_running={max_running} "
+                    f"repeat {rep + 1} ...",
+                    end="",
+                    flush=True,
+                )
+                r = run_system(
+                    system,
+                    args,
+                    pool,
+                    max_running,
+                    kara=None if system == "vanilla" else system_options(system, args),
+                    prompts_params=workload(args),
+                    repeat=rep,
+                    record=record,
+                )
                 results.append(r)
-                print(f" {r.tps:8.1f} tok/s, mean running {r.mean_running:.1f}, {r.ms_per_step:.1f} ms/step, "
-                      f"retractions {r.retractions}", flush=True)
+                print(
+                    f" {r.tps:8.1f} tok/s, mean running {r.mean_running:.1f}, {r.ms_per_step:.1f} ms/step, "
+                    f"retractions {r.retractions}",
+                    flush=True,
+                )
 
     lines = [
         "| pool (tokens) | max running | system | output tok/s (median of runs) | runs | vs vanilla "
@@ -140,7 +210,11 @@ def main(argv=None):
 
     def median(xs):
         xs = sorted(xs)
-        return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+        return (
+            xs[len(xs) // 2]
+            if len(xs) % 2
+            else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+        )
 
     for frac, max_running in combos:
         pool = int(full_kv * frac)
@@ -164,8 +238,19 @@ def main(argv=None):
     print(table)
     record.write_md(os.path.join(args.out, "throughput.md"), table)
     with open(os.path.join(args.out, "throughput.json"), "w") as f:
-        json.dump([{**{k: v for k, v in r.__dict__.items() if k != "trace"}, "tps": r.tps, "steps": r.steps,
-                    "ms_per_step": r.ms_per_step} for r in results], f, indent=1)
+        json.dump(
+            [
+                {
+                    **{k: v for k, v in r.__dict__.items() if k != "trace"},
+                    "tps": r.tps,
+                    "steps": r.steps,
+                    "ms_per_step": r.ms_per_step,
+                }
+                for r in results
+            ],
+            f,
+            indent=1,
+        )
     plot(results, args, full_kv)
     record.finish()
 
@@ -181,7 +266,11 @@ def plot(results, args, full_kv):
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for system in args.systems:
-        pts = sorted((r.pool, r.tps) for r in results if r.system == system and r.max_running == args.max_running[0])
+        pts = sorted(
+            (r.pool, r.tps)
+            for r in results
+            if r.system == system and r.max_running == args.max_running[0]
+        )
         ax.plot([p for p, _ in pts], [t for _, t in pts], marker="o", label=system)
     ax.set_xlabel("KV pool (tokens)")
     ax.set_ylabel("output tokens/s")
@@ -193,7 +282,12 @@ def plot(results, args, full_kv):
     fig, ax = plt.subplots(figsize=(6, 4))
     tight = min(r.pool for r in results)
     for r in results:
-        if r.pool == tight and r.max_running == args.max_running[0] and r.system in ("vanilla", "kara") and r.repeat == 0:
+        if (
+            r.pool == tight
+            and r.max_running == args.max_running[0]
+            and r.system in ("vanilla", "kara")
+            and r.repeat == 0
+        ):
             ax.plot([x["running"] for x in r.trace], label=r.system)
     ax.set_xlabel("decode step")
     ax.set_ylabel("running requests")

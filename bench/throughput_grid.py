@@ -58,12 +58,21 @@ BASELINES = ("snapkv", "streaming", "h2o", "rkv")
 
 def tiny_model() -> str:
     """The random-weight 4-layer Llama of the tiny grids (bench/RESULTS.md, Machines and conventions)."""
-    from sgl_kara.models.tiny import write_tiny_model
+    from bench.models.tiny import write_tiny_model
 
     path = os.path.join(tempfile.gettempdir(), "sgl_kara_tiny_llama_h128_l4_s2026")
     if not os.path.exists(os.path.join(path, "config.json")):
-        write_tiny_model(path, "llama", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-                         intermediate_size=256, vocab_size=512, seed=2026)
+        write_tiny_model(
+            path,
+            "llama",
+            hidden_size=128,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=256,
+            vocab_size=512,
+            seed=2026,
+        )
     return path
 
 
@@ -113,21 +122,45 @@ def system_spec(system: str, gen: int, w: int | None, args, n: int):
     from sgl_kara.config import QUERY_SOURCES
 
     name = system
-    system, _, source = system.partition(":")  # "kara:recompute": this system's own query source
+    system, _, source = system.partition(
+        ":"
+    )  # "kara:recompute": this system's own query source
     source = source or args.query_source
     if source not in QUERY_SOURCES:
-        raise ValueError(f"--systems {name}: the query source after ':' must be one of {', '.join(QUERY_SOURCES)}")
+        raise ValueError(
+            f"--systems {name}: the query source after ':' must be one of {', '.join(QUERY_SOURCES)}"
+        )
     u, period = kara_shape(w)
     if system in KARA_VARIANTS:
-        return f"{name} W={w}", {**dict(kara_policy="kara", kara_window=w, kara_buffer=u, kara_period=period,
-                                        kara_retention=args.retention, kara_max_seqs=256, kara_query_source=source,
-                                        **KARA_VARIANTS[system]), **extra}, None
+        return (
+            f"{name} W={w}",
+            {
+                **dict(
+                    kara_policy="kara",
+                    kara_window=w,
+                    kara_buffer=u,
+                    kara_period=period,
+                    kara_retention=args.retention,
+                    kara_max_seqs=256,
+                    kara_query_source=source,
+                    **KARA_VARIANTS[system],
+                ),
+                **extra,
+            },
+            None,
+        )
     gap = w - u
     peak = kara_peak(gen, w, args.retention)
     prefix = f"kara_{system}_"
     floor = u + 8
-    opts = {"kara_policy": system, prefix + "window": u, prefix + "budget": floor, prefix + "threshold": floor + gap,
-            "kara_query_source": source, **extra}
+    opts = {
+        "kara_policy": system,
+        prefix + "window": u,
+        prefix + "budget": floor,
+        prefix + "threshold": floor + gap,
+        "kara_query_source": source,
+        **extra,
+    }
     budget = max(floor, peak - gap)
     return f"{name} W={w}", opts, [{"budget": budget}] * n
 
@@ -153,28 +186,62 @@ def cells(args):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--grid", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--model", default="tiny", help="tiny | smollm2 | a checkpoint path")
+    ap.add_argument(
+        "--model", default="tiny", help="tiny | smollm2 | a checkpoint path"
+    )
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--gens", type=int, nargs="+", default=[256, 512, 1024, 2048])
-    ap.add_argument("--pool-fractions", type=float, nargs="+", default=[0.5, 0.25, 0.125])
+    ap.add_argument(
+        "--pool-fractions", type=float, nargs="+", default=[0.5, 0.25, 0.125]
+    )
     ap.add_argument("--windows", type=int, nargs="+", default=[64, 128, 512])
-    ap.add_argument("--systems", nargs="+", default=["vanilla", "kara", "snapkv", "streaming"],
-                    help="vanilla, kara, kara-pressure, kara-headroom, kara-buffer, or a baseline; ':<source>' after a name "
-                         "(kara:recompute) gives that system its own query source")
+    ap.add_argument(
+        "--systems",
+        nargs="+",
+        default=["vanilla", "kara", "snapkv", "streaming"],
+        help="vanilla, kara, kara-pressure, kara-headroom, kara-buffer, or a baseline; ':<source>' after a name "
+        "(kara:recompute) gives that system its own query source",
+    )
     ap.add_argument("--retention", type=float, default=0.25)
     ap.add_argument("--max-running", type=int, default=256)
     ap.add_argument("--omp-threads", type=int, default=1)
-    ap.add_argument("--query-source", default="auto", choices=("auto", "capture", "recompute"),
-                    help="auto: sgl_kara's rule (ring rows bounded by the pool; with GQA, g >= 2, the ring is about g/2 of the pool or more: recompute)")
-    ap.add_argument("--repeats", type=int, default=1, help="runs per system and cell (order rotated); medians")
-    ap.add_argument("--spread", type=float, default=0.0,
-                    help="output lengths spread evenly over [G(1-S), G(1+S)], mean G (0: all G; waves)")
-    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
-                    help="scheduler on the last core alone, the other engine processes on the rest (steadier CPU times)")
-    ap.add_argument("--kara-opt", action="append", default=[], metavar="NAME=VALUE",
-                    help="another sgl_kara option for every compressing system, e.g. phase=server (repeatable)")
+    ap.add_argument(
+        "--query-source",
+        default="auto",
+        choices=("auto", "capture", "recompute"),
+        help="auto: sgl_kara's rule (ring rows bounded by the pool; with GQA, g >= 2, the ring is about g/2 of the pool or more: recompute)",
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per system and cell (order rotated); medians",
+    )
+    ap.add_argument(
+        "--spread",
+        type=float,
+        default=0.0,
+        help="output lengths spread evenly over [G(1-S), G(1+S)], mean G (0: all G; waves)",
+    )
+    ap.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="scheduler on the last core alone, the other engine processes on the rest (steadier CPU times)",
+    )
+    ap.add_argument(
+        "--kara-opt",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="another sgl_kara option for every compressing system, e.g. phase=server (repeatable)",
+    )
     ap.add_argument("--out", required=True)
-    ap.add_argument("--rewrite", action="store_true", help="only render --out's grid.json again (table, heat maps)")
+    ap.add_argument(
+        "--rewrite",
+        action="store_true",
+        help="only render --out's grid.json again (table, heat maps)",
+    )
     args = ap.parse_args(argv)
     if args.rewrite:
         return rewrite(args.out)
@@ -189,8 +256,14 @@ def main(argv=None):
     from sgl_kara import env as kara_env
 
     record = RunRecord(args.out, argv)
-    args.env = {k: v for k, v in os.environ.items() if k.startswith("KARA_") and k != "KARA_TRACE"}
-    args.env.setdefault("KARA_PACKED_CPU_LINEAR", "1 (default)" if kara_env.packed_cpu_linear() else "0")
+    args.env = {
+        k: v
+        for k, v in os.environ.items()
+        if k.startswith("KARA_") and k != "KARA_TRACE"
+    }
+    args.env.setdefault(
+        "KARA_PACKED_CPU_LINEAR", "1 (default)" if kara_env.packed_cpu_linear() else "0"
+    )
     args.stamp = record.stamp
     args.command = record.data["command"]
 
@@ -202,9 +275,17 @@ def main(argv=None):
     p_len = max(len(tok(p)["input_ids"]) for p in prompts) + 1
     runs = []
     for gen, frac in cells(args):
-        specs = [system_spec("vanilla", gen, None, args, args.requests)] if "vanilla" in args.systems else []
-        specs += [system_spec(s, gen, w, args, args.requests) for w in args.windows for s in args.systems
-                  if s != "vanilla"]
+        specs = (
+            [system_spec("vanilla", gen, None, args, args.requests)]
+            if "vanilla" in args.systems
+            else []
+        )
+        specs += [
+            system_spec(s, gen, w, args, args.requests)
+            for w in args.windows
+            for s in args.systems
+            if s != "vanilla"
+        ]
         runs.append((gen, frac, specs))
     total = sum(len(s) for _, _, s in runs) * args.repeats
     try:
@@ -219,13 +300,29 @@ def main(argv=None):
         gen, frac, specs = runs[i]
         pool = int(frac * args.requests * (p_len + gen))
         k = (i + rep) % len(specs)
-        for label, opts, per_request in specs[k:] + specs[:k]:  # rotate the order per cell and repeat
-            r = run_one(run_system, args, prompts, gen, pool, label, opts, per_request, record)
-            results.append(dict(gen=gen, frac=frac, pool=pool, label=label, repeat=rep, prompt_len=p_len,
-                                system=label.split(" W=")[0],
-                                window=int(label.split("W=")[1]) if "W=" in label else None, **r))
+        for label, opts, per_request in (
+            specs[k:] + specs[:k]
+        ):  # rotate the order per cell and repeat
+            r = run_one(
+                run_system, args, prompts, gen, pool, label, opts, per_request, record
+            )
+            results.append(
+                dict(
+                    gen=gen,
+                    frac=frac,
+                    pool=pool,
+                    label=label,
+                    repeat=rep,
+                    prompt_len=p_len,
+                    system=label.split(" W=")[0],
+                    window=int(label.split("W=")[1]) if "W=" in label else None,
+                    **r,
+                )
+            )
             if bar is not None:
-                bar.set_postfix_str(f"G={gen} pool={frac:g} {label}: {r['tps_sched']:.0f} tok/sched-CPU-s")
+                bar.set_postfix_str(
+                    f"G={gen} pool={frac:g} {label}: {r['tps_sched']:.0f} tok/sched-CPU-s"
+                )
                 bar.update(1)
             write(results, args, argv)
     if bar is not None:
@@ -236,19 +333,47 @@ def main(argv=None):
     return results
 
 
-def run_one(run_system, args, prompts, gen, pool, label, opts, per_request, record=None) -> dict:
+def run_one(
+    run_system, args, prompts, gen, pool, label, opts, per_request, record=None
+) -> dict:
     lengths = output_lengths(gen, len(prompts), args.spread)
-    params = [{"max_new_tokens": lengths[j], "temperature": 0.8, "ignore_eos": True}
-              | ({"custom_params": {"kara": per_request[j]}} if per_request else {}) for j in range(len(prompts))]
+    params = [
+        {"max_new_tokens": lengths[j], "temperature": 0.8, "ignore_eos": True}
+        | ({"custom_params": {"kara": per_request[j]}} if per_request else {})
+        for j in range(len(prompts))
+    ]
     system = "vanilla" if opts is None else opts["kara_policy"]
-    r = run_system(system, args, pool, args.max_running, kara=opts, prompts_params=(prompts, params), label=label,
-                   record=record)
-    return dict(tps=r.tps, tps_cpu=r.tps_cpu, tps_sched=r.tps_scheduler_cpu, seconds=r.seconds,
-                cpu_seconds=r.cpu_seconds, scheduler_cpu_seconds=r.scheduler_cpu_seconds,
-                mean_running=r.mean_running, peak_running=r.peak_running, retractions=r.retractions,
-                events=r.events, compress_share=r.compress_share, lengths_ok=r.lengths_ok,
-                ring_bytes=r.ring_bytes, fallbacks=r.fallbacks, pool_bytes=pool * kv_bytes_per_token(args.model_path),
-                mean_kv=r.mean_kv, skipped=r.skipped, **concurrency_profile(r.trace), **step_profile(r.trace))
+    r = run_system(
+        system,
+        args,
+        pool,
+        args.max_running,
+        kara=opts,
+        prompts_params=(prompts, params),
+        label=label,
+        record=record,
+    )
+    return dict(
+        tps=r.tps,
+        tps_cpu=r.tps_cpu,
+        tps_sched=r.tps_scheduler_cpu,
+        seconds=r.seconds,
+        cpu_seconds=r.cpu_seconds,
+        scheduler_cpu_seconds=r.scheduler_cpu_seconds,
+        mean_running=r.mean_running,
+        peak_running=r.peak_running,
+        retractions=r.retractions,
+        events=r.events,
+        compress_share=r.compress_share,
+        lengths_ok=r.lengths_ok,
+        ring_bytes=r.ring_bytes,
+        fallbacks=r.fallbacks,
+        pool_bytes=pool * kv_bytes_per_token(args.model_path),
+        mean_kv=r.mean_kv,
+        skipped=r.skipped,
+        **concurrency_profile(r.trace),
+        **step_profile(r.trace),
+    )
 
 
 def step_profile(trace: list[dict]) -> dict:
@@ -259,8 +384,12 @@ def step_profile(trace: list[dict]) -> dict:
 
     ivs = step_costs.intervals(trace)
     sat = step_costs.saturated(ivs)
-    return dict(saturated=sat, sat_tps=sat["tps"] if sat else None, steps_rate=step_costs.rate(ivs),
-                fit_stats=step_costs.fit_stats(ivs))
+    return dict(
+        saturated=sat,
+        sat_tps=sat["tps"] if sat else None,
+        steps_rate=step_costs.rate(ivs),
+        fit_stats=step_costs.fit_stats(ivs),
+    )
 
 
 def concurrency_profile(trace: list[dict]) -> dict:
@@ -273,11 +402,17 @@ def concurrency_profile(trace: list[dict]) -> dict:
     waiting = [s["running"] for s in steps if s.get("waiting", 0) > 0]
     drain = [s["running"] for s in steps if s.get("waiting", 0) == 0]
     k = -(-len(steps) // 10)
-    return dict(waiting_share=len(waiting) / len(steps),
-                running_while_waiting=sum(waiting) / len(waiting) if waiting else None,
-                running_after_waiting=sum(drain) / len(drain) if drain else None,
-                running_by_tenth=[round(sum(s["running"] for s in steps[i:i + k]) / len(steps[i:i + k]), 1)
-                                  for i in range(0, len(steps), k)])
+    return dict(
+        waiting_share=len(waiting) / len(steps),
+        running_while_waiting=sum(waiting) / len(waiting) if waiting else None,
+        running_after_waiting=sum(drain) / len(drain) if drain else None,
+        running_by_tenth=[
+            round(
+                sum(s["running"] for s in steps[i : i + k]) / len(steps[i : i + k]), 1
+            )
+            for i in range(0, len(steps), k)
+        ],
+    )
 
 
 def kv_bytes_per_token(model_path: str) -> int:
@@ -301,26 +436,42 @@ def ratios(results):
         groups.setdefault((r["gen"], r["frac"], r["label"]), []).append(r)
     med = []
     for runs in groups.values():
-        m = dict(runs[0], runs=len(runs), retractions=sum(r["retractions"] for r in runs),
-                 skipped=sum(r.get("skipped", 0) for r in runs),
-                 lengths_ok=all(r["lengths_ok"] for r in runs), peak_running=max(r["peak_running"] for r in runs))
+        m = dict(
+            runs[0],
+            runs=len(runs),
+            retractions=sum(r["retractions"] for r in runs),
+            skipped=sum(r.get("skipped", 0) for r in runs),
+            lengths_ok=all(r["lengths_ok"] for r in runs),
+            peak_running=max(r["peak_running"] for r in runs),
+        )
         m.update({k: statistics.median(r[k] for r in runs) for k in METRICS})
         m["spread_sched"] = [round(r["tps_sched"]) for r in runs]
         sat = [r["sat_tps"] for r in runs if r.get("sat_tps")]
         m["sat_tps"] = statistics.median(sat) if sat else None
         if sat:  # the saturated phase (batch, rows, events) of the run nearest the median rate
-            m["saturated"] = min((r for r in runs if r.get("sat_tps")),
-                                 key=lambda r: abs(r["sat_tps"] - m["sat_tps"]))["saturated"]
+            m["saturated"] = min(
+                (r for r in runs if r.get("sat_tps")),
+                key=lambda r: abs(r["sat_tps"] - m["sat_tps"]),
+            )["saturated"]
         med.append(m)
     base = {(r["gen"], r["frac"]): r for r in med if r["system"] == "vanilla"}
     out = []
     for r in med:
         b = base.get((r["gen"], r["frac"]))
-        out.append(dict(r, cpu_ratio=r["tps_cpu"] / b["tps_cpu"] if b else None,
-                        sched_ratio=r["tps_sched"] / b["tps_sched"] if b else None,
-                        wall_ratio=r["tps"] / b["tps"] if b else None,
-                        running_ratio=r["mean_running"] / b["mean_running"] if b and b["mean_running"] else None,
-                        sat_ratio=r["sat_tps"] / b["sat_tps"] if b and r.get("sat_tps") and b.get("sat_tps") else None))
+        out.append(
+            dict(
+                r,
+                cpu_ratio=r["tps_cpu"] / b["tps_cpu"] if b else None,
+                sched_ratio=r["tps_sched"] / b["tps_sched"] if b else None,
+                wall_ratio=r["tps"] / b["tps"] if b else None,
+                running_ratio=r["mean_running"] / b["mean_running"]
+                if b and b["mean_running"]
+                else None,
+                sat_ratio=r["sat_tps"] / b["sat_tps"]
+                if b and r.get("sat_tps") and b.get("sat_tps")
+                else None,
+            )
+        )
     return out
 
 
@@ -349,34 +500,54 @@ def ring(r) -> str:
     """The capture ring's memory beside the KV pool's (memory Kara uses beyond the pool)."""
     if not r.get("ring_bytes"):
         return "-"
-    share = f"{r['ring_bytes'] / r['pool_bytes']:.2f}x" if r.get("pool_bytes") else f"{r['ring_bytes'] >> 20} MiB"
+    share = (
+        f"{r['ring_bytes'] / r['pool_bytes']:.2f}x"
+        if r.get("pool_bytes")
+        else f"{r['ring_bytes'] >> 20} MiB"
+    )
     return f"{share} ({r.get('fallbacks', 0)})"
 
 
 def write(results, args, argv):
     rows = ratios(results)
-    cmd = getattr(args, "command", None) or "python -m bench.throughput " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = getattr(args, "command", None) or "python -m bench.throughput " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
     write_table(rows, args, cmd)
     write_costs(results, args, cmd)
     with open(os.path.join(args.out, "grid.json"), "w") as f:
-        json.dump({"args": {k: v for k, v in vars(args).items()}, "command": cmd, "runs": rows,
-                   "all_runs": results}, f, indent=1)
+        json.dump(
+            {
+                "args": {k: v for k, v in vars(args).items()},
+                "command": cmd,
+                "runs": rows,
+                "all_runs": results,
+            },
+            f,
+            indent=1,
+        )
 
 
 def write_table(rows, args, cmd: str) -> None:
-    head = ("| G | pool | system | runs | tok/sched-CPU-s | vs vanilla (sched CPU) | tok/CPU-s | vs vanilla (CPU) "
-            "| tok/s wall | vs vanilla (wall) | mean / peak running | running vs vanilla | mean KV rows / request "
-            "| footprint limit "
-            "| wave bound (per wave: vanilla, kara) | retractions (requests an event could not compact) "
-            "| compress share | capture ring / pool (fallbacks) "
-            "| while requests wait: tok/sched-CPU-s, vs vanilla (running) "
-            "| lengths ok |")
+    head = (
+        "| G | pool | system | runs | tok/sched-CPU-s | vs vanilla (sched CPU) | tok/CPU-s | vs vanilla (CPU) "
+        "| tok/s wall | vs vanilla (wall) | mean / peak running | running vs vanilla | mean KV rows / request "
+        "| footprint limit "
+        "| wave bound (per wave: vanilla, kara) | retractions (requests an event could not compact) "
+        "| compress share | capture ring / pool (fallbacks) "
+        "| while requests wait: tok/sched-CPU-s, vs vanilla (running) "
+        "| lengths ok |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     fmt = lambda x, f="{:.2f}x": "-" if x is None else f.format(x)  # noqa: E731
     for r in rows:
         lim = footprint_limit(r, args.retention)
         # whole waves only when every request has the same length (grids saved before --spread: equal)
-        waves = None if getattr(args, "spread", 0.0) else wave_bound(r, args.requests, args.retention)
+        waves = (
+            None
+            if getattr(args, "spread", 0.0)
+            else wave_bound(r, args.requests, args.retention)
+        )
         kv = "-" if r.get("mean_kv") is None else f"{r['mean_kv']:.0f}"
         lines.append(
             f"| {r['gen']} | {r['frac']:g} ({r['pool']}) | {r['label']} | {r['runs']} | {r['tps_sched']:.1f} "
@@ -387,16 +558,25 @@ def write_table(rows, args, cmd: str) -> None:
             f"| {'-' if waves is None else f'{waves[0]:.2f}x ({waves[1]}, {waves[2]})'} "
             f"| {r['retractions']} ({r.get('skipped', '-')}) | {100 * r['compress_share']:.1f}% | {ring(r)} "
             f"| {saturated_cell(r)} "
-            f"| {r['lengths_ok']} |")
+            f"| {r['lengths_ok']} |"
+        )
     with open(os.path.join(args.out, "grid.md"), "w") as f:
-        f.write(f"command: {cmd}\nmodel: {args.model_path}\n{settings(args)}\n" + "\n".join(lines) + "\n")
+        f.write(
+            f"command: {cmd}\nmodel: {args.model_path}\n{settings(args)}\n"
+            + "\n".join(lines)
+            + "\n"
+        )
 
 
 def settings(args) -> str:
     """The sgl_kara variables the engines ran with (they change what vanilla runs too), as recorded."""
     env = getattr(args, "env", None) or {}
-    stamp = getattr(args, "stamp", None)  # date and machine, recorded with the run (grids before it have none)
-    return (f"{stamp}\n" if stamp else "") + "".join(f"environment: {k}={v}\n" for k, v in sorted(env.items()))
+    stamp = getattr(
+        args, "stamp", None
+    )  # date and machine, recorded with the run (grids before it have none)
+    return (f"{stamp}\n" if stamp else "") + "".join(
+        f"environment: {k}={v}\n" for k, v in sorted(env.items())
+    )
 
 
 def saturated_cell(r) -> str:
@@ -416,41 +596,86 @@ def cost_rows(results, retention: float) -> list[dict]:
     rows = ratios(results)
     out = []
     for gen, frac in dict.fromkeys((r["gen"], r["frac"]) for r in rows):
-        cell = [r for r in results if r["gen"] == gen and r["frac"] == frac and r.get("fit_stats")]
-        base = next((r for r in rows if (r["gen"], r["frac"]) == (gen, frac) and r["system"] == "vanilla"), None)
+        cell = [
+            r
+            for r in results
+            if r["gen"] == gen and r["frac"] == frac and r.get("fit_stats")
+        ]
+        base = next(
+            (
+                r
+                for r in rows
+                if (r["gen"], r["frac"]) == (gen, frac) and r["system"] == "vanilla"
+            ),
+            None,
+        )
         for r in rows:
             if (r["gen"], r["frac"]) != (gen, frac) or r["system"] == "vanilla":
                 continue
-            pair = [x for x in cell if x["label"] in ("vanilla", r["label"])]  # vanilla's runs and this system's
+            pair = [
+                x for x in cell if x["label"] in ("vanilla", r["label"])
+            ]  # vanilla's runs and this system's
             model = step_costs.fit([x["fit_stats"] for x in pair])
             parts = None
-            if model is not None and base and base.get("saturated") and r.get("saturated"):
+            if (
+                model is not None
+                and base
+                and base.get("saturated")
+                and r.get("saturated")
+            ):
                 lim = footprint_limit(r, retention)
-                parts = step_costs.explain(model, base["saturated"], r["saturated"],
-                                           None if lim is None else lim * base["saturated"]["running"])
-            out.append(dict(gen=gen, frac=frac, label=r["label"], model=model, parts=parts,
-                            sat_ratio=r.get("sat_ratio"), sched_ratio=r["sched_ratio"]))
+                parts = step_costs.explain(
+                    model,
+                    base["saturated"],
+                    r["saturated"],
+                    None if lim is None else lim * base["saturated"]["running"],
+                )
+            out.append(
+                dict(
+                    gen=gen,
+                    frac=frac,
+                    label=r["label"],
+                    model=model,
+                    parts=parts,
+                    sat_ratio=r.get("sat_ratio"),
+                    sched_ratio=r["sched_ratio"],
+                )
+            )
     return out
 
 
 def write_costs(results, args, cmd: str) -> None:
     """costs.md: each cell's step-cost model and what each ratio is made of."""
-    head = ("| G | pool | system | step = fixed + per request x B + per row x rows (ms, ms, us; R^2, steps) "
-            "| fixed share of vanilla's step "
-            "| ratio, whole run | ratio while requests wait | model's ratio there "
-            "| rows alone (vanilla's B) | batch alone (vanilla's rows) | at the footprint limit, no events |")
+    head = (
+        "| G | pool | system | step = fixed + per request x B + per row x rows (ms, ms, us; R^2, steps) "
+        "| fixed share of vanilla's step "
+        "| ratio, whole run | ratio while requests wait | model's ratio there "
+        "| rows alone (vanilla's B) | batch alone (vanilla's rows) | at the footprint limit, no events |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     fmt = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
     for c in cost_rows(results, args.retention):
         m, p = c["model"], c["parts"] or {}
-        model = "-" if m is None else (f"{1e3 * m.fixed:.1f} + {1e3 * m.per_request:.2f} B + {1e6 * m.per_row:.3f} rows "
-                                       f"({m.r2:.3f}, {m.n})")
+        model = (
+            "-"
+            if m is None
+            else (
+                f"{1e3 * m.fixed:.1f} + {1e3 * m.per_request:.2f} B + {1e6 * m.per_row:.3f} rows "
+                f"({m.r2:.3f}, {m.n})"
+            )
+        )
         share = "-" if not p else f"{100 * p['fixed_share']:.0f}%"
-        lines.append(f"| {c['gen']} | {c['frac']:g} | {c['label']} | {model} | {share} | {fmt(c['sched_ratio'])} "
-                     f"| {fmt(c['sat_ratio'])} | {fmt(p.get('predicted'))} | {fmt(p.get('same_batch'))} "
-                     f"| {fmt(p.get('batching'))} | {fmt(p.get('at_limit'))} |")
+        lines.append(
+            f"| {c['gen']} | {c['frac']:g} | {c['label']} | {model} | {share} | {fmt(c['sched_ratio'])} "
+            f"| {fmt(c['sat_ratio'])} | {fmt(p.get('predicted'))} | {fmt(p.get('same_batch'))} "
+            f"| {fmt(p.get('batching'))} | {fmt(p.get('at_limit'))} |"
+        )
     with open(os.path.join(args.out, "costs.md"), "w") as f:
-        f.write(f"command: {cmd}\nmodel: {args.model_path}\n{settings(args)}\n" + "\n".join(lines) + "\n")
+        f.write(
+            f"command: {cmd}\nmodel: {args.model_path}\n{settings(args)}\n"
+            + "\n".join(lines)
+            + "\n"
+        )
 
 
 def rewrite(out: str) -> None:
@@ -460,11 +685,15 @@ def rewrite(out: str) -> None:
     args = argparse.Namespace(**data["args"])
     args.out = out
     cmd = data.get("command")
-    if cmd is None:  # grids written before the command was saved: keep grid.md's first line
+    if (
+        cmd is None
+    ):  # grids written before the command was saved: keep grid.md's first line
         with open(os.path.join(out, "grid.md")) as f:
             cmd = f.readline().removeprefix("command: ").strip()
     write_table(data["runs"], args, cmd)
-    if "all_runs" in data:  # grids saved before the step costs were recorded have no per-run statistics
+    if (
+        "all_runs" in data
+    ):  # grids saved before the step costs were recorded have no per-run statistics
         write_costs(data["all_runs"], args, cmd)
     heat_maps(data["runs"], args)
 
@@ -479,14 +708,32 @@ def heat_maps(rows, args):
         print("matplotlib not installed: no heat maps")
         return
     for system in [s for s in args.systems if s != "vanilla"]:
-        fig, axes = plt.subplots(1, len(args.windows), figsize=(4.6 * len(args.windows), 3.6), squeeze=False)
+        fig, axes = plt.subplots(
+            1, len(args.windows), figsize=(4.6 * len(args.windows), 3.6), squeeze=False
+        )
         for i, (ax, w) in enumerate(zip(axes[0], args.windows)):
-            grid = [[next((r["sched_ratio"] for r in rows if r["system"] == system and r["window"] == w
-                           and r["gen"] == g and r["frac"] == f), float("nan")) for g in args.gens]
-                    for f in args.pool_fractions]
+            grid = [
+                [
+                    next(
+                        (
+                            r["sched_ratio"]
+                            for r in rows
+                            if r["system"] == system
+                            and r["window"] == w
+                            and r["gen"] == g
+                            and r["frac"] == f
+                        ),
+                        float("nan"),
+                    )
+                    for g in args.gens
+                ]
+                for f in args.pool_fractions
+            ]
             im = ax.imshow(grid, cmap="RdYlGn", vmin=0.5, vmax=2.5)
             ax.set_xticks(range(len(args.gens)), [str(g) for g in args.gens])
-            ax.set_yticks(range(len(args.pool_fractions)), [f"{f:g}" for f in args.pool_fractions])
+            ax.set_yticks(
+                range(len(args.pool_fractions)), [f"{f:g}" for f in args.pool_fractions]
+            )
             ax.set_xlabel("output tokens G")
             if i == 0:
                 ax.set_ylabel("pool / full KV")
@@ -494,9 +741,20 @@ def heat_maps(rows, args):
             for yi, line in enumerate(grid):
                 for xi, v in enumerate(line):
                     if v == v:
-                        ax.text(xi, yi, f"{v:.2f}", ha="center", va="center", fontsize=9)
-        fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="tokens per scheduler CPU-s vs vanilla")
-        fig.savefig(os.path.join(args.out, f"grid_{system.replace(':', '_')}.png"), dpi=110, bbox_inches="tight")
+                        ax.text(
+                            xi, yi, f"{v:.2f}", ha="center", va="center", fontsize=9
+                        )
+        fig.colorbar(
+            im,
+            ax=axes[0].tolist(),
+            shrink=0.8,
+            label="tokens per scheduler CPU-s vs vanilla",
+        )
+        fig.savefig(
+            os.path.join(args.out, f"grid_{system.replace(':', '_')}.png"),
+            dpi=110,
+            bbox_inches="tight",
+        )
         plt.close(fig)
 
 

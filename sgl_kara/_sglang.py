@@ -14,9 +14,9 @@ from sglang.srt.entrypoints.engine import Engine as SGLangEngine  # noqa: F401
 from sglang.srt.entrypoints.http_server import launch_server as sglang_launch_server  # noqa: F401
 from sglang.srt.layers.logits_processor import should_apply_lm_head_quant_method  # noqa: F401
 from sglang.srt.layers.radix_attention import RadixAttention  # noqa: F401
+from sglang.srt.layers.rotary_embedding import base as rotary_embedding_base  # noqa: F401
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch  # noqa: F401
 from sglang.srt.managers.scheduler import Scheduler, run_scheduler_process  # noqa: F401
-from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer  # noqa: F401
 from sglang.srt.mem_cache.common import evict_from_tree_cache  # noqa: F401
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: F401
 from sglang.srt.mem_cache.registry import (  # noqa: F401
@@ -27,11 +27,10 @@ from sglang.srt.mem_cache.registry import (  # noqa: F401
 )
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: F401
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: F401
+from sglang.srt.plugins import load_plugins  # noqa: F401
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: F401
 from sglang.srt.runtime_context import get_parallel  # noqa: F401
 from sglang.srt.server_args import ServerArgs, prepare_server_args  # noqa: F401
-from sglang.srt.layers.rotary_embedding import base as rotary_embedding_base  # noqa: F401
-from sglang.srt.plugins import load_plugins  # noqa: F401
 from sglang.srt.utils import kill_process_tree  # noqa: F401
 from sglang.srt.utils.common import (  # noqa: F401
     get_cpu_ids_by_node,
@@ -55,48 +54,93 @@ def _target(path: str, signature: str) -> str:
 
 
 _FB = "sglang.srt.model_executor.forward_batch_info.ForwardBatch"
-_TORCH_NATIVE = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
-_SDPA = ("(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, {}encoder_lens=None, "
-         "scaling=None, enable_gqa=False, causal=False, is_cross_attn=False, sliding_window_size=None)")
+_TORCH_NATIVE = (
+    "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
+)
+_SDPA = (
+    "(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, {}encoder_lens=None, "
+    "scaling=None, enable_gqa=False, causal=False, is_cross_attn=False, sliding_window_size=None)"
+)
 _LINEAR = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod"
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 _TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
-_WEIGHT_EXPORTER = "sglang.srt.model_executor.model_runner_components.weight_exporter.WeightExporter"
+_WEIGHT_EXPORTER = (
+    "sglang.srt.model_executor.model_runner_components.weight_exporter.WeightExporter"
+)
 
 TARGET_INIT_NEW = _target(
     f"{_FB}.init_new",
     "(cls, batch, model_runner, *, capture_hidden_mode=None, return_hidden_states_before_norm, "
-    "extend_position_info=None, spec_mrope_positions=None, kv_loc_plan=None, write_cols=None)")
+    "extend_position_info=None, spec_mrope_positions=None, kv_loc_plan=None, write_cols=None)",
+)
 TARGET_ATTENTION = _target(
     "sglang.srt.layers.radix_attention.RadixAttention.forward",
-    "(self, q, k, v, forward_batch, save_kv_cache=True, key_value_num_tokens=None, **kwargs)")
-TARGET_RESET_FOR_RETRACT = _target("sglang.srt.managers.schedule_batch.Req.reset_for_retract", "(self)")
+    "(self, q, k, v, forward_batch, save_kv_cache=True, key_value_num_tokens=None, **kwargs)",
+)
+TARGET_RESET_FOR_RETRACT = _target(
+    "sglang.srt.managers.schedule_batch.Req.reset_for_retract", "(self)"
+)
 TARGET_RETRACTION_ORDER = _target(  # a staticmethod
-    "sglang.srt.managers.schedule_batch.ScheduleBatch._get_decode_retraction_order", "(reqs)")
+    "sglang.srt.managers.schedule_batch.ScheduleBatch._get_decode_retraction_order",
+    "(reqs)",
+)
 TARGET_META_INFO = _target(
     f"{_TOKENIZER_MANAGER}.update_request_meta_info",
-    "(self, meta_info, state, customized_info, index, finish_reason)")
-TARGET_SAMPLING_VERIFY = _target("sglang.srt.sampling.sampling_params.SamplingParams.verify", "(self, vocab_size)")
-TARGET_UPDATE_RUNNING_BATCH = _target(f"{_SCHEDULER}.update_running_batch", "(self, batch)")
-TARGET_GET_INTERNAL_STATE = _target(f"{_SCHEDULER}.get_internal_state", "(self, recv_req)")
-TARGET_VALIDATE_REQUEST = _target(f"{_TOKENIZER_MANAGER}._validate_one_request", "(self, obj, input_ids)")
-TARGET_SET_ENVS = _target("sglang.srt.entrypoints.engine._set_envs_and_config", "(server_args)")
-TARGET_TORCH_NATIVE_DECODE = _target(f"{_TORCH_NATIVE}._run_sdpa_forward_decode", _SDPA.format(""))
-TARGET_TORCH_NATIVE_EXTEND = _target(f"{_TORCH_NATIVE}._run_sdpa_forward_extend",
-                                     _SDPA.format("extend_prefix_lens, extend_seq_lens, "))
-TARGET_TORCH_NATIVE_METADATA = _target(f"{_TORCH_NATIVE}.init_forward_metadata", "(self, forward_batch)")
-TARGET_LINEAR_APPLY = _target(f"{_LINEAR}.apply", "(self, layer, x, bias=None)")
-TARGET_LINEAR_APPLY_INTO = _target(f"{_LINEAR}.apply_into", "(self, layer, x, output, bias=None)")
-TARGET_LINEAR_PROCESS_WEIGHTS = _target(f"{_LINEAR}.process_weights_after_loading", "(self, layer)")
-TARGET_LINEAR_RESTORE_WEIGHTS = _target(f"{_LINEAR}.restore_weights_before_loading", "(self, layer)")
-TARGET_WEIGHT_EXPORTS = (
-    _target(f"{_WEIGHT_EXPORTER}.get_weights_by_name", "(self, name, truncate_size=100)"),
-    _target(f"{_WEIGHT_EXPORTER}.save_sharded_model", "(self, path, pattern=None, max_size=None)"),
-    _target(f"{_WEIGHT_EXPORTER}.save_remote_model", "(self, url)"),
-    _target(f"{_WEIGHT_EXPORTER}.send_weights_to_remote_instance", "(self, master_address, ports, group_name)"),
+    "(self, meta_info, state, customized_info, index, finish_reason)",
 )
-TARGET_LM_HEAD = _target("sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head",
-                         "(self, hidden_states, lm_head, embedding_bias=None, *, out=None)")
+TARGET_SAMPLING_VERIFY = _target(
+    "sglang.srt.sampling.sampling_params.SamplingParams.verify", "(self, vocab_size)"
+)
+TARGET_UPDATE_RUNNING_BATCH = _target(
+    f"{_SCHEDULER}.update_running_batch", "(self, batch)"
+)
+TARGET_GET_INTERNAL_STATE = _target(
+    f"{_SCHEDULER}.get_internal_state", "(self, recv_req)"
+)
+TARGET_VALIDATE_REQUEST = _target(
+    f"{_TOKENIZER_MANAGER}._validate_one_request", "(self, obj, input_ids)"
+)
+TARGET_SET_ENVS = _target(
+    "sglang.srt.entrypoints.engine._set_envs_and_config", "(server_args)"
+)
+TARGET_TORCH_NATIVE_DECODE = _target(
+    f"{_TORCH_NATIVE}._run_sdpa_forward_decode", _SDPA.format("")
+)
+TARGET_TORCH_NATIVE_EXTEND = _target(
+    f"{_TORCH_NATIVE}._run_sdpa_forward_extend",
+    _SDPA.format("extend_prefix_lens, extend_seq_lens, "),
+)
+TARGET_TORCH_NATIVE_METADATA = _target(
+    f"{_TORCH_NATIVE}.init_forward_metadata", "(self, forward_batch)"
+)
+TARGET_LINEAR_APPLY = _target(f"{_LINEAR}.apply", "(self, layer, x, bias=None)")
+TARGET_LINEAR_APPLY_INTO = _target(
+    f"{_LINEAR}.apply_into", "(self, layer, x, output, bias=None)"
+)
+TARGET_LINEAR_PROCESS_WEIGHTS = _target(
+    f"{_LINEAR}.process_weights_after_loading", "(self, layer)"
+)
+TARGET_LINEAR_RESTORE_WEIGHTS = _target(
+    f"{_LINEAR}.restore_weights_before_loading", "(self, layer)"
+)
+TARGET_WEIGHT_EXPORTS = (
+    _target(
+        f"{_WEIGHT_EXPORTER}.get_weights_by_name", "(self, name, truncate_size=100)"
+    ),
+    _target(
+        f"{_WEIGHT_EXPORTER}.save_sharded_model",
+        "(self, path, pattern=None, max_size=None)",
+    ),
+    _target(f"{_WEIGHT_EXPORTER}.save_remote_model", "(self, url)"),
+    _target(
+        f"{_WEIGHT_EXPORTER}.send_weights_to_remote_instance",
+        "(self, master_address, ports, group_name)",
+    ),
+)
+TARGET_LM_HEAD = _target(
+    "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head",
+    "(self, hidden_states, lm_head, embedding_bias=None, *, out=None)",
+)
 # The scheduler class itself: KaraScheduler replaces it (a class REPLACE hook) in the scheduler
 # processes of a compressing server only (scheduler/kara_scheduler.py, patches/scheduler.md).
 TARGET_SCHEDULER = _target(_SCHEDULER, "(self, server_args, port_args)")
@@ -106,18 +150,33 @@ TARGET_SCHEDULER = _target(_SCHEDULER, "(self, server_args, port_args)")
 OVERRIDDEN = (
     _target(f"{_SCHEDULER}.get_output_streamer_class", "(self)"),
     _target(f"{_SCHEDULER}.get_prefill_adder_class", "(self)"),
-    _target("sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
-            ".build_additional_customized_info", "(self, reqs)"),
-    _target("sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
-            ".is_request_level_customized_info_key", "(self, key)"),
-    _target("sglang.srt.managers.schedule_policy.PrefillAdder._get_running_request_total_token_offset",
-            "(self, req)"),
-    _target("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
-            "(self, req, has_chunked_req, truncation_align_size)"),
-    _target("sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.checkpoint", "(self, req, *, up_to, **kwargs)"),
-    _target("sglang.srt.managers.scheduler.run_scheduler_process",
-            "(server_args, port_args, gpu_id, tp_rank, pp_rank, dp_rank, pipe_writer, display_tp_rank=None, "
-            "display_dp_rank=None, display_moe_ep_rank=None)"),
+    _target(
+        "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
+        ".build_additional_customized_info",
+        "(self, reqs)",
+    ),
+    _target(
+        "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
+        ".is_request_level_customized_info_key",
+        "(self, key)",
+    ),
+    _target(
+        "sglang.srt.managers.schedule_policy.PrefillAdder._get_running_request_total_token_offset",
+        "(self, req)",
+    ),
+    _target(
+        "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
+        "(self, req, has_chunked_req, truncation_align_size)",
+    ),
+    _target(
+        "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.checkpoint",
+        "(self, req, *, up_to, **kwargs)",
+    ),
+    _target(
+        "sglang.srt.managers.scheduler.run_scheduler_process",
+        "(server_args, port_args, gpu_id, tp_rank, pp_rank, dp_rank, pipe_writer, display_tp_rank=None, "
+        "display_dp_rank=None, display_moe_ep_rank=None)",
+    ),
 )
 ROTARY_BASE_MODULE = "sglang.srt.layers.rotary_embedding.base"
 
@@ -126,63 +185,182 @@ ROTARY_BASE_MODULE = "sglang.srt.layers.rotary_embedding.base"
 ATTRIBUTES = {
     # cpu/linear.py: the lm_head hook takes SGLang's plain matmul branch only
     "sglang.srt.layers.logits_processor.LogitsProcessor": [
-        "_compute_lm_head", "use_fp32_lm_head", "rl_on_policy_target"],
+        "_compute_lm_head",
+        "use_fp32_lm_head",
+        "rl_on_policy_target",
+    ],
     "sglang.srt.model_executor.model_runner_components.weight_exporter.WeightExporter": [
-        "get_model", "get_weights_by_name", "save_sharded_model", "save_remote_model",
-        "send_weights_to_remote_instance"],
+        "get_model",
+        "get_weights_by_name",
+        "save_sharded_model",
+        "save_remote_model",
+        "send_weights_to_remote_instance",
+    ],
     "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod": [
-        "apply", "apply_into", "process_weights_after_loading", "restore_weights_before_loading"],
+        "apply",
+        "apply_into",
+        "process_weights_after_loading",
+        "restore_weights_before_loading",
+    ],
     # request KV bookkeeping: scheduler/jobs.py, events.py, runtime.py; mem_cache/radix.py
     "sglang.srt.managers.schedule_batch.Req": [
-        "kv", "rid", "origin_input_ids", "output_ids", "sampling_params", "finished", "to_finish",
-        "reset_for_retract", "retraction_count"],
+        "kv",
+        "rid",
+        "origin_input_ids",
+        "output_ids",
+        "sampling_params",
+        "finished",
+        "to_finish",
+        "reset_for_retract",
+        "retraction_count",
+    ],
     "sglang.srt.managers.schedule_batch.ReqKvInfo": [
-        "kv_committed_len", "kv_allocated_len", "cache_protected_len", "req_pool_idx"],
+        "kv_committed_len",
+        "kv_allocated_len",
+        "cache_protected_len",
+        "req_pool_idx",
+    ],
     # events.py shrinks lengths in the running batch; queries.py builds a recompute EXTEND batch
     "sglang.srt.managers.schedule_batch.ScheduleBatch": [
-        "reqs", "is_empty", "seq_lens", "orig_seq_lens", "seq_lens_cpu", "seq_lens_sum", "forward_mode",
-        "input_ids", "req_pool_indices", "req_pool_indices_cpu", "out_cache_loc", "prefix_lens", "extend_lens",
-        "extend_num_tokens", "extend_logprob_start_lens", "return_logprob", "top_logprobs_nums",
-        "token_ids_logprobs", "decoding_reqs", "multimodal_inputs", "sampling_info", "spec_info", "input_embeds",
-        "extend_input_logprob_token_ids", "_get_decode_retraction_order",
+        "reqs",
+        "is_empty",
+        "seq_lens",
+        "orig_seq_lens",
+        "seq_lens_cpu",
+        "seq_lens_sum",
+        "forward_mode",
+        "input_ids",
+        "req_pool_indices",
+        "req_pool_indices_cpu",
+        "out_cache_loc",
+        "prefix_lens",
+        "extend_lens",
+        "extend_num_tokens",
+        "extend_logprob_start_lens",
+        "return_logprob",
+        "top_logprobs_nums",
+        "token_ids_logprobs",
+        "decoding_reqs",
+        "multimodal_inputs",
+        "sampling_info",
+        "spec_info",
+        "input_embeds",
+        "extend_input_logprob_token_ids",
+        "_get_decode_retraction_order",
         # runtime.py: freed slots reopen admission
-        "batch_is_full"],
+        "batch_is_full",
+    ],
     # queries.py: a recompute batch's sampling info carries no grammars or watermark candidates
-    "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo": ["grammars", "has_watermark_candidates"],
+    "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo": [
+        "grammars",
+        "has_watermark_candidates",
+    ],
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch": [
-        "init_new", "positions", "forward_mode", "batch_size", "req_pool_indices", "seq_lens", "seq_lens_cpu",
-        "out_cache_loc"],
-    "sglang.srt.layers.radix_attention.RadixAttention": ["forward", "layer_id", "tp_q_head_num", "qk_head_dim"],
+        "init_new",
+        "positions",
+        "forward_mode",
+        "batch_size",
+        "req_pool_indices",
+        "seq_lens",
+        "seq_lens_cpu",
+        "out_cache_loc",
+    ],
+    "sglang.srt.layers.radix_attention.RadixAttention": [
+        "forward",
+        "layer_id",
+        "tp_q_head_num",
+        "qk_head_dim",
+    ],
     # events.py: the recompute forward runs eagerly (prefill CUDA graph runner set aside)
     "sglang.srt.model_executor.model_runner.ModelRunner": [
-        "forward", "prefill_cuda_graph_runner", "model", "dtype", "forward_stream"],
+        "forward",
+        "prefill_cuda_graph_runner",
+        "model",
+        "dtype",
+        "forward_stream",
+    ],
     # scheduler/kara_scheduler.py, runtime.py; plugin trace hook
     "sglang.srt.managers.scheduler.Scheduler": [
-        "update_running_batch", "get_prefill_adder_class", "get_output_streamer_class",
-        "token_to_kv_pool_allocator", "req_to_token_pool", "tp_worker", "tree_cache", "max_running_requests",
-        "server_args", "metrics_reporter", "waiting_queue", "get_internal_state", "max_total_num_tokens",
+        "update_running_batch",
+        "get_prefill_adder_class",
+        "get_output_streamer_class",
+        "token_to_kv_pool_allocator",
+        "req_to_token_pool",
+        "tp_worker",
+        "tree_cache",
+        "max_running_requests",
+        "server_args",
+        "metrics_reporter",
+        "waiting_queue",
+        "get_internal_state",
+        "max_total_num_tokens",
         # runtime.py: events ordered after the overlapped forward (its stream), checks.py
-        "enable_overlap", "forward_stream"],
-    "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter": ["num_retracted_reqs"],
-    "sglang.srt.managers.schedule_policy.PrefillAdder": ["add_one_req", "_get_running_request_total_token_offset"],
+        "enable_overlap",
+        "forward_stream",
+    ],
+    "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter": [
+        "num_retracted_reqs"
+    ],
+    "sglang.srt.managers.schedule_policy.PrefillAdder": [
+        "add_one_req",
+        "_get_running_request_total_token_offset",
+    ],
     "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer": [
-        "build_additional_customized_info", "is_request_level_customized_info_key"],
+        "build_additional_customized_info",
+        "is_request_level_customized_info_key",
+    ],
     "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool": [
-        "get_key_buffer", "get_value_buffer", "start_layer", "layer_num", "head_num"],
+        "get_key_buffer",
+        "get_value_buffer",
+        "start_layer",
+        "layer_num",
+        "head_num",
+    ],
     "sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator": [
-        "alloc", "free", "available_size", "get_all_free_pages", "get_kvcache", "page_size"],
-    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache": ["checkpoint", "evictable_size"],
-    "sglang.srt.sampling.sampling_params.SamplingParams": ["verify", "max_new_tokens", "custom_params"],
+        "alloc",
+        "free",
+        "available_size",
+        "get_all_free_pages",
+        "get_kvcache",
+        "page_size",
+    ],
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache": [
+        "checkpoint",
+        "evictable_size",
+    ],
+    "sglang.srt.sampling.sampling_params.SamplingParams": [
+        "verify",
+        "max_new_tokens",
+        "custom_params",
+    ],
     # engine.py (shutdown): the engine's watchdog and event-loop tasks
-    "sglang.srt.entrypoints.engine.Engine": ["shutdown", "run_scheduler_process_func", "tokenizer_manager"],
+    "sglang.srt.entrypoints.engine.Engine": [
+        "shutdown",
+        "run_scheduler_process_func",
+        "tokenizer_manager",
+    ],
     "sglang.srt.managers.tokenizer_manager.TokenizerManager": [
-        "update_request_meta_info", "_validate_one_request", "asyncio_tasks", "event_loop", "_subprocess_watchdog",
-        "model_config"],
-    "sglang.srt.utils.watchdog.SubprocessWatchdog": ["_stop_event", "_processes", "_names"],
+        "update_request_meta_info",
+        "_validate_one_request",
+        "asyncio_tasks",
+        "event_loop",
+        "_subprocess_watchdog",
+        "model_config",
+    ],
+    "sglang.srt.utils.watchdog.SubprocessWatchdog": [
+        "_stop_event",
+        "_processes",
+        "_names",
+    ],
     # kara_scheduler.py: the replica's Kara stats in /server_info
     "sglang.srt.managers.io_struct.GetInternalStateReqOutput": ["internal_state"],
     # plugin.py registers and applies hooks; tests/test_plain_sglang.py reads what is registered
-    "sglang.srt.plugins.hook_registry.HookRegistry": ["register", "apply_hooks", "_hooks", "_patched"],
+    "sglang.srt.plugins.hook_registry.HookRegistry": [
+        "register",
+        "apply_hooks",
+        "_hooks",
+        "_patched",
+    ],
     # module attributes: launcher fork hook, CPU RoPE flag, the tests' kill_process_tree guard
     "sglang.srt.entrypoints.engine": ["_set_envs_and_config", "kill_process_tree"],
     "sglang.srt.managers.tokenizer_manager": ["kill_process_tree"],

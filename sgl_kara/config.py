@@ -54,26 +54,26 @@ def flag_name(name: str) -> str:
 COMMON_HELP = {
     "policy": "compression policy: {policies}",
     "query_source": f"window queries: {', '.join(QUERY_SOURCES)} (auto: capture on CPU, recompute on CUDA unless "
-                    "the ring is small; resolved at start-up)",
+    "the ring is small; resolved at start-up)",
     "query_ring_rows": "capture ring rows at most (0: one per request that can run at once, bounded by the "
-                       "pool); auto judges the capped ring; a running request without a row is scored from a "
-                       "recompute forward",
+    "pool); auto judges the capped ring; a running request without a row is scored from a "
+    "recompute forward",
     "max_seqs": "N: max requests compressed per event, unless more are overdue (their tails would outgrow "
-                "what admission charged before the next event)",
+    "what admission charged before the next event)",
     "trigger": f"when due events run: {', '.join(TRIGGERS)} (schedule: always, the paper's periodic policy; pressure: "
-               "only while memory binds -- requests wait for admission, or the pool cannot take the running "
-               "requests' growth until the next due step; headroom: only while requests wait for admission or "
-               "the pool cannot take the running requests' whole uncompressed remainder)",
+    "only while memory binds -- requests wait for admission, or the pool cannot take the running "
+    "requests' growth until the next due step; headroom: only while requests wait for admission or "
+    "the pool cannot take the running requests' whole uncompressed remainder)",
     "phase": f"whose decode steps a policy's period counts: {', '.join(PHASES)} (request: each request's own generated "
-             "tokens, so when a request is compressed, and its answer, does not depend on when it arrived or what "
-             "else runs; server: the scheduler's step, every request in step as in the paper: fewer, larger events)",
+    "tokens, so when a request is compressed, and its answer, does not depend on when it arrived or what "
+    "else runs; server: the scheduler's step, every request in step as in the paper: fewer, larger events)",
     "spread": f"when a window is scored: {', '.join(SPREADS)} (even: in chunks of at least 32 queries spread over "
-              "the decode steps from when its keys are all decoded until its due step, so no step carries a whole "
-              "window's scoring; off: all at its "
-              "due step, the paper's; applies to additive scorers: kara)",
+    "the decode steps from when its keys are all decoded until its due step, so no step carries a whole "
+    "window's scoring; off: all at its "
+    "due step, the paper's; applies to additive scorers: kara)",
     "spread_max": "most queries of one request's window scored per decode step under --kara-spread even, on every step (0: no cap, "
-                  "events never delayed; a cap too small to finish by the due step moves the event to a later due "
-                  "step, and admission charges the rows held meanwhile)",
+    "events never delayed; a cap too small to finish by the due step moves the event to a later due "
+    "step, and admission charges the rows held meanwhile)",
 }
 
 
@@ -87,33 +87,59 @@ class KaraConfig:
     phase: str = "request"
     spread: str = "even"
     spread_max: int = 0
-    options: Any = field(default=None, compare=True)  # the selected policy's Options (None: its defaults)
+    options: Any = field(
+        default=None, compare=True
+    )  # the selected policy's Options (None: its defaults)
 
     def __post_init__(self):
         for name, kind in COMMON_TYPES.items():
             _check_type(name, getattr(self, name), kind)
         if self.policy not in policy_names():
-            raise KaraConfigError("policy", f"must be one of {', '.join(policy_names())} (got {self.policy!r})")
+            raise KaraConfigError(
+                "policy",
+                f"must be one of {', '.join(policy_names())} (got {self.policy!r})",
+            )
         if self.query_source not in QUERY_SOURCES:
-            raise KaraConfigError("query_source", f"must be one of {', '.join(QUERY_SOURCES)} (got {self.query_source!r})")
+            raise KaraConfigError(
+                "query_source",
+                f"must be one of {', '.join(QUERY_SOURCES)} (got {self.query_source!r})",
+            )
         if not 0 <= self.query_ring_rows <= 65536:
-            raise KaraConfigError("query_ring_rows",
-                                  f"must be an integer in [0, 65536] (got {self.query_ring_rows!r})")
+            raise KaraConfigError(
+                "query_ring_rows",
+                f"must be an integer in [0, 65536] (got {self.query_ring_rows!r})",
+            )
         if self.query_ring_rows and self.query_source == "recompute":
-            raise KaraConfigError("query_ring_rows",
-                                  "applies to --kara-query-source capture or auto, not recompute")
+            raise KaraConfigError(
+                "query_ring_rows",
+                "applies to --kara-query-source capture or auto, not recompute",
+            )
         if not 1 <= self.max_seqs <= 65536:
-            raise KaraConfigError("max_seqs", f"must be an integer in [1, 65536] (got {self.max_seqs!r})")
+            raise KaraConfigError(
+                "max_seqs", f"must be an integer in [1, 65536] (got {self.max_seqs!r})"
+            )
         if self.trigger not in TRIGGERS:
-            raise KaraConfigError("trigger", f"must be one of {', '.join(TRIGGERS)} (got {self.trigger!r})")
+            raise KaraConfigError(
+                "trigger",
+                f"must be one of {', '.join(TRIGGERS)} (got {self.trigger!r})",
+            )
         if self.phase not in PHASES:
-            raise KaraConfigError("phase", f"must be one of {', '.join(PHASES)} (got {self.phase!r})")
+            raise KaraConfigError(
+                "phase", f"must be one of {', '.join(PHASES)} (got {self.phase!r})"
+            )
         if self.spread not in SPREADS:
-            raise KaraConfigError("spread", f"must be one of {', '.join(SPREADS)} (got {self.spread!r})")
+            raise KaraConfigError(
+                "spread", f"must be one of {', '.join(SPREADS)} (got {self.spread!r})"
+            )
         if not 0 <= self.spread_max <= 65536:
-            raise KaraConfigError("spread_max", f"must be an integer in [0, 65536] (got {self.spread_max!r})")
+            raise KaraConfigError(
+                "spread_max",
+                f"must be an integer in [0, 65536] (got {self.spread_max!r})",
+            )
         if self.spread_max and self.spread == "off":
-            raise KaraConfigError("spread_max", "applies to --kara-spread even, not off")
+            raise KaraConfigError(
+                "spread_max", "applies to --kara-spread even, not off"
+            )
         if self.enabled and self.options is None:
             object.__setattr__(self, "options", _build_options(self.policy_class, {}))
 
@@ -141,7 +167,12 @@ class KaraConfig:
         out = {name: getattr(self, name) for name in COMMON_TYPES}
         if self.options is not None:
             prefix = self.policy_class.prefix
-            out.update({prefix + f.name: getattr(self.options, f.name) for f in fields(self.options)})
+            out.update(
+                {
+                    prefix + f.name: getattr(self.options, f.name)
+                    for f in fields(self.options)
+                }
+            )
         return out
 
     def to_dict(self) -> dict:
@@ -150,7 +181,7 @@ class KaraConfig:
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
-    def build(cls, **flat) -> "KaraConfig":
+    def build(cls, **flat) -> KaraConfig:
         """From flat names: common knobs and options of the selected policy (others refused)."""
         policy = flat.pop("policy", "kara")
         common = {k: flat.pop(k) for k in COMMON_TYPES if k != "policy" and k in flat}
@@ -158,40 +189,57 @@ class KaraConfig:
         if not cfg.enabled:
             if flat:
                 name = next(iter(flat))
-                raise KaraConfigError(name, f"applies to a compression policy, not --kara-policy {NONE}")
+                raise KaraConfigError(
+                    name, f"applies to a compression policy, not --kara-policy {NONE}"
+                )
             return cfg
         pcls = cfg.policy_class
         mine = {}
         for name, value in flat.items():
             owner = _owner(name)
             if owner is None:
-                raise KaraConfigError(name, f"unknown Kara option; known: {', '.join(sorted(all_option_names()))}")
+                raise KaraConfigError(
+                    name,
+                    f"unknown Kara option; known: {', '.join(sorted(all_option_names()))}",
+                )
             if owner is not pcls:
-                raise KaraConfigError(name, f"applies to --kara-policy {owner.name}, not {policy}")
-            mine[name[len(pcls.prefix):]] = value
+                raise KaraConfigError(
+                    name, f"applies to --kara-policy {owner.name}, not {policy}"
+                )
+            mine[name[len(pcls.prefix) :]] = value
         return dataclasses.replace(cfg, options=_build_options(pcls, mine))
 
     @classmethod
-    def from_prefixed(cls, kwargs: dict) -> tuple["KaraConfig", dict]:
+    def from_prefixed(cls, kwargs: dict) -> tuple[KaraConfig, dict]:
         """Split ``kara_*`` keywords off ``kwargs``; returns (config, the remaining kwargs)."""
         mine, rest = {}, {}
         for key, value in kwargs.items():
             if key.startswith("kara_"):
-                mine[key[len("kara_"):]] = value
+                mine[key[len("kara_") :]] = value
             else:
                 rest[key] = value
         return cls.build(**mine), rest
 
 
 # The knobs every policy shares (flat names = field names), in CLI order.
-COMMON_TYPES = {"policy": str, "query_source": str, "query_ring_rows": int, "max_seqs": int, "trigger": str,
-                "phase": str, "spread": str, "spread_max": int}
+COMMON_TYPES = {
+    "policy": str,
+    "query_source": str,
+    "query_ring_rows": int,
+    "max_seqs": int,
+    "trigger": str,
+    "phase": str,
+    "spread": str,
+    "spread_max": int,
+}
 
 
 def _owner(name: str):
     """The policy class whose option this flat name is (None: no policy's); longest prefix first."""
     for pcls in sorted(policy_base.policies(), key=lambda p: -len(p.prefix)):
-        if name.startswith(pcls.prefix) and name[len(pcls.prefix):] in {f.name for f in fields(pcls.Options)}:
+        if name.startswith(pcls.prefix) and name[len(pcls.prefix) :] in {
+            f.name for f in fields(pcls.Options)
+        }:
             return pcls
     return None
 
@@ -207,7 +255,9 @@ def _build_options(pcls, values: dict):
     hints = typing.get_type_hints(pcls.Options)
     for f in fields(pcls.Options):
         if f.name in values:
-            values[f.name] = _check_type(pcls.prefix + f.name, values[f.name], hints[f.name])
+            values[f.name] = _check_type(
+                pcls.prefix + f.name, values[f.name], hints[f.name]
+            )
     try:
         return pcls.Options(**values)
     except OptionError as e:
@@ -223,7 +273,9 @@ def _check_type(name: str, value, want):
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if isinstance(value, bool) or not isinstance(value, kind):
-        raise KaraConfigError(name, f"expected {kind.__name__}, got {type(value).__name__} {value!r}")
+        raise KaraConfigError(
+            name, f"expected {kind.__name__}, got {type(value).__name__} {value!r}"
+        )
     return value
 
 
@@ -231,16 +283,30 @@ def _check_type(name: str, value, want):
 def _cli_fields():
     """(flat name, type, default, help) of every knob of every registered policy."""
     defaults = KaraConfig.__dataclass_fields__
-    out = [(name, kind, defaults[name].default,
-            COMMON_HELP[name].format(policies=", ".join(policy_names())) if name == "policy" else COMMON_HELP[name])
-           for name, kind in COMMON_TYPES.items()]
+    out = [
+        (
+            name,
+            kind,
+            defaults[name].default,
+            COMMON_HELP[name].format(policies=", ".join(policy_names()))
+            if name == "policy"
+            else COMMON_HELP[name],
+        )
+        for name, kind in COMMON_TYPES.items()
+    ]
     for pcls in policy_base.policies():
         hints = typing.get_type_hints(pcls.Options)
         for f in fields(pcls.Options):
             want = hints[f.name]
-            kind = next(t for t in typing.get_args(want) if t is not type(None)) if isinstance(want, types.UnionType) else want
+            kind = (
+                next(t for t in typing.get_args(want) if t is not type(None))
+                if isinstance(want, types.UnionType)
+                else want
+            )
             help_text = f.metadata.get("help", "")
-            out.append((pcls.prefix + f.name, kind, f.default, f"[{pcls.name}] {help_text}"))
+            out.append(
+                (pcls.prefix + f.name, kind, f.default, f"[{pcls.name}] {help_text}")
+            )
     return out
 
 
@@ -248,8 +314,13 @@ def add_cli_args(parser) -> None:
     """Add every ``--kara-*`` flag to an argparse parser (values validated by KaraConfig)."""
     group = parser.add_argument_group("Kara KV compression")
     for name, kind, default, help_text in _cli_fields():
-        group.add_argument(flag_name(name), dest="kara_" + name, type=_typed(kind, name), default=None,
-                           help=f"{help_text} (default: {default})")
+        group.add_argument(
+            flag_name(name),
+            dest="kara_" + name,
+            type=_typed(kind, name),
+            default=None,
+            help=f"{help_text} (default: {default})",
+        )
 
 
 def _typed(kind, name):
@@ -257,7 +328,9 @@ def _typed(kind, name):
         try:
             return kind(text)
         except ValueError:
-            raise KaraConfigError(name, f"expected {kind.__name__}, got {text!r}") from None
+            raise KaraConfigError(
+                name, f"expected {kind.__name__}, got {text!r}"
+            ) from None
 
     parse.__name__ = kind.__name__
     return parse
@@ -265,5 +338,9 @@ def _typed(kind, name):
 
 def from_cli_namespace(ns) -> KaraConfig:
     """Only the flags the user gave (argparse defaults are None) reach KaraConfig.build."""
-    given = {name: getattr(ns, "kara_" + name) for name, *_ in _cli_fields() if getattr(ns, "kara_" + name) is not None}
+    given = {
+        name: getattr(ns, "kara_" + name)
+        for name, *_ in _cli_fields()
+        if getattr(ns, "kara_" + name) is not None
+    }
     return KaraConfig.build(**given)

@@ -103,12 +103,20 @@ def _guarded_lines(tree: ast.Module) -> list[tuple[int, int]]:
     """Line ranges of the module's top-level ``if __name__ == "__main__":`` bodies."""
     ranges = []
     for node in tree.body:
-        if not isinstance(node, ast.If) or not isinstance(node.test, ast.Compare) or len(node.test.ops) != 1:
+        if (
+            not isinstance(node, ast.If)
+            or not isinstance(node.test, ast.Compare)
+            or len(node.test.ops) != 1
+        ):
             continue
         sides = [node.test.left, *node.test.comparators]
         names = {s.id for s in sides if isinstance(s, ast.Name)}
         consts = {s.value for s in sides if isinstance(s, ast.Constant)}
-        if isinstance(node.test.ops[0], ast.Eq) and names == {"__name__"} and consts == {"__main__"}:
+        if (
+            isinstance(node.test.ops[0], ast.Eq)
+            and names == {"__name__"}
+            and consts == {"__main__"}
+        ):
             ranges.append((node.body[0].lineno, node.body[-1].end_lineno))
     return ranges
 
@@ -125,10 +133,17 @@ def check_main_guard() -> None:
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     spec_name = getattr(getattr(main, "__spec__", None), "name", None) or ""
-    if main is None or not path or spec_name == "__main__" or spec_name.endswith(".__main__"):
+    if (
+        main is None
+        or not path
+        or spec_name == "__main__"
+        or spec_name.endswith(".__main__")
+    ):
         return
     frame = sys._getframe(1)
-    while frame is not None and not (frame.f_globals is vars(main) and frame.f_code.co_name == "<module>"):
+    while frame is not None and not (
+        frame.f_globals is vars(main) and frame.f_code.co_name == "<module>"
+    ):
         frame = frame.f_back
     if frame is None:
         return
@@ -143,7 +158,8 @@ def check_main_guard() -> None:
     raise MainGuardMissing(
         f"{path}, line {line}: sgl_kara.Engine is created by the script's top-level code. SGLang starts "
         "its scheduler by spawn, which runs this script again in the new process; put the code that "
-        'creates and uses the Engine under `if __name__ == "__main__":` (README, Quick start).')
+        'creates and uses the Engine under `if __name__ == "__main__":` (README, Quick start).'
+    )
 
 
 class Engine(SGLangEngine):

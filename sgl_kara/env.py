@@ -53,8 +53,11 @@ def parse_bool(name: str, value: str | None, default: bool) -> bool:
         return True
     if word in FALSE:
         return False
-    _warn_once(f"{name}={value}", f"{name}={value!r} is not a boolean (true: {', '.join(TRUE)}; false: "
-                                  f"{', '.join(FALSE)}); using the default, {int(default)}")
+    _warn_once(
+        f"{name}={value}",
+        f"{name}={value!r} is not a boolean (true: {', '.join(TRUE)}; false: "
+        f"{', '.join(FALSE)}); using the default, {int(default)}",
+    )
     return default
 
 
@@ -68,8 +71,16 @@ def _get(name: str) -> str | None:
     new, old = PREFIX + name, OLD_PREFIX + name
     value = os.environ.get(new)
     if old in os.environ:
-        taken = f"{new} is set and takes precedence" if value is not None else f"read as {new} for now"
-        _warn_once(old, f"the environment variable {old} is deprecated, set {new} instead ({taken})", FutureWarning)
+        taken = (
+            f"{new} is set and takes precedence"
+            if value is not None
+            else f"read as {new} for now"
+        )
+        _warn_once(
+            old,
+            f"the environment variable {old} is deprecated, set {new} instead ({taken})",
+            FutureWarning,
+        )
         if value is None:
             value = os.environ[old]
     return value
@@ -77,14 +88,18 @@ def _get(name: str) -> str | None:
 
 def _bool(name: str, default: bool) -> bool:
     new = PREFIX + name
-    return parse_bool(new if new in os.environ else OLD_PREFIX + name, _get(name), default)
+    return parse_bool(
+        new if new in os.environ else OLD_PREFIX + name, _get(name), default
+    )
 
 
 def cache_dir() -> Path:
     value = _get("CACHE")
     if value:
         return Path(value).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(
+        os.path.expanduser("~"), ".cache"
+    )
     return Path(base) / "sgl_kara"
 
 

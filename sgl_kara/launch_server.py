@@ -21,14 +21,23 @@ from sgl_kara.config import KaraConfigError, add_cli_args, from_cli_namespace  #
 
 
 def _kara_parser(add_help: bool) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m sgl_kara.launch_server", add_help=add_help)
+    parser = argparse.ArgumentParser(
+        prog="python -m sgl_kara.launch_server", add_help=add_help
+    )
     add_cli_args(parser)
     return parser
 
 
 # ServerArgs fields whose user-given values decide sgl_kara's defaults (sgl_kara.support.server_defaults).
-USER_SIZING_FIELDS = ("device", "dtype", "attention_backend", "page_size", "max_total_tokens",
-                      "max_running_requests", "mem_fraction_static")
+USER_SIZING_FIELDS = (
+    "device",
+    "dtype",
+    "attention_backend",
+    "page_size",
+    "max_total_tokens",
+    "max_running_requests",
+    "mem_fraction_static",
+)
 
 
 def _flag(field: str) -> str:
@@ -46,7 +55,7 @@ def _flag_value(argv: list[str], flag: str) -> str | None:
         if a == flag and i + 1 < len(argv):
             value = argv[i + 1]
         elif a.startswith(flag + "="):
-            value = a[len(flag) + 1:]
+            value = a[len(flag) + 1 :]
     return value
 
 
@@ -63,14 +72,20 @@ def parse(argv: list[str]):
         raise SystemExit(2)
     from sgl_kara.plugin import serving
 
-    with serving():  # the hooks and the "kara" radix backend, before SGLang validates the flags
+    with (
+        serving()
+    ):  # the hooks and the "kara" radix backend, before SGLang validates the flags
         return _resolve(cfg, rest)
 
 
 def _resolve(cfg, rest: list[str]):
     from sgl_kara.models.default import default_model_path
     from sgl_kara.models.smollm2 import DefaultModelMissing
-    from sgl_kara.support import UnsupportedFeature, prepare_server_args, server_defaults
+    from sgl_kara.support import (
+        UnsupportedFeature,
+        prepare_server_args,
+        server_defaults,
+    )
 
     if not _has_flag(rest, "--model-path") and not _has_flag(rest, "--model"):
         try:
@@ -79,7 +94,11 @@ def _resolve(cfg, rest: list[str]):
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(2)
     model_path = _flag_value(rest, "--model-path") or _flag_value(rest, "--model")
-    given = {field: _flag_value(rest, _flag(field)) for field in USER_SIZING_FIELDS if _has_flag(rest, _flag(field))}
+    given = {
+        field: _flag_value(rest, _flag(field))
+        for field in USER_SIZING_FIELDS
+        if _has_flag(rest, _flag(field))
+    }
     for key, value in server_defaults(model_path, given).items():
         rest += [_flag(key), str(value)]
     from sgl_kara._sglang import prepare_server_args as sglang_prepare
@@ -96,8 +115,12 @@ def _resolve(cfg, rest: list[str]):
 def main(argv: list[str] | None = None) -> None:
     from sgl_kara import env
 
-    os.environ[env.SERVE] = "1"  # this process and every SGLang process it starts serve with sgl_kara
-    cfg, server_args = parse(sys.argv[1:] if argv is None else argv)  # registers and applies the hooks
+    os.environ[env.SERVE] = (
+        "1"  # this process and every SGLang process it starts serve with sgl_kara
+    )
+    cfg, server_args = parse(
+        sys.argv[1:] if argv is None else argv
+    )  # registers and applies the hooks
     from sgl_kara._sglang import kill_process_tree, sglang_launch_server
     from sgl_kara.plugin import set_serving_policy
 

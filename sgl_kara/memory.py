@@ -62,8 +62,12 @@ class ModelShape:
     context_len: int
     checkpoint_dtype: str
     weight_file_bytes: int
-    mrope: bool = False  # multimodal rotary positions (Qwen2-VL style): refused by support.py
-    lm_head_elements: int = 0  # vocab x hidden: the lm_head's packed copy on CPU (cpu/linear.py)
+    mrope: bool = (
+        False  # multimodal rotary positions (Qwen2-VL style): refused by support.py
+    )
+    lm_head_elements: int = (
+        0  # vocab x hidden: the lm_head's packed copy on CPU (cpu/linear.py)
+    )
     # Attention other than global MHA / GQA over every layer (refused by support.py, before the
     # model loads): the architecture, local-attention layers (sliding or chunked) and their
     # window, MLA's latent rank, and layer kinds other than attention (linear attention, Mamba).
@@ -74,7 +78,7 @@ class ModelShape:
     other_layers: tuple = ()
 
     @classmethod
-    def from_model_path(cls, model_path: str) -> "ModelShape | None":
+    def from_model_path(cls, model_path: str) -> ModelShape | None:
         """None when the path is not a local checkpoint directory or its config is unusual."""
         path = Path(model_path)
         if not (path / "config.json").is_file():
@@ -83,28 +87,51 @@ class ModelShape:
             from transformers import AutoConfig
 
             cfg = AutoConfig.from_pretrained(path)
-            weights = sum(f.stat().st_size for f in path.iterdir() if f.suffix in (".safetensors", ".bin"))
+            weights = sum(
+                f.stat().st_size
+                for f in path.iterdir()
+                if f.suffix in (".safetensors", ".bin")
+            )
             return cls.from_config(cfg, weights)
         except (AttributeError, TypeError, ValueError, OSError):
             return None
 
     @classmethod
-    def from_config(cls, cfg, weight_file_bytes: int = 0) -> "ModelShape":
+    def from_config(cls, cfg, weight_file_bytes: int = 0) -> ModelShape:
         """From a transformers config (a local checkpoint's, or SGLang's ``ModelConfig.hf_config``)."""
         text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         q_heads = int(text.num_attention_heads)
         head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // q_heads)
-        dtype = str(getattr(text, "dtype", None) or getattr(text, "torch_dtype", None) or "float32")
-        rope = [getattr(c, a, None) for c in (cfg, text) for a in ("rope_scaling", "rope_parameters")]
-        mrope = any(isinstance(r, dict) and ("mrope_section" in r or r.get("type") == "mrope") for r in rope)
+        dtype = str(
+            getattr(text, "dtype", None)
+            or getattr(text, "torch_dtype", None)
+            or "float32"
+        )
+        rope = [
+            getattr(c, a, None)
+            for c in (cfg, text)
+            for a in ("rope_scaling", "rope_parameters")
+        ]
+        mrope = any(
+            isinstance(r, dict) and ("mrope_section" in r or r.get("type") == "mrope")
+            for r in rope
+        )
         # transformers derives layer_types for the interleaved local / global models (Gemma-2/3,
         # Cohere2, Exaone4, GPT-OSS: sliding_attention; Llama-4: chunked_attention) and for hybrids
         # (Qwen3-Next: linear_attention); a model without it attends globally on every layer in
         # SGLang 0.5.23 (Mistral's sliding_window is not applied by its Llama model).
         kinds = list(getattr(text, "layer_types", None) or [])
         local = [k for k in kinds if k in LOCAL_LAYER_KINDS]
-        window = getattr(text, "attention_chunk_size", None) if "chunked_attention" in local else None
-        window = window or getattr(text, "sliding_window", None) or getattr(text, "sliding_window_size", None)
+        window = (
+            getattr(text, "attention_chunk_size", None)
+            if "chunked_attention" in local
+            else None
+        )
+        window = (
+            window
+            or getattr(text, "sliding_window", None)
+            or getattr(text, "sliding_window_size", None)
+        )
         return cls(
             layers=int(text.num_hidden_layers),
             q_heads=q_heads,
@@ -114,12 +141,21 @@ class ModelShape:
             checkpoint_dtype=dtype.replace("torch.", ""),
             weight_file_bytes=int(weight_file_bytes),
             mrope=mrope,
-            lm_head_elements=int(getattr(text, "vocab_size", 0) or 0) * int(getattr(text, "hidden_size", 0) or 0),
+            lm_head_elements=int(getattr(text, "vocab_size", 0) or 0)
+            * int(getattr(text, "hidden_size", 0) or 0),
             architecture=str((getattr(cfg, "architectures", None) or [""])[0]),
             local_layers=len(local),
             local_window=int(window or 0) if local else 0,
             mla_rank=int(getattr(text, "kv_lora_rank", 0) or 0),
-            other_layers=tuple(sorted({k for k in kinds if k not in ("full_attention", *LOCAL_LAYER_KINDS)})),
+            other_layers=tuple(
+                sorted(
+                    {
+                        k
+                        for k in kinds
+                        if k not in ("full_attention", *LOCAL_LAYER_KINDS)
+                    }
+                )
+            ),
         )
 
     def itemsize(self, dtype: str | None) -> int:
@@ -131,14 +167,18 @@ class ModelShape:
         return 2 * self.layers * self.kv_heads * self.head_dim * itemsize
 
     def ring_bytes(self, rows: int, capacity: int, itemsize: int) -> int:
-        return ring_bytes(rows, capacity, [(self.q_heads, self.head_dim)] * self.layers, itemsize)
+        return ring_bytes(
+            rows, capacity, [(self.q_heads, self.head_dim)] * self.layers, itemsize
+        )
 
     def weight_bytes(self, itemsize: int) -> int:
         stored = _ITEMSIZE.get(self.checkpoint_dtype, 4)
         return self.weight_file_bytes * itemsize // stored
 
 
-def ring_rows(max_running: int, pool_tokens: int | None, capacity: int, limit: int = 0) -> int:
+def ring_rows(
+    max_running: int, pool_tokens: int | None, capacity: int, limit: int = 0
+) -> int:
     """Rows of the capture query ring: one per request that can be decoding at once, and no
     more than the KV pool can hold requests of ``capacity`` tokens each (a row keeps ``capacity``
     = window + period queries; a request whose window is scored holds at least that window in the
@@ -185,7 +225,9 @@ def available_ram_bytes() -> int:
     return total_ram_bytes()
 
 
-def cpu_memory_defaults(shape: ModelShape | None, itemsize: int, total_ram: int, given) -> dict:
+def cpu_memory_defaults(
+    shape: ModelShape | None, itemsize: int, total_ram: int, given
+) -> dict:
     """SGLang server args for a CPU server that the user did not set (names as ServerArgs fields).
     ``given``: the ServerArgs fields the user set, with their values (a mapping; a set of names
     means values unknown); a given ``max_running_requests`` sizes the pool like the default does."""
@@ -193,8 +235,15 @@ def cpu_memory_defaults(shape: ModelShape | None, itemsize: int, total_ram: int,
     out = {}
     if "max_running_requests" not in given:
         out["max_running_requests"] = CPU_RUNNING_REQUESTS
-    if shape is not None and not given.keys() & {"max_total_tokens", "mem_fraction_static"}:
-        running = int(given.get("max_running_requests") or out.get("max_running_requests") or CPU_RUNNING_REQUESTS)
+    if shape is not None and not given.keys() & {
+        "max_total_tokens",
+        "mem_fraction_static",
+    }:
+        running = int(
+            given.get("max_running_requests")
+            or out.get("max_running_requests")
+            or CPU_RUNNING_REQUESTS
+        )
         by_ram = int(CPU_KV_SHARE * total_ram) // shape.kv_bytes_per_token(itemsize)
         by_work = max(shape.context_len, running * CPU_TOKENS_PER_REQUEST)
         out["max_total_tokens"] = max(MIN_TOKENS, min(by_ram, by_work))
@@ -205,9 +254,18 @@ def gib(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB"
 
 
-def check_cpu_fit(shape: ModelShape, itemsize: int, max_total_tokens: int, ring_rows: int, ring_capacity: int,
-                  available: int, packed_linear: bool = False, max_running_requests: int | None = None,
-                  replicas: int = 1, kara_workspace: int = 0) -> dict:
+def check_cpu_fit(
+    shape: ModelShape,
+    itemsize: int,
+    max_total_tokens: int,
+    ring_rows: int,
+    ring_capacity: int,
+    available: int,
+    packed_linear: bool = False,
+    max_running_requests: int | None = None,
+    replicas: int = 1,
+    kara_workspace: int = 0,
+) -> dict:
     """Raise MemoryConfigError when weights (+ the lm_head's packed copy when ``packed_linear``
     and float32: cpu/linear.py packs the other weights in place) + KV pool + ring + Kara's event
     and observer memory (``kara_workspace``: ``kara_memory`` less the ring) (+ the processes'
@@ -216,26 +274,37 @@ def check_cpu_fit(shape: ModelShape, itemsize: int, max_total_tokens: int, ring_
     adds a process (the DP controller one more)."""
     sizes = {
         "weights": replicas * shape.weight_bytes(itemsize),
-        "packed_lm_head": replicas * shape.lm_head_elements * 4 if packed_linear and itemsize == 4 else 0,
+        "packed_lm_head": replicas * shape.lm_head_elements * 4
+        if packed_linear and itemsize == 4
+        else 0,
         "kv_pool": replicas * max_total_tokens * shape.kv_bytes_per_token(itemsize),
-        "capture_ring": replicas * shape.ring_bytes(ring_rows, ring_capacity, itemsize) if ring_rows else 0,
+        "capture_ring": replicas * shape.ring_bytes(ring_rows, ring_capacity, itemsize)
+        if ring_rows
+        else 0,
         "kara_workspace": replicas * kara_workspace,
-        "processes": PROCESS_FLOOR_BYTES + (replicas * PROCESS_FLOOR_BYTES // 3 if replicas > 1 else 0),
+        "processes": PROCESS_FLOOR_BYTES
+        + (replicas * PROCESS_FLOOR_BYTES // 3 if replicas > 1 else 0),
     }
     need = sum(sizes.values())
     if need > available:
-        running = f"--max-running-requests ({max_running_requests})" if max_running_requests else \
-            "--max-running-requests"
+        running = (
+            f"--max-running-requests ({max_running_requests})"
+            if max_running_requests
+            else "--max-running-requests"
+        )
         raise MemoryConfigError(
             f"this server needs {gib(need)} ({plan_text(sizes, max_total_tokens, ring_rows, ring_capacity)}) but "
             f"{gib(available)} of RAM is available: lower --max-total-tokens ({max_total_tokens}) or {running}, "
             "or shrink the capture ring with a smaller --kara-window / --kara-period, --kara-query-ring-rows or "
-            "--kara-query-source recompute" + (f", or --dp-size ({replicas} replicas)" if replicas > 1 else "")
+            "--kara-query-source recompute"
+            + (f", or --dp-size ({replicas} replicas)" if replicas > 1 else "")
         )
     return sizes
 
 
-def plan_text(sizes: dict, max_total_tokens: int, ring_rows: int, ring_capacity: int) -> str:
+def plan_text(
+    sizes: dict, max_total_tokens: int, ring_rows: int, ring_capacity: int
+) -> str:
     """``check_cpu_fit``'s sizes, each named by what it holds (the start-up log and the refusal)."""
     what = {
         "weights": "weights",
@@ -248,8 +317,16 @@ def plan_text(sizes: dict, max_total_tokens: int, ring_rows: int, ring_capacity:
     return ", ".join(f"{what.get(k, k)} {gib(v)}" for k, v in sizes.items() if v)
 
 
-def kara_memory(shape: ModelShape, itemsize: int, pool_tokens: int, running: int | None, region_tokens: int,
-                ring_rows: int = 0, ring_capacity: int = 0, observer=None) -> dict:
+def kara_memory(
+    shape: ModelShape,
+    itemsize: int,
+    pool_tokens: int,
+    running: int | None,
+    region_tokens: int,
+    ring_rows: int = 0,
+    ring_capacity: int = 0,
+    observer=None,
+) -> dict:
     """Bytes Kara holds beside the KV pool, by what holds them (per replica):
 
         capture_ring     ring_bytes(ring_rows, ring_capacity): allocated at start-up
@@ -262,9 +339,15 @@ def kara_memory(shape: ModelShape, itemsize: int, pool_tokens: int, running: int
 
     Every term is an upper bound for these settings; the CPU check adds them to the RAM a server
     needs, the CUDA start-up takes them from the pool's share of the GPU (support.py)."""
-    entries = pool_tokens if running is None else min(pool_tokens, running * region_tokens)
+    entries = (
+        pool_tokens if running is None else min(pool_tokens, running * region_tokens)
+    )
     return {
-        "capture_ring": shape.ring_bytes(ring_rows, ring_capacity, itemsize) if ring_rows else 0,
+        "capture_ring": shape.ring_bytes(ring_rows, ring_capacity, itemsize)
+        if ring_rows
+        else 0,
         "event_scores": entries * shape.layers * shape.kv_heads * EVENT_BYTES_PER_SCORE,
-        "observer": observer(shape, itemsize, pool_tokens, running) if observer is not None else 0,
+        "observer": observer(shape, itemsize, pool_tokens, running)
+        if observer is not None
+        else 0,
     }

@@ -43,7 +43,12 @@ PARTS = ("serving", "cpu_kernels", "report", "trace")
 def wanted_parts() -> list[str]:
     """The parts this process's environment asks for."""
     serving, kernels = env.serving(), env.cpu_kernels()
-    asked = {"serving": serving, "cpu_kernels": kernels, "report": serving or kernels, "trace": env.trace() is not None}
+    asked = {
+        "serving": serving,
+        "cpu_kernels": kernels,
+        "report": serving or kernels,
+        "trace": env.trace() is not None,
+    }
     return [p for p in PARTS if asked[p]]
 
 
@@ -67,7 +72,9 @@ def register() -> None:
             if target == sg.TARGET_LINEAR_APPLY:
                 STATE.parts.add("packed_linear")
         if part == "cpu_kernels":
-            logger.info("sgl_kara: CPU kernels in this process: %s", cpu_kernels_in_use())
+            logger.info(
+                "sgl_kara: CPU kernels in this process: %s", cpu_kernels_in_use()
+            )
 
 
 def serve() -> None:
@@ -143,15 +150,32 @@ def cpu_kernel_hooks() -> list:
     from sgl_kara.cpu import linear as cpu_linear
 
     if not cpu_linear.available():
-        logger.warning("sgl_kara: this torch has no oneDNN linear; CPU weight matmuls stay F.linear")
+        logger.warning(
+            "sgl_kara: this torch has no oneDNN linear; CPU weight matmuls stay F.linear"
+        )
         return hooks
     return hooks + [
-        (sg.TARGET_LINEAR_PROCESS_WEIGHTS, cpu_linear.process_weights_hook, sg.HookType.AROUND),
-        (sg.TARGET_LINEAR_RESTORE_WEIGHTS, cpu_linear.restore_weights_hook, sg.HookType.AROUND),
+        (
+            sg.TARGET_LINEAR_PROCESS_WEIGHTS,
+            cpu_linear.process_weights_hook,
+            sg.HookType.AROUND,
+        ),
+        (
+            sg.TARGET_LINEAR_RESTORE_WEIGHTS,
+            cpu_linear.restore_weights_hook,
+            sg.HookType.AROUND,
+        ),
         (sg.TARGET_LINEAR_APPLY, cpu_linear.linear_apply_hook, sg.HookType.AROUND),
-        (sg.TARGET_LINEAR_APPLY_INTO, cpu_linear.linear_apply_into_hook, sg.HookType.AROUND),
+        (
+            sg.TARGET_LINEAR_APPLY_INTO,
+            cpu_linear.linear_apply_into_hook,
+            sg.HookType.AROUND,
+        ),
         (sg.TARGET_LM_HEAD, cpu_linear.lm_head_hook, sg.HookType.AROUND),
-        *[(target, cpu_linear.weight_export_hook, sg.HookType.AROUND) for target in sg.TARGET_WEIGHT_EXPORTS],
+        *[
+            (target, cpu_linear.weight_export_hook, sg.HookType.AROUND)
+            for target in sg.TARGET_WEIGHT_EXPORTS
+        ],
     ]
 
 
@@ -167,7 +191,12 @@ def trace_hooks() -> list:
     return [(sg.TARGET_UPDATE_RUNNING_BATCH, _trace_hook, sg.HookType.AFTER)]
 
 
-HOOKS = {"serving": serving_hooks, "cpu_kernels": cpu_kernel_hooks, "report": report_hooks, "trace": trace_hooks}
+HOOKS = {
+    "serving": serving_hooks,
+    "cpu_kernels": cpu_kernel_hooks,
+    "report": report_hooks,
+    "trace": trace_hooks,
+}
 
 
 def cpu_kernels_in_use() -> dict:
@@ -179,7 +208,9 @@ def cpu_kernels_in_use() -> dict:
     fast = on and env.fast_cpu_decode()
     return {
         "enabled": on,
-        "decode_attention": ("batched" if env.batched_cpu_decode() else "gather") if fast else "sglang",
+        "decode_attention": ("batched" if env.batched_cpu_decode() else "gather")
+        if fast
+        else "sglang",
         "window_extend": fast,
         "packed_linear": "packed_linear" in STATE.parts,
         "packed_weights": _packed_weights(),
@@ -206,7 +237,9 @@ def fork_server_processes() -> None:
     """
     from sgl_kara import _sglang as sg
 
-    sg.HookRegistry.register(sg.TARGET_SET_ENVS, _fork_after_set_envs, sg.HookType.AFTER)
+    sg.HookRegistry.register(
+        sg.TARGET_SET_ENVS, _fork_after_set_envs, sg.HookType.AFTER
+    )
     sg.HookRegistry.apply_hooks()  # plugins were applied at start-up; this adds the new target
 
 
@@ -231,38 +264,113 @@ def _init_new_hook(original, cls, batch, model_runner, **kwargs):
     return fb
 
 
-def _attention_hook(original, layer, q, k, v, forward_batch, save_kv_cache=True, key_value_num_tokens=None,
-                    **kwargs):
+def _attention_hook(
+    original,
+    layer,
+    q,
+    k,
+    v,
+    forward_batch,
+    save_kv_cache=True,
+    key_value_num_tokens=None,
+    **kwargs,
+):
     rt = _active()
     if rt is None:
-        return original(layer, q=q, k=k, v=v, forward_batch=forward_batch, save_kv_cache=save_kv_cache,
-                        key_value_num_tokens=key_value_num_tokens, **kwargs)
+        return original(
+            layer,
+            q=q,
+            k=k,
+            v=v,
+            forward_batch=forward_batch,
+            save_kv_cache=save_kv_cache,
+            key_value_num_tokens=key_value_num_tokens,
+            **kwargs,
+        )
 
-    def call(layer, q, k, v, forward_batch, save_kv_cache):  # SGLang's forward, by keyword
-        return original(layer, q=q, k=k, v=v, forward_batch=forward_batch, save_kv_cache=save_kv_cache,
-                        key_value_num_tokens=key_value_num_tokens, **kwargs)
+    def call(
+        layer, q, k, v, forward_batch, save_kv_cache
+    ):  # SGLang's forward, by keyword
+        return original(
+            layer,
+            q=q,
+            k=k,
+            v=v,
+            forward_batch=forward_batch,
+            save_kv_cache=save_kv_cache,
+            key_value_num_tokens=key_value_num_tokens,
+            **kwargs,
+        )
 
     return rt.forward.on_attention(call, layer, q, k, v, forward_batch, save_kv_cache)
 
 
-def _recompute_extend_hook(original, backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
-                           seq_lens, extend_prefix_lens, extend_seq_lens, encoder_lens=None, scaling=None,
-                           enable_gqa=False, causal=False, is_cross_attn=False, sliding_window_size=None):
+def _recompute_extend_hook(
+    original,
+    backend,
+    query,
+    output,
+    k_cache,
+    v_cache,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    extend_prefix_lens,
+    extend_seq_lens,
+    encoder_lens=None,
+    scaling=None,
+    enable_gqa=False,
+    causal=False,
+    is_cross_attn=False,
+    sliding_window_size=None,
+):
     """torch_native extend: Kara's recompute pass on CPU takes cpu.attention.run_window_extend
     (window queries only); every other extend (prefills, plain SGLang) takes SGLang's path."""
     rt = _active()
-    if (rt is not None and rt.forward.scoring is not None and causal and encoder_lens is None and not is_cross_attn
-            and query.device.type == "cpu" and (sliding_window_size is None or sliding_window_size <= -1)
-            and env.fast_cpu_decode()):
+    if (
+        rt is not None
+        and rt.forward.scoring is not None
+        and causal
+        and encoder_lens is None
+        and not is_cross_attn
+        and query.device.type == "cpu"
+        and (sliding_window_size is None or sliding_window_size <= -1)
+        and env.fast_cpu_decode()
+    ):
         from sgl_kara.cpu.attention import run_window_extend
 
-        return run_window_extend(backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-                                 extend_prefix_lens, extend_seq_lens, scaling=scaling, enable_gqa=enable_gqa)
-    return original(backend, query=query, output=output, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token,
-                    req_pool_indices=req_pool_indices, seq_lens=seq_lens, extend_prefix_lens=extend_prefix_lens,
-                    extend_seq_lens=extend_seq_lens, encoder_lens=encoder_lens, scaling=scaling,
-                    enable_gqa=enable_gqa, causal=causal, is_cross_attn=is_cross_attn,
-                    sliding_window_size=sliding_window_size)
+        return run_window_extend(
+            backend,
+            query,
+            output,
+            k_cache,
+            v_cache,
+            req_to_token,
+            req_pool_indices,
+            seq_lens,
+            extend_prefix_lens,
+            extend_seq_lens,
+            scaling=scaling,
+            enable_gqa=enable_gqa,
+        )
+    return original(
+        backend,
+        query=query,
+        output=output,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        req_to_token=req_to_token,
+        req_pool_indices=req_pool_indices,
+        seq_lens=seq_lens,
+        extend_prefix_lens=extend_prefix_lens,
+        extend_seq_lens=extend_seq_lens,
+        encoder_lens=encoder_lens,
+        scaling=scaling,
+        enable_gqa=enable_gqa,
+        causal=causal,
+        is_cross_attn=is_cross_attn,
+        sliding_window_size=sliding_window_size,
+    )
 
 
 def _trace_hook(result, scheduler, batch, *args, **kwargs):
@@ -280,16 +388,24 @@ def _trace_hook(result, scheduler, batch, *args, **kwargs):
         "running": running,
         "waiting": len(scheduler.waiting_queue),
         "free": int(scheduler.token_to_kv_pool_allocator.available_size()),
-        "retracted": int(getattr(scheduler.metrics_reporter, "num_retracted_reqs", 0) or 0),
+        "retracted": int(
+            getattr(scheduler.metrics_reporter, "num_retracted_reqs", 0) or 0
+        ),
         "kara_seconds": rt.stats.compression_seconds if rt is not None else 0.0,
         "kara_events": rt.stats.events if rt is not None else 0,
         "kara_deferred": rt.stats.deferred_events if rt is not None else 0,
         "kara_skipped_no_memory": rt.stats.skipped_no_memory if rt is not None else 0,
         "kara_event_peak_bytes": rt.stats.event_peak_bytes if rt is not None else 0,
-        "kara_recompute_fallbacks": rt.stats.recompute_fallbacks if rt is not None else 0,
-        "kara_ring_bytes": rt.ring.nbytes if rt is not None and rt.ring is not None else 0,
+        "kara_recompute_fallbacks": rt.stats.recompute_fallbacks
+        if rt is not None
+        else 0,
+        "kara_ring_bytes": rt.ring.nbytes
+        if rt is not None and rt.ring is not None
+        else 0,
         "packed_weights": _packed_weights(),
-        "cpu_kernels": {k: v for k, v in cpu_kernels_in_use().items() if k != "packed_weights"},
+        "cpu_kernels": {
+            k: v for k, v in cpu_kernels_in_use().items() if k != "packed_weights"
+        },
     }
     STATE.trace_file(env.trace()).write(json.dumps(record) + "\n")
     return result
@@ -325,7 +441,9 @@ def _validate_input_ids_hook(result, manager, obj, input_ids, *args, **kwargs):
     vocab = manager.model_config.vocab_size
     if input_ids and not all(isinstance(t, int) and 0 <= t < vocab for t in input_ids):
         bad = next(t for t in input_ids if not (isinstance(t, int) and 0 <= t < vocab))
-        raise ValueError(f"input_ids contains out-of-vocabulary token id {bad!r}; valid range is [0, {vocab}).")
+        raise ValueError(
+            f"input_ids contains out-of-vocabulary token id {bad!r}; valid range is [0, {vocab})."
+        )
     return result
 
 
@@ -345,8 +463,14 @@ def _retraction_order_hook(original, reqs, **kwargs):
     order = original(reqs=reqs, **kwargs)
     if _active() is None:
         return order
-    compressed = [i for i in order if getattr(getattr(reqs[i], "kara", None), "compressions", 0) > 0]
+    compressed = [
+        i
+        for i in order
+        if getattr(getattr(reqs[i], "kara", None), "compressions", 0) > 0
+    ]
     done = set(compressed)
     plain = [i for i in order if i not in done]
-    plain.sort(key=lambda i: -int(getattr(reqs[i], "retraction_count", 0) or 0))  # stable
+    plain.sort(
+        key=lambda i: -int(getattr(reqs[i], "retraction_count", 0) or 0)
+    )  # stable
     return compressed + plain

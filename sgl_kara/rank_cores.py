@@ -55,12 +55,14 @@ def split_cores(node_cpus: list[str], ranks: int) -> str | None:
         return None
     cores = [c for n in nodes for c in n]
     if len(cores) < ranks:
-        raise ValueError(f"{ranks} scheduler ranks need a CPU core each, but this process may use "
-                         f"{len(cores)} ({format_cpu_list(cores) or 'none'})")
+        raise ValueError(
+            f"{ranks} scheduler ranks need a CPU core each, but this process may use "
+            f"{len(cores)} ({format_cpu_list(cores) or 'none'})"
+        )
     base, extra = divmod(len(cores), ranks)
     groups, start = [], 0
     for rank in range(ranks):
         size = base + (1 if rank < extra else 0)
-        groups.append(format_cpu_list(cores[start:start + size]))
+        groups.append(format_cpu_list(cores[start : start + size]))
         start += size
     return "|".join(groups)

@@ -22,7 +22,11 @@ import math
 from sgl_kara.policies import base as policy_base
 
 KEY = "kara"
-RANGES = {"enable": "bool", "retention": "float in (0, 1]", "budget": "int in [2, 10000000]"}
+RANGES = {
+    "enable": "bool",
+    "retention": "float in (0, 1]",
+    "budget": "int in [2, 10000000]",
+}
 
 
 def accepting(name: str) -> list[str]:
@@ -32,8 +36,12 @@ def accepting(name: str) -> list[str]:
 
 def fields() -> dict[str, str]:
     """Each field, its type and range, and the policies that take it (``enable``: every policy)."""
-    return {name: f"{kind} ({'/'.join(accepting(name)) or 'every policy'})" if name != "enable" else kind
-            for name, kind in RANGES.items()}
+    return {
+        name: f"{kind} ({'/'.join(accepting(name)) or 'every policy'})"
+        if name != "enable"
+        else kind
+        for name, kind in RANGES.items()
+    }
 
 
 def validate(custom_params) -> dict:
@@ -42,24 +50,41 @@ def validate(custom_params) -> dict:
         return {}
     opts = custom_params[KEY]
     if not isinstance(opts, dict):
-        raise ValueError(f"custom_params.kara must be an object with fields {fields()}, got {type(opts).__name__}")
+        raise ValueError(
+            f"custom_params.kara must be an object with fields {fields()}, got {type(opts).__name__}"
+        )
     unknown = sorted(set(opts) - set(RANGES))
     if unknown:
-        raise ValueError(f"custom_params.kara has unknown field(s) {unknown}; accepted: {fields()}")
+        raise ValueError(
+            f"custom_params.kara has unknown field(s) {unknown}; accepted: {fields()}"
+        )
     if "enable" in opts and not isinstance(opts["enable"], bool):
-        raise ValueError(f"custom_params.kara.enable must be a bool, got {opts['enable']!r}")
+        raise ValueError(
+            f"custom_params.kara.enable must be a bool, got {opts['enable']!r}"
+        )
     if "retention" in opts:
         r = opts["retention"]
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or not 0.0 < r <= 1.0:
-            raise ValueError(f"custom_params.kara.retention must be a number in (0, 1], got {r!r}")
+        if (
+            isinstance(r, bool)
+            or not isinstance(r, (int, float))
+            or not math.isfinite(r)
+            or not 0.0 < r <= 1.0
+        ):
+            raise ValueError(
+                f"custom_params.kara.retention must be a number in (0, 1], got {r!r}"
+            )
     if "budget" in opts:
         n = opts["budget"]
         if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= 10_000_000:
-            raise ValueError(f"custom_params.kara.budget must be an integer in [2, 10000000], got {n!r}")
+            raise ValueError(
+                f"custom_params.kara.budget must be an integer in [2, 10000000], got {n!r}"
+            )
     if opts.get("enable") is False and len(opts) > 1:
         # A contradiction, not a preference: refuse it rather than silently ignore the rest.
         ignored = sorted(set(opts) - {"enable"})
-        raise ValueError(f"custom_params.kara.enable is false, so {ignored} would have no effect; drop them or enable compression")
+        raise ValueError(
+            f"custom_params.kara.enable is false, so {ignored} would have no effect; drop them or enable compression"
+        )
     return dict(opts)
 
 
@@ -67,5 +92,7 @@ def check_supported(sampling_params, policy: str) -> None:
     """Per-request features the compression runtime does not support (raises ValueError -> 400)."""
     beam = getattr(sampling_params, "beam_width", None)
     if beam is not None and beam > 1:
-        raise ValueError(f"beam_width={beam} (beam search) is not supported with --kara-policy {policy}: "
-                         "beam rows share one request's KV, which compression rewrites")
+        raise ValueError(
+            f"beam_width={beam} (beam search) is not supported with --kara-policy {policy}: "
+            "beam rows share one request's KV, which compression rewrites"
+        )

@@ -39,33 +39,97 @@ logger = logging.getLogger(__name__)
 
 # (ServerArgs field, predicate "is enabled", CLI flag, why)
 _UNSUPPORTED = [
-    ("speculative_algorithm", lambda v: v not in (None, "", "NONE"), "--speculative-algorithm",
-     "speculative decoding verifies several tokens per step; Kara's positions assume one"),
-    ("enable_dp_attention", bool, "--enable-dp-attention", "DP attention is not supported yet"),
-    ("pp_size", lambda v: (v or 1) > 1, "--pp-size", "pipeline parallelism is not supported yet"),
-    ("disaggregation_mode", lambda v: v not in (None, "null"), "--disaggregation-mode",
-     "PD disaggregation is not supported yet"),
-    ("enable_hierarchical_cache", bool, "--enable-hierarchical-cache", "HiCache is not supported yet"),
-    ("enable_mixed_chunk", bool, "--enable-mixed-chunk",
-     "mixed chunks re-derive decode prefixes from token counts, which compression changes"),
+    (
+        "speculative_algorithm",
+        lambda v: v not in (None, "", "NONE"),
+        "--speculative-algorithm",
+        "speculative decoding verifies several tokens per step; Kara's positions assume one",
+    ),
+    (
+        "enable_dp_attention",
+        bool,
+        "--enable-dp-attention",
+        "DP attention is not supported yet",
+    ),
+    (
+        "pp_size",
+        lambda v: (v or 1) > 1,
+        "--pp-size",
+        "pipeline parallelism is not supported yet",
+    ),
+    (
+        "disaggregation_mode",
+        lambda v: v not in (None, "null"),
+        "--disaggregation-mode",
+        "PD disaggregation is not supported yet",
+    ),
+    (
+        "enable_hierarchical_cache",
+        bool,
+        "--enable-hierarchical-cache",
+        "HiCache is not supported yet",
+    ),
+    (
+        "enable_mixed_chunk",
+        bool,
+        "--enable-mixed-chunk",
+        "mixed chunks re-derive decode prefixes from token counts, which compression changes",
+    ),
     ("enable_lmcache", bool, "--enable-lmcache", "LMCache is not supported"),
     ("enable_flexkv", bool, "--enable-flexkv", "FlexKV is not supported"),
-    ("enable_streaming_session", bool, "--enable-streaming-session", "streaming sessions are not supported"),
-    ("enable_session_radix_cache", bool, "--enable-session-radix-cache", "session radix cache is not supported"),
-    ("enable_two_batch_overlap", bool, "--enable-two-batch-overlap", "two-batch overlap is not supported"),
-    ("enable_unified_memory", bool, "--enable-unified-memory", "unified memory pools are not supported"),
-    ("num_continuous_decode_steps", lambda v: (v or 1) > 1, "--num-continuous-decode-steps",
-     "compression runs between decode steps; continuous steps skip it"),
+    (
+        "enable_streaming_session",
+        bool,
+        "--enable-streaming-session",
+        "streaming sessions are not supported",
+    ),
+    (
+        "enable_session_radix_cache",
+        bool,
+        "--enable-session-radix-cache",
+        "session radix cache is not supported",
+    ),
+    (
+        "enable_two_batch_overlap",
+        bool,
+        "--enable-two-batch-overlap",
+        "two-batch overlap is not supported",
+    ),
+    (
+        "enable_unified_memory",
+        bool,
+        "--enable-unified-memory",
+        "unified memory pools are not supported",
+    ),
+    (
+        "num_continuous_decode_steps",
+        lambda v: (v or 1) > 1,
+        "--num-continuous-decode-steps",
+        "compression runs between decode steps; continuous steps skip it",
+    ),
     ("enable_hisparse", bool, "--enable-hisparse", "HiSparse is not supported"),
-    ("tp_size", lambda v: (v or 1) > 1, "--tp-size",
-     "tensor parallelism is not supported yet: compression events must run in lockstep on every rank "
-     "(docs/TENSOR_PARALLEL.md); use --dp-size for several replicas"),
-    ("kv_cache_dtype", lambda v: str(v) not in ("auto", "bfloat16", "float16", "float32", "bf16", "fp16"),
-     "--kv-cache-dtype", "quantized (fp8) KV caches are not supported: scoring reads keys as floats"),
+    (
+        "tp_size",
+        lambda v: (v or 1) > 1,
+        "--tp-size",
+        "tensor parallelism is not supported yet: compression events must run in lockstep on every rank "
+        "(docs/TENSOR_PARALLEL.md); use --dp-size for several replicas",
+    ),
+    (
+        "kv_cache_dtype",
+        lambda v: (
+            str(v) not in ("auto", "bfloat16", "float16", "float32", "bf16", "fp16")
+        ),
+        "--kv-cache-dtype",
+        "quantized (fp8) KV caches are not supported: scoring reads keys as floats",
+    ),
 ]
 # SGLang environment switches that change the KV layout Kara's kernels index.
 _UNSUPPORTED_ENV = [
-    ("SGLANG_USE_HND_KVCACHE", "the HND KV layout is not supported: compaction and scoring index NHD slot rows"),
+    (
+        "SGLANG_USE_HND_KVCACHE",
+        "the HND KV layout is not supported: compaction and scoring index NHD slot rows",
+    ),
 ]
 
 
@@ -88,7 +152,12 @@ def cpu_defaults() -> dict:
     float32 linear layers were ~5x faster in a microbenchmark on this machine)."""
     if cuda_available():
         return {}
-    return {"device": "cpu", "attention_backend": "torch_native", "page_size": 1, "dtype": "float32"}
+    return {
+        "device": "cpu",
+        "attention_backend": "torch_native",
+        "page_size": 1,
+        "dtype": "float32",
+    }
 
 
 def server_defaults(model_path: str, given: dict) -> dict:
@@ -96,11 +165,19 @@ def server_defaults(model_path: str, given: dict) -> dict:
     set, with their values): the CPU defaults plus, on CPU, a KV pool and request limit sized for
     the machine (sgl_kara.memory). On CUDA nothing: SGLang's own defaults apply."""
     out = {k: v for k, v in cpu_defaults().items() if k not in given}
-    device = given.get("device") or out.get("device") or ("cuda" if cuda_available() else "cpu")
+    device = (
+        given.get("device")
+        or out.get("device")
+        or ("cuda" if cuda_available() else "cpu")
+    )
     if device != "cpu":
         return out
     shape = ModelShape.from_model_path(model_path)
-    itemsize = shape.itemsize(given.get("dtype") or out.get("dtype")) if shape is not None else 4
+    itemsize = (
+        shape.itemsize(given.get("dtype") or out.get("dtype"))
+        if shape is not None
+        else 4
+    )
     out.update(cpu_memory_defaults(shape, itemsize, total_ram_bytes(), given))
     return out
 
@@ -155,16 +232,22 @@ def keep_decode_eager(server_args, cfg: KaraConfig) -> bool:
         return False
     backend, flag = decode_graphs_requested(server_args)
     if flag is not None and backend != "disabled":
-        alternative = ("--kara-query-source recompute" if not cfg.policy_class.observes_decode
-                       else "a policy without a decode observer")
+        alternative = (
+            "--kara-query-source recompute"
+            if not cfg.policy_class.observes_decode
+            else "a policy without a decode observer"
+        )
         raise UnsupportedFeature(
             f"{flag} asks for decode CUDA graphs ({backend}), which {why} cannot use: a replayed graph never calls "
-            f"Kara's attention hook. Drop {flag} (decode graphs are then turned off for it) or use {alternative}")
+            f"Kara's attention hook. Drop {flag} (decode graphs are then turned off for it) or use {alternative}"
+        )
     server_args.disable_decode_cuda_graph = True
     return True
 
 
-def choose_query_source(device: str, ring_bytes: int | None, available_ram: int, device_memory: int | None) -> str:
+def choose_query_source(
+    device: str, ring_bytes: int | None, available_ram: int, device_memory: int | None
+) -> str:
     """``--kara-query-source auto`` by memory: capture (no extra forward per event) on CPU, where
     compute is the bottleneck, while its ring needs at most CPU_RING_SHARE of the available RAM
     (memory.cpu_ring_budget); on CUDA while the
@@ -173,7 +256,9 @@ def choose_query_source(device: str, ring_bytes: int | None, available_ram: int,
     if ring_bytes is None:
         return "recompute"
     if device == "cpu":
-        return "capture" if ring_bytes <= cpu_ring_budget(available_ram) else "recompute"
+        return (
+            "capture" if ring_bytes <= cpu_ring_budget(available_ram) else "recompute"
+        )
     if device_memory is None:
         return "recompute"
     return "capture" if ring_bytes <= CUDA_RING_SHARE * device_memory else "recompute"
@@ -189,14 +274,21 @@ def planned_ring_rows(server_args, cfg: KaraConfig) -> int:
         return 0
     if not running:
         return cfg.query_ring_rows
-    return ring_rows(running, getattr(server_args, "max_total_tokens", None), capacity, cfg.query_ring_rows)
+    return ring_rows(
+        running,
+        getattr(server_args, "max_total_tokens", None),
+        capacity,
+        cfg.query_ring_rows,
+    )
 
 
 def serving_device(server_args) -> str:
     return server_args.device or ("cuda" if cuda_available() else "cpu")
 
 
-def resolve_query_source(cfg: KaraConfig, server_args, shape: ModelShape | None) -> KaraConfig:
+def resolve_query_source(
+    cfg: KaraConfig, server_args, shape: ModelShape | None
+) -> KaraConfig:
     """``auto`` -> capture or recompute (choose_query_source), for the ring ``--kara-query-ring-rows``
     leaves. A ring over budget is not shrunk to fit (a request without a ring row is scored from
     a recompute forward). ``auto``
@@ -214,9 +306,13 @@ def resolve_query_source(cfg: KaraConfig, server_args, shape: ModelShape | None)
     backend, flag = decode_graphs_requested(server_args)
     if backend != "disabled" and (flag is not None or device != "cpu"):
         ring = None  # decode graphs asked for, or SGLang's default on CUDA: capture would turn them off
-    device_memory = device_memory_bytes(device) if device != "cpu" and ring is not None else None
+    device_memory = (
+        device_memory_bytes(device) if device != "cpu" and ring is not None else None
+    )
     source = choose_query_source(device, ring, available_ram_bytes(), device_memory)
-    rows_cap = cfg.query_ring_rows if source == "capture" else 0  # a cap is refused with recompute
+    rows_cap = (
+        cfg.query_ring_rows if source == "capture" else 0
+    )  # a cap is refused with recompute
     return dataclasses.replace(cfg, query_source=source, query_ring_rows=rows_cap)
 
 
@@ -238,10 +334,14 @@ def default_threads_bind(server_args) -> str | None:
     try:
         bind = split_cores(get_cpu_ids_by_node(), ranks)
     except ValueError as e:
-        raise UnsupportedFeature(f"--dp-size {server_args.dp_size}: {e}; set {THREADS_BIND_VAR} to share cores") from None
+        raise UnsupportedFeature(
+            f"--dp-size {server_args.dp_size}: {e}; set {THREADS_BIND_VAR} to share cores"
+        ) from None
     if bind is not None:
         os.environ[THREADS_BIND_VAR] = bind
-        logger.info("sgl_kara: %s=%s (%d scheduler ranks)", THREADS_BIND_VAR, bind, ranks)
+        logger.info(
+            "sgl_kara: %s=%s (%d scheduler ranks)", THREADS_BIND_VAR, bind, ranks
+        )
     return bind
 
 
@@ -251,14 +351,22 @@ def prepare_server_args(server_args, cfg: KaraConfig) -> KaraConfig:
     ``--dp-size``); set the CPU thread binding for several ranks. Returns the resolved config."""
     if not cfg.enabled:
         default_threads_bind(server_args)
-        return dataclasses.replace(cfg, query_source="recompute") if cfg.query_source == "auto" else cfg
+        return (
+            dataclasses.replace(cfg, query_source="recompute")
+            if cfg.query_source == "auto"
+            else cfg
+        )
     for name, enabled, flag, why in _UNSUPPORTED:
         value = getattr(server_args, name, None)
         if value is not None and enabled(value):
-            raise UnsupportedFeature(f"{flag} is not supported with --kara-policy {cfg.policy}: {why}")
+            raise UnsupportedFeature(
+                f"{flag} is not supported with --kara-policy {cfg.policy}: {why}"
+            )
     for var, why in _UNSUPPORTED_ENV:
         if env.flag(var, False):
-            raise UnsupportedFeature(f"{var}={os.environ[var]} is not supported with --kara-policy {cfg.policy}: {why}")
+            raise UnsupportedFeature(
+                f"{var}={os.environ[var]} is not supported with --kara-policy {cfg.policy}: {why}"
+            )
     backend = getattr(server_args, "radix_cache_backend", None)
     if backend not in (None, "", "kara"):
         raise UnsupportedFeature(
@@ -277,26 +385,50 @@ def prepare_server_args(server_args, cfg: KaraConfig) -> KaraConfig:
     device = serving_device(server_args)
     replicas = getattr(server_args, "dp_size", None) or 1
     if device == "cpu" and shape is not None and server_args.max_total_tokens:
-        rows = planned_ring_rows(server_args, cfg) if cfg.query_source == "capture" else 0
+        rows = (
+            planned_ring_rows(server_args, cfg) if cfg.query_source == "capture" else 0
+        )
         itemsize = shape.itemsize(server_args.dtype)
-        extra = kara_memory(shape, itemsize, server_args.max_total_tokens, server_args.max_running_requests,
-                            region_tokens(cfg), observer=observer_bytes(cfg))
+        extra = kara_memory(
+            shape,
+            itemsize,
+            server_args.max_total_tokens,
+            server_args.max_running_requests,
+            region_tokens(cfg),
+            observer=observer_bytes(cfg),
+        )
         try:
-            sizes = check_cpu_fit(shape, itemsize, server_args.max_total_tokens,
-                                  rows, cfg.query_ring_capacity, available_ram_bytes(),
-                                  packed_linear=env.packed_cpu_linear(),
-                                  max_running_requests=server_args.max_running_requests,
-                                  replicas=replicas, kara_workspace=extra["event_scores"] + extra["observer"])
+            sizes = check_cpu_fit(
+                shape,
+                itemsize,
+                server_args.max_total_tokens,
+                rows,
+                cfg.query_ring_capacity,
+                available_ram_bytes(),
+                packed_linear=env.packed_cpu_linear(),
+                max_running_requests=server_args.max_running_requests,
+                replicas=replicas,
+                kara_workspace=extra["event_scores"] + extra["observer"],
+            )
         except MemoryConfigError as e:
             raise UnsupportedFeature(str(e)) from None
-        logger.info("sgl_kara memory plan: %s", plan_text(sizes, server_args.max_total_tokens, rows,
-                                                          cfg.query_ring_capacity))
+        logger.info(
+            "sgl_kara memory plan: %s",
+            plan_text(
+                sizes, server_args.max_total_tokens, rows, cfg.query_ring_capacity
+            ),
+        )
     elif device != "cpu":
-        if cfg.query_source == "capture" and cfg.query_ring_capacity and not planned_ring_rows(server_args, cfg):
+        if (
+            cfg.query_source == "capture"
+            and cfg.query_ring_capacity
+            and not planned_ring_rows(server_args, cfg)
+        ):
             raise UnsupportedFeature(
                 f"--kara-query-source capture with --kara-policy {cfg.policy} on {device} needs --max-running-requests "
                 "or --kara-query-ring-rows: the capture ring (one row per running request) is taken from the KV "
-                "pool's share of the GPU at start-up, so its rows must be known; or use --kara-query-source recompute")
+                "pool's share of the GPU at start-up, so its rows must be known; or use --kara-query-source recompute"
+            )
         reserve_device_memory(server_args, cfg, shape)
     default_threads_bind(server_args)
     return cfg
@@ -307,25 +439,31 @@ def check_model(shape: ModelShape, model_path: str, policy: str) -> None:
     from its config (before it loads): M-RoPE, local (sliding-window / chunked) attention, MLA,
     layers other than attention. The scheduler checks the built model and pool again
     (``check_runtime_supported``)."""
-    name = f"--model-path {model_path}" + (f" ({shape.architecture})" if shape.architecture else "")
+    name = f"--model-path {model_path}" + (
+        f" ({shape.architecture})" if shape.architecture else ""
+    )
     if shape.mrope:
         raise UnsupportedFeature(
             f"--model-path {model_path} uses M-RoPE (multimodal rotary positions), which is not "
-            f"supported with --kara-policy {policy}: its position offsets would not reach mrope_positions")
+            f"supported with --kara-policy {policy}: its position offsets would not reach mrope_positions"
+        )
     if shape.local_layers:
         raise UnsupportedFeature(
             f"{name} uses sliding-window attention (a {shape.local_window}-token window on {shape.local_layers} "
             f"of {shape.layers} layers), which is not supported with --kara-policy {policy}: compaction moves kept "
             "entries to lower rows and the attention backends apply a layer's window to row positions, so its "
-            "local layers would attend to entries past their window")
+            "local layers would attend to entries past their window"
+        )
     if shape.mla_rank:
         raise UnsupportedFeature(
             f"{name} uses multi-head latent attention (MLA, kv_lora_rank {shape.mla_rank}), which is not supported "
-            f"with --kara-policy {policy}: Kara scores and compacts per-head K/V (MHA / GQA pools only)")
+            f"with --kara-policy {policy}: Kara scores and compacts per-head K/V (MHA / GQA pools only)"
+        )
     if shape.other_layers:
         raise UnsupportedFeature(
             f"{name} has {', '.join(shape.other_layers)} layers (a hybrid model), which is not supported with "
-            f"--kara-policy {policy}: Kara compacts attention KV, and these layers' state follows the tokens")
+            f"--kara-policy {policy}: Kara compacts attention KV, and these layers' state follows the tokens"
+        )
 
 
 def region_tokens(cfg: KaraConfig) -> int:
@@ -339,7 +477,11 @@ def region_tokens(cfg: KaraConfig) -> int:
 def observer_bytes(cfg: KaraConfig):
     """The policy's decode-observer memory bound (``observer_bytes(shape, itemsize, pool_tokens,
     running)``), or None."""
-    return getattr(cfg.policy_class, "observer_bytes", None) if cfg.policy_class.observes_decode else None
+    return (
+        getattr(cfg.policy_class, "observer_bytes", None)
+        if cfg.policy_class.observes_decode
+        else None
+    )
 
 
 def sglang_resolution(server_args):
@@ -350,7 +492,9 @@ def sglang_resolution(server_args):
     return probe
 
 
-def reserve_device_memory(server_args, cfg: KaraConfig, shape: ModelShape | None) -> dict:
+def reserve_device_memory(
+    server_args, cfg: KaraConfig, shape: ModelShape | None
+) -> dict:
     """On CUDA, take Kara's memory beside the pool (``memory.kara_memory``: capture ring, the
     largest event's scores and selection, a decode observer's state and workspace) from the KV
     pool's share of the GPU: ``--mem-fraction-static`` (the user's, or the one SGLang's own
@@ -363,7 +507,10 @@ def reserve_device_memory(server_args, cfg: KaraConfig, shape: ModelShape | None
     device = serving_device(server_args)
     total = device_memory_bytes(device)
     if total is None:
-        logger.warning("sgl_kara: the %s memory is unknown; Kara's memory beside the pool is not reserved", device)
+        logger.warning(
+            "sgl_kara: the %s memory is unknown; Kara's memory beside the pool is not reserved",
+            device,
+        )
         return {}
     probe = sglang_resolution(server_args)
     resolved = resolving_view(probe)
@@ -373,12 +520,22 @@ def reserve_device_memory(server_args, cfg: KaraConfig, shape: ModelShape | None
     fraction = float(resolved.mem_fraction_static)
     itemsize = shape.itemsize(server_args.dtype)
     weights = shape.weight_bytes(itemsize)
-    pool_tokens = max(0, int(fraction * total) - weights) // shape.kv_bytes_per_token(itemsize)
+    pool_tokens = max(0, int(fraction * total) - weights) // shape.kv_bytes_per_token(
+        itemsize
+    )
     if server_args.max_total_tokens:
         pool_tokens = min(pool_tokens, int(server_args.max_total_tokens))
     rows = planned_ring_rows(server_args, cfg) if cfg.query_source == "capture" else 0
-    sizes = kara_memory(shape, itemsize, pool_tokens, server_args.max_running_requests, region_tokens(cfg),
-                        rows, cfg.query_ring_capacity, observer_bytes(cfg))
+    sizes = kara_memory(
+        shape,
+        itemsize,
+        pool_tokens,
+        server_args.max_running_requests,
+        region_tokens(cfg),
+        rows,
+        cfg.query_ring_capacity,
+        observer_bytes(cfg),
+    )
     share = math.ceil(1000 * sum(sizes.values()) / total) / 1000
     lowered = round(fraction - share, 3)
     plan = ", ".join(f"{k.replace('_', ' ')} {gib(v)}" for k, v in sizes.items() if v)
@@ -386,9 +543,15 @@ def reserve_device_memory(server_args, cfg: KaraConfig, shape: ModelShape | None
         raise UnsupportedFeature(
             f"Kara's memory beside the KV pool ({plan}) is {share:.3f} of the {gib(total)} GPU, which leaves no KV pool "
             f"under --mem-fraction-static {fraction}: lower --max-running-requests, --kara-query-ring-rows or "
-            "--kara-window, use --kara-query-source recompute, or raise --mem-fraction-static")
+            "--kara-window, use --kara-query-source recompute, or raise --mem-fraction-static"
+        )
     server_args.mem_fraction_static = lowered
-    logger.info("sgl_kara memory plan: %s beside the KV pool: --mem-fraction-static %s -> %s", plan, fraction, lowered)
+    logger.info(
+        "sgl_kara memory plan: %s beside the KV pool: --mem-fraction-static %s -> %s",
+        plan,
+        fraction,
+        lowered,
+    )
     return sizes
 
 
@@ -404,15 +567,26 @@ def check_runtime_supported(scheduler) -> None:
             f"{type(pool).__name__} (MLA, hybrid, sliding-window or quantized pools are not supported yet)"
         )
     runner = scheduler.tp_worker.model_runner
-    windows = sorted({m.sliding_window_size for m in runner.model.modules()
-                      if isinstance(m, RadixAttention) and (m.sliding_window_size or -1) >= 0})
+    windows = sorted(
+        {
+            m.sliding_window_size
+            for m in runner.model.modules()
+            if isinstance(m, RadixAttention) and (m.sliding_window_size or -1) >= 0
+        }
+    )
     if windows:
         raise UnsupportedFeature(
             f"{type(runner.model).__name__} applies a sliding window ({', '.join(map(str, windows))} tokens) on some "
             "attention layers, which Kara does not support: compaction moves kept entries to lower rows and the "
-            "window applies to row positions")
+            "window applies to row positions"
+        )
     cfg = getattr(scheduler, "kara_config", None)
     why = hooks_every_decode_step(cfg) if cfg is not None and cfg.enabled else None
-    if why is not None and getattr(runner, "decode_cuda_graph_runner", None) is not None:
-        raise UnsupportedFeature(f"decode CUDA graphs were captured, but {why} needs the attention hook at every "
-                                 "decode step: run with --disable-decode-cuda-graph")
+    if (
+        why is not None
+        and getattr(runner, "decode_cuda_graph_runner", None) is not None
+    ):
+        raise UnsupportedFeature(
+            f"decode CUDA graphs were captured, but {why} needs the attention hook at every "
+            "decode step: run with --disable-decode-cuda-graph"
+        )

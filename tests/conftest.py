@@ -11,7 +11,6 @@ interpreter, SGLang's strict memory checks for every engine the tests start).
 from __future__ import annotations
 
 import pytest
-
 import support
 from support import (  # noqa: F401  (names tests/gpu_checks.py and some test files import from here)
     PROXY_MODEL,
@@ -40,14 +39,14 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
-    from sgl_kara.models.tiny import write_tiny_model
+    from bench.models.tiny import write_tiny_model
 
     return str(write_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama", seed=1))
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory):
-    from sgl_kara.models.tiny import write_tiny_model
+    from bench.models.tiny import write_tiny_model
 
     return str(write_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", seed=2))
 
@@ -69,7 +68,12 @@ class EnginePool:
         self.starts = 0
 
     def __call__(self, kind: str, model_path: str, env: dict | None = None, **options):
-        key = (kind, model_path, tuple(sorted((env or {}).items())), tuple(sorted(options.items())))
+        key = (
+            kind,
+            model_path,
+            tuple(sorted((env or {}).items())),
+            tuple(sorted(options.items())),
+        )
         engine = self.live.pop(key, None)
         if engine is None:
             while len(self.live) >= self.keep:
@@ -78,12 +82,16 @@ class EnginePool:
                 engine = support.start_engine(kind, model_path, shared=True, **options)
             self.starts += 1
         else:
-            assert flush_when_idle(engine), "a shared engine still holds slots after its last test"
+            assert flush_when_idle(engine), (
+                "a shared engine still holds slots after its last test"
+            )
         self.live[key] = engine
         from sgl_kara.plugin import set_serving_policy
 
         config = getattr(engine, "kara_config", None)
-        set_serving_policy(config.policy if config is not None else "none")  # this engine's request checks
+        set_serving_policy(
+            config.policy if config is not None else "none"
+        )  # this engine's request checks
         return engine
 
     def close(self) -> None:

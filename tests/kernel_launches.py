@@ -13,9 +13,15 @@ import importlib
 
 import torch
 
-KERNELS = {"sgl_kara.kernels.window_score": ("_lse_kernel", "_colsum_kernel"),
-           "sgl_kara.kernels.compact": ("_compact_kernel", "_copy_rows_kernel", "_gather_rows_kernel",
-                                        "_scatter_rows_kernel")}
+KERNELS = {
+    "sgl_kara.kernels.window_score": ("_lse_kernel", "_colsum_kernel"),
+    "sgl_kara.kernels.compact": (
+        "_compact_kernel",
+        "_copy_rows_kernel",
+        "_gather_rows_kernel",
+        "_scatter_rows_kernel",
+    ),
+}
 
 
 class Launches:
@@ -38,9 +44,19 @@ class Launches:
                 launch = self.kernel[grid]
 
                 def run(*args, **kw):
-                    key = tuple(native_specialize_impl(BaseBackend, a, False, name not in self.fixed, True)
-                                for name, a in zip(self.arg_names, args))
-                    log.keys.add((self.name, key, tuple(sorted((k, repr(v)) for k, v in kw.items()))))
+                    key = tuple(
+                        native_specialize_impl(
+                            BaseBackend, a, False, name not in self.fixed, True
+                        )
+                        for name, a in zip(self.arg_names, args)
+                    )
+                    log.keys.add(
+                        (
+                            self.name,
+                            key,
+                            tuple(sorted((k, repr(v)) for k, v in kw.items())),
+                        )
+                    )
                     return launch(*args, **kw)
 
                 return run
@@ -58,10 +74,18 @@ class Launches:
 class Pool:
     """One K and one V buffer per layer, as SGLang's MHATokenToKVPool hands them out (seeded normal)."""
 
-    def __init__(self, dtype=torch.float32, seed=0, slots=256, layers=2, kv_heads=2, head_dim=16):
+    def __init__(
+        self, dtype=torch.float32, seed=0, slots=256, layers=2, kv_heads=2, head_dim=16
+    ):
         g = torch.Generator().manual_seed(seed)
-        self.k = [torch.randn(slots, kv_heads, head_dim, generator=g).to(dtype) for _ in range(layers)]
-        self.v = [torch.randn(slots, kv_heads, head_dim, generator=g).to(dtype) for _ in range(layers)]
+        self.k = [
+            torch.randn(slots, kv_heads, head_dim, generator=g).to(dtype)
+            for _ in range(layers)
+        ]
+        self.v = [
+            torch.randn(slots, kv_heads, head_dim, generator=g).to(dtype)
+            for _ in range(layers)
+        ]
         self.start_layer, self.layer_num = 0, layers
 
     def get_key_buffer(self, layer):

@@ -38,7 +38,9 @@ def read_evictions(path: str) -> dict[str, list[dict]]:
     return dict(out)
 
 
-def visibility(events: list[dict], length: int, layers: int, kv_heads: int) -> torch.Tensor:
+def visibility(
+    events: list[dict], length: int, layers: int, kv_heads: int
+) -> torch.Tensor:
     """[layers, kv_heads, T, T] bool: query t may attend key j."""
     causal = torch.ones(length, length, dtype=torch.bool).tril()
     vis = causal.expand(layers, kv_heads, length, length).clone()
@@ -51,7 +53,9 @@ def visibility(events: list[dict], length: int, layers: int, kv_heads: int) -> t
     return vis
 
 
-def _masked_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def _masked_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs
+):
     """Eager float32 attention with the per-(layer, kv head) visibility set on the module."""
     vis = module._sgl_kara_visibility  # [H_kv, T, T]
     b, hq, t, d = query.shape
@@ -59,7 +63,9 @@ def _masked_attention(module, query, key, value, attention_mask, scaling=None, d
     group = hq // hkv
     k = key.repeat_interleave(group, dim=1)
     v = value.repeat_interleave(group, dim=1)
-    scores = torch.matmul(query.float(), k.float().transpose(2, 3)) * (scaling if scaling is not None else d ** -0.5)
+    scores = torch.matmul(query.float(), k.float().transpose(2, 3)) * (
+        scaling if scaling is not None else d**-0.5
+    )
     allowed = vis.repeat_interleave(group, dim=0)[None]  # [1, H_q, T, T]
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
@@ -71,12 +77,18 @@ def load_reference(model_path: str):
     from transformers import AttentionInterface, AutoModelForCausalLM
 
     AttentionInterface.register(ATTN_NAME, _masked_attention)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=ATTN_NAME)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=torch.float32, attn_implementation=ATTN_NAME
+    )
     return model.eval()
 
 
 def _attention_modules(model):
-    mods = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups")]
+    mods = [
+        m
+        for m in model.modules()
+        if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups")
+    ]
     return sorted(mods, key=lambda m: m.layer_idx)
 
 
@@ -84,13 +96,21 @@ def _attention_modules(model):
 def reference_logprobs(model, tokens: list[int], events: list[dict]) -> torch.Tensor:
     """[T, V] float32 log-probabilities of the token after each position, with the evictions."""
     mods = _attention_modules(model)
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg = (
+        model.config.get_text_config()
+        if hasattr(model.config, "get_text_config")
+        else model.config
+    )
     vis = visibility(events, len(tokens), len(mods), cfg.num_key_value_heads)
     for m in mods:
         m._sgl_kara_visibility = vis[m.layer_idx]
     try:
         ids = torch.tensor([tokens])
-        logits = model(input_ids=ids, position_ids=torch.arange(len(tokens))[None]).logits[0].float()
+        logits = (
+            model(input_ids=ids, position_ids=torch.arange(len(tokens))[None])
+            .logits[0]
+            .float()
+        )
     finally:
         for m in mods:
             del m._sgl_kara_visibility
@@ -102,7 +122,9 @@ def engine_step_logprobs(out: dict) -> list[dict[int, float]]:
     logprobs plus the sampled token: SGLang's output_top_logprobs / output_token_logprobs."""
     meta = out["meta_info"]
     steps = []
-    for (lp, tok, _), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"]):
+    for (lp, tok, _), top in zip(
+        meta["output_token_logprobs"], meta["output_top_logprobs"]
+    ):
         d = {int(t): float(v) for v, t, _ in top}
         d[int(tok)] = float(lp)
         steps.append(d)
@@ -128,10 +150,14 @@ GEN = {"max_new_tokens": 150, "temperature": 0.0, "ignore_eos": True}
 
 def _prompts(vocab: int, n: int = 3) -> list[list[int]]:
     g = torch.Generator().manual_seed(7)
-    return [torch.randint(10, vocab, (13 + 9 * i,), generator=g).tolist() for i in range(n)]
+    return [
+        torch.randint(10, vocab, (13 + 9 * i,), generator=g).tolist() for i in range(n)
+    ]
 
 
-def engine_options(policy: str, query_source: str, page: int, extra: dict | None = None) -> dict:
+def engine_options(
+    policy: str, query_source: str, page: int, extra: dict | None = None
+) -> dict:
     """The ``kara_*`` and page options of an oracle run: ``KARA`` at r 0.25 for Kara, ``extra`` on top."""
     opts = dict(kara_policy=policy, kara_query_source=query_source, page_size=page)
     if policy == "kara":
@@ -145,29 +171,56 @@ def record_path(model_path: str, opts: dict, env_extra: dict | None = None) -> s
     import hashlib
     import tempfile
 
-    ident = json.dumps([model_path, sorted(opts.items()), sorted((env_extra or {}).items())], default=str)
+    ident = json.dumps(
+        [model_path, sorted(opts.items()), sorted((env_extra or {}).items())],
+        default=str,
+    )
     digest = hashlib.sha1(ident.encode()).hexdigest()[:12]
-    return os.path.join(tempfile.gettempdir(), f"kara_evictions_{os.getpid()}_{digest}.jsonl")
+    return os.path.join(
+        tempfile.gettempdir(), f"kara_evictions_{os.getpid()}_{digest}.jsonl"
+    )
 
 
-def shared_engine(engines, model_path: str, page: int, query_source: str, policy: str = "kara",
-                  extra: dict | None = None, env_extra: dict | None = None):
+def shared_engine(
+    engines,
+    model_path: str,
+    page: int,
+    query_source: str,
+    policy: str = "kara",
+    extra: dict | None = None,
+    env_extra: dict | None = None,
+):
     """(engine, evictions file) of the session's shared engine for this configuration (tests/conftest.py
     ``engines``): evictions recorded to a file of its own, integrity checks at every event, and with
     ``capture`` the query cross-check (capture vs recompute scores on first windows). Tests that run
     the same configuration share it (tests/test_runtime.py, test_policy_matrix.py)."""
     opts = engine_options(policy, query_source, page, extra)
     record = record_path(model_path, opts, env_extra)
-    env = {"KARA_RECORD_EVICTIONS": record, "KARA_CHECK_INTEGRITY": "1", **(env_extra or {})}
+    env = {
+        "KARA_RECORD_EVICTIONS": record,
+        "KARA_CHECK_INTEGRITY": "1",
+        **(env_extra or {}),
+    }
     if query_source == "capture":
         env["KARA_CROSSCHECK_QUERIES"] = "1"
     return engines("kara", model_path, env=env, **opts), record
 
 
-def run_and_check(model_path: str, tmp_path, page: int, query_source: str, policy: str = "kara",
-                  extra: dict | None = None, gen: dict | None = None, integrity: bool = False,
-                  keep_engine: bool = False, tol: float = TOL, env_extra: dict | None = None,
-                  margin: float | None = None, engines=None):
+def run_and_check(
+    model_path: str,
+    tmp_path,
+    page: int,
+    query_source: str,
+    policy: str = "kara",
+    extra: dict | None = None,
+    gen: dict | None = None,
+    integrity: bool = False,
+    keep_engine: bool = False,
+    tol: float = TOL,
+    env_extra: dict | None = None,
+    margin: float | None = None,
+    engines=None,
+):
     """Generate with evictions recorded, then compare every step with the masked reference.
     ``margin`` (default 20 x tol): how far the unmasked reference must be off, so that the check
     is not vacuous; it measures the evictions' effect, not the engine's precision, so a bf16 run
@@ -176,7 +229,9 @@ def run_and_check(model_path: str, tmp_path, page: int, query_source: str, polic
     down); else on an engine of its own, shut down unless ``keep_engine``. Returns (outputs, the
     engine if shared or ``keep_engine`` else None, worst error, smallest unmasked gap)."""
     if engines is not None:
-        engine, record = shared_engine(engines, model_path, page, query_source, policy, extra, env_extra)
+        engine, record = shared_engine(
+            engines, model_path, page, query_source, policy, extra, env_extra
+        )
         keep_engine = shared = True
     else:
         shared = False
@@ -188,17 +243,33 @@ def run_and_check(model_path: str, tmp_path, page: int, query_source: str, polic
         from support import engine_env, start_engine
 
         with engine_env(**env):
-            engine = start_engine("kara", model_path, **engine_options(policy, query_source, page, extra))
+            engine = start_engine(
+                "kara", model_path, **engine_options(policy, query_source, page, extra)
+            )
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model_path).vocab_size
     prompts = _prompts(vocab)
     try:
-        outs = engine.generate(input_ids=prompts, sampling_params=gen or GEN, return_logprob=True, top_logprobs_num=5)
+        outs = engine.generate(
+            input_ids=prompts,
+            sampling_params=gen or GEN,
+            return_logprob=True,
+            top_logprobs_num=5,
+        )
         if not keep_engine:
             engine.shutdown()
-        worst, control = _check_against_reference(model_path, prompts, outs, read_evictions(record), policy, page,
-                                                  query_source, tol, margin)
+        worst, control = _check_against_reference(
+            model_path,
+            prompts,
+            outs,
+            read_evictions(record),
+            policy,
+            page,
+            query_source,
+            tol,
+            margin,
+        )
     except BaseException:
         if keep_engine and not shared:
             engine.shutdown()
@@ -206,15 +277,24 @@ def run_and_check(model_path: str, tmp_path, page: int, query_source: str, polic
     return outs, engine if keep_engine else None, worst, control
 
 
-def check_policy_through_engine(model_path: str, tmp_path, page: int, name: str, engines) -> None:
+def check_policy_through_engine(
+    model_path: str, tmp_path, page: int, name: str, engines
+) -> None:
     """One registered policy on the session's shared engine (capture, its small options): the oracle's
     step-by-step check, then several events per request, physical KV below logical, integrity checks
     at every event, and every slot free afterwards (tests/test_policy_matrix.py, page 16:
     tests/test_contract_engine.py)."""
     from support import flush_when_idle
 
-    outs, engine, _, _ = run_and_check(model_path, tmp_path, page, "capture", policy=name, extra=small_options(name),
-                                       engines=engines)
+    outs, engine, _, _ = run_and_check(
+        model_path,
+        tmp_path,
+        page,
+        "capture",
+        policy=name,
+        extra=small_options(name),
+        engines=engines,
+    )
     for out in outs:
         kara = out["meta_info"]["kara"]
         assert kara["compressions"] >= 2, kara
@@ -223,34 +303,53 @@ def check_policy_through_engine(model_path: str, tmp_path, page: int, name: str,
     assert flush_when_idle(engine), "slots still held after every request finished"
 
 
-def _check_against_reference(model_path, prompts, outs, events, policy, page, query_source, tol=TOL, margin=None):
+def _check_against_reference(
+    model_path, prompts, outs, events, policy, page, query_source, tol=TOL, margin=None
+):
     """Returns (worst |dlogprob| vs the masked reference, smallest gap of the unmasked control)."""
     model = load_reference(model_path)
     worst, controls = 0.0, []
     for prompt, out in zip(prompts, outs):
         rid_events = events.get(out["meta_info"]["id"], [])
-        assert len(rid_events) >= 3, f"only {len(rid_events)} events: the test needs several (pos_offset > 0)"
+        assert len(rid_events) >= 3, (
+            f"only {len(rid_events)} events: the test needs several (pos_offset > 0)"
+        )
         assert rid_events[-1]["logical_len"] > rid_events[0]["logical_len"]
         tokens = prompt + out["output_ids"]
         err = compare(reference_logprobs(model, tokens, rid_events), len(prompt), out)
         worst = max(worst, float(err.max()))
-        assert float(err.max()) < tol, f"engine vs masked HF reference: max |dlogprob| {err.max():.2e} at step {int(err.argmax())}"
+        assert float(err.max()) < tol, (
+            f"engine vs masked HF reference: max |dlogprob| {err.max():.2e} at step {int(err.argmax())}"
+        )
         # The oracle can fail: without the evictions the reference is far off after the first event.
         full = compare(reference_logprobs(model, tokens, []), len(prompt), out)
-        first = rid_events[0]["logical_len"] - len(prompt) + 1  # first generated step after an event
+        first = (
+            rid_events[0]["logical_len"] - len(prompt) + 1
+        )  # first generated step after an event
         assert float(full[:first].max()) < tol  # identical before any eviction
         controls.append(float(full[first:].max()))
     margin = 20 * tol if margin is None else margin
-    assert min(controls) > margin, f"evictions barely change the output here ({controls}); the check would be vacuous"
-    print(f"\nORACLE {os.path.basename(model_path)} policy={policy} page={page} {query_source}: "
-          f"max err {worst:.2e}, unmasked reference off by >= {min(controls):.2e}")
+    assert min(controls) > margin, (
+        f"evictions barely change the output here ({controls}); the check would be vacuous"
+    )
+    print(
+        f"\nORACLE {os.path.basename(model_path)} policy={policy} page={page} {query_source}: "
+        f"max err {worst:.2e}, unmasked reference off by >= {min(controls):.2e}"
+    )
     return worst, min(controls)
 
 
 # Small options per registered policy, so that a 150-token answer goes through several events.
-SMALL = {"kara": dict(KARA, kara_retention=0.25),
-         "random": dict(kara_random_window=40, kara_random_buffer=8, kara_random_period=4, kara_random_retention=0.25,
-                        kara_random_seed=5)}
+SMALL = {
+    "kara": dict(KARA, kara_retention=0.25),
+    "random": dict(
+        kara_random_window=40,
+        kara_random_buffer=8,
+        kara_random_period=4,
+        kara_random_retention=0.25,
+        kara_random_seed=5,
+    ),
+}
 
 
 def small_options(name: str) -> dict:

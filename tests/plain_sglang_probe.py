@@ -30,7 +30,9 @@ def _wraps_sgl_kara(obj) -> bool:
     while obj is not None and hasattr(obj, "__wrapped__"):
         for cell in getattr(obj, "__closure__", None) or ():
             value = cell.cell_contents
-            if getattr(value, "__module__", "").startswith("sgl_kara") and callable(value):
+            if getattr(value, "__module__", "").startswith("sgl_kara") and callable(
+                value
+            ):
                 return True
         obj = obj.__wrapped__
     return False
@@ -43,21 +45,35 @@ def hook_state() -> dict:
 
     from sgl_kara import _sglang as sg
 
-    hooks = sorted(f"{target} <- {hook.__module__}.{hook.__qualname__}"
-                   for target, entries in HookRegistry._hooks.items() if target in HookRegistry._patched
-                   for _, hook, _ in entries if getattr(hook, "__module__", "").startswith("sgl_kara"))
+    hooks = sorted(
+        f"{target} <- {hook.__module__}.{hook.__qualname__}"
+        for target, entries in HookRegistry._hooks.items()
+        if target in HookRegistry._patched
+        for _, hook, _ in entries
+        if getattr(hook, "__module__", "").startswith("sgl_kara")
+    )
     wrapped = []
     for path in sg.SIGNATURES:
         owner_path, _, name = path.rpartition(".")
         owner = pkgutil.resolve_name(owner_path)
-        obj = inspect.getattr_static(owner, name) if inspect.isclass(owner) else getattr(owner, name)
+        obj = (
+            inspect.getattr_static(owner, name)
+            if inspect.isclass(owner)
+            else getattr(owner, name)
+        )
         obj = obj.__func__ if isinstance(obj, (classmethod, staticmethod)) else obj
         replaced = inspect.isclass(obj) and obj.__module__.startswith("sgl_kara")
         if replaced or _wraps_sgl_kara(obj):
             wrapped.append(path)
-    return {"pid": os.getpid(), "sgl_kara_hooks": hooks, "wrapped": sorted(wrapped), "rope_cpu": bool(rope._is_cpu),
-            "kara_radix_backend": "kara" in registered_radix_cache_backends(),
-            "plugin_loaded": "sgl_kara.plugin" in sys.modules, "KARA_SERVE": os.environ.get("KARA_SERVE")}
+    return {
+        "pid": os.getpid(),
+        "sgl_kara_hooks": hooks,
+        "wrapped": sorted(wrapped),
+        "rope_cpu": bool(rope._is_cpu),
+        "kara_radix_backend": "kara" in registered_radix_cache_backends(),
+        "plugin_loaded": "sgl_kara.plugin" in sys.modules,
+        "KARA_SERVE": os.environ.get("KARA_SERVE"),
+    }
 
 
 def _report(result, scheduler, recv_req):
@@ -69,7 +85,11 @@ def probe_scheduler(*args, **kwargs):
     from sglang.srt.managers.scheduler import run_scheduler_process
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.get_internal_state", _report, HookType.AFTER)
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.get_internal_state",
+        _report,
+        HookType.AFTER,
+    )
     return run_scheduler_process(*args, **kwargs)
 
 
@@ -92,26 +112,42 @@ def run(case: str, engine_class, model: str, out: str, **options) -> None:
         run_detokenizer_process_func = staticmethod(probe_detokenizer)
 
     os.environ["PROBE_OUT"] = out
-    engine = Probed(model_path=model, **cpu_defaults(), max_total_tokens=2048, max_running_requests=4,
-                    disable_overlap_schedule=True, log_level="error", random_seed=0, **options)
+    engine = Probed(
+        model_path=model,
+        **cpu_defaults(),
+        max_total_tokens=2048,
+        max_running_requests=4,
+        disable_overlap_schedule=True,
+        log_level="error",
+        random_seed=0,
+        **options,
+    )
     try:
         main = hook_state()
-        outs = engine.generate([f"Question {i}: what is {i} plus {i}?" for i in range(4)],
-                               {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
+        outs = engine.generate(
+            [f"Question {i}: what is {i} plus {i}?" for i in range(4)],
+            {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+        )
         internal = engine.get_server_info()["internal_states"][0]
     finally:
         shutdown_cleanly(engine)
     with open(os.path.join(out, "detokenizer.json")) as f:
         detokenizer = json.load(f)
-    record = {"main": main, "scheduler": internal["probe"], "detokenizer": detokenizer,
-              "kara_cpu_kernels": internal.get("kara_cpu_kernels"),
-              "completion_tokens": [o["meta_info"]["completion_tokens"] for o in outs]}
+    record = {
+        "main": main,
+        "scheduler": internal["probe"],
+        "detokenizer": detokenizer,
+        "kara_cpu_kernels": internal.get("kara_cpu_kernels"),
+        "completion_tokens": [o["meta_info"]["completion_tokens"] for o in outs],
+    }
     with open(os.path.join(out, f"{case}.json"), "w") as f:
         json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":
-    from sglang.srt.entrypoints.engine import Engine as SGLangEngine  # what sglang.Engine names
+    from sglang.srt.entrypoints.engine import (
+        Engine as SGLangEngine,
+    )  # what sglang.Engine names
 
     import sgl_kara
 

@@ -12,16 +12,25 @@ import pkgutil
 def sglang_function(target: str):
     owner_path, _, name = target.rpartition(".")
     raw = inspect.getattr_static(pkgutil.resolve_name(owner_path), name)
-    return inspect.unwrap(raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw)
+    return inspect.unwrap(
+        raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
+    )
 
 
 def sglang_original(target: str, calls: list, value="sglang's own", side_effect=None):
     signature = inspect.signature(sglang_function(target))
-    method = next(iter(signature.parameters), None) in ("self", "cls")  # a staticmethod takes no self
+    method = next(iter(signature.parameters), None) in (
+        "self",
+        "cls",
+    )  # a staticmethod takes no self
 
     def original(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)  # TypeError: not a call SGLang's function takes
-        assert len(args) == int(method), f"{target}: called with {len(args)} positional arguments"
+        bound = signature.bind(
+            *args, **kwargs
+        )  # TypeError: not a call SGLang's function takes
+        assert len(args) == int(method), (
+            f"{target}: called with {len(args)} positional arguments"
+        )
         calls.append(dict(bound.arguments))
         if side_effect is not None:
             side_effect(**bound.arguments)

@@ -39,10 +39,12 @@ STRICT_ENV = {
 }
 os.environ.update(STRICT_ENV)
 
-from sgl_kara.models.default import PROXY_MODEL_DIR  # noqa: E402  (after the environment above)
+from bench.models.proxy import PROXY_MODEL_DIR  # noqa: E402  (after the environment above)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROXY_MODEL = str(PROXY_MODEL_DIR)  # the reasoning proxy: the tests' fast real-weight model
+PROXY_MODEL = str(
+    PROXY_MODEL_DIR
+)  # the reasoning proxy: the tests' fast real-weight model
 
 
 def engine_env(**extra: str):
@@ -68,7 +70,9 @@ def track(engine, shared: bool = False) -> None:
     children until it shuts down. An engine of a test's own (not ``shared``) closes the session's
     shared engines before its shutdown, which kills every child of the process."""
     guard_pytest_process()
-    watchdog = getattr(getattr(engine, "tokenizer_manager", None), "_subprocess_watchdog", None)
+    watchdog = getattr(
+        getattr(engine, "tokenizer_manager", None), "_subprocess_watchdog", None
+    )
     _LIVE_ENGINE_PROCS[id(engine)] = list(getattr(watchdog, "_processes", None) or [])
     shutdown = engine.shutdown
 
@@ -128,10 +132,14 @@ def guard_pytest_process():
         if all(p.is_alive() for procs in _LIVE_ENGINE_PROCS.values() for p in procs):
             # Every child of every engine still open is alive: the SIGQUIT cannot be about them
             # (defensive; the crash traced in CI was a live engine's children being killed).
-            sys.stderr.write("support: ignoring a SIGQUIT while every live engine's children are alive\n")
+            sys.stderr.write(
+                "support: ignoring a SIGQUIT while every live engine's children are alive\n"
+            )
             return None
         kill_process_tree(pid, False, *args, **kwargs)
-        capman = PYTEST_CONFIG and PYTEST_CONFIG.pluginmanager.getplugin("capturemanager")
+        capman = PYTEST_CONFIG and PYTEST_CONFIG.pluginmanager.getplugin(
+            "capturemanager"
+        )
         if capman is not None:
             capman.suspend_global_capture(in_=True)
             out, err = capman.read_global_capture()
@@ -207,8 +215,15 @@ class Server:
     """``python -m sgl_kara.launch_server --port P *args`` (or another ``module``), started and
     waited for (/health 200); its output goes to a log file (``log_text()``)."""
 
-    def __init__(self, args: list[str], timeout: float = 240, env: dict | None = None,
-                 module: str = "sgl_kara.launch_server", port: int | None = None, log_tag: str = ""):
+    def __init__(
+        self,
+        args: list[str],
+        timeout: float = 240,
+        env: dict | None = None,
+        module: str = "sgl_kara.launch_server",
+        port: int | None = None,
+        log_tag: str = "",
+    ):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args, self.module = list(args), module
@@ -218,7 +233,10 @@ class Server:
         self.log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), name), "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, "--port", str(self.port), *args],
-            stdout=self.log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=True,
         )
         self.wait_ready(timeout)
 
@@ -228,7 +246,9 @@ class Server:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log.name}")
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode}; see {self.log.name}"
+                )
             try:
                 if requests.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -287,8 +307,15 @@ def _url(target) -> str:
     return target if isinstance(target, str) else target.url
 
 
-def generate(target, prompt, sampling_params: dict | list[dict] | None = None, custom: dict | None = None,
-             rid=None, timeout: float = 300, **body):
+def generate(
+    target,
+    prompt,
+    sampling_params: dict | list[dict] | None = None,
+    custom: dict | None = None,
+    rid=None,
+    timeout: float = 300,
+    **body,
+):
     """POST ``target``/generate (a Server or a URL): ``prompt`` is text, a list of texts, or a list
     of token ids; ``sampling_params`` one dict, or one per text of a list; ``custom``: the
     request's ``custom_params`` (e.g. ``{"kara": {...}}``); more body fields (``stream``,
@@ -296,7 +323,10 @@ def generate(target, prompt, sampling_params: dict | list[dict] | None = None, c
     import requests
 
     if isinstance(sampling_params, list):
-        sp = [dict(p) if custom is None else {**p, "custom_params": custom} for p in sampling_params]
+        sp = [
+            dict(p) if custom is None else {**p, "custom_params": custom}
+            for p in sampling_params
+        ]
     else:
         sp = dict(sampling_params or {})
         if custom is not None:
@@ -309,7 +339,13 @@ def generate(target, prompt, sampling_params: dict | list[dict] | None = None, c
     return requests.post(_url(target) + "/generate", json=payload, timeout=timeout)
 
 
-def generated(target, prompt, sampling_params: dict | None = None, custom: dict | None = None, **kw):
+def generated(
+    target,
+    prompt,
+    sampling_params: dict | None = None,
+    custom: dict | None = None,
+    **kw,
+):
     """``generate``, asserted 200; its JSON."""
     r = generate(target, prompt, sampling_params, custom, **kw)
     assert r.status_code == 200, r.text[:500]
@@ -317,13 +353,21 @@ def generated(target, prompt, sampling_params: dict | None = None, custom: dict 
 
 
 # -------------------------------------------------------------------------------- benchmarks
-def run_bench(module: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+def run_bench(
+    module: str, *args: str, timeout: float = 900
+) -> subprocess.CompletedProcess:
     """``python -m bench.<module> *args`` from the repository root, in a child without
     TRITON_INTERPRET (engines run torch attention); fails the test with the script's stderr tail
     when it exits nonzero."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", f"bench.{module}", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", f"bench.{module}", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -336,15 +380,28 @@ class FakeReq:
     ``kv_allocated_len``, ``cache_protected_len``), the Kara state (``kara``) and ``to_finish``.
     Token ids are positions unless ``tokens`` gives them."""
 
-    def __init__(self, rid=0, prompt: int = 16, generated: int = 0, max_new: int = 128, kara=None,
-                 row: int | None = None, tokens: list[int] | None = None, protected: int = 0):
+    def __init__(
+        self,
+        rid=0,
+        prompt: int = 16,
+        generated: int = 0,
+        max_new: int = 128,
+        kara=None,
+        row: int | None = None,
+        tokens: list[int] | None = None,
+        protected: int = 0,
+    ):
         tokens = list(range(prompt + generated)) if tokens is None else list(tokens)
         self.rid = str(rid) if not isinstance(rid, str) else rid
         self.origin_input_ids, self.output_ids = tokens[:prompt], tokens[prompt:]
         self.sampling_params = types.SimpleNamespace(max_new_tokens=max_new)
         length = len(tokens)
-        self.kv = types.SimpleNamespace(req_pool_idx=rid if row is None else row, kv_committed_len=length,
-                                        kv_allocated_len=length, cache_protected_len=protected)
+        self.kv = types.SimpleNamespace(
+            req_pool_idx=rid if row is None else row,
+            kv_committed_len=length,
+            kv_allocated_len=length,
+            cache_protected_len=protected,
+        )
         self.kara = kara
         self.to_finish = None
 
@@ -363,15 +420,29 @@ def make_policy(name: str, **opts):
     from sgl_kara.config import KaraConfig
     from sgl_kara.policies import base
 
-    return KaraConfig.build(policy=name, **{base.policy_class(name).prefix + k: v for k, v in opts.items()}).make_policy()
+    return KaraConfig.build(
+        policy=name, **{base.policy_class(name).prefix + k: v for k, v in opts.items()}
+    ).make_policy()
 
 
-def row_view(length: int, protected: int = 10, frontier: int | None = None, offset: int = 0, **state):
+def row_view(
+    length: int,
+    protected: int = 10,
+    frontier: int | None = None,
+    offset: int = 0,
+    **state,
+):
     """A RowView of a request whose row holds ``length`` entries (Kara state fields in ``state``)."""
     from sgl_kara.policies.base import RowView
     from sgl_kara.scheduler.state import KaraReqState
 
-    return RowView(protected, protected if frontier is None else frontier, length, offset, KaraReqState(**state))
+    return RowView(
+        protected,
+        protected if frontier is None else frontier,
+        length,
+        offset,
+        KaraReqState(**state),
+    )
 
 
 def score_input(policy, layer: int = 0, seed: int = 0):
@@ -384,8 +455,14 @@ def score_input(policy, layer: int = 0, seed: int = 0):
     slots = torch.stack([torch.randperm(200, generator=g)[:M] for _ in range(B)])
     rows = [row_view(M + 60) for _ in range(B)]
     region = base.Region(10, M, 12, 50, 8 if policy.needs_queries else 0)
-    q = torch.randn(B, region.query_len, HQ, D, generator=g) if policy.needs_queries else None
+    q = (
+        torch.randn(B, region.query_len, HQ, D, generator=g)
+        if policy.needs_queries
+        else None
+    )
     if policy.observes_decode:
         for r in rows:
-            r.state.policy_state[policy.name] = {layer: torch.rand(HKV, 120, generator=g)}
+            r.state.policy_state[policy.name] = {
+                layer: torch.rand(HKV, 120, generator=g)
+            }
     return base.ScoreInput(layer, q, k_buffer, slots, rows, [region] * B)

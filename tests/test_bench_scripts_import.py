@@ -10,18 +10,34 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
-FILES = sorted(p for p in BENCH.rglob("*.py") if "results" not in p.relative_to(BENCH).parts)
-MODULES = [".".join(("bench", *p.relative_to(BENCH).with_suffix("").parts)).removesuffix(".__init__")
-           for p in FILES if p.name != "__main__.py"]
+FILES = sorted(
+    p for p in BENCH.rglob("*.py") if "results" not in p.relative_to(BENCH).parts
+)
+MODULES = [
+    ".".join(("bench", *p.relative_to(BENCH).with_suffix("").parts)).removesuffix(
+        ".__init__"
+    )
+    for p in FILES
+    if p.name != "__main__.py"
+]
 
 
 def test_every_benchmark_file_lies_in_the_package():
     """No script beside the package: every folder under bench/ holding Python is a package, so
     every file runs as ``python -m bench.<name>`` and imports its neighbours by their names."""
-    loose = [str(p.relative_to(BENCH)) for p in FILES if not (p.parent / "__init__.py").exists()]
+    loose = [
+        str(p.relative_to(BENCH))
+        for p in FILES
+        if not (p.parent / "__init__.py").exists()
+    ]
     assert not loose, loose
-    assert {"bench.throughput", "bench.throughput_grid", "bench.engine_run", "bench.record",
-            "bench.quality.harness"} <= set(MODULES)
+    assert {
+        "bench.throughput",
+        "bench.throughput_grid",
+        "bench.engine_run",
+        "bench.record",
+        "bench.quality.harness",
+    } <= set(MODULES)
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -51,7 +51,12 @@ import pytest
 import torch
 
 import sgl_kara.mem_cache.compaction as compaction_mod
-from sgl_kara.mem_cache.compaction import CompactionPlan, OutOfSlots, compact_rows, prepare_compaction
+from sgl_kara.mem_cache.compaction import (
+    CompactionPlan,
+    OutOfSlots,
+    compact_rows,
+    prepare_compaction,
+)
 
 OPS = int(os.environ.get("KARA_FUZZ_OPS", "2000"))
 BASE_SEED = int(os.environ.get("KARA_FUZZ_SEED", "0"))
@@ -61,9 +66,24 @@ POISON = -1
 POS_BITS = 20  # token id = request id << POS_BITS | logical position
 
 # Every kind must run at least this often per page size in the default suite.
-MUST_RUN = ("admit", "admit_shared", "tree_insert", "readmit", "decode", "compress", "compress_batched",
-            "compress_identity", "compress_snapkv", "oom_forced", "fault_bad_kept", "fault_kernel",
-            "fault_after_copy", "retract", "finish", "evict")
+MUST_RUN = (
+    "admit",
+    "admit_shared",
+    "tree_insert",
+    "readmit",
+    "decode",
+    "compress",
+    "compress_batched",
+    "compress_identity",
+    "compress_snapkv",
+    "oom_forced",
+    "fault_bad_kept",
+    "fault_kernel",
+    "fault_after_copy",
+    "retract",
+    "finish",
+    "evict",
+)
 
 
 class FuzzFailure(AssertionError):
@@ -85,7 +105,9 @@ class SimAllocator:
     Stricter than SGLang: a double free, or freeing page 0, raises. Freed slots are poisoned.
     """
 
-    def __init__(self, num_pages: int, page: int, kv: torch.Tensor, rng: np.random.Generator):
+    def __init__(
+        self, num_pages: int, page: int, kv: torch.Tensor, rng: np.random.Generator
+    ):
         self.page, self.num_pages, self.kv, self.rng = page, num_pages, kv, rng
         self.is_free = np.ones(num_pages, dtype=bool)
         self.is_free[0] = False
@@ -116,14 +138,20 @@ class SimAllocator:
         if s.min() < 0 or s.max() >= self.num_pages * self.page:
             raise FuzzFailure(f"free of slots outside the pool: {s.tolist()}")
         if self.page == 1 and np.unique(s).size != s.size:
-            raise FuzzFailure(f"free of a slot twice in one call: {np.sort(s).tolist()}")
+            raise FuzzFailure(
+                f"free of a slot twice in one call: {np.sort(s).tolist()}"
+            )
         pages = np.unique(s // self.page)
         if (pages == 0).any():
             raise FuzzFailure("free of the reserved page 0")
         if self.is_free[pages].any():
-            raise FuzzFailure(f"double free of pages {pages[self.is_free[pages]].tolist()}")
+            raise FuzzFailure(
+                f"double free of pages {pages[self.is_free[pages]].tolist()}"
+            )
         self.is_free[pages] = True
-        poison = torch.from_numpy((pages[:, None] * self.page + np.arange(self.page)).reshape(-1))
+        poison = torch.from_numpy(
+            (pages[:, None] * self.page + np.arange(self.page)).reshape(-1)
+        )
         self.kv.index_fill_(2, poison, POISON)
 
 
@@ -135,7 +163,7 @@ class Entry:
     """A tree node: owns slots full[own_start:]; full[:own_start] belong to its ancestors."""
 
     eid: int
-    parent: "Entry | None"
+    parent: Entry | None
     full_slots: np.ndarray
     full_uids: np.ndarray
     own_start: int
@@ -155,13 +183,19 @@ class Req:
     frontier: int = 0  # f
     pos_offset: int = 0
     length: int = 0  # physical
-    exp: torch.Tensor | None = None  # [L, cap, H] expected token id of each row per (layer, head)
-    prefix_slots: list = field(default_factory=list)  # slots of rows [0, min(length, P))
+    exp: torch.Tensor | None = (
+        None  # [L, cap, H] expected token id of each row per (layer, head)
+    )
+    prefix_slots: list = field(
+        default_factory=list
+    )  # slots of rows [0, min(length, P))
     compressions: int = 0
 
 
 class World:
-    def __init__(self, seed: int, page: int, use_triton=False, weights=None, small=False):
+    def __init__(
+        self, seed: int, page: int, use_triton=False, weights=None, small=False
+    ):
         self.seed, self.page, self.use_triton = seed, page, use_triton
         self.rng = rng = np.random.default_rng(seed)
         self.L = int(rng.integers(1, 4)) if not small else 2
@@ -182,7 +216,9 @@ class World:
         self.k_bufs = [self.kv[0, l] for l in range(self.L)]
         self.v_bufs = [self.kv[1, l] for l in range(self.L)]
         # stale garbage outside live rows, as in SGLang (rows are never cleared)
-        self.req_to_token = torch.from_numpy(rng.integers(0, S, (self.n_rows, self.cap)).astype(np.int32))
+        self.req_to_token = torch.from_numpy(
+            rng.integers(0, S, (self.n_rows, self.cap)).astype(np.int32)
+        )
         self.alloc = SimAllocator(self.num_pages, page, self.kv, rng)
         self.free_rows = list(range(self.n_rows))
         self.running: list[Req] = []
@@ -202,12 +238,17 @@ class World:
     # ------------------------------------------------------------------ helpers
     def tags(self, uid: torch.Tensor) -> torch.Tensor:
         """uid [L or 1, n, H or 1] -> expected pool content [2, L, n, H, D]."""
-        return (((uid[None, ..., None] * self.L + self._l) * self.H + self._h) * 2 + self._kv) * self.D + self._d
+        return (
+            ((uid[None, ..., None] * self.L + self._l) * self.H + self._h) * 2
+            + self._kv
+        ) * self.D + self._d
 
     def write_tokens(self, slots: np.ndarray, uids: np.ndarray):
         """The model's forward pass: exact KV of these tokens into these slots."""
         u = torch.from_numpy(np.asarray(uids, dtype=np.int64)).view(1, -1, 1)
-        self.kv[:, :, torch.from_numpy(np.asarray(slots, dtype=np.int64))] = self.tags(u)
+        self.kv[:, :, torch.from_numpy(np.asarray(slots, dtype=np.int64))] = self.tags(
+            u
+        )
 
     def fail(self, msg: str):
         raise FuzzFailure(
@@ -215,7 +256,8 @@ class World:
             f"pool_pages={self.num_pages} use_triton={self.use_triton}\n  "
             f"failed in op #{self.counts['ops']} (0-based); reproduce: "
             f"run_episode(seed={self.seed}, page={self.page}, n_ops={self.counts['ops'] + 1})\n  last ops:\n    "
-            + "\n    ".join(self.log))
+            + "\n    ".join(self.log)
+        )
 
     def row_np(self, r: Req) -> np.ndarray:
         return self.req_to_token[r.row, : r.length].numpy().astype(np.int64)
@@ -231,7 +273,7 @@ class World:
             if not cands:
                 break
             e = cands[int(self.rng.integers(len(cands)))]
-            own = e.full_slots[e.own_start:]
+            own = e.full_slots[e.own_start :]
             self.alloc.free(torch.from_numpy(own))
             self.evicted_now.append(own)
             del self.tree[e.eid]
@@ -261,7 +303,9 @@ class World:
         """Prefill all of r.uids into a fresh row, sharing tree entry's first n_shared slots."""
         own = len(r.uids) - n_shared
         if entry is not None:
-            entry.refs += 1  # lock the prefix before allocating (allocation may evict the tree)
+            entry.refs += (
+                1  # lock the prefix before allocating (allocation may evict the tree)
+            )
         slots = self.alloc_rows(r, n_shared, own)
         if slots is None:
             if entry is not None:
@@ -271,7 +315,9 @@ class World:
             self.fail("sharing an evicted entry")
         row = self.free_rows.pop(int(self.rng.integers(len(self.free_rows))))
         r.row, r.entry, r.n_shared = row, entry, n_shared
-        full = np.concatenate([entry.full_slots[:n_shared] if entry else np.zeros(0, np.int64), slots])
+        full = np.concatenate(
+            [entry.full_slots[:n_shared] if entry else np.zeros(0, np.int64), slots]
+        )
         self.write_tokens(slots, np.asarray(r.uids[n_shared:], dtype=np.int64))
         self.req_to_token[row, : full.size] = torch.from_numpy(full.astype(np.int32))
         r.length = full.size
@@ -295,7 +341,9 @@ class World:
             entries = list(self.tree.values())
             entry = entries[int(rng.integers(len(entries)))]
             full = entry.full_slots.size
-            most = min(full, self.cap // 2) // self.page  # prompts stay well below the row capacity
+            most = (
+                min(full, self.cap // 2) // self.page
+            )  # prompts stay well below the row capacity
             n_shared = int(rng.integers(1, most + 1)) * self.page
             prefix_uids = entry.full_uids[:n_shared].tolist()
         rid = self.next_rid
@@ -307,7 +355,9 @@ class World:
         r = Req(rid, prompt, max_logical, uids)
         if not self.place(r, entry, n_shared):
             self.counts["admit_oom"] += 1
-            self.log.append(f"admit rid={rid} prompt={prompt} shared={n_shared}: out of memory")
+            self.log.append(
+                f"admit rid={rid} prompt={prompt} shared={n_shared}: out of memory"
+            )
             return
         self.counts["admit"] += 1
         self.counts["admit_shared"] += entry is not None
@@ -316,9 +366,18 @@ class World:
         end = prompt // self.page * self.page
         if end > n_shared and rng.random() < 0.5:
             full = self.row_np(r)[:end]
-            child = Entry(self.next_eid, entry, full.copy(), np.asarray(r.uids[:end], np.int64), n_shared, refs=1)
+            child = Entry(
+                self.next_eid,
+                entry,
+                full.copy(),
+                np.asarray(r.uids[:end], np.int64),
+                n_shared,
+                refs=1,
+            )
             self.next_eid += 1
-            self.tree[child.eid] = child  # the request's ref on `entry` becomes the child's
+            self.tree[child.eid] = (
+                child  # the request's ref on `entry` becomes the child's
+            )
             r.entry, r.n_shared = child, end
             self.counts["tree_insert"] += 1
             msg += f" -> tree entry {child.eid} rows [{n_shared},{end})"
@@ -335,7 +394,9 @@ class World:
             self.log.append(f"readmit rid={r.rid}: out of memory")
             return
         self.counts["readmit"] += 1
-        self.log.append(f"readmit rid={r.rid} row={r.row} len={r.length} shared={n_shared} P={r.protected}")
+        self.log.append(
+            f"readmit rid={r.rid} row={r.row} len={r.length} shared={n_shared} P={r.protected}"
+        )
 
     def release(self, r: Req):
         """Free the request's own slots (every page past its shared prefix), drop its tree ref."""
@@ -368,7 +429,9 @@ class World:
 
     def op_decode(self):
         rng = self.rng
-        reqs = [r for r in self.running if rng.random() < 0.6] or [self.running[int(rng.integers(len(self.running)))]]
+        reqs = [r for r in self.running if rng.random() < 0.6] or [
+            self.running[int(rng.integers(len(self.running)))]
+        ]
         self.counts["decode"] += 1
         for r in reqs:
             if r.row < 0:
@@ -385,7 +448,9 @@ class World:
             else:
                 slot = int(self.req_to_token[r.row, L - 1]) + 1
             if slot % self.page != L % self.page:
-                self.fail(f"decode slot {slot} for row pos {L} breaks the page invariant")
+                self.fail(
+                    f"decode slot {slot} for row pos {L} breaks the page invariant"
+                )
             uid = (r.rid << POS_BITS) | pos
             self.write_tokens(np.array([slot]), np.array([uid]))
             self.req_to_token[r.row, L] = slot
@@ -401,7 +466,9 @@ class World:
     # ------------------------------------------------------------------ compression
     def compress_candidates(self):
         """Requests whose row reached P, with the rows available at their frontier."""
-        return [(r, r.length - r.frontier) for r in self.running if r.length >= r.protected]
+        return [
+            (r, r.length - r.frontier) for r in self.running if r.length >= r.protected
+        ]
 
     def op_compress(self, force_oom=False, fault=None):
         """fault: None, "bad_kept" (an index == M: bad input), "kernel" (a kernel raises after
@@ -420,7 +487,11 @@ class World:
             if not opts:
                 return False
             r = opts[int(rng.integers(len(opts)))]
-            w = int(rng.integers(1, min(r.length - r.frontier, r.length - r.protected - 2) + 1))
+            w = int(
+                rng.integers(
+                    1, min(r.length - r.frontier, r.length - r.protected - 2) + 1
+                )
+            )
             M = r.length - w - r.protected
             K = int(rng.integers(1, M))
             group, starts, W, U = [r], [r.protected], None, None
@@ -428,7 +499,11 @@ class World:
             top = max(a for _, a in cands)
             hi = min(top, self.max_window)
             W = hi if rng.random() < 0.3 else int(rng.integers(2, hi + 1))
-            U = int(rng.integers(0, W)) if rng.random() < 0.3 else int(rng.integers(0, min(W, 4)))
+            U = (
+                int(rng.integers(0, W))
+                if rng.random() < 0.3
+                else int(rng.integers(0, min(W, 4)))
+            )
             M = W - U
             K = M if M == 1 or rng.random() < 0.1 else int(rng.integers(1, M))
             elig = [r for r, a in cands if a >= W]
@@ -436,27 +511,48 @@ class World:
             group = elig[: int(rng.integers(1, min(len(elig), 4) + 1))]
             starts = [r.frontier for r in group]
         B = len(group)
-        kept = np.sort(np.argsort(rng.random((B, self.L, self.H, M)), axis=-1)[..., :K], axis=-1)
+        kept = np.sort(
+            np.argsort(rng.random((B, self.L, self.H, M)), axis=-1)[..., :K], axis=-1
+        )
         if fault == "bad_kept":
             kept = kept.copy()
-            kept[int(rng.integers(B)), int(rng.integers(self.L)), int(rng.integers(self.H)), -1] = M
+            kept[
+                int(rng.integers(B)),
+                int(rng.integers(self.L)),
+                int(rng.integers(self.H)),
+                -1,
+            ] = M
         plan = CompactionPlan(
-            rows=torch.tensor([r.row for r in group], dtype=torch.int64), starts=list(starts),
-            lengths=[r.length for r in group], region=M, kept=torch.from_numpy(kept.astype(np.int64)))
+            rows=torch.tensor([r.row for r in group], dtype=torch.int64),
+            starts=list(starts),
+            lengths=[r.length for r in group],
+            region=M,
+            kept=torch.from_numpy(kept.astype(np.int64)),
+        )
         evict_retry = rng.random() < 0.5
         if force_oom:
-            self.alloc.fail_next = 1 + int(evict_retry)  # the retry after eviction fails too
-        desc = (f"compress {'snapkv ' if snapkv else ''}rids={[r.rid for r in group]} rows={[r.row for r in group]} "
-                f"starts={starts} lengths={plan.lengths} W={W} U={U} M={M} K={K} "
-                f"evict_retry={evict_retry} force_oom={force_oom} fault={fault}")
+            self.alloc.fail_next = 1 + int(
+                evict_retry
+            )  # the retry after eviction fails too
+        desc = (
+            f"compress {'snapkv ' if snapkv else ''}rids={[r.rid for r in group]} rows={[r.row for r in group]} "
+            f"starts={starts} lengths={plan.lengths} W={W} U={U} M={M} K={K} "
+            f"evict_retry={evict_retry} force_oom={force_oom} fault={fault}"
+        )
         self.log.append(desc)
 
-        rtt0, kv0, free0 = self.req_to_token.clone(), self.kv.clone(), self.alloc.is_free.copy()
+        rtt0, kv0, free0 = (
+            self.req_to_token.clone(),
+            self.kv.clone(),
+            self.alloc.is_free.copy(),
+        )
         self.evicted_now = []
         alloc = self.alloc_or_evict if evict_retry else self.alloc.alloc
         inject = nullcontext()
         if fault == "kernel":
-            name = "copy_slots" if self.page > 1 and rng.random() < 0.5 else "compact_kv"
+            name = (
+                "copy_slots" if self.page > 1 and rng.random() < 0.5 else "compact_kv"
+            )
             real = getattr(compaction_mod, name)
 
             def broken(*args, **kwargs):
@@ -467,16 +563,38 @@ class World:
         try:
             with inject:
                 if fault == "after_copy":
-                    prepared = prepare_compaction(plan, self.req_to_token, self.k_bufs, self.v_bufs, alloc,
-                                                  self.alloc.free, page_size=self.page, use_triton=self.use_triton)
-                    if prepared.fresh.numel() and bool(self.alloc.is_free[np.unique(prepared.fresh.numpy() // self.page)].any()):
-                        self.fail("prepare_compaction handed out fresh slots that are still free")
+                    prepared = prepare_compaction(
+                        plan,
+                        self.req_to_token,
+                        self.k_bufs,
+                        self.v_bufs,
+                        alloc,
+                        self.alloc.free,
+                        page_size=self.page,
+                        use_triton=self.use_triton,
+                    )
+                    if prepared.fresh.numel() and bool(
+                        self.alloc.is_free[
+                            np.unique(prepared.fresh.numpy() // self.page)
+                        ].any()
+                    ):
+                        self.fail(
+                            "prepare_compaction handed out fresh slots that are still free"
+                        )
                     prepared.abort(self.alloc.free)
                     with pytest.raises(AssertionError, match="twice"):
                         prepared.commit(self.req_to_token, self.alloc.free)
                     raise RuntimeError("injected fault after the K/V copy")
-                d = compact_rows(plan, self.req_to_token, self.k_bufs, self.v_bufs, alloc, self.alloc.free,
-                                 page_size=self.page, use_triton=self.use_triton)
+                d = compact_rows(
+                    plan,
+                    self.req_to_token,
+                    self.k_bufs,
+                    self.v_bufs,
+                    alloc,
+                    self.alloc.free,
+                    page_size=self.page,
+                    use_triton=self.use_triton,
+                )
         except OutOfSlots:
             self.alloc.fail_next = 0
             self.check_unchanged_after_oom(rtt0, kv0, free0, plan, force_oom)
@@ -488,12 +606,16 @@ class World:
         except Exception as e:  # noqa: BLE001
             if fault is None:
                 self.fail(f"compact_rows raised {type(e).__name__}: {e}")
-            self.check_unchanged_after_oom(rtt0, kv0, free0, plan, True, what=f"{type(e).__name__} ({fault})")
+            self.check_unchanged_after_oom(
+                rtt0, kv0, free0, plan, True, what=f"{type(e).__name__} ({fault})"
+            )
             self.counts[f"fault_{fault}"] += 1
             self.log[-1] += f" -> {type(e).__name__}"
             return True
         if force_oom or fault:
-            self.fail(f"compact_rows succeeded despite force_oom={force_oom} fault={fault}")
+            self.fail(
+                f"compact_rows succeeded despite force_oom={force_oom} fault={fault}"
+            )
         if d != M - K:
             self.fail(f"compact_rows returned d={d}, expected M-K={M - K}")
         self.check_rewrite(rtt0, plan, group, K)
@@ -509,7 +631,9 @@ class World:
         self.counts["region_rows"] += B * M
         self.counts["dropped_rows"] += B * d
         if self.page > 1:
-            self.counts["compress_unaligned_start"] += sum(a % self.page != 0 for a in starts)
+            self.counts["compress_unaligned_start"] += sum(
+                a % self.page != 0 for a in starts
+            )
         self.log[-1] += f" -> d={d}"
         return True
 
@@ -524,23 +648,37 @@ class World:
         r.frontier = a + K
         r.compressions += 1
 
-    def check_unchanged_after_oom(self, rtt0, kv0, free0, plan, forced, what="OutOfSlots"):
+    def check_unchanged_after_oom(
+        self, rtt0, kv0, free0, plan, forced, what="OutOfSlots"
+    ):
         if not torch.equal(rtt0, self.req_to_token):
             self.fail(f"{what} but req_to_token changed")
         evicted = np.zeros_like(free0)
         for own in self.evicted_now:
             evicted[np.unique(own // self.page)] = True
         if not np.array_equal(self.alloc.is_free, free0 | evicted):
-            self.fail(f"{what} but the free list changed (beyond tree eviction): "
-                      f"{int((self.alloc.is_free != (free0 | evicted)).sum())} pages differ")
-        live = torch.from_numpy(np.flatnonzero(~np.repeat(self.alloc.is_free, self.page)))
+            self.fail(
+                f"{what} but the free list changed (beyond tree eviction): "
+                f"{int((self.alloc.is_free != (free0 | evicted)).sum())} pages differ"
+            )
+        live = torch.from_numpy(
+            np.flatnonzero(~np.repeat(self.alloc.is_free, self.page))
+        )
         if not torch.equal(kv0.index_select(2, live), self.kv.index_select(2, live)):
             self.fail(f"{what} but K/V of live slots changed")
         if not forced:  # a natural failure must be real
-            need = sum(self.round_up(l - plan.dropped - (a - a % self.page)) for a, l in zip(plan.starts, plan.lengths)) \
-                if self.page > 1 else len(plan.starts) * plan.keep
+            need = (
+                sum(
+                    self.round_up(l - plan.dropped - (a - a % self.page))
+                    for a, l in zip(plan.starts, plan.lengths)
+                )
+                if self.page > 1
+                else len(plan.starts) * plan.keep
+            )
             if self.alloc.available_pages() * self.page >= need:
-                self.fail(f"OutOfSlots with {self.alloc.available_pages()} free pages for {need} slots")
+                self.fail(
+                    f"OutOfSlots with {self.alloc.available_pages()} free pages for {need} slots"
+                )
 
     def check_rewrite(self, rtt0, plan, group, K):
         """Rows outside the plan untouched; rows below the rewritten part and entries past
@@ -569,7 +707,7 @@ class World:
         groups.append(free_pages)
         names.append("free")
         for e in self.tree.values():
-            own = e.full_slots[e.own_start:]
+            own = e.full_slots[e.own_start :]
             if own.size % page or (page > 1 and (own[::page] % page).any()):
                 self.fail(f"tree entry {e.eid} does not own whole pages")
             groups.append(np.unique(own // page))
@@ -581,13 +719,19 @@ class World:
             if page > 1:
                 pos = np.arange(r.length)
                 if ((row % page) != (pos % page)).any():
-                    self.fail(f"rid={r.rid}: slot offset in page != row position mod page: {row.tolist()}")
+                    self.fail(
+                        f"rid={r.rid}: slot offset in page != row position mod page: {row.tolist()}"
+                    )
                 pg = row // page
                 if (pg[1:][pos[1:] % page != 0] != pg[:-1][pos[1:] % page != 0]).any():
-                    self.fail(f"rid={r.rid}: a row page spans two pool pages: {row.tolist()}")
-            own = row[r.n_shared:]
+                    self.fail(
+                        f"rid={r.rid}: a row page spans two pool pages: {row.tolist()}"
+                    )
+            own = row[r.n_shared :]
             if np.unique(own).size != own.size:
-                self.fail(f"rid={r.rid}: a slot appears twice in its row: {row.tolist()}")
+                self.fail(
+                    f"rid={r.rid}: a slot appears twice in its row: {row.tolist()}"
+                )
             groups.append(np.unique(own // page))
             names.append(f"rid={r.rid}")
         allp = np.concatenate(groups)
@@ -595,24 +739,39 @@ class World:
         if (cnt > 1).any() or (uniq == 0).any():
             bad = uniq[(cnt > 1) | (uniq == 0)][:5]
             owners = {int(p): [n for n, g in zip(names, groups) if p in g] for p in bad}
-            self.fail(f"pages with more than one owner (or page 0 handed out): {owners}")
+            self.fail(
+                f"pages with more than one owner (or page 0 handed out): {owners}"
+            )
         if uniq.size != self.num_pages - 1:
             lost = np.setdiff1d(np.arange(1, self.num_pages), uniq)[:10]
-            self.fail(f"slots not conserved: {self.num_pages - 1 - uniq.size} pages neither free nor owned, e.g. {lost.tolist()}")
+            self.fail(
+                f"slots not conserved: {self.num_pages - 1 - uniq.size} pages neither free nor owned, e.g. {lost.tolist()}"
+            )
         # 2. per-request structure and the content model
         slot_parts, uid_parts = [], []
         for r in self.running:
             row = rtt[r.row, : r.length].astype(np.int64)
             logical = len(r.uids)
             if logical != r.length + r.pos_offset:
-                self.fail(f"rid={r.rid}: logical {logical} != physical {r.length} + offset {r.pos_offset}")
+                self.fail(
+                    f"rid={r.rid}: logical {logical} != physical {r.length} + offset {r.pos_offset}"
+                )
             if r.n_shared:
                 if not all(self.entry_alive(r.entry)):
                     self.fail(f"rid={r.rid}: shares an evicted tree entry")
-                if not np.array_equal(row[: r.n_shared], r.entry.full_slots[: r.n_shared]):
-                    self.fail(f"rid={r.rid}: shared prefix slots differ from the tree's")
+                if not np.array_equal(
+                    row[: r.n_shared], r.entry.full_slots[: r.n_shared]
+                ):
+                    self.fail(
+                        f"rid={r.rid}: shared prefix slots differ from the tree's"
+                    )
             pfx = min(r.length, r.protected)
-            if not np.array_equal(row[:pfx], np.asarray(r.prefix_slots[:pfx], np.int64)) or len(r.prefix_slots) != pfx:
+            if (
+                not np.array_equal(
+                    row[:pfx], np.asarray(r.prefix_slots[:pfx], np.int64)
+                )
+                or len(r.prefix_slots) != pfx
+            ):
                 self.fail(f"rid={r.rid}: protected prefix slots changed")
             exp = r.exp[:, : r.length, :]
             pos = exp & ((1 << POS_BITS) - 1)
@@ -621,18 +780,31 @@ class World:
             if not torch.equal(pos[:, :pfx], rows[:, :pfx].expand_as(pos[:, :pfx])):
                 self.fail(f"rid={r.rid}: model: prefix positions")
             tail_uids = torch.tensor(r.uids[f + r.pos_offset :], dtype=torch.int64)
-            if not torch.equal(exp[:, f:], tail_uids.view(1, -1, 1).expand_as(exp[:, f:])):
-                self.fail(f"rid={r.rid}: model: tail is not tokens [f + offset, logical)")
+            if not torch.equal(
+                exp[:, f:], tail_uids.view(1, -1, 1).expand_as(exp[:, f:])
+            ):
+                self.fail(
+                    f"rid={r.rid}: model: tail is not tokens [f + offset, logical)"
+                )
             mid = pos[:, pfx:f]
-            if mid.shape[1] and ((mid[:, 1:] <= mid[:, :-1]).any() or (mid < r.protected).any()
-                                 or (mid >= f + r.pos_offset).any()):
-                self.fail(f"rid={r.rid}: model: kept positions not increasing in [P, f + offset)")
+            if mid.shape[1] and (
+                (mid[:, 1:] <= mid[:, :-1]).any()
+                or (mid < r.protected).any()
+                or (mid >= f + r.pos_offset).any()
+            ):
+                self.fail(
+                    f"rid={r.rid}: model: kept positions not increasing in [P, f + offset)"
+                )
             slot_parts.append(torch.from_numpy(row))
             uid_parts.append(exp)
         for e in self.tree.values():
-            own = e.full_slots[e.own_start:]
+            own = e.full_slots[e.own_start :]
             slot_parts.append(torch.from_numpy(own))
-            uid_parts.append(torch.from_numpy(e.full_uids[e.own_start:]).view(1, -1, 1).expand(self.L, -1, self.H))
+            uid_parts.append(
+                torch.from_numpy(e.full_uids[e.own_start :])
+                .view(1, -1, 1)
+                .expand(self.L, -1, self.H)
+            )
         if slot_parts:
             slots, uids = torch.cat(slot_parts), torch.cat(uid_parts, dim=1)
             got, want = self.kv.index_select(2, slots), self.tags(uids)
@@ -640,7 +812,9 @@ class World:
                 self.fail(self.describe_mismatch(got, want, slots))
         # 3. free pages hold the poison written when they were freed: nothing wrote there
         if free_pages.size:
-            fs = torch.from_numpy((free_pages[:, None] * page + np.arange(page)).reshape(-1))
+            fs = torch.from_numpy(
+                (free_pages[:, None] * page + np.arange(page)).reshape(-1)
+            )
             if not bool((self.kv.index_select(2, fs) == POISON).all()):
                 self.fail("a free slot was written after it was freed")
 
@@ -656,17 +830,23 @@ class World:
             off += r.length
         g = int(got[kv, l, n, 0, 0])
         w = int(want[kv, l, n, 0, 0])
-        return (f"K/V content mismatch ({'kv'[kv]}, layer {l}, {owner}, slot {int(slots[n])}): "
-                f"got tag {g} (token {g // (self.D * 2 * self.H * self.L)}), expected {w} "
-                f"(token {w // (self.D * 2 * self.H * self.L)}); {int(bad.sum())} rows differ")
+        return (
+            f"K/V content mismatch ({'kv'[kv]}, layer {l}, {owner}, slot {int(slots[n])}): "
+            f"got tag {g} (token {g // (self.D * 2 * self.H * self.L)}), expected {w} "
+            f"(token {w // (self.D * 2 * self.H * self.L)}); {int(bad.sum())} rows differ"
+        )
 
     # ------------------------------------------------------------------ driver
     def step(self):
         rng = self.rng
         can_compress = any(a >= 2 for _, a in self.compress_candidates())
         w = {
-            "admit": 1.5 if len(self.running) < self.max_reqs and self.free_rows else 0.0,
-            "readmit": 1.0 if self.waiting and len(self.running) < self.max_reqs and self.free_rows else 0.0,
+            "admit": 1.5
+            if len(self.running) < self.max_reqs and self.free_rows
+            else 0.0,
+            "readmit": 1.0
+            if self.waiting and len(self.running) < self.max_reqs and self.free_rows
+            else 0.0,
             "decode": 6.0 if self.running else 0.0,
             "compress": 2.0 if can_compress else 0.0,
             "oom": 0.3 if can_compress else 0.0,
@@ -685,14 +865,18 @@ class World:
         elif kind == "oom":
             self.op_compress(force_oom=True)
         elif kind == "fault":
-            self.op_compress(fault=("bad_kept", "kernel", "after_copy")[int(rng.integers(3))])
+            self.op_compress(
+                fault=("bad_kept", "kernel", "after_copy")[int(rng.integers(3))]
+            )
         else:
             getattr(self, f"op_{kind}")()
         self.counts["ops"] += 1
         self.check()
 
 
-def run_episode(seed: int, page: int, n_ops: int, use_triton=False, weights=None, small=False) -> collections.Counter:
+def run_episode(
+    seed: int, page: int, n_ops: int, use_triton=False, weights=None, small=False
+) -> collections.Counter:
     world = World(seed, page, use_triton=use_triton, weights=weights, small=small)
     world.check()
     for _ in range(n_ops):
@@ -703,7 +887,9 @@ def run_episode(seed: int, page: int, n_ops: int, use_triton=False, weights=None
     world.evict()
     world.check()
     if world.tree or world.alloc.available_pages() != world.num_pages - 1:
-        world.fail(f"pool not whole after draining: {world.alloc.available_pages()} of {world.num_pages - 1} pages free")
+        world.fail(
+            f"pool not whole after draining: {world.alloc.available_pages()} of {world.num_pages - 1} pages free"
+        )
     return world.counts
 
 
@@ -726,8 +912,14 @@ def run_fuzz(page: int, total_ops: int, base_seed: int):
 @pytest.mark.parametrize("page", [1, 16])
 def test_compaction_fuzz(page, record_property):
     counts, episodes, seconds = run_fuzz(page, OPS, BASE_SEED)
-    summary = {"page_size": page, "ops": OPS, "base_seed": BASE_SEED, "episodes": episodes,
-               "seconds": round(seconds, 2), "counts": dict(sorted(counts.items()))}
+    summary = {
+        "page_size": page,
+        "ops": OPS,
+        "base_seed": BASE_SEED,
+        "episodes": episodes,
+        "seconds": round(seconds, 2),
+        "counts": dict(sorted(counts.items())),
+    }
     print(f"\ncompaction fuzz: {json.dumps(summary)}")
     record_property("compaction_fuzz", summary)
     if REPORT:
@@ -736,7 +928,9 @@ def test_compaction_fuzz(page, record_property):
     assert counts["ops"] == OPS
     least = max(3, OPS // 1000)
     missing = {k: counts[k] for k in MUST_RUN if counts[k] < least}
-    assert not missing, f"fuzz degenerated: these kinds ran fewer than {least} times: {missing}"
+    assert not missing, (
+        f"fuzz degenerated: these kinds ran fewer than {least} times: {missing}"
+    )
     if page > 1:
         assert counts["compress_unaligned_start"] >= least
 
@@ -750,9 +944,17 @@ def test_compaction_fuzz_triton_kernels(page):
 
     if not want_triton(None, torch.zeros(1)):
         pytest.skip("needs TRITON_INTERPRET=1 before triton is imported")
-    counts = run_episode(1234 + page, page, 60, use_triton=None, small=True,
-                         weights={"compress": 6.0, "oom": 0.5, "fault": 0.5, "admit": 3.0})
-    print(f"\ncompaction fuzz (triton, page {page}): {json.dumps(dict(sorted(counts.items())))}")
+    counts = run_episode(
+        1234 + page,
+        page,
+        60,
+        use_triton=None,
+        small=True,
+        weights={"compress": 6.0, "oom": 0.5, "fault": 0.5, "admit": 3.0},
+    )
+    print(
+        f"\ncompaction fuzz (triton, page {page}): {json.dumps(dict(sorted(counts.items())))}"
+    )
     assert counts["compress"] >= 5, dict(counts)
 
 
@@ -762,8 +964,26 @@ def test_fuzz_detects_a_broken_compaction(monkeypatch):
 
     real = compaction.compact_rows
 
-    def leaky(plan, req_to_token, k_buffers, v_buffers, alloc, free, page_size=1, use_triton=None):
-        return real(plan, req_to_token, k_buffers, v_buffers, alloc, lambda slots: None, page_size, use_triton)
+    def leaky(
+        plan,
+        req_to_token,
+        k_buffers,
+        v_buffers,
+        alloc,
+        free,
+        page_size=1,
+        use_triton=None,
+    ):
+        return real(
+            plan,
+            req_to_token,
+            k_buffers,
+            v_buffers,
+            alloc,
+            lambda slots: None,
+            page_size,
+            use_triton,
+        )
 
     monkeypatch.setitem(globals(), "compact_rows", leaky)
     with pytest.raises(FuzzFailure, match="not conserved"):

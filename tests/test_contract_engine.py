@@ -14,11 +14,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from oracle import check_policy_through_engine
+
 from sgl_kara.policies.base import Region
-from sgl_kara.scheduler.scoring import Scorer
 from sgl_kara.scheduler.jobs import Job
+from sgl_kara.scheduler.scoring import Scorer
 
 BASELINES = ["snapkv", "streaming", "h2o", "rkv"]
 
@@ -29,7 +29,9 @@ def test_threshold_baseline_at_page_size_16(name, tiny_llama, tmp_path, engines)
     check_policy_through_engine(tiny_llama, tmp_path, 16, name, engines)
 
 
-@pytest.mark.parametrize("tokens, jobs, forwards", [(64, 4, 4), (80, 4, 2), (8192, 4, 1), (120, 5, 2)])
+@pytest.mark.parametrize(
+    "tokens, jobs, forwards", [(64, 4, 4), (80, 4, 2), (8192, 4, 1), (120, 5, 2)]
+)
 def test_recompute_pass_is_split_by_chunked_prefill_size(tokens, jobs, forwards):
     """Window queries of 40 tokens per request: a forward takes max(1, tokens // 40) requests,
     each sub-pass scores exactly its own requests' rows and slots, results in the jobs' order."""
@@ -38,7 +40,9 @@ def test_recompute_pass_is_split_by_chunked_prefill_size(tokens, jobs, forwards)
     runner = Scorer(rt)
 
     def scoring_pass(sub, slots):
-        return SimpleNamespace(jobs=sub, slots=slots, result=lambda: slots[:, None, None, :].float())
+        return SimpleNamespace(
+            jobs=sub, slots=slots, result=lambda: slots[:, None, None, :].float()
+        )
 
     def recompute(batch, sub, rows, scoring, q_lo, n):
         assert [j.index for j in sub] == rows.tolist() and scoring.jobs is sub

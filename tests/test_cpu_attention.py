@@ -15,14 +15,18 @@ def _sglang_decode():
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
     fn = TorchNativeAttnBackend._run_sdpa_forward_decode
-    return getattr(fn, "__wrapped__", fn)  # SGLang's own, whether or not the plugin hooked it
+    return getattr(
+        fn, "__wrapped__", fn
+    )  # SGLang's own, whether or not the plugin hooked it
 
 
 def _case(seed, batch, hq, hkv, d, dtype, max_len=300, slots=5000, rows=40):
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(slots, hkv, d, generator=g).to(dtype)
     v = torch.randn(slots, hkv, d, generator=g).to(dtype)
-    req_to_token = torch.randint(1, slots, (rows, max_len + 8), generator=g, dtype=torch.int32)
+    req_to_token = torch.randint(
+        1, slots, (rows, max_len + 8), generator=g, dtype=torch.int32
+    )
     pool_idx = torch.randperm(rows, generator=g)[:batch]
     lens = torch.randint(1, max_len, (batch,), generator=g)
     q = torch.randn(batch, hq, d, generator=g).to(dtype)
@@ -33,24 +37,29 @@ class _Backend:  # the instance state the hook keeps (SGLang's backend needs a m
     pass
 
 
-@pytest.mark.parametrize("batch, hq, hkv, d, dtype", [
-    (1, 4, 4, 16, torch.float32),
-    (7, 9, 3, 64, torch.float32),
-    (16, 8, 2, 32, torch.bfloat16),
-    (33, 4, 1, 64, torch.float32),
-])
+@pytest.mark.parametrize(
+    "batch, hq, hkv, d, dtype",
+    [
+        (1, 4, 4, 16, torch.float32),
+        (7, 9, 3, 64, torch.float32),
+        (16, 8, 2, 32, torch.bfloat16),
+        (33, 4, 1, 64, torch.float32),
+    ],
+)
 def test_bit_identical_to_sglang(monkeypatch, batch, hq, hkv, d, dtype):
     monkeypatch.setenv("KARA_BATCHED_CPU_DECODE", "0")  # the per-request loop
     original = _sglang_decode()
     q, k, v, rtt, idx, lens = _case(batch * 7 + d, batch, hq, hkv, d, dtype)
-    kw = dict(scaling=d ** -0.5, enable_gqa=hq != hkv, causal=False)
+    kw = dict(scaling=d**-0.5, enable_gqa=hq != hkv, causal=False)
     want = torch.empty_like(q)
     original(_Backend(), q, want, k, v, rtt, idx, lens, None, **kw)
     backend = _Backend()
     reset_metadata_hook(None, backend)
     for _ in range(3):  # layers of one forward share the slots
         got = torch.full_like(q, float("nan"))
-        run_sdpa_forward_decode(original, backend, q, got, k, v, rtt, idx, lens, None, **kw)
+        run_sdpa_forward_decode(
+            original, backend, q, got, k, v, rtt, idx, lens, None, **kw
+        )
         assert torch.equal(got, want)
 
 
@@ -64,13 +73,54 @@ def test_new_forward_reads_rows_anew(monkeypatch, batched):
     backend = _Backend()
     reset_metadata_hook(None, backend)
     out = torch.empty_like(q)
-    run_sdpa_forward_decode(original, backend, q, out, k, v, rtt, idx, lens, None, scaling=0.25, enable_gqa=True)
-    rtt[idx[0], : int(lens[0])] = torch.randint(1, k.shape[0], (int(lens[0]),), dtype=torch.int32)
+    run_sdpa_forward_decode(
+        original,
+        backend,
+        q,
+        out,
+        k,
+        v,
+        rtt,
+        idx,
+        lens,
+        None,
+        scaling=0.25,
+        enable_gqa=True,
+    )
+    rtt[idx[0], : int(lens[0])] = torch.randint(
+        1, k.shape[0], (int(lens[0]),), dtype=torch.int32
+    )
     lens = lens.clone()  # SGLang hands each forward new length tensors
     reset_metadata_hook(None, backend)
     got, want = torch.empty_like(q), torch.empty_like(q)
-    run_sdpa_forward_decode(original, backend, q, got, k, v, rtt, idx, lens, None, scaling=0.25, enable_gqa=True)
-    original(_Backend(), q, want, k, v, rtt, idx, lens, None, scaling=0.25, enable_gqa=True, causal=False)
+    run_sdpa_forward_decode(
+        original,
+        backend,
+        q,
+        got,
+        k,
+        v,
+        rtt,
+        idx,
+        lens,
+        None,
+        scaling=0.25,
+        enable_gqa=True,
+    )
+    original(
+        _Backend(),
+        q,
+        want,
+        k,
+        v,
+        rtt,
+        idx,
+        lens,
+        None,
+        scaling=0.25,
+        enable_gqa=True,
+        causal=False,
+    )
     if batched == "1":  # summation order differs; stale slots would differ by O(1)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     else:
@@ -83,15 +133,34 @@ def test_unsupported_cases_take_sglang_path(monkeypatch):
     from sgl_kara._sglang import TARGET_TORCH_NATIVE_DECODE
 
     calls = []
-    original = sglang_original(TARGET_TORCH_NATIVE_DECODE, calls, "sglang")  # by keyword, SGLang's names
+    original = sglang_original(
+        TARGET_TORCH_NATIVE_DECODE, calls, "sglang"
+    )  # by keyword, SGLang's names
     q, k, v, rtt, idx, lens = _case(5, 2, 4, 2, 16, torch.float32)
     b = _Backend()
-    assert run_sdpa_forward_decode(original, b, q, q, k, v, rtt, idx, lens, None, sliding_window_size=8) == "sglang"
-    assert run_sdpa_forward_decode(original, b, q, q, k, v, rtt, idx, lens, lens, scaling=0.5) == "sglang"  # encoder
+    assert (
+        run_sdpa_forward_decode(
+            original, b, q, q, k, v, rtt, idx, lens, None, sliding_window_size=8
+        )
+        == "sglang"
+    )
+    assert (
+        run_sdpa_forward_decode(
+            original, b, q, q, k, v, rtt, idx, lens, lens, scaling=0.5
+        )
+        == "sglang"
+    )  # encoder
     monkeypatch.setenv("KARA_FAST_CPU_DECODE", "0")
-    assert run_sdpa_forward_decode(original, b, q, q, k, v, rtt, idx, lens, None) == "sglang"
+    assert (
+        run_sdpa_forward_decode(original, b, q, q, k, v, rtt, idx, lens, None)
+        == "sglang"
+    )
     assert [c["sliding_window_size"] for c in calls] == [8, None, None]
-    assert calls[1]["encoder_lens"] is lens and calls[1]["scaling"] == 0.5 and calls[0]["seq_lens"] is lens
+    assert (
+        calls[1]["encoder_lens"] is lens
+        and calls[1]["scaling"] == 0.5
+        and calls[0]["seq_lens"] is lens
+    )
 
 
 def _sglang_extend():
@@ -101,12 +170,15 @@ def _sglang_extend():
     return getattr(fn, "__wrapped__", fn)
 
 
-@pytest.mark.parametrize("batch, hq, hkv, d, window, dtype, tol", [
-    (1, 4, 4, 16, 8, torch.float32, 2e-6),
-    (6, 9, 3, 64, 64, torch.float32, 2e-6),
-    (5, 8, 2, 32, 1, torch.float32, 2e-6),
-    (4, 4, 1, 64, 40, torch.bfloat16, 2e-2),
-])
+@pytest.mark.parametrize(
+    "batch, hq, hkv, d, window, dtype, tol",
+    [
+        (1, 4, 4, 16, 8, torch.float32, 2e-6),
+        (6, 9, 3, 64, 64, torch.float32, 2e-6),
+        (5, 8, 2, 32, 1, torch.float32, 2e-6),
+        (4, 4, 1, 64, 40, torch.bfloat16, 2e-2),
+    ],
+)
 def test_window_extend_matches_sglang(batch, hq, hkv, d, window, dtype, tol):
     """The recompute pass's extend (E window queries at the end of each row, causal) equals
     SGLang's padded L x L extend, up to float summation order; rows of different lengths, the
@@ -119,15 +191,29 @@ def test_window_extend_matches_sglang(batch, hq, hkv, d, window, dtype, tol):
     extend = torch.full((batch,), window)
     lens = prefix + extend
     q = torch.randn(batch * window, hq, d, generator=g).to(dtype)
-    kw = dict(scaling=d ** -0.5, enable_gqa=hq != hkv, causal=True)
+    kw = dict(scaling=d**-0.5, enable_gqa=hq != hkv, causal=True)
     want = torch.empty_like(q)
-    _sglang_extend()(_Backend(), q, want, k, v, rtt, idx, lens, prefix, extend, None, **kw)
+    _sglang_extend()(
+        _Backend(), q, want, k, v, rtt, idx, lens, prefix, extend, None, **kw
+    )
     backend = _Backend()
     reset_metadata_hook(None, backend)
     for _ in range(2):
         got = torch.full_like(q, float("nan"))
-        run_window_extend(backend, q, got, k, v, rtt, idx, lens, prefix, extend, scaling=kw["scaling"],
-                          enable_gqa=kw["enable_gqa"])
+        run_window_extend(
+            backend,
+            q,
+            got,
+            k,
+            v,
+            rtt,
+            idx,
+            lens,
+            prefix,
+            extend,
+            scaling=kw["scaling"],
+            enable_gqa=kw["enable_gqa"],
+        )
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
@@ -143,11 +229,30 @@ def test_extend_outside_the_recompute_pass_is_sglangs(monkeypatch):
     calls = []
     q, k, v, rtt, idx, lens = _case(6, 2, 4, 2, 16, torch.float32)
     prefix = torch.zeros_like(lens)
-    out = plugin._recompute_extend_hook(sglang_original(TARGET_TORCH_NATIVE_EXTEND, calls, "sglang"), _Backend(), q, q,
-                                        k, v, rtt, idx, lens, prefix, lens, scaling=0.25, causal=True)
+    out = plugin._recompute_extend_hook(
+        sglang_original(TARGET_TORCH_NATIVE_EXTEND, calls, "sglang"),
+        _Backend(),
+        q,
+        q,
+        k,
+        v,
+        rtt,
+        idx,
+        lens,
+        prefix,
+        lens,
+        scaling=0.25,
+        causal=True,
+    )
     assert out == "sglang" and len(calls) == 1
-    assert calls[0]["extend_prefix_lens"] is prefix and calls[0]["extend_seq_lens"] is lens
-    assert calls[0]["scaling"] == 0.25 and calls[0]["causal"] is True and calls[0]["encoder_lens"] is None
+    assert (
+        calls[0]["extend_prefix_lens"] is prefix and calls[0]["extend_seq_lens"] is lens
+    )
+    assert (
+        calls[0]["scaling"] == 0.25
+        and calls[0]["causal"] is True
+        and calls[0]["encoder_lens"] is None
+    )
 
 
 def test_window_extend_refuses_a_row_that_is_not_prefix_plus_window():
@@ -157,16 +262,30 @@ def test_window_extend_refuses_a_row_that_is_not_prefix_plus_window():
     prefix, extend = torch.tensor([10, 20]), torch.tensor([4, 4])
     q = torch.randn(8, 4, 16)
     with pytest.raises(ValueError, match="prefix 20 \\+ extend 4 != row length 25"):
-        run_window_extend(_Backend(), q, torch.empty_like(q), k, v, rtt, idx, torch.tensor([14, 25]), prefix, extend,
-                          enable_gqa=True)
+        run_window_extend(
+            _Backend(),
+            q,
+            torch.empty_like(q),
+            k,
+            v,
+            rtt,
+            idx,
+            torch.tensor([14, 25]),
+            prefix,
+            extend,
+            enable_gqa=True,
+        )
 
 
-@pytest.mark.parametrize("batch, hq, hkv, d, dtype, tol", [
-    (1, 4, 4, 16, torch.float32, 1e-5),
-    (7, 9, 3, 64, torch.float32, 1e-5),
-    (16, 8, 2, 32, torch.bfloat16, 3e-2),
-    (33, 4, 1, 64, torch.float32, 1e-5),
-])
+@pytest.mark.parametrize(
+    "batch, hq, hkv, d, dtype, tol",
+    [
+        (1, 4, 4, 16, torch.float32, 1e-5),
+        (7, 9, 3, 64, torch.float32, 1e-5),
+        (16, 8, 2, 32, torch.bfloat16, 3e-2),
+        (33, 4, 1, 64, torch.float32, 1e-5),
+    ],
+)
 def test_batched_decode_matches_sglang(monkeypatch, batch, hq, hkv, d, dtype, tol):
     """KARA_BATCHED_CPU_DECODE=1: one padded SDPA for the batch equals SGLang's per-request
     attention up to summation order; padding never leaks (rows of very different lengths, pool
@@ -176,21 +295,27 @@ def test_batched_decode_matches_sglang(monkeypatch, batch, hq, hkv, d, dtype, to
     monkeypatch.setenv("KARA_BATCHED_CPU_DECODE", "1")
     original = _sglang_decode()
     q, k, v, rtt, idx, lens = _case(batch * 5 + d, batch, hq, hkv, d, dtype)
-    lens = torch.randint(150, 300, (batch,), generator=torch.Generator().manual_seed(batch))
+    lens = torch.randint(
+        150, 300, (batch,), generator=torch.Generator().manual_seed(batch)
+    )
     # every slot a row does not read holds a huge value: a padded entry that leaked would show
     used = torch.zeros(k.shape[0], dtype=torch.bool)
     for r, n in zip(idx.tolist(), lens.tolist()):
         used[rtt[r, :n].long()] = True
     k[~used], v[~used] = 1e4, 1e4
-    kw = dict(scaling=d ** -0.5, enable_gqa=hq != hkv, causal=False)
+    kw = dict(scaling=d**-0.5, enable_gqa=hq != hkv, causal=False)
     want = torch.empty_like(q)
     original(_Backend(), q, want, k, v, rtt, idx, lens, None, **kw)
     backend = _Backend()
     reset_metadata_hook(None, backend)
     for _ in range(2):
         got = torch.full_like(q, float("nan"))
-        run_sdpa_forward_decode(original, backend, q, got, k, v, rtt, idx, lens, None, **kw)
-        assert getattr(backend, _META).padded(hq * d) is not None  # the batched path ran
+        run_sdpa_forward_decode(
+            original, backend, q, got, k, v, rtt, idx, lens, None, **kw
+        )
+        assert (
+            getattr(backend, _META).padded(hq * d) is not None
+        )  # the batched path ran
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
@@ -203,7 +328,7 @@ def test_batched_decode_falls_back_to_the_loop_when_padding_dominates(monkeypatc
     original = _sglang_decode()
     q, k, v, rtt, idx, lens = _case(11, 8, 8, 2, 64, torch.float32)
     lens = torch.tensor([290] + [5] * 7)
-    kw = dict(scaling=64 ** -0.5, enable_gqa=True, causal=False)
+    kw = dict(scaling=64**-0.5, enable_gqa=True, causal=False)
     want = torch.empty_like(q)
     original(_Backend(), q, want, k, v, rtt, idx, lens, None, **kw)
     backend = _Backend()
@@ -225,7 +350,13 @@ def test_padded_call_is_chosen_by_the_cost_rule():
     def rule(lens, units):
         return 8 * max(lens) <= PAD_RATIO * sum(lens) + 8 * CALL_UNITS / units
 
-    for lens in ([600] * 8, [100, 900] * 4, [500] * 7 + [700], [10] * 7 + [300], [300] * 7 + [900]):
+    for lens in (
+        [600] * 8,
+        [100, 900] * 4,
+        [500] * 7 + [700],
+        [10] * 7 + [300],
+        [300] * 7 + [900],
+    ):
         rows = _Rows(rtt, idx, torch.tensor(lens))
         for units in (64, 576):
             got = rows.padded(units)
@@ -233,14 +364,22 @@ def test_padded_call_is_chosen_by_the_cost_rule():
             assert rows.padded(units) is got  # cached
             if got is not None:
                 pad, mask, width = got
-                assert width == max(lens) and pad.numel() == 8 * width and int(mask.sum()) == sum(lens)
+                assert (
+                    width == max(lens)
+                    and pad.numel() == 8 * width
+                    and int(mask.sum()) == sum(lens)
+                )
     assert _Rows(rtt, idx, torch.tensor([600] * 8)).padded(576) is not None
     assert _Rows(rtt, idx, torch.tensor([300] * 7 + [900])).padded(576) is None
-    assert _Rows(rtt, idx, torch.tensor([10] * 7 + [300])).padded(64) is not None  # overhead-bound
+    assert (
+        _Rows(rtt, idx, torch.tensor([10] * 7 + [300])).padded(64) is not None
+    )  # overhead-bound
 
 
 @pytest.mark.parametrize("batched", ["0", "1"])
-def test_buffers_grown_in_inference_mode_serve_the_decode_outside_it(monkeypatch, batched):
+def test_buffers_grown_in_inference_mode_serve_the_decode_outside_it(
+    monkeypatch, batched
+):
     """The recompute pass (inference_mode) can be the first to need a K/V buffer; the next decode
     forward runs outside inference_mode and writes into the same buffer (found by the spread
     grid: 'Inplace update to inference tensor outside InferenceMode')."""
@@ -254,13 +393,53 @@ def test_buffers_grown_in_inference_mode_serve_the_decode_outside_it(monkeypatch
     with torch.inference_mode():
         reset_metadata_hook(None, backend)
         qe = torch.randn(32, 8, 64)
-        run_window_extend(backend, qe, torch.empty_like(qe), k, v, rtt, idx, prefix + extend, prefix, extend,
-                          enable_gqa=True)
-    for lens, padded in ((torch.tensor([20, 30, 40, 50]), batched == "1"), (torch.tensor([5, 290, 5, 5]), False)):
+        run_window_extend(
+            backend,
+            qe,
+            torch.empty_like(qe),
+            k,
+            v,
+            rtt,
+            idx,
+            prefix + extend,
+            prefix,
+            extend,
+            enable_gqa=True,
+        )
+    for lens, padded in (
+        (torch.tensor([20, 30, 40, 50]), batched == "1"),
+        (torch.tensor([5, 290, 5, 5]), False),
+    ):
         reset_metadata_hook(None, backend)
         got, want = torch.empty_like(q), torch.empty_like(q)
-        run_sdpa_forward_decode(original, backend, q, got, k, v, rtt, idx, lens, None, scaling=0.25, enable_gqa=True)
-        original(_Backend(), q, want, k, v, rtt, idx, lens, None, scaling=0.25, enable_gqa=True, causal=False)
+        run_sdpa_forward_decode(
+            original,
+            backend,
+            q,
+            got,
+            k,
+            v,
+            rtt,
+            idx,
+            lens,
+            None,
+            scaling=0.25,
+            enable_gqa=True,
+        )
+        original(
+            _Backend(),
+            q,
+            want,
+            k,
+            v,
+            rtt,
+            idx,
+            lens,
+            None,
+            scaling=0.25,
+            enable_gqa=True,
+            causal=False,
+        )
         if batched == "1":  # which path ran (with the flag off the loop always runs)
             assert (getattr(backend, _META).padded(8 * 64) is not None) == padded
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -19,7 +19,9 @@ import torch.nn.functional as F
 
 from sgl_kara.cpu import linear as cpu_linear
 
-pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="this torch has no oneDNN linear")
+pytestmark = pytest.mark.skipif(
+    not cpu_linear.available(), reason="this torch has no oneDNN linear"
+)
 
 
 def _layer(out=300, inp=96, seed=0, dtype=torch.float32):
@@ -27,7 +29,9 @@ def _layer(out=300, inp=96, seed=0, dtype=torch.float32):
     carrying the loader's attributes."""
     g = torch.Generator().manual_seed(seed)
     layer = torch.nn.Module()
-    weight = torch.nn.Parameter((torch.randn(out, inp, generator=g) * 0.05).to(dtype), requires_grad=False)
+    weight = torch.nn.Parameter(
+        (torch.randn(out, inp, generator=g) * 0.05).to(dtype), requires_grad=False
+    )
     weight.weight_loader, weight.input_dim, weight.output_dim = "loader", 1, 0
     layer.register_parameter("weight", weight)
     return layer
@@ -53,7 +57,12 @@ def test_packed_linear_other_shapes_and_dtypes():
     dense = layer.weight.detach().clone()
     cpu_linear.pack_in_place(layer)
     for x in (torch.randn(2, 5, 32), torch.randn(32)):
-        torch.testing.assert_close(cpu_linear.packed_linear(x, layer.weight), F.linear(x, dense), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            cpu_linear.packed_linear(x, layer.weight),
+            F.linear(x, dense),
+            rtol=1e-5,
+            atol=1e-5,
+        )
     xb = torch.randn(4, 32, dtype=torch.bfloat16)
     got = cpu_linear.packed_linear(xb, layer.weight)
     assert got.dtype == torch.bfloat16
@@ -90,10 +99,16 @@ def test_what_is_not_packed():
     amx.use_intel_amx_backend = True
     for layer in (bf16, trainable, amx):
         before = layer.weight
-        assert not cpu_linear.pack_in_place(layer) and layer.weight is before and not before.is_mkldnn
+        assert (
+            not cpu_linear.pack_in_place(layer)
+            and layer.weight is before
+            and not before.is_mkldnn
+        )
 
 
-def _original(calls, target="TARGET_LINEAR_APPLY", value="sglang's own", side_effect=None):
+def _original(
+    calls, target="TARGET_LINEAR_APPLY", value="sglang's own", side_effect=None
+):
     """SGLang's function as the hook calls it (tests/sglang_original.py: bound to SGLang's real
     signature, every argument but self by keyword)."""
     from sglang_original import sglang_original
@@ -106,35 +121,68 @@ def _original(calls, target="TARGET_LINEAR_APPLY", value="sglang's own", side_ef
 def test_weight_hooks_pack_after_sglang_and_unpack_before_it():
     layer, calls = _layer(), []
     dense = layer.weight.detach().clone()
-    assert cpu_linear.process_weights_hook(_original(calls, "TARGET_LINEAR_PROCESS_WEIGHTS", None), object(),
-                                           layer) is None
-    assert len(calls) == 1 and layer.weight.is_mkldnn  # SGLang's processing ran, then the packing
+    assert (
+        cpu_linear.process_weights_hook(
+            _original(calls, "TARGET_LINEAR_PROCESS_WEIGHTS", None), object(), layer
+        )
+        is None
+    )
+    assert (
+        len(calls) == 1 and layer.weight.is_mkldnn
+    )  # SGLang's processing ran, then the packing
 
     def restore(self, layer):
-        assert not layer.weight.is_mkldnn  # SGLang's restore (and the loader after it) sees a dense weight
-    cpu_linear.restore_weights_hook(_original(calls, "TARGET_LINEAR_RESTORE_WEIGHTS", None, restore), object(), layer)
-    assert len(calls) == 2 and calls[-1]["layer"] is layer and torch.equal(layer.weight, dense)
+        assert (
+            not layer.weight.is_mkldnn
+        )  # SGLang's restore (and the loader after it) sees a dense weight
+
+    cpu_linear.restore_weights_hook(
+        _original(calls, "TARGET_LINEAR_RESTORE_WEIGHTS", None, restore),
+        object(),
+        layer,
+    )
+    assert (
+        len(calls) == 2
+        and calls[-1]["layer"] is layer
+        and torch.equal(layer.weight, dense)
+    )
 
 
 def test_apply_hooks_take_the_packed_weight_and_leave_dense_ones_to_sglang():
     layer, calls = _layer(48, 24), []
     dense = layer.weight.detach().clone()
     x, bias = torch.randn(5, 24), torch.randn(48)
-    assert cpu_linear.linear_apply_hook(_original(calls), object(), layer, x, bias) == "sglang's own"
+    assert (
+        cpu_linear.linear_apply_hook(_original(calls), object(), layer, x, bias)
+        == "sglang's own"
+    )
     cpu_linear.pack_in_place(layer)
     out = cpu_linear.linear_apply_hook(_original(calls), object(), layer, x, bias)
     torch.testing.assert_close(out, F.linear(x, dense, bias), rtol=1e-5, atol=1e-5)
     buf = torch.empty(5, 48)
-    assert cpu_linear.linear_apply_into_hook(_original(calls, "TARGET_LINEAR_APPLY_INTO"), object(), layer, x, buf,
-                                             bias) is buf
+    assert (
+        cpu_linear.linear_apply_into_hook(
+            _original(calls, "TARGET_LINEAR_APPLY_INTO"), object(), layer, x, buf, bias
+        )
+        is buf
+    )
     torch.testing.assert_close(buf, F.linear(x, dense, bias), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="shape"):
-        cpu_linear.linear_apply_into_hook(_original(calls, "TARGET_LINEAR_APPLY_INTO"), object(), layer, x,
-                                          torch.empty(4, 48))
+        cpu_linear.linear_apply_into_hook(
+            _original(calls, "TARGET_LINEAR_APPLY_INTO"),
+            object(),
+            layer,
+            x,
+            torch.empty(4, 48),
+        )
     assert len(calls) == 1 and calls[0]["x"] is x and calls[0]["bias"] is bias
     cpu_linear.unpack_in_place(layer)
-    assert cpu_linear.linear_apply_into_hook(_original(calls, "TARGET_LINEAR_APPLY_INTO"), object(), layer, x,
-                                             buf) == "sglang's own"
+    assert (
+        cpu_linear.linear_apply_into_hook(
+            _original(calls, "TARGET_LINEAR_APPLY_INTO"), object(), layer, x, buf
+        )
+        == "sglang's own"
+    )
     assert calls[-1]["output"] is buf
 
 
@@ -146,8 +194,12 @@ def test_lm_head_copy_is_made_once_and_renewed_when_the_weight_changes():
     with torch.no_grad():
         w.mul_(2.0)  # a reload writes weights in place
     assert cpu_linear.packed_copy(w) is not first
-    torch.testing.assert_close(cpu_linear.packed_linear(x, cpu_linear.packed_copy(w)), F.linear(x, w),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        cpu_linear.packed_linear(x, cpu_linear.packed_copy(w)),
+        F.linear(x, w),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_lm_head_copy_does_not_keep_its_weight_alive():
@@ -165,7 +217,9 @@ def test_lm_head_copy_does_not_keep_its_weight_alive():
     alive, key = weakref.ref(w), id(w)
     del w
     gc.collect()
-    assert alive() is None and copy() is None  # nothing held the weight or its first copy
+    assert (
+        alive() is None and copy() is None
+    )  # nothing held the weight or its first copy
     assert cpu_linear.packed_count() == before and key not in cpu_linear._copies
 
 
@@ -178,14 +232,29 @@ def test_lm_head_hook_takes_only_sglangs_plain_matmul_branch_for_decode_rows():
     torch.testing.assert_close(got, h @ head.weight.T, rtol=1e-5, atol=1e-5)
     assert calls == []
     lora = SimpleNamespace(weight=head.weight, set_lora=None, apply_lora=None)
-    for args, kwargs, p in [((h, lora), {}, proc),  # LoRA-wrapped
-                            ((h, head, torch.randn(100)), {}, proc),  # embedding bias
-                            ((h, head), {"out": torch.empty(6, 100)}, proc),  # caller-owned buffer
-                            ((h, head), {}, SimpleNamespace(use_fp32_lm_head=True, rl_on_policy_target=None)),
-                            ((h, head), {}, SimpleNamespace(use_fp32_lm_head=False, rl_on_policy_target="x")),
-                            ((torch.randn(2, 24), head), {}, proc),  # two rows: MKL's own path
-                            ((torch.randn(65, 24), head), {}, proc)]:  # prefill-sized
-        assert cpu_linear.lm_head_hook(_original(calls, "TARGET_LM_HEAD"), p, *args, **kwargs) == "sglang's own"
+    for args, kwargs, p in [
+        ((h, lora), {}, proc),  # LoRA-wrapped
+        ((h, head, torch.randn(100)), {}, proc),  # embedding bias
+        ((h, head), {"out": torch.empty(6, 100)}, proc),  # caller-owned buffer
+        (
+            (h, head),
+            {},
+            SimpleNamespace(use_fp32_lm_head=True, rl_on_policy_target=None),
+        ),
+        (
+            (h, head),
+            {},
+            SimpleNamespace(use_fp32_lm_head=False, rl_on_policy_target="x"),
+        ),
+        ((torch.randn(2, 24), head), {}, proc),  # two rows: MKL's own path
+        ((torch.randn(65, 24), head), {}, proc),
+    ]:  # prefill-sized
+        assert (
+            cpu_linear.lm_head_hook(
+                _original(calls, "TARGET_LM_HEAD"), p, *args, **kwargs
+            )
+            == "sglang's own"
+        )
     assert len(calls) == 7
     assert calls[1]["embedding_bias"] is not None and calls[2]["out"] is not None
     assert cpu_linear.LM_HEAD_ROWS == (3, 64)
@@ -203,7 +272,10 @@ def _checkpoint_tensor(path, name):
 
 def _run(engine, prompts, params):
     outs = engine.generate(prompts, params, return_logprob=True)
-    return [(o["output_ids"], [lp for lp, *_ in o["meta_info"]["output_token_logprobs"]]) for o in outs]
+    return [
+        (o["output_ids"], [lp for lp, *_ in o["meta_info"]["output_token_logprobs"]])
+        for o in outs
+    ]
 
 
 def _agree(a, b, n_tokens):
@@ -215,7 +287,9 @@ def _agree(a, b, n_tokens):
 
 
 @pytest.mark.integration  # two engines of its own
-def test_engine_default_packs_every_weight_matches_and_survives_a_weight_reload(tiny_llama, tmp_path):
+def test_engine_default_packs_every_weight_matches_and_survives_a_weight_reload(
+    tiny_llama, tmp_path
+):
     """A default engine (variable unset) and one with KARA_PACKED_CPU_LINEAR=0 decode the same
     four greedy requests together (4 rows): by the trace, the default held every weight matmul of
     the model packed (qkv, o, gate_up, down per layer in place + the lm_head's copy; none with
@@ -232,9 +306,14 @@ def test_engine_default_packs_every_weight_matches_and_survives_a_weight_reload(
         trace = tmp_path / f"trace_{flag}.jsonl"
         saved = {k: os.environ.get(k) for k in ("KARA_PACKED_CPU_LINEAR", "KARA_TRACE")}
         os.environ.pop("KARA_PACKED_CPU_LINEAR", None)
-        os.environ.update(KARA_TRACE=str(trace), **({} if flag is None else {"KARA_PACKED_CPU_LINEAR": flag}))
+        os.environ.update(
+            KARA_TRACE=str(trace),
+            **({} if flag is None else {"KARA_PACKED_CPU_LINEAR": flag}),
+        )
         try:
-            engine = start_engine("kara", tiny_llama, kara_policy="none", max_total_tokens=2048)
+            engine = start_engine(
+                "kara", tiny_llama, kara_policy="none", max_total_tokens=2048
+            )
             try:
                 first = _run(engine, prompts, params)
                 reloaded = None
@@ -242,20 +321,38 @@ def test_engine_default_packs_every_weight_matches_and_survives_a_weight_reload(
                     ok, message, *_ = engine.update_weights_from_disk(tiny_llama)
                     assert ok, message
                     reloaded = _run(engine, prompts, params)
-                    got = engine.get_weights_by_name("model.layers.0.mlp.down_proj.weight", truncate_size=3)
-                    want = _checkpoint_tensor(tiny_llama, "model.layers.0.mlp.down_proj.weight")[:3]
-                    assert got is not None and torch.allclose(torch.tensor(got, dtype=torch.float32), want.float())
+                    got = engine.get_weights_by_name(
+                        "model.layers.0.mlp.down_proj.weight", truncate_size=3
+                    )
+                    want = _checkpoint_tensor(
+                        tiny_llama, "model.layers.0.mlp.down_proj.weight"
+                    )[:3]
+                    assert got is not None and torch.allclose(
+                        torch.tensor(got, dtype=torch.float32), want.float()
+                    )
             finally:
                 engine.shutdown()
         finally:
             for k, v in saved.items():
                 os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
         steps = [json.loads(line) for line in trace.read_text().splitlines()]
-        runs[flag] = (first, reloaded, max(s["packed_weights"] for s in steps), steps[-1]["packed_weights"],
-                      max(s["running"] for s in steps))
-    (packed, reloaded, n_packed, n_last, running), (plain, _, n_plain, _, _) = runs[None], runs["0"]
-    layers = json.loads((Path(tiny_llama) / "config.json").read_text())["num_hidden_layers"]
-    assert running == 4 and n_packed == n_last == 4 * layers + 1 and n_plain == 0  # packed again after the reload
+        runs[flag] = (
+            first,
+            reloaded,
+            max(s["packed_weights"] for s in steps),
+            steps[-1]["packed_weights"],
+            max(s["running"] for s in steps),
+        )
+    (packed, reloaded, n_packed, n_last, running), (plain, _, n_plain, _, _) = (
+        runs[None],
+        runs["0"],
+    )
+    layers = json.loads((Path(tiny_llama) / "config.json").read_text())[
+        "num_hidden_layers"
+    ]
+    assert (
+        running == 4 and n_packed == n_last == 4 * layers + 1 and n_plain == 0
+    )  # packed again after the reload
     _agree(packed, plain, 24)
     _agree(reloaded, packed, 24)
 
@@ -271,15 +368,24 @@ def test_weight_exports_read_dense_weights_and_leave_them_packed():
     exporter = SimpleNamespace(get_model=lambda: model)
 
     def read(exp, name):
-        return getattr(exp.get_model(), name).weight.clone()  # would fail on an opaque tensor
+        return getattr(
+            exp.get_model(), name
+        ).weight.clone()  # would fail on an opaque tensor
+
     got = cpu_linear.weight_export_hook(read, exporter, "a")
     assert torch.equal(got, dense["a"])
     assert model.a.weight.is_mkldnn and model.b.weight.is_mkldnn
 
     def fail(exp):
         raise RuntimeError("export failed")
+
     with pytest.raises(RuntimeError, match="export failed"):
         cpu_linear.weight_export_hook(fail, exporter)
     assert model.a.weight.is_mkldnn and model.b.weight.is_mkldnn
     x = torch.randn(3, 96)
-    torch.testing.assert_close(cpu_linear.packed_linear(x, model.b.weight), F.linear(x, dense["b"]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        cpu_linear.packed_linear(x, model.b.weight),
+        F.linear(x, dense["b"]),
+        rtol=1e-5,
+        atol=1e-5,
+    )

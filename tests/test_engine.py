@@ -12,10 +12,14 @@ import textwrap
 import time
 
 import pytest
-
 from support import start_engine
 
-PROMPTS = ["Hello world", "The answer is", "Let x = 3. Let y = x + 4, so", "Once upon a time"]
+PROMPTS = [
+    "Hello world",
+    "The answer is",
+    "Let x = 3. Let y = x + 4, so",
+    "Once upon a time",
+]
 GREEDY = {"max_new_tokens": 48, "temperature": 0.0, "ignore_eos": True}
 
 
@@ -29,29 +33,53 @@ def _generate(kind, model, kernels, **kwargs):
         engine = start_engine(kind, model, **kwargs)
         try:
             outs = engine.generate(PROMPTS, GREEDY)
-            kernels_run = engine.get_server_info()["internal_states"][0].get("kara_cpu_kernels")
+            kernels_run = engine.get_server_info()["internal_states"][0].get(
+                "kara_cpu_kernels"
+            )
             if kind == "kara":
                 # Out-of-vocabulary ids are rejected up front instead of crashing the scheduler.
-                with pytest.raises(ValueError, match="out-of-vocabulary token id 100000"):
-                    engine.generate(input_ids=[100000, 5], sampling_params={"max_new_tokens": 2})
-                ok = engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 2, "ignore_eos": True})
+                with pytest.raises(
+                    ValueError, match="out-of-vocabulary token id 100000"
+                ):
+                    engine.generate(
+                        input_ids=[100000, 5], sampling_params={"max_new_tokens": 2}
+                    )
+                ok = engine.generate(
+                    input_ids=[5, 6],
+                    sampling_params={"max_new_tokens": 2, "ignore_eos": True},
+                )
                 assert ok["meta_info"]["completion_tokens"] == 2
             return outs, kernels_run
         finally:
             engine.shutdown()
     finally:
-        os.environ.pop("KARA_CPU_KERNELS", None) if saved is None else os.environ.__setitem__("KARA_CPU_KERNELS", saved)
+        os.environ.pop(
+            "KARA_CPU_KERNELS", None
+        ) if saved is None else os.environ.__setitem__("KARA_CPU_KERNELS", saved)
 
 
-@pytest.mark.parametrize("kernels", [pytest.param("0", marks=pytest.mark.integration), "1"])  # "0": two engine starts more
+@pytest.mark.parametrize(
+    "kernels", [pytest.param("0", marks=pytest.mark.integration), "1"]
+)  # "0": two engine starts more
 def test_policy_none_matches_sglang_running_the_same_kernels(tiny_llama, kernels):
-    vanilla, vanilla_kernels = _generate("sglang", tiny_llama, None if kernels == "0" else "1")
-    mine, my_kernels = _generate("kara", tiny_llama, None if kernels == "1" else "0", kara_policy="none")
+    vanilla, vanilla_kernels = _generate(
+        "sglang", tiny_llama, None if kernels == "0" else "1"
+    )
+    mine, my_kernels = _generate(
+        "kara", tiny_llama, None if kernels == "1" else "0", kara_policy="none"
+    )
     # Each side says which CPU kernels it ran: plain SGLang nothing unless it opted in; sgl_kara by default.
     if kernels == "0":
-        assert vanilla_kernels is None and my_kernels["enabled"] is False and my_kernels["decode_attention"] == "sglang"
+        assert (
+            vanilla_kernels is None
+            and my_kernels["enabled"] is False
+            and my_kernels["decode_attention"] == "sglang"
+        )
     else:
-        assert vanilla_kernels == my_kernels and my_kernels["decode_attention"] == "batched"
+        assert (
+            vanilla_kernels == my_kernels
+            and my_kernels["decode_attention"] == "batched"
+        )
     for out, ref in zip(mine, vanilla):
         assert out["meta_info"]["completion_tokens"] == GREEDY["max_new_tokens"]
         assert out["output_ids"] == ref["output_ids"] and out["text"] == ref["text"]
@@ -88,17 +116,28 @@ def test_a_script_without_a_main_guard_is_stopped_at_once(tiny_llama, tmp_path, 
     script = tmp_path / "example.py"
     script.write_text(body)
     t = time.time()
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode != 0 and time.time() - t < 60, proc.stderr[-2000:]
-    assert "MainGuardMissing" in proc.stderr and 'if __name__ == "__main__":' in proc.stderr
-    assert f"{script}, line" in proc.stderr and "OOM" not in proc.stderr and "started" not in proc.stdout
+    assert (
+        "MainGuardMissing" in proc.stderr
+        and 'if __name__ == "__main__":' in proc.stderr
+    )
+    assert (
+        f"{script}, line" in proc.stderr
+        and "OOM" not in proc.stderr
+        and "started" not in proc.stdout
+    )
 
 
 def test_the_main_guard_check_passes_guarded_and_imported_code(tmp_path, monkeypatch):
     from sgl_kara import engine
 
     guarded = tmp_path / "guarded.py"
-    guarded.write_text('import sys\nif __name__ == "__main__":\n    check()\n    x = 1\ncheck_later = 2\n')
+    guarded.write_text(
+        'import sys\nif __name__ == "__main__":\n    check()\n    x = 1\ncheck_later = 2\n'
+    )
     unguarded = tmp_path / "unguarded.py"
     unguarded.write_text("import sys\ncheck()\n")
     for path, ok in ((guarded, True), (unguarded, False)):
@@ -113,6 +152,8 @@ def test_the_main_guard_check_passes_guarded_and_imported_code(tmp_path, monkeyp
         else:
             with pytest.raises(engine.MainGuardMissing, match=f"{path}, line 2"):
                 exec(code, vars(main))
-    main.__spec__ = type("Spec", (), {"name": "pkg.__main__"})()  # python -m pkg: spawn does not rerun it
+    main.__spec__ = type(
+        "Spec", (), {"name": "pkg.__main__"}
+    )()  # python -m pkg: spawn does not rerun it
     exec(compile(unguarded.read_text(), str(unguarded), "exec"), vars(main))
     engine.check_main_guard()  # called from this test module, not a script's top level

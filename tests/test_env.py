@@ -13,15 +13,45 @@ from sgl_kara import env
 # (variable without prefix, reader, a value to set, what the reader returns for it, its default)
 VARIABLES = [
     ("SERVE", env.serving, "1", lambda v: v is True, False),
-    ("CPU_KERNELS", env.cpu_kernels, "1", lambda v: v is True, False),  # default: KARA_SERVE's (unset here)
-    ("CACHE", env.cache_dir, "/tmp/kara-cache", lambda v: str(v) == "/tmp/kara-cache", None),
+    (
+        "CPU_KERNELS",
+        env.cpu_kernels,
+        "1",
+        lambda v: v is True,
+        False,
+    ),  # default: KARA_SERVE's (unset here)
+    (
+        "CACHE",
+        env.cache_dir,
+        "/tmp/kara-cache",
+        lambda v: str(v) == "/tmp/kara-cache",
+        None,
+    ),
     ("FORK", env.fork_workers, "0", lambda v: v is False, True),
     ("CHECK_INTEGRITY", env.check_integrity, "1", lambda v: v is True, False),
     ("CROSSCHECK_QUERIES", env.crosscheck_queries, "1", lambda v: v is True, False),
-    ("RECORD_EVICTIONS", env.record_evictions, "/tmp/ev.jsonl", lambda v: v == "/tmp/ev.jsonl", None),
+    (
+        "RECORD_EVICTIONS",
+        env.record_evictions,
+        "/tmp/ev.jsonl",
+        lambda v: v == "/tmp/ev.jsonl",
+        None,
+    ),
     ("TRACE", env.trace, "/tmp/trace.jsonl", lambda v: v == "/tmp/trace.jsonl", None),
-    ("INJECT_FAULT_RID_PREFIX", env.inject_fault_rid_prefix, "faulty", lambda v: v == "faulty", ""),
-    ("INJECT_FAULT_AT", env.inject_fault_stage, "commit", lambda v: v == "commit", "score"),
+    (
+        "INJECT_FAULT_RID_PREFIX",
+        env.inject_fault_rid_prefix,
+        "faulty",
+        lambda v: v == "faulty",
+        "",
+    ),
+    (
+        "INJECT_FAULT_AT",
+        env.inject_fault_stage,
+        "commit",
+        lambda v: v == "commit",
+        "score",
+    ),
     ("FAST_CPU_DECODE", env.fast_cpu_decode, "0", lambda v: v is False, True),
     ("BATCHED_CPU_DECODE", env.batched_cpu_decode, "0", lambda v: v is False, True),
     ("PACKED_CPU_LINEAR", env.packed_cpu_linear, "0", lambda v: v is False, True),
@@ -38,13 +68,22 @@ def clean(monkeypatch):
 
 
 def test_every_reader_is_listed_here():
-    readers = {name for name, value in vars(env).items()
-               if callable(value) and not name.startswith("_") and getattr(value, "__module__", "") == env.__name__}
+    readers = {
+        name
+        for name, value in vars(env).items()
+        if callable(value)
+        and not name.startswith("_")
+        and getattr(value, "__module__", "") == env.__name__
+    }
     assert readers - {"parse_bool", "flag"} == {r.__name__ for _, r, *_ in VARIABLES}
 
 
-@pytest.mark.parametrize("name,reader,value,check,default", VARIABLES, ids=[v[0] for v in VARIABLES])
-def test_new_name_is_read_without_warning(monkeypatch, name, reader, value, check, default):
+@pytest.mark.parametrize(
+    "name,reader,value,check,default", VARIABLES, ids=[v[0] for v in VARIABLES]
+)
+def test_new_name_is_read_without_warning(
+    monkeypatch, name, reader, value, check, default
+):
     if default is not None:
         assert reader() == default
     monkeypatch.setenv("KARA_" + name, value)
@@ -53,11 +92,16 @@ def test_new_name_is_read_without_warning(monkeypatch, name, reader, value, chec
         assert check(reader())
 
 
-@pytest.mark.parametrize("name,reader,value,check,default", VARIABLES, ids=[v[0] for v in VARIABLES])
-def test_old_name_is_read_with_one_deprecation_warning_naming_the_new(monkeypatch, name, reader, value, check,
-                                                                      default):
+@pytest.mark.parametrize(
+    "name,reader,value,check,default", VARIABLES, ids=[v[0] for v in VARIABLES]
+)
+def test_old_name_is_read_with_one_deprecation_warning_naming_the_new(
+    monkeypatch, name, reader, value, check, default
+):
     monkeypatch.setenv("SGL_KARA_" + name, value)
-    with pytest.warns(FutureWarning, match=f"SGL_KARA_{name} is deprecated, set KARA_{name} instead"):
+    with pytest.warns(
+        FutureWarning, match=f"SGL_KARA_{name} is deprecated, set KARA_{name} instead"
+    ):
         assert check(reader())
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per process
@@ -69,11 +113,15 @@ def test_new_name_wins_over_old(monkeypatch):
     monkeypatch.setenv("KARA_CHECK_INTEGRITY", "1")
     monkeypatch.setenv("SGL_KARA_TRACE", "/tmp/old.jsonl")
     monkeypatch.setenv("KARA_TRACE", "/tmp/new.jsonl")
-    with pytest.warns(FutureWarning, match="KARA_CHECK_INTEGRITY is set and takes precedence"):
+    with pytest.warns(
+        FutureWarning, match="KARA_CHECK_INTEGRITY is set and takes precedence"
+    ):
         assert env.check_integrity() is True
     with pytest.warns(FutureWarning, match="KARA_TRACE is set and takes precedence"):
         assert env.trace() == "/tmp/new.jsonl"
-    monkeypatch.setenv("KARA_CHECK_INTEGRITY", "")  # set but empty: the default, not the old value
+    monkeypatch.setenv(
+        "KARA_CHECK_INTEGRITY", ""
+    )  # set but empty: the default, not the old value
     monkeypatch.setenv("SGL_KARA_CHECK_INTEGRITY", "1")
     assert env.check_integrity() is False
 
@@ -101,19 +149,45 @@ def _sglang_bool(value: str, default: bool) -> bool:
         return default
 
 
-@pytest.mark.parametrize("value", ["1", "0", "true", "false", "True", "FALSE", "yes", "no", "Y", "n", "", " 1 ",
-                                   "2", "on", "off", "maybe"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "1",
+        "0",
+        "true",
+        "false",
+        "True",
+        "FALSE",
+        "yes",
+        "no",
+        "Y",
+        "n",
+        "",
+        " 1 ",
+        "2",
+        "on",
+        "off",
+        "maybe",
+    ],
+)
 @pytest.mark.parametrize("default", [False, True])
 def test_booleans_are_read_as_sglang_reads_them(value, default):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert env.parse_bool("X", value, default) is _sglang_bool(value.strip(), default)
+        assert env.parse_bool("X", value, default) is _sglang_bool(
+            value.strip(), default
+        )
 
 
-def test_an_unrecognised_boolean_warns_once_naming_the_variable_and_the_spellings(monkeypatch):
+def test_an_unrecognised_boolean_warns_once_naming_the_variable_and_the_spellings(
+    monkeypatch,
+):
     monkeypatch.setenv("KARA_FORK", "maybe")
-    with pytest.warns(UserWarning, match=r"KARA_FORK='maybe' is not a boolean \(true: 1, true, yes, y; false: "
-                                         r"0, false, no, n\); using the default, 1"):
+    with pytest.warns(
+        UserWarning,
+        match=r"KARA_FORK='maybe' is not a boolean \(true: 1, true, yes, y; false: "
+        r"0, false, no, n\); using the default, 1",
+    ):
         assert env.fork_workers() is True
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -148,7 +222,14 @@ def test_refused_sglang_switch_uses_the_same_parser(monkeypatch):
         model_path = "/nonexistent"
         device = "cpu"
 
-    for value, refused in (("1", True), ("yes", True), ("0", False), ("no", False), ("n", False), ("", False)):
+    for value, refused in (
+        ("1", True),
+        ("yes", True),
+        ("0", False),
+        ("no", False),
+        ("n", False),
+        ("", False),
+    ):
         monkeypatch.setenv("SGLANG_USE_HND_KVCACHE", value)
         args = Args()
         if refused:

@@ -10,17 +10,24 @@ from types import SimpleNamespace
 import torch
 
 from sgl_kara.mem_cache.compaction import OutOfSlots
-from sgl_kara.scheduler import events
 from sgl_kara.policies.base import Region
+from sgl_kara.scheduler import events
 from sgl_kara.scheduler.events import EventRunner
 from sgl_kara.scheduler.jobs import Job
 from sgl_kara.scheduler.runtime import KaraStats
 
 
 def _runner(compress, free=1000):
-    rt = SimpleNamespace(stats=KaraStats(), metrics=None, page_size=1, free_slots=lambda: free,
-                         req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(2, 8, dtype=torch.int32)),
-                         allocator=SimpleNamespace(available_size=lambda: free))
+    rt = SimpleNamespace(
+        stats=KaraStats(),
+        metrics=None,
+        page_size=1,
+        free_slots=lambda: free,
+        req_to_token_pool=SimpleNamespace(
+            req_to_token=torch.zeros(2, 8, dtype=torch.int32)
+        ),
+        allocator=SimpleNamespace(available_size=lambda: free),
+    )
     runner = EventRunner(rt)
     runner._compress_group = compress
     return rt, runner
@@ -28,8 +35,15 @@ def _runner(compress, free=1000):
 
 def _jobs(n, start=8, length=8, keep=2, row=40):
     """Jobs compacting rows [start, start + length) of a row of ``row`` entries to ``keep``."""
-    return [Job(i, SimpleNamespace(kv=SimpleNamespace(kv_committed_len=row)), None, Region(start, length, keep, 0, 8))
-            for i in range(n)]
+    return [
+        Job(
+            i,
+            SimpleNamespace(kv=SimpleNamespace(kv_committed_len=row)),
+            None,
+            Region(start, length, keep, 0, 8),
+        )
+        for i in range(n)
+    ]
 
 
 class Clock:
@@ -85,7 +99,11 @@ def test_jobs_the_pool_cannot_take_are_skipped_unscored():
     rt, runner = _runner(ok, free=5)
     runner.run(None, _jobs(3))
     assert seen == [[0, 1]]
-    assert rt.stats.skipped_no_memory == 1 and rt.stats.events == 1 and rt.stats.requests_compressed == 0
+    assert (
+        rt.stats.skipped_no_memory == 1
+        and rt.stats.events == 1
+        and rt.stats.requests_compressed == 0
+    )
 
     seen.clear()
     rt, runner = _runner(ok, free=1)

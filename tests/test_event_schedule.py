@@ -14,14 +14,13 @@ import random
 import tempfile
 
 import pytest
+from support import FakeReq, flush_when_idle, start_engine
 
 from sgl_kara.policies.base import RowView
 from sgl_kara.policies.kara import KaraOptions, KaraPolicy
 from sgl_kara.policies.snapkv import SnapKVOptions, SnapKVPolicy
 from sgl_kara.scheduler.jobs import choose, decoded_tokens, due_at, overdue, plan_jobs
 from sgl_kara.scheduler.state import KaraReqState
-
-from support import FakeReq, flush_when_idle, start_engine
 
 
 # ------------------------------------------------------------------ the rule
@@ -33,7 +32,10 @@ def test_overdue():
 def test_choose_keeps_max_seqs_where_it_suffices():
     tails = [33, 40, 36, 32, 38]  # W = 32, period = 8: charge 40, overdue iff tail > 32
     assert choose(tails, [40] * 5, 8, max_seqs=30) == [1, 4, 2, 0, 3]
-    assert choose([32, 32, 32], [40] * 3, 8, max_seqs=2) == [0, 1]  # none overdue: the paper's limit
+    assert choose([32, 32, 32], [40] * 3, 8, max_seqs=2) == [
+        0,
+        1,
+    ]  # none overdue: the paper's limit
     assert choose(tails, [None] * 5, 8, max_seqs=2) == [1, 4]
 
 
@@ -48,7 +50,11 @@ def test_choose_takes_every_overdue_request_beyond_max_seqs():
 def test_tail_charges_match_the_footprints():
     kara = KaraPolicy(KaraOptions(window=32, buffer=4, period=8))
     row = RowView(8, 8, 48, 0, KaraReqState())
-    assert kara.tail_charge(row) == 40 == kara.footprint(10_000, None) - (10_000 * 7 + 27) // 28
+    assert (
+        kara.tail_charge(row)
+        == 40
+        == kara.footprint(10_000, None) - (10_000 * 7 + 27) // 28
+    )
     snap = SnapKVPolicy(SnapKVOptions(threshold=40, budget=20, window=4))
     # footprint charges C_max + 1 = 41 generated entries; 16 of them are kept entries below f
     assert snap.tail_charge(RowView(8, 8 + 16, 60, 0, KaraReqState())) == 41 - 16
@@ -56,16 +62,28 @@ def test_tail_charges_match_the_footprints():
 
 
 # ------------------------------------------------------------------ the schedule, simulated
-def simulate(n: int, max_seqs: int, window=32, buffer=4, period=8, max_new=120, stagger=3, seed=0,
-             phase="request", prompts=None) -> dict:
+def simulate(
+    n: int,
+    max_seqs: int,
+    window=32,
+    buffer=4,
+    period=8,
+    max_new=120,
+    stagger=3,
+    seed=0,
+    phase="request",
+    prompts=None,
+) -> dict:
     """Decode steps over due_at and plan_jobs (the runtime's two calls) with compaction's effect on
     the rows (events.py _shrink): requests arrive ``stagger`` at a time per step; returns the
     largest tail seen before an event against the charge, the requests compressed per event, and
     per request the own generated-token counts at which it was compressed."""
     policy = KaraPolicy(KaraOptions(window=window, buffer=buffer, period=period))
     rng = random.Random(seed)
-    pending = [FakeReq(i, prompt=p, max_new=max_new, kara=KaraReqState())
-               for i, p in enumerate(prompts or [rng.randint(4, 12) for _ in range(n)])][::-1]
+    pending = [
+        FakeReq(i, prompt=p, max_new=max_new, kara=KaraReqState())
+        for i, p in enumerate(prompts or [rng.randint(4, 12) for _ in range(n)])
+    ][::-1]
     order = pending[::-1]
     running, step, max_tail, per_event = [], 0, 0, []
     compressed_at = {id(r): [] for r in pending}
@@ -76,8 +94,14 @@ def simulate(n: int, max_seqs: int, window=32, buffer=4, period=8, max_new=120, 
             if r.kara.protected >= 0:
                 max_tail = max(max_tail, r.kv.kv_committed_len - r.kara.frontier)
         if phase == "request" or policy.due(step):
-            jobs = plan_jobs(policy, running, lambda r: r.kara, 1, max_seqs,
-                             due=lambda r: due_at(policy, phase, step, r))
+            jobs = plan_jobs(
+                policy,
+                running,
+                lambda r: r.kara,
+                1,
+                max_seqs,
+                due=lambda r: due_at(policy, phase, step, r),
+            )
             if jobs:
                 per_event.append(len(jobs))
             for j in jobs:
@@ -86,14 +110,22 @@ def simulate(n: int, max_seqs: int, window=32, buffer=4, period=8, max_new=120, 
                 j.req.kv.kv_allocated_len -= d
                 j.state.frontier = j.region.start + j.region.keep
                 j.state.pos_offset += d
-                compressed_at[id(j.req)].append(decoded_tokens(j.req, j.state))  # its own count: a due step
+                compressed_at[id(j.req)].append(
+                    decoded_tokens(j.req, j.state)
+                )  # its own count: a due step
         for r in running:
             r.output_ids.append(1)
             r.kv.kv_committed_len += 1
             r.kv.kv_allocated_len += 1
         running = [r for r in running if not r.finished()]
-    return dict(max_tail=max_tail, charge=window + period, max_per_event=max(per_event), steps=step,
-                events=len(per_event), compressed_at=[compressed_at[id(r)] for r in order])
+    return dict(
+        max_tail=max_tail,
+        charge=window + period,
+        max_per_event=max(per_event),
+        steps=step,
+        events=len(per_event),
+        compressed_at=[compressed_at[id(r)] for r in order],
+    )
 
 
 @pytest.mark.parametrize("phase", ["request", "server"])
@@ -130,7 +162,9 @@ W, U, PERIOD, RETENTION, GEN, PROMPT = 32, 4, 8, 0.25, 120, 8
 def footprint_pool(n: int) -> int:
     """Slots for n requests at their compressed footprint (what admission charges), plus one
     decode step's allocation for each."""
-    policy = KaraPolicy(KaraOptions(window=W, buffer=U, period=PERIOD, retention=RETENTION))
+    policy = KaraPolicy(
+        KaraOptions(window=W, buffer=U, period=PERIOD, retention=RETENTION)
+    )
     return n * (PROMPT + policy.footprint(GEN, None) + 1)
 
 
@@ -141,17 +175,34 @@ def run_schedule(model: str, n: int, max_seqs: int) -> dict:
     saved = os.environ.get("KARA_TRACE")
     os.environ["KARA_TRACE"] = trace
     try:
-        eng = start_engine("kara", model, kara_window=W, kara_buffer=U, kara_period=PERIOD,
-                           kara_retention=RETENTION, kara_max_seqs=max_seqs, max_running_requests=n,
-                           max_total_tokens=footprint_pool(n), chunked_prefill_size=4096,
-                           kara_query_source="capture")
+        eng = start_engine(
+            "kara",
+            model,
+            kara_window=W,
+            kara_buffer=U,
+            kara_period=PERIOD,
+            kara_retention=RETENTION,
+            kara_max_seqs=max_seqs,
+            max_running_requests=n,
+            max_total_tokens=footprint_pool(n),
+            chunked_prefill_size=4096,
+            kara_query_source="capture",
+        )
     finally:
-        os.environ.pop("KARA_TRACE") if saved is None else os.environ.__setitem__("KARA_TRACE", saved)
+        os.environ.pop("KARA_TRACE") if saved is None else os.environ.__setitem__(
+            "KARA_TRACE", saved
+        )
     rng = random.Random(0)
     ids = [[rng.randint(10, 200) for _ in range(PROMPT)] for _ in range(n)]
     try:
-        outs = eng.generate(input_ids=ids, sampling_params={"max_new_tokens": GEN, "temperature": 0.0,
-                                                            "ignore_eos": True})
+        outs = eng.generate(
+            input_ids=ids,
+            sampling_params={
+                "max_new_tokens": GEN,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            },
+        )
     finally:
         eng.shutdown()
     rows = [json.loads(line) for line in open(trace)]
@@ -159,10 +210,16 @@ def run_schedule(model: str, n: int, max_seqs: int) -> dict:
     events = [b["kara_events"] - a["kara_events"] for a, b in zip(rows, rows[1:])]
     metas = [o["meta_info"] for o in outs]
     return dict(
-        requests=n, max_seqs=max_seqs, steps=len(rows), max_running=max(r["running"] for r in rows),
-        max_tail=max(m["kara"]["kv_tail_peak"] for m in metas), charge=W + PERIOD,
-        retractions=sum(m.get("num_retractions", 0) or 0 for m in metas) + rows[-1]["retracted"],
-        events=rows[-1]["kara_events"], max_events_per_step=max(events or [0]),
+        requests=n,
+        max_seqs=max_seqs,
+        steps=len(rows),
+        max_running=max(r["running"] for r in rows),
+        max_tail=max(m["kara"]["kv_tail_peak"] for m in metas),
+        charge=W + PERIOD,
+        retractions=sum(m.get("num_retractions", 0) or 0 for m in metas)
+        + rows[-1]["retracted"],
+        events=rows[-1]["kara_events"],
+        max_events_per_step=max(events or [0]),
         finished=sum(m["completion_tokens"] == GEN for m in metas),
         compressions_min=min(m["kara"]["compressions"] for m in metas),
     )
@@ -172,7 +229,9 @@ def _check(r: dict) -> None:
     assert r["finished"] == r["requests"], r
     assert r["max_tail"] <= r["charge"], r
     assert r["retractions"] == 0, r
-    assert 1 <= r["max_events_per_step"] <= 8, r  # one event per due step, plus catch-up passes
+    assert 1 <= r["max_events_per_step"] <= 8, (
+        r
+    )  # one event per due step, plus catch-up passes
     assert r["compressions_min"] >= 3, r  # several windows each
 
 
@@ -191,15 +250,26 @@ def test_engine_identical_requests_answer_alike_whenever_they_arrive(tiny_llama,
     scheduler's step count moves off the period): with --kara-phase request both runs are compressed
     at the same own steps and answer alike, token for token; with server the second run's events
     fall at other steps of its answer (its meta_info.kara differs), which is what request fixes."""
-    eng = start_engine("kara", tiny_llama, kara_window=W, kara_buffer=U, kara_period=PERIOD,
-                       kara_retention=RETENTION, kara_phase=phase, max_total_tokens=2048)
+    eng = start_engine(
+        "kara",
+        tiny_llama,
+        kara_window=W,
+        kara_buffer=U,
+        kara_period=PERIOD,
+        kara_retention=RETENTION,
+        kara_phase=phase,
+        max_total_tokens=2048,
+    )
     params = {"max_new_tokens": GEN, "temperature": 0.0, "ignore_eos": True}
     prompt = [random.Random(1).randint(10, 200) for _ in range(PROMPT)]
     try:
         runs = []
         for filler in (False, True):
             if filler:
-                eng.generate(input_ids=[11, 12, 13], sampling_params={**params, "max_new_tokens": 3})
+                eng.generate(
+                    input_ids=[11, 12, 13],
+                    sampling_params={**params, "max_new_tokens": 3},
+                )
             assert flush_when_idle(eng)  # the second run prefills as the first did
             runs.append(eng.generate(input_ids=prompt, sampling_params=params))
     finally:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from support import FakeReq
 
 from sgl_kara.policies.threshold import ThresholdOptions, ThresholdPolicy
 from sgl_kara.scheduler.events import EventRunner
@@ -25,8 +26,6 @@ from sgl_kara.scheduler.evictions import EvictionRecorder
 from sgl_kara.scheduler.jobs import plan_jobs
 from sgl_kara.scheduler.runtime import KaraStats
 from sgl_kara.scheduler.state import KaraReqState
-
-from support import FakeReq
 
 LAYERS, HKV, D, SLOTS, WIDTH = 2, 2, 4, 256, 64
 
@@ -59,12 +58,18 @@ class Tally(ThresholdPolicy):
         k = kept.shape[-1]
         new = torch.zeros_like(acc)
         new[..., :start] = acc[..., :start]
-        new[..., start : start + k] = torch.gather(acc[..., start : start + region], 2, kept)
+        new[..., start : start + k] = torch.gather(
+            acc[..., start : start + region], 2, kept
+        )
         tail = acc[..., start + region : length]
         new[..., start + k : start + k + tail.shape[-1]] = tail
         state.policy_state["tally"]["acc"] = new
-        if state.budget in self.fail_for:  # the request's budget marks it as the one to fail
-            raise torch.cuda.OutOfMemoryError("simulated: no device memory for the re-laid state")
+        if (
+            state.budget in self.fail_for
+        ):  # the request's budget marks it as the one to fail
+            raise torch.cuda.OutOfMemoryError(
+                "simulated: no device memory for the re-laid state"
+            )
 
 
 class Allocator:
@@ -109,18 +114,52 @@ def world(lengths, budget=12, recorder=None):
     for i, n in enumerate(lengths):
         row = i + 1
         req_to_token[row, :n] = alloc.alloc(n).to(torch.int32)
-        state = KaraReqState(budget=budget + i)  # per-request budgets: one request per group
-        state.policy_state = {"tally": {"acc": torch.rand(LAYERS, HKV, WIDTH, generator=g)}}
-        reqs.append(FakeReq(rid=f"r{i}", prompt=4, generated=n - 4, max_new=1000, kara=state, row=row))
+        state = KaraReqState(
+            budget=budget + i
+        )  # per-request budgets: one request per group
+        state.policy_state = {
+            "tally": {"acc": torch.rand(LAYERS, HKV, WIDTH, generator=g)}
+        }
+        reqs.append(
+            FakeReq(
+                rid=f"r{i}",
+                prompt=4,
+                generated=n - 4,
+                max_new=1000,
+                kara=state,
+                row=row,
+            )
+        )
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     rt = types.SimpleNamespace(
-        req_to_token_pool=types.SimpleNamespace(req_to_token=req_to_token), kv_pool=pool, layer_ids=list(range(LAYERS)),
-        policy=policy, allocator=alloc, alloc_slots=alloc.alloc, page_size=1, recorder=recorder, ring=None, check=False,
-        stats=KaraStats(), metrics=None, recompute_tokens=8192, free_slots=alloc.available_size,
-        forward=types.SimpleNamespace(add_offset=lambda rows, d: offsets.index_add_(0, rows, torch.full_like(rows, d))))
+        req_to_token_pool=types.SimpleNamespace(req_to_token=req_to_token),
+        kv_pool=pool,
+        layer_ids=list(range(LAYERS)),
+        policy=policy,
+        allocator=alloc,
+        alloc_slots=alloc.alloc,
+        page_size=1,
+        recorder=recorder,
+        ring=None,
+        check=False,
+        stats=KaraStats(),
+        metrics=None,
+        recompute_tokens=8192,
+        free_slots=alloc.available_size,
+        forward=types.SimpleNamespace(
+            add_offset=lambda rows, d: offsets.index_add_(
+                0, rows, torch.full_like(rows, d)
+            )
+        ),
+    )
     seq = torch.tensor(lengths)
-    batch = types.SimpleNamespace(reqs=reqs, seq_lens=seq.clone(), orig_seq_lens=seq.clone().to(torch.int32),
-                                  seq_lens_cpu=seq.clone(), seq_lens_sum=int(seq.sum()))
+    batch = types.SimpleNamespace(
+        reqs=reqs,
+        seq_lens=seq.clone(),
+        orig_seq_lens=seq.clone().to(torch.int32),
+        seq_lens_cpu=seq.clone(),
+        seq_lens_sum=int(seq.sum()),
+    )
     return rt, batch, reqs
 
 
@@ -128,19 +167,29 @@ def snapshot(rt, req):
     row = int(req.kv.req_pool_idx)
     n = int(req.kv.kv_committed_len)
     slots = rt.req_to_token_pool.req_to_token[row, :n].to(torch.int64).clone()
-    return dict(slots=slots, k=[b[slots].clone() for b in rt.kv_pool.k], v=[b[slots].clone() for b in rt.kv_pool.v],
-                lens=(int(req.kv.kv_committed_len), int(req.kv.kv_allocated_len)),
-                state=(req.kara.pos_offset, req.kara.frontier, req.kara.compressions),
-                acc=req.kara.policy_state["tally"]["acc"])
+    return dict(
+        slots=slots,
+        k=[b[slots].clone() for b in rt.kv_pool.k],
+        v=[b[slots].clone() for b in rt.kv_pool.v],
+        lens=(int(req.kv.kv_committed_len), int(req.kv.kv_allocated_len)),
+        state=(req.kara.pos_offset, req.kara.frontier, req.kara.compressions),
+        acc=req.kara.policy_state["tally"]["acc"],
+    )
 
 
 def check_ownership(rt, reqs):
     named = []
     for r in reqs:
-        named += rt.req_to_token_pool.req_to_token[int(r.kv.req_pool_idx), : int(r.kv.kv_committed_len)].tolist()
+        named += rt.req_to_token_pool.req_to_token[
+            int(r.kv.req_pool_idx), : int(r.kv.kv_committed_len)
+        ].tolist()
     assert len(named) == len(set(named)), "a slot is named by two rows"
-    assert not set(named) & rt.allocator.free_slots, "a slot is both free and named by a row"
-    assert set(named) | rt.allocator.free_slots == set(range(1, SLOTS)), "a slot was lost"
+    assert not set(named) & rt.allocator.free_slots, (
+        "a slot is both free and named by a row"
+    )
+    assert set(named) | rt.allocator.free_slots == set(range(1, SLOTS)), (
+        "a slot was lost"
+    )
 
 
 def plan(rt, reqs):
@@ -150,8 +199,12 @@ def plan(rt, reqs):
 
 
 @pytest.mark.parametrize("stage", ["relayout", "record", "commit_fault"])
-def test_a_failure_after_the_kv_copy_leaves_that_request_as_it_was(monkeypatch, tmp_path, stage):
-    recorder = EvictionRecorder(str(tmp_path / "ev.jsonl")) if stage == "record" else None
+def test_a_failure_after_the_kv_copy_leaves_that_request_as_it_was(
+    monkeypatch, tmp_path, stage
+):
+    recorder = (
+        EvictionRecorder(str(tmp_path / "ev.jsonl")) if stage == "record" else None
+    )
     rt, batch, reqs = world([30, 31, 32], recorder=recorder)
     rt.policy.fail_for = set()
     victim = reqs[1]
@@ -176,13 +229,26 @@ def test_a_failure_after_the_kv_copy_leaves_that_request_as_it_was(monkeypatch, 
     check_ownership(rt, reqs)
     after = snapshot(rt, victim)
     b = before[victim.rid]
-    assert torch.equal(after["slots"], b["slots"]) and after["lens"] == b["lens"] and after["state"] == b["state"]
-    assert all(torch.equal(x, y) for x, y in zip(after["k"] + after["v"], b["k"] + b["v"]))
+    assert (
+        torch.equal(after["slots"], b["slots"])
+        and after["lens"] == b["lens"]
+        and after["state"] == b["state"]
+    )
+    assert all(
+        torch.equal(x, y) for x, y in zip(after["k"] + after["v"], b["k"] + b["v"])
+    )
     assert after["acc"] is b["acc"]  # the re-laid copy was dropped
-    assert victim.to_finish is not None and victim.to_finish.status_code == 500 and not victim.kara.enabled
+    assert (
+        victim.to_finish is not None
+        and victim.to_finish.status_code == 500
+        and not victim.kara.enabled
+    )
     for r in reqs:
         if r is not victim:
-            assert r.kara.compressions == 1 and r.kv.kv_committed_len < before[r.rid]["lens"][0]
+            assert (
+                r.kara.compressions == 1
+                and r.kv.kv_committed_len < before[r.rid]["lens"][0]
+            )
             assert r.to_finish is None
     assert rt.stats.failed_requests == 1 and rt.stats.requests_compressed == 2
 
@@ -231,9 +297,18 @@ def test_a_committed_event_keeps_exactly_the_kept_entries():
         now = snapshot(rt, r)
         for layer in range(LAYERS):
             for h in range(HKV):
-                kept = torch.sort(torch.topk(acc[layer, h], j.region.keep, sorted=True).indices).values
+                kept = torch.sort(
+                    torch.topk(acc[layer, h], j.region.keep, sorted=True).indices
+                ).values
                 want = b["k"][layer][start + kept, h]
-                assert torch.equal(now["k"][layer][start : start + j.region.keep, h], want)
+                assert torch.equal(
+                    now["k"][layer][start : start + j.region.keep, h], want
+                )
         tail = b["k"][0][start + m :]
-        assert torch.equal(now["k"][0][start + j.region.keep :], tail)  # the tail shifted down, bytes equal
-        assert r.kara.pos_offset == m - j.region.keep and r.kara.policy_state["tally"]["acc"] is not b["acc"]
+        assert torch.equal(
+            now["k"][0][start + j.region.keep :], tail
+        )  # the tail shifted down, bytes equal
+        assert (
+            r.kara.pos_offset == m - j.region.keep
+            and r.kara.policy_state["tally"]["acc"] is not b["acc"]
+        )

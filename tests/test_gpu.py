@@ -9,12 +9,14 @@ checked without a GPU in tests/test_gpu_plan.py).
 
 from __future__ import annotations
 
+import gpu_checks as gc
 import pytest
 import torch
 
-import gpu_checks as gc
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
 PLAN = gc.plan(cpu=False)
 
@@ -24,7 +26,9 @@ def gpu_model(tmp_path_factory):
     return gc.write_gpu_model(str(tmp_path_factory.mktemp("gpu_llama")))
 
 
-@pytest.mark.parametrize("name, fn, args, starts, steps, ok", PLAN, ids=[c[0] for c in PLAN])
+@pytest.mark.parametrize(
+    "name, fn, args, starts, steps, ok", PLAN, ids=[c[0] for c in PLAN]
+)
 def test_gpu_check(gpu_model, tmp_path, name, fn, args, starts, steps, ok):
     f = getattr(gc, fn)
     if fn == "kernels":

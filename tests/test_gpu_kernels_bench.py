@@ -32,17 +32,33 @@ except SystemExit as e:
 
 
 def test_runs_without_sglang_every_kernel_exact_or_within_tolerance(tmp_path):
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": str(ROOT),
+        "CUDA_VISIBLE_DEVICES": "",
+    }
     code = BLOCK_SGLANG % str(ROOT / "bench" / "gpu_kernels.py")
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_kernels.json").read_text())
     assert result["head"]["sglang_imported"] is False
     rows = result["rows"]
     kernels = {r["kernel"] for r in rows}
-    assert {"kara window scores", "kara window scores, fp16 queries / bf16 keys", "snapkv scores", "compact_kv",
-            "copy_slots disjoint", "copy_slots staged"} <= kernels, kernels
+    assert {
+        "kara window scores",
+        "kara window scores, fp16 queries / bf16 keys",
+        "snapkv scores",
+        "compact_kv",
+        "copy_slots disjoint",
+        "copy_slots staged",
+    } <= kernels, kernels
     assert all(r["ok"] is not False for r in rows), rows
     assert all(r["rel_err"] <= r["tol"] for r in rows if "rel_err" in r)
     assert (tmp_path / "gpu_kernels.md").read_text().count("| tiny-gqa |") == len(rows)
@@ -52,10 +68,14 @@ def test_serving_plan_fits_an_h100_within_five_minutes():
     """Three serving shapes (32-36 layers, 8 KV heads, head_dim 128): the pool of the largest at the
     full batch is far below an 80 GB H100's quarter, and the pessimistic time bound is < 5 min."""
     models = gpu_kernels.MODELS
-    assert {m["kv_heads"] for m in models.values()} == {8} and {m["head_dim"] for m in models.values()} == {128}
+    assert {m["kv_heads"] for m in models.values()} == {8} and {
+        m["head_dim"] for m in models.values()
+    } == {128}
     assert max(m["layers"] for m in models.values()) == 36
-    biggest = max(gpu_kernels.pool_bytes(s, gpu_kernels.pool_slots(False, gpu_kernels.MAX_BATCH))
-                  for s in models.values())
+    biggest = max(
+        gpu_kernels.pool_bytes(s, gpu_kernels.pool_slots(False, gpu_kernels.MAX_BATCH))
+        for s in models.values()
+    )
     assert biggest < 80e9 / 4
     assert gpu_kernels.estimate_seconds(False) < 300
     plan = gpu_kernels.plan(False)

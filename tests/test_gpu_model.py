@@ -11,7 +11,12 @@ LLAMA8B, GPU = gm.MODELS["R1-Llama-8B"], gm.GPUS["rtx5090"]
 
 
 def test_param_counts_match_published_sizes():
-    want = {"R1-Llama-8B": 8.03e9, "Qwen3-8B": 8.19e9, "Qwen3-14B": 14.77e9, "Qwen3-4B": 4.02e9}
+    want = {
+        "R1-Llama-8B": 8.03e9,
+        "Qwen3-8B": 8.19e9,
+        "Qwen3-14B": 14.77e9,
+        "Qwen3-4B": 4.02e9,
+    }
     for name, n in want.items():
         assert gm.MODELS[name].params() == pytest.approx(n, rel=0.01), name
     assert LLAMA8B.kv_bytes_per_token() == 2 * 32 * 8 * 128 * 2  # 128 KiB per token
@@ -25,14 +30,20 @@ def test_step_time_monotone_in_batch_and_kv_length():
         s = np.linspace(0, 4e6, 200)
         t = gm.step_time(LLAMA8B, GPU, tp, 128, s)
         assert np.all(np.diff(t) >= 0) and t[-1] > t[0]
-        tb = gm.step_time(LLAMA8B, GPU, tp, np.arange(1, 300), 1e5)  # fixed KV, growing batch
+        tb = gm.step_time(
+            LLAMA8B, GPU, tp, np.arange(1, 300), 1e5
+        )  # fixed KV, growing batch
         assert np.all(np.diff(tb) >= 0)
 
 
 def test_eq10_literal_hand_computed():
     # L=2, D=4, B=3, S=5: compute 2*2*(12*3*16 + 2*3*5*4) = 2784 FLOPs; memory 4*2*3*5*4 = 480 bytes
-    assert gm.eq10_tpot(2, 4, 3, 5, rho=1000.0, beta=100.0) == pytest.approx(4.8)        # memory-bound
-    assert gm.eq10_tpot(2, 4, 3, 5, rho=100.0, beta=1000.0) == pytest.approx(27.84)      # compute-bound
+    assert gm.eq10_tpot(2, 4, 3, 5, rho=1000.0, beta=100.0) == pytest.approx(
+        4.8
+    )  # memory-bound
+    assert gm.eq10_tpot(2, 4, 3, 5, rho=100.0, beta=1000.0) == pytest.approx(
+        27.84
+    )  # compute-bound
     assert gm.eq11_throughput(2, 4, 3, 5, 1000.0, 100.0) == pytest.approx(3 / 4.8)
 
 
@@ -63,18 +74,27 @@ def test_sample_lengths_mean_and_cap():
     assert g.max() <= 8192 and g.min() >= 1 and abs(g.mean() - 3000) < 5
 
 
-@pytest.mark.parametrize("blocks", [10_000, 120])  # ample memory, and tight memory with preemptions
-@pytest.mark.parametrize("pol", [gm.Policy("full"), KARA, gm.Policy("snapkv", snap_threshold=160, snap_budget=129, snap_window=8)])
+@pytest.mark.parametrize(
+    "blocks", [10_000, 120]
+)  # ample memory, and tight memory with preemptions
+@pytest.mark.parametrize(
+    "pol",
+    [
+        gm.Policy("full"),
+        KARA,
+        gm.Policy("snapkv", snap_threshold=160, snap_budget=129, snap_window=8),
+    ],
+)
 def test_simulation_conserves_requests_and_tokens(blocks, pol):
     prompts, gens = small_workload()
     tr = gm.simulate(prompts, gens, pol, max_running=16, total_blocks=blocks, block=16)
-    assert np.array_equal(tr.gen, gens)                      # every request finished, exactly its length
-    assert tr.batch.sum() == gens.sum()                      # one token per running request per step
+    assert np.array_equal(tr.gen, gens)  # every request finished, exactly its length
+    assert tr.batch.sum() == gens.sum()  # one token per running request per step
     assert tr.batch.max() <= 16
-    assert np.all(tr.kv <= blocks * 16)                      # never more KV than the budget
-    assert np.all(tr.final_kv <= prompts + gens)             # compression never adds KV
+    assert np.all(tr.kv <= blocks * 16)  # never more KV than the budget
+    assert np.all(tr.final_kv <= prompts + gens)  # compression never adds KV
     if blocks == 120 and pol.kind == "full":
-        assert tr.preemptions > 0                            # the tight case exercises preemption
+        assert tr.preemptions > 0  # the tight case exercises preemption
     if pol.kind == "full":
         assert np.array_equal(tr.final_kv, prompts + gens)
 
@@ -85,7 +105,9 @@ def test_kara_never_holds_more_kv_than_full():
     kara = gm.simulate(prompts, gens, KARA, 16, 10_000, 16)
     assert np.all(kara.final_kv <= full.final_kv)
     assert np.any(kara.final_kv < full.final_kv)
-    for p, g in zip(prompts[:8], gens[:8]):  # one request alone: same schedule, so compare step by step
+    for p, g in zip(
+        prompts[:8], gens[:8]
+    ):  # one request alone: same schedule, so compare step by step
         f1 = gm.simulate([p], [g], gm.Policy("full"), 1, 10_000, 16)
         k1 = gm.simulate([p], [g], KARA, 1, 10_000, 16)
         assert len(f1.kv) == len(k1.kv) and np.all(k1.kv <= f1.kv)
@@ -95,13 +117,23 @@ def test_kara_compresses_per_event_limits():
     prompts, gens = small_workload()
     tr = gm.simulate(prompts, gens, KARA, 16, 10_000, 16)
     steps = np.arange(1, len(tr.ev_n) + 1)
-    assert np.all(tr.ev_n[steps % KARA.period != 0] == 0)   # events only every period steps
+    assert np.all(
+        tr.ev_n[steps % KARA.period != 0] == 0
+    )  # events only every period steps
     assert tr.ev_n.max() <= KARA.max_seqs and tr.ev_n.sum() > 0
 
 
 def test_event_time_zero_without_sequences_and_grows_with_them():
     pol = gm.Policy("kara")
-    t = gm.event_time(LLAMA8B, GPU, 4, pol, np.array([0, 1, 10, 30]), np.array([0, 3e3, 3e4, 9e4]), gm.Cost())
+    t = gm.event_time(
+        LLAMA8B,
+        GPU,
+        4,
+        pol,
+        np.array([0, 1, 10, 30]),
+        np.array([0, 3e3, 3e4, 9e4]),
+        gm.Cost(),
+    )
     assert t[0] == 0 and np.all(np.diff(t) > 0)
     measured = gm.Cost(cpu_event_ms=50.0, cpu_gpu_factor=100.0)
     t2 = gm.event_time(LLAMA8B, GPU, 4, pol, np.array([10]), np.array([3e4]), measured)
@@ -120,7 +152,16 @@ def test_main_runs_end_to_end_small(tmp_path, capsys):
     record beside it; without --out it only prints."""
     import json
 
-    argv = ["--requests", "40", "--mean-gen", "600", "--max-gen", "2000", "--batch-sizes", "16,64"]
+    argv = [
+        "--requests",
+        "40",
+        "--mean-gen",
+        "600",
+        "--max-gen",
+        "2000",
+        "--batch-sizes",
+        "16,64",
+    ]
     gm.main(argv)
     assert "| KvLLM | 64 |" in capsys.readouterr().out and not list(tmp_path.iterdir())
     gm.main(argv + ["--out", str(tmp_path)])

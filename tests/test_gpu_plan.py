@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import types
 
-import pytest
-
 import gpu_checks as gc
+import pytest
 
 
 def test_cuda_plan_fits_ten_minutes():
@@ -24,7 +23,9 @@ def test_cuda_plan_fits_ten_minutes():
     assert gc.budget_seconds(checks) == pytest.approx(bound) == pytest.approx(536.48)
     assert gc.budget_seconds(checks) < 600, gc.budget_seconds(checks)
     identity = [c[2] for c in checks if c[1] == "token_identity"]
-    assert {(b, p) for b, p, qs in identity if qs == "recompute"} == {(b, p) for b in gc.GPU_BACKENDS for p in (1, 64)}
+    assert {(b, p) for b, p, qs in identity if qs == "recompute"} == {
+        (b, p) for b in gc.GPU_BACKENDS for p in (1, 64)
+    }
     assert any(qs == "capture" for _, _, qs in identity)
     assert [c[0] for c in checks].count("kernels") == 1
 
@@ -32,9 +33,13 @@ def test_cuda_plan_fits_ten_minutes():
 class FakeEngine:
     def __init__(self, kind, opts, log):
         self.kind, self.opts = kind, opts
-        graphs_off = opts.get("disable_decode_cuda_graph", opts.get("kara_query_source") == "capture")
+        graphs_off = opts.get(
+            "disable_decode_cuda_graph", opts.get("kara_query_source") == "capture"
+        )
         decode = types.SimpleNamespace(backend="disabled" if graphs_off else "full")
-        self.server_args = types.SimpleNamespace(cuda_graph_config=types.SimpleNamespace(decode=decode))
+        self.server_args = types.SimpleNamespace(
+            cuda_graph_config=types.SimpleNamespace(decode=decode)
+        )
         log.append((kind, graphs_off, opts["attention_backend"], opts["page_size"]))
 
     def generate(self, prompts, params):
@@ -47,20 +52,27 @@ class FakeEngine:
 
 def test_vanilla_reference_has_the_kara_runs_graph_setting_and_starts_once(monkeypatch):
     log = []
-    monkeypatch.setattr(gc, "start", lambda kind, model, **opts: FakeEngine(kind, opts, log))
+    monkeypatch.setattr(
+        gc, "start", lambda kind, model, **opts: FakeEngine(kind, opts, log)
+    )
     monkeypatch.setattr(gc, "_VANILLA", {})
     for qs in ("recompute", "capture", "recompute"):
         r = gc.token_identity("m", "triton", 64, qs)
         assert r["identical"] and r["cuda_graphs"] == (qs == "recompute")
     vanilla = [e for e in log if e[0] == "sglang"]
-    assert vanilla == [("sglang", False, "triton", 64), ("sglang", True, "triton", 64)], log
+    assert vanilla == [
+        ("sglang", False, "triton", 64),
+        ("sglang", True, "triton", 64),
+    ], log
     assert len([e for e in log if e[0] == "kara"]) == 3
 
 
 def test_oracle_margin_is_the_float32_one_and_beats_the_error():
     ok = dict(max_err=0.03, tol=0.06, margin=0.04, unmasked_control=0.5)
     assert gc._oracle_ok(ok)
-    assert not gc._oracle_ok({**ok, "unmasked_control": 0.05})  # within twice the observed error
+    assert not gc._oracle_ok(
+        {**ok, "unmasked_control": 0.05}
+    )  # within twice the observed error
     assert not gc._oracle_ok({**ok, "max_err": 0.07})
 
 

@@ -9,8 +9,8 @@ import types
 
 import pytest
 import torch
-
 from kernel_launches import Allocator, Launches, Pool
+
 from sgl_kara import support
 from sgl_kara.config import KaraConfig
 from sgl_kara.kernels.window_score import window_scores_paged, window_scores_paged_ref
@@ -25,8 +25,15 @@ D, HQ, HKV, LAYERS = 16, 4, 2, 2  # tests/kernel_launches.Pool's defaults
 
 def _request(pool_idx: int, length: int, prompt: int = 8):
     tokens = list(range(100, 100 + length))
-    kv = types.SimpleNamespace(req_pool_idx=pool_idx, kv_committed_len=length, kv_allocated_len=length)
-    return types.SimpleNamespace(origin_input_ids=tokens[:prompt], output_ids=tokens[prompt:], kv=kv, rid=str(pool_idx))
+    kv = types.SimpleNamespace(
+        req_pool_idx=pool_idx, kv_committed_len=length, kv_allocated_len=length
+    )
+    return types.SimpleNamespace(
+        origin_input_ids=tokens[:prompt],
+        output_ids=tokens[prompt:],
+        kv=kv,
+        rid=str(pool_idx),
+    )
 
 
 # ------------------------------------------------------------------ recompute pass: no K/V write
@@ -48,7 +55,10 @@ class FusedRopeModel:
         g = torch.Generator().manual_seed(1)
         for lid in range(LAYERS):
             q = torch.randn(n, HQ * D, generator=g)
-            k, v = torch.randn(n, HKV, D, generator=g), torch.randn(n, HKV, D, generator=g)
+            k, v = (
+                torch.randn(n, HKV, D, generator=g),
+                torch.randn(n, HKV, D, generator=g),
+            )
             self.pool.k[lid][fb.out_cache_loc] = k  # the fused RoPE + set_kv_buffer
             self.pool.v[lid][fb.out_cache_loc] = v
             self.fused_wrote.append(fb.out_cache_loc.clone())
@@ -68,10 +78,18 @@ def test_recompute_pass_writes_no_kv_with_fused_rope_write(monkeypatch):
     from sgl_kara import _sglang
     from sgl_kara.scheduler.scoring import Scorer
 
-    monkeypatch.setattr(_sglang, "ForwardBatch", types.SimpleNamespace(
-        init_new=lambda sb, mr, **kw: types.SimpleNamespace(
-            batch=sb, out_cache_loc=sb.out_cache_loc, forward_mode=sb.forward_mode,
-            positions=torch.zeros(sb.out_cache_loc.shape[0], dtype=torch.int64))))
+    monkeypatch.setattr(
+        _sglang,
+        "ForwardBatch",
+        types.SimpleNamespace(
+            init_new=lambda sb, mr, **kw: types.SimpleNamespace(
+                batch=sb,
+                out_cache_loc=sb.out_cache_loc,
+                forward_mode=sb.forward_mode,
+                positions=torch.zeros(sb.out_cache_loc.shape[0], dtype=torch.int64),
+            )
+        ),
+    )
     pool = Pool()
     req_to_token = torch.zeros(4, 64, dtype=torch.int32)
     req_to_token[1] = torch.arange(1, 65)  # row 1: slots 1..64
@@ -79,9 +97,15 @@ def test_recompute_pass_writes_no_kv_with_fused_rope_write(monkeypatch):
     policy = KaraPolicy(KaraOptions(window=16, buffer=4, period=4))
     ctx = ForwardContext(policy, None, req_to_token, pool)
     mr = FusedRopeModel(ctx, pool)
-    rt = types.SimpleNamespace(model_runner=mr, req_to_token_pool=types.SimpleNamespace(req_to_token=req_to_token),
-                               forward=ctx, kv_pool=pool, layer_ids=list(range(LAYERS)), policy=policy,
-                               recompute_tokens=8192)
+    rt = types.SimpleNamespace(
+        model_runner=mr,
+        req_to_token_pool=types.SimpleNamespace(req_to_token=req_to_token),
+        forward=ctx,
+        kv_pool=pool,
+        layer_ids=list(range(LAYERS)),
+        policy=policy,
+        recompute_tokens=8192,
+    )
     jobs = []
     for i, (idx, length) in enumerate(((1, 40), (2, 36))):
         state = KaraReqState(protected=8, frontier=8)
@@ -92,8 +116,12 @@ def test_recompute_pass_writes_no_kv_with_fused_rope_write(monkeypatch):
     batch = types.SimpleNamespace(reqs=[j.req for j in jobs])
     scores = Scorer(rt)._recompute_scores(batch, jobs, rows, region)
     assert scores.shape == (2, LAYERS, HKV, 12) and bool(torch.isfinite(scores).all())
-    assert len(mr.fused_wrote) == LAYERS  # the last layer's rotary runs before ScoringComplete
-    assert all(bool((w == 0).all()) for w in mr.fused_wrote), "fused write not sent to the padding slot"
+    assert (
+        len(mr.fused_wrote) == LAYERS
+    )  # the last layer's rotary runs before ScoringComplete
+    assert all(bool((w == 0).all()) for w in mr.fused_wrote), (
+        "fused write not sent to the padding slot"
+    )
     for t, b in zip(pool.k + pool.v, before):
         assert torch.equal(t[1:], b[1:]), "the recompute pass rewrote cached K/V"
     window = torch.cat([req_to_token[1, 8:24], req_to_token[2, 8:24]]).to(torch.int64)
@@ -103,23 +131,41 @@ def test_recompute_pass_writes_no_kv_with_fused_rope_write(monkeypatch):
 
 # ------------------------------------------------------------------ decode observers
 def _cuda_args(model, **kw):
-    base = dict(model_path=model, device="cuda", dtype="bfloat16", max_running_requests=None,
-                max_total_tokens=None, radix_cache_backend=None, disable_overlap_schedule=False,
-                disable_cuda_graph=False, disable_decode_cuda_graph=False, kv_cache_dtype="auto")
+    base = dict(
+        model_path=model,
+        device="cuda",
+        dtype="bfloat16",
+        max_running_requests=None,
+        max_total_tokens=None,
+        radix_cache_backend=None,
+        disable_overlap_schedule=False,
+        disable_cuda_graph=False,
+        disable_decode_cuda_graph=False,
+        kv_cache_dtype="auto",
+    )
     return types.SimpleNamespace(**{**base, **kw})
 
 
-@pytest.mark.parametrize("policy, graphs_off", [("h2o", True), ("kara", False), ("snapkv", False)])
-def test_decode_observers_turn_decode_cuda_graphs_off(monkeypatch, tiny_llama, policy, graphs_off):
+@pytest.mark.parametrize(
+    "policy, graphs_off", [("h2o", True), ("kara", False), ("snapkv", False)]
+)
+def test_decode_observers_turn_decode_cuda_graphs_off(
+    monkeypatch, tiny_llama, policy, graphs_off
+):
     """A replayed decode graph never calls the attention hook, so H2O's observer would see nothing:
     its decode graphs are turned off (prefill graphs and the legacy switch left as they were);
     tests/test_gpu_resolution.py resolves every such configuration with SGLang itself."""
     monkeypatch.setattr(support, "cuda_available", lambda: False)
     monkeypatch.setattr(support, "device_memory_bytes", lambda device: None)
     args = _cuda_args(tiny_llama)
-    cfg = support.prepare_server_args(args, KaraConfig.build(policy=policy, query_source="recompute"))
+    cfg = support.prepare_server_args(
+        args, KaraConfig.build(policy=policy, query_source="recompute")
+    )
     assert cfg.query_source == "recompute"
-    assert args.disable_decode_cuda_graph is graphs_off and args.disable_cuda_graph is False
+    assert (
+        args.disable_decode_cuda_graph is graphs_off
+        and args.disable_cuda_graph is False
+    )
 
 
 def test_decode_observer_reads_rows_from_the_host():
@@ -128,30 +174,45 @@ def test_decode_observer_reads_rows_from_the_host():
     from sgl_kara.policies.h2o import H2OOptions, H2OPolicy
 
     req_to_token = torch.empty(8, 64, dtype=torch.int32, device="meta")
-    ctx = ForwardContext(H2OPolicy(H2OOptions(threshold=40, budget=20)), None, req_to_token,
-                         types.SimpleNamespace(start_layer=0))
+    ctx = ForwardContext(
+        H2OPolicy(H2OOptions(threshold=40, budget=20)),
+        None,
+        req_to_token,
+        types.SimpleNamespace(start_layer=0),
+    )
     reqs = [_request(3, 20), _request(5, 30)]
     for r in reqs:
         r.kara = KaraReqState()
     batch = types.SimpleNamespace(reqs=reqs, seq_lens_cpu=torch.tensor([21, 31]))
     fb = types.SimpleNamespace(
-        forward_mode=types.SimpleNamespace(is_idle=lambda: False, is_decode=lambda: True), batch_size=2,
+        forward_mode=types.SimpleNamespace(
+            is_idle=lambda: False, is_decode=lambda: True
+        ),
+        batch_size=2,
         req_pool_indices=torch.empty(2, dtype=torch.int64, device="meta"),
         positions=torch.empty(2, dtype=torch.int64, device="meta"),
-        seq_lens=torch.empty(2, dtype=torch.int64, device="meta"), seq_lens_cpu=None)
+        seq_lens=torch.empty(2, dtype=torch.int64, device="meta"),
+        seq_lens_cpu=None,
+    )
     ctx.on_forward_batch(batch, fb)
     slots, states = ctx.observed
     assert [s.shape[0] for s in slots] == [21, 31] and states == [r.kara for r in reqs]
 
 
 # ------------------------------------------------------------------ KV cache dtype != model dtype
-MIXED = [(torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16), (torch.float32, torch.bfloat16),
-         (torch.bfloat16, torch.float32)]
+MIXED = [
+    (torch.bfloat16, torch.float16),
+    (torch.float16, torch.bfloat16),
+    (torch.float32, torch.bfloat16),
+    (torch.bfloat16, torch.float32),
+]
 
 
 @pytest.mark.parametrize("q_dtype, k_dtype", MIXED)
 @pytest.mark.parametrize("use_triton", [True, False])
-def test_scores_with_a_kv_dtype_other_than_the_model_dtype(q_dtype, k_dtype, use_triton):
+def test_scores_with_a_kv_dtype_other_than_the_model_dtype(
+    q_dtype, k_dtype, use_triton
+):
     """Kernel (interpreted) and torch reference against an fp32 reference of the same values."""
     g = torch.Generator().manual_seed(3)
     q = (torch.randn(2, 24, 8, 32, generator=g) * 2).to(q_dtype)
@@ -175,8 +236,17 @@ def test_every_policy_scores_and_observes_with_mixed_dtypes():
         state = KaraReqState(protected=0, frontier=0)
         row = types.SimpleNamespace(state=state, pos_offset=0)
         if cls.observes_decode:
-            policy.observe(ObserveInput(0, q[0, :1].reshape(1, 4, 32), kb, [slots[0]], [state]))
-        inp = ScoreInput(0, q if cls.needs_queries else None, kb, slots, [row], [Region(0, 40, 10, 40, 8)])
+            policy.observe(
+                ObserveInput(0, q[0, :1].reshape(1, 4, 32), kb, [slots[0]], [state])
+            )
+        inp = ScoreInput(
+            0,
+            q if cls.needs_queries else None,
+            kb,
+            slots,
+            [row],
+            [Region(0, 40, 10, 40, 8)],
+        )
         s = policy.score(inp)
         assert s.shape == (1, 2, 40) and bool(torch.isfinite(s).all()), cls.name
 
@@ -185,9 +255,13 @@ def test_kv_cache_dtype_other_than_the_model_dtype_is_accepted(monkeypatch, tiny
     monkeypatch.setattr(support, "cuda_available", lambda: False)
     monkeypatch.setattr(support, "device_memory_bytes", lambda device: None)
     for kv in ("float16", "bfloat16", "float32"):
-        support.prepare_server_args(_cuda_args(tiny_llama, kv_cache_dtype=kv), KaraConfig())
+        support.prepare_server_args(
+            _cuda_args(tiny_llama, kv_cache_dtype=kv), KaraConfig()
+        )
     with pytest.raises(support.UnsupportedFeature, match="--kv-cache-dtype"):
-        support.prepare_server_args(_cuda_args(tiny_llama, kv_cache_dtype="fp8_e4m3"), KaraConfig())
+        support.prepare_server_args(
+            _cuda_args(tiny_llama, kv_cache_dtype="fp8_e4m3"), KaraConfig()
+        )
 
 
 # ------------------------------------------------------------------ warm-up compiles what events launch
@@ -201,13 +275,17 @@ def _event_launches(policy, pool, q_dtype, page: int, tails: list[int], prompt: 
     protected = -(-prompt // page) * page
     lengths = [protected + t for t in tails]
     alloc = Allocator(pool.k[0].shape[0], page)
-    alloc.alloc(3 * page)  # an odd offset into the free list, as after earlier allocations
+    alloc.alloc(
+        3 * page
+    )  # an odd offset into the free list, as after earlier allocations
     req_to_token = torch.zeros(len(lengths) + 1, 192, dtype=torch.int32)
     for i, n in enumerate(lengths):
         need = -(-n // page) * page
         req_to_token[i + 1, :need] = alloc.alloc(need).to(torch.int32)
     state = KaraReqState(protected=protected, frontier=protected)
-    regions = [policy.region(RowView(protected, protected, n, 0, state)) for n in lengths]
+    regions = [
+        policy.region(RowView(protected, protected, n, 0, state)) for n in lengths
+    ]
     groups: dict = {}
     for i, r in enumerate(regions):
         groups.setdefault(r.shape, []).append(i)
@@ -218,28 +296,50 @@ def _event_launches(policy, pool, q_dtype, page: int, tails: list[int], prompt: 
         rows = torch.tensor([i + 1 for i in idx])
         regs = [regions[i] for i in idx]
         M = regs[0].length
-        slots = req_to_token[rows[:, None], regs[0].start + torch.arange(M)].to(torch.int64)
-        for part in ([list(range(len(idx)))] + [[b] for b in range(len(idx))]):
-            sp = ScoringPass(policy, pool, list(range(LAYERS)), slots[part], [None] * len(part),
-                             [regs[b] for b in part])
+        slots = req_to_token[rows[:, None], regs[0].start + torch.arange(M)].to(
+            torch.int64
+        )
+        for part in [list(range(len(idx)))] + [[b] for b in range(len(idx))]:
+            sp = ScoringPass(
+                policy,
+                pool,
+                list(range(LAYERS)),
+                slots[part],
+                [None] * len(part),
+                [regs[b] for b in part],
+            )
             for lid in range(LAYERS):
                 q = None
                 if policy.needs_queries:
-                    q = ring.read(lid, torch.zeros(len(part), dtype=torch.int64),
-                                  torch.full((len(part),), regs[0].query_start), regs[0].query_len)
+                    q = ring.read(
+                        lid,
+                        torch.zeros(len(part), dtype=torch.int64),
+                        torch.full((len(part),), regs[0].query_start),
+                        regs[0].query_len,
+                    )
                 sp.score_layer(lid, q)
         kept = policy.select(torch.rand(len(idx), LAYERS, HKV, M), regs[0].keep)
-        plan = CompactionPlan(rows=rows, starts=[r.start for r in regs], lengths=[lengths[i] for i in idx],
-                              region=M, kept=kept)
+        plan = CompactionPlan(
+            rows=rows,
+            starts=[r.start for r in regs],
+            lengths=[lengths[i] for i in idx],
+            region=M,
+            kept=kept,
+        )
         compact_rows(plan, req_to_token, pool.k, pool.v, alloc.alloc, alloc.free, page)
 
 
-@pytest.mark.parametrize("policy_name, page, q_dtype, kv_dtype", [
-    ("kara", 1, torch.bfloat16, torch.bfloat16),
-    ("kara", 16, torch.float16, torch.bfloat16),
-    ("snapkv", 1, torch.float32, torch.float32),
-])
-def test_warm_up_compiles_every_specialisation_an_event_launches(monkeypatch, policy_name, page, q_dtype, kv_dtype):
+@pytest.mark.parametrize(
+    "policy_name, page, q_dtype, kv_dtype",
+    [
+        ("kara", 1, torch.bfloat16, torch.bfloat16),
+        ("kara", 16, torch.float16, torch.bfloat16),
+        ("snapkv", 1, torch.float32, torch.float32),
+    ],
+)
+def test_warm_up_compiles_every_specialisation_an_event_launches(
+    monkeypatch, policy_name, page, q_dtype, kv_dtype
+):
     from sgl_kara.policies.snapkv import SnapKVOptions, SnapKVPolicy
     from sgl_kara.scheduler.warm_up import warm_up_kernels
 
@@ -263,12 +363,14 @@ def test_captured_scores_are_read_in_bounded_chunks():
     """An event may hold every running request: the ring is read for at most recompute_tokens
     window tokens at a time, and the scores are those of one read of all of them."""
     from sgl_kara.kernels.window_score import window_scores_paged_ref
-    from sgl_kara.scheduler.scoring import Scorer
     from sgl_kara.scheduler.ring import QueryRing
+    from sgl_kara.scheduler.scoring import Scorer
 
     pool = Pool()
     policy = KaraPolicy(KaraOptions(window=16, buffer=4, period=4))
-    ring = QueryRing({l: (HQ, D) for l in range(LAYERS)}, 5, 64, 8, torch.float32, "cpu")
+    ring = QueryRing(
+        {l: (HQ, D) for l in range(LAYERS)}, 5, 64, 8, torch.float32, "cpu"
+    )
     for buf in ring.buffers.values():
         buf.normal_(generator=torch.Generator().manual_seed(5))
     reads = []
@@ -281,10 +383,21 @@ def test_captured_scores_are_read_in_bounded_chunks():
     jobs = [Job(i, r, r.kara, Region(8, 12, 3, 8, 16)) for i, r in enumerate(reqs)]
     rows = torch.tensor([r.kv.req_pool_idx for r in reqs])
     region = torch.stack([torch.arange(12) + 20 * i for i in range(5)])
-    rt = types.SimpleNamespace(ring=ring, policy=policy, kv_pool=pool, layer_ids=list(range(LAYERS)), check=False,
-                               recompute_tokens=32)
+    rt = types.SimpleNamespace(
+        ring=ring,
+        policy=policy,
+        kv_pool=pool,
+        layer_ids=list(range(LAYERS)),
+        check=False,
+        recompute_tokens=32,
+    )
     got = Scorer(rt)._captured_scores(None, jobs, rows, region, [8] * 5)
     assert reads and max(reads) <= 2, reads  # 32 tokens / 16 per window
     for lid in range(LAYERS):
         q = ring.read(lid, ring.rows_for(rows), torch.full((5,), 8), 16)
-        torch.testing.assert_close(got[:, lid], window_scores_paged_ref(q, pool.k[lid], region), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            got[:, lid],
+            window_scores_paged_ref(q, pool.k[lid], region),
+            rtol=1e-4,
+            atol=1e-5,
+        )

@@ -8,12 +8,12 @@ import math
 
 import pytest
 import torch
+from test_policy_seam import HKV, HQ, D, _policy
 
 from sgl_kara.policies import base
 from sgl_kara.policies import h2o as h2o_mod
 from sgl_kara.policies.base import ObserveInput, RowView, ScoreInput
 from sgl_kara.scheduler.state import KaraReqState
-from test_policy_seam import D, HKV, HQ, _policy
 
 
 def loop_observe(acc: dict, layer: int, queries, k_buffer, row_slots, states) -> None:
@@ -26,10 +26,14 @@ def loop_observe(acc: dict, layer: int, queries, k_buffer, row_slots, states) ->
             continue
         keys = k_buffer[slots]
         q = queries[i].float().reshape(hkv, hq // hkv, d)
-        probs = torch.softmax(torch.einsum("hgd,lhd->hgl", q, keys.float()) / math.sqrt(d), dim=-1).sum(1)
+        probs = torch.softmax(
+            torch.einsum("hgd,lhd->hgl", q, keys.float()) / math.sqrt(d), dim=-1
+        ).sum(1)
         per = acc.setdefault((id(state), layer), torch.zeros(hkv, 0))
         if per.shape[1] < slots.numel():
-            per = torch.cat([per, torch.zeros(hkv, slots.numel() - per.shape[1])], dim=1)
+            per = torch.cat(
+                [per, torch.zeros(hkv, slots.numel() - per.shape[1])], dim=1
+            )
         per[:, : slots.numel()] += probs
         acc[(id(state), layer)] = per
 
@@ -40,7 +44,9 @@ def test_h2o_accumulates_decode_attention_and_follows_compaction():
     g = torch.Generator().manual_seed(3)
     k_buffer = torch.randn(64, HKV, D, generator=g)
     state = KaraReqState()
-    rows = [torch.arange(5, 5 + n) for n in (7, 8, 9)]  # three decode steps of one request: prompt of 6
+    rows = [
+        torch.arange(5, 5 + n) for n in (7, 8, 9)
+    ]  # three decode steps of one request: prompt of 6
     expect = torch.zeros(HKV, 9)
     for slots in rows:
         q = torch.randn(1, HQ, D, generator=g)
@@ -55,11 +61,23 @@ def test_h2o_accumulates_decode_attention_and_follows_compaction():
     torch.testing.assert_close(acc[:3].T, expect[:, 6:9])
     assert (acc[3:] == 0).all()
     # score reads the region's accumulated attention; rows below the base have none
-    inp = ScoreInput(1, None, k_buffer, torch.zeros(1, 4, dtype=torch.long), [RowView(6, 6, 9, 0, state)],
-                     [base.Region(6, 2, 1)])
+    inp = ScoreInput(
+        1,
+        None,
+        k_buffer,
+        torch.zeros(1, 4, dtype=torch.long),
+        [RowView(6, 6, 9, 0, state)],
+        [base.Region(6, 2, 1)],
+    )
     torch.testing.assert_close(p.score(inp)[0][:, :3], expect[:, 6:9])
-    inp = ScoreInput(1, None, k_buffer, torch.zeros(1, 4, dtype=torch.long), [RowView(4, 4, 9, 0, state)],
-                     [base.Region(4, 4, 2)])
+    inp = ScoreInput(
+        1,
+        None,
+        k_buffer,
+        torch.zeros(1, 4, dtype=torch.long),
+        [RowView(4, 4, 9, 0, state)],
+        [base.Region(4, 4, 2)],
+    )
     got = p.score(inp)[0]
     assert (got[:, :2] == 0).all()
     torch.testing.assert_close(got[:, 2:], expect[:, 6:8])
@@ -81,10 +99,20 @@ def test_region_below_the_base_is_relaid_with_zeros():
     k_buffer = torch.randn(64, HKV, D, generator=g)
     state = KaraReqState()
     for n in (11, 12):
-        p.observe(ObserveInput(0, torch.randn(1, HQ, D, generator=g), k_buffer, [torch.arange(n)], [state]))
+        p.observe(
+            ObserveInput(
+                0,
+                torch.randn(1, HQ, D, generator=g),
+                k_buffer,
+                [torch.arange(n)],
+                [state],
+            )
+        )
     acc = state.policy_state["h2o"][0].clone()
     assert state.policy_state["h2o_base"] == 10
-    kept = torch.tensor([[[0, 5], [1, 6]]])  # region rows [4, 12) -> rows 4, 9 (head 0); 5, 10 (head 1)
+    kept = torch.tensor(
+        [[[0, 5], [1, 6]]]
+    )  # region rows [4, 12) -> rows 4, 9 (head 0); 5, 10 (head 1)
     p.on_compacted(state, 4, 8, kept, 12)
     assert state.policy_state["h2o_base"] == 4
     new = state.policy_state["h2o"][0]
@@ -127,8 +155,13 @@ def test_batched_observer_matches_the_per_request_loop(monkeypatch, chunk_tokens
         for layer in (0, 1):
             want = ref[(id(st), layer)]
             assert (want[:, b:n] > 0).all()
-            torch.testing.assert_close(st.policy_state["h2o"][layer][: n - b].T, want[:, b:n], rtol=1e-5, atol=1e-6)
-            assert (st.policy_state["h2o"][layer][n - b:] == 0).all()
+            torch.testing.assert_close(
+                st.policy_state["h2o"][layer][: n - b].T,
+                want[:, b:n],
+                rtol=1e-5,
+                atol=1e-6,
+            )
+            assert (st.policy_state["h2o"][layer][n - b :] == 0).all()
 
 
 def test_observer_reads_no_device_value_on_the_host():
@@ -139,7 +172,11 @@ def test_observer_reads_no_device_value_on_the_host():
     states = [KaraReqState(), KaraReqState()]
     slots = [torch.empty(n, dtype=torch.int64, device="meta") for n in (7, 12)]
     for layer in (0, 1):
-        p.observe(ObserveInput(layer, torch.empty(2, HQ, D, device="meta"), k_buffer, slots, states))
+        p.observe(
+            ObserveInput(
+                layer, torch.empty(2, HQ, D, device="meta"), k_buffer, slots, states
+            )
+        )
     assert [s.policy_state["h2o"][1].shape[1] for s in states] == [HKV, HKV]
     assert [s.policy_state["h2o_base"] for s in states] == [6, 11]
 
@@ -150,11 +187,20 @@ def test_accumulators_stay_within_the_memory_bound():
     from sgl_kara.memory import ModelShape
 
     state = KaraReqState()
-    for n in range(1, 2000):  # one more decoded entry per step, as the observer grows it
+    for n in range(
+        1, 2000
+    ):  # one more decoded entry per step, as the observer grows it
         acc = h2o_mod._accumulator(state, 0, HKV, n, "cpu")
         assert n <= acc.shape[0] <= 1.25 * n + h2o_mod.ACC_MIN_SLACK, (n, acc.shape)
-    shape = ModelShape(layers=2, q_heads=HQ, kv_heads=HKV, head_dim=D, context_len=4096, checkpoint_dtype="float32",
-                       weight_file_bytes=0)
+    shape = ModelShape(
+        layers=2,
+        q_heads=HQ,
+        kv_heads=HKV,
+        head_dim=D,
+        context_len=4096,
+        checkpoint_dtype="float32",
+        weight_file_bytes=0,
+    )
     p = _policy("h2o", threshold=800, budget=600)
     g = torch.Generator().manual_seed(9)
     k_buffer = torch.randn(1600, HKV, D, generator=g)
@@ -163,8 +209,18 @@ def test_accumulators_stay_within_the_memory_bound():
     for step in range(steps):
         row_slots = [torch.arange(i * 200, i * 200 + 4 + step + 1) for i in range(8)]
         for layer in range(shape.layers):
-            p.observe(ObserveInput(layer, torch.randn(8, HQ, D, generator=g), k_buffer, row_slots, states))
+            p.observe(
+                ObserveInput(
+                    layer,
+                    torch.randn(8, HQ, D, generator=g),
+                    k_buffer,
+                    row_slots,
+                    states,
+                )
+            )
     held = sum(t.numel() * 4 for s in states for t in s.policy_state["h2o"].values())
     workspace = h2o_mod.OBSERVE_TOKENS * (HKV * D * 8 + HQ * 8 + HKV * 8 + 16)
     pool = 8 * steps  # a pool holding exactly the decoded entries
-    assert held <= (h2o_mod.H2OPolicy.observer_bytes(shape, 4, pool, 8) - workspace) // 2
+    assert (
+        held <= (h2o_mod.H2OPolicy.observer_bytes(shape, 4, pool, 8) - workspace) // 2
+    )

@@ -22,9 +22,16 @@ def no_runtime(monkeypatch):
 
 def test_init_new(no_runtime):
     calls, batch, runner = [], object(), object()
-    fb = plugin._init_new_hook(sglang_original(sg.TARGET_INIT_NEW, calls, "fb"), "cls", batch, runner,
-                               return_hidden_states_before_norm=False)
-    assert fb == "fb" and calls[0]["batch"] is batch and calls[0]["model_runner"] is runner
+    fb = plugin._init_new_hook(
+        sglang_original(sg.TARGET_INIT_NEW, calls, "fb"),
+        "cls",
+        batch,
+        runner,
+        return_hidden_states_before_norm=False,
+    )
+    assert (
+        fb == "fb" and calls[0]["batch"] is batch and calls[0]["model_runner"] is runner
+    )
     assert calls[0]["return_hidden_states_before_norm"] is False
 
 
@@ -39,22 +46,57 @@ def test_attention(monkeypatch, kara):
             seen.append(save_kv_cache)
             return original(layer, q, k, v, fb, False)
 
-    monkeypatch.setattr(plugin, "_active", lambda: SimpleNamespace(forward=Forward()) if kara else None)
+    monkeypatch.setattr(
+        plugin, "_active", lambda: SimpleNamespace(forward=Forward()) if kara else None
+    )
     calls = []
-    out = plugin._attention_hook(sglang_original(sg.TARGET_ATTENTION, calls, "out"), "layer", "q", "k", "v", "fb",
-                                 True, 7, extra=1)
+    out = plugin._attention_hook(
+        sglang_original(sg.TARGET_ATTENTION, calls, "out"),
+        "layer",
+        "q",
+        "k",
+        "v",
+        "fb",
+        True,
+        7,
+        extra=1,
+    )
     assert out == "out" and seen == ([True] if kara else [])
-    assert calls == [{"self": "layer", "q": "q", "k": "k", "v": "v", "forward_batch": "fb",
-                      "save_kv_cache": not kara, "key_value_num_tokens": 7, "kwargs": {"extra": 1}}]
+    assert calls == [
+        {
+            "self": "layer",
+            "q": "q",
+            "k": "k",
+            "v": "v",
+            "forward_batch": "fb",
+            "save_kv_cache": not kara,
+            "key_value_num_tokens": 7,
+            "kwargs": {"extra": 1},
+        }
+    ]
 
 
 def test_retraction_order(no_runtime):
     calls, reqs = [], ["a", "b"]
-    assert plugin._retraction_order_hook(sglang_original(sg.TARGET_RETRACTION_ORDER, calls, [1, 0]), reqs) == [1, 0]
+    assert plugin._retraction_order_hook(
+        sglang_original(sg.TARGET_RETRACTION_ORDER, calls, [1, 0]), reqs
+    ) == [1, 0]
     assert calls == [{"reqs": reqs}]
 
 
 def test_meta_info():
     calls, meta = [], {"kara": [{"compressions": 1}]}
-    unwrap_meta_hook(sglang_original(sg.TARGET_META_INFO, calls, None), "manager", meta, "state", {}, 0, None)
-    assert meta == {"kara": {"compressions": 1}} and calls[0]["meta_info"] is meta and calls[0]["index"] == 0
+    unwrap_meta_hook(
+        sglang_original(sg.TARGET_META_INFO, calls, None),
+        "manager",
+        meta,
+        "state",
+        {},
+        0,
+        None,
+    )
+    assert (
+        meta == {"kara": {"compressions": 1}}
+        and calls[0]["meta_info"] is meta
+        and calls[0]["index"] == 0
+    )

@@ -16,6 +16,8 @@ _TRITON_PREIMPORTED = "triton" in sys.modules
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+import triton.language as tl  # noqa: E402
+
 from sgl_kara.kernels import (  # noqa: E402
     compact_kv,
     compact_kv_ref,
@@ -24,7 +26,6 @@ from sgl_kara.kernels import (  # noqa: E402
     window_scores_paged,
     window_scores_paged_ref,
 )
-import triton.language as tl  # noqa: E402
 from sgl_kara.policies import select, window_scores  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -44,8 +45,10 @@ TOL = {
 def _interpreter_guard():
     # tl.zeros is itself @triton.jit'd when triton is imported; it must be interpreted too.
     if DEV == "cpu" and type(tl.zeros).__name__ != "InterpretedFunction":
-        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set "
-                    f"(pre-imported: {_TRITON_PREIMPORTED}); run with TRITON_INTERPRET=1")
+        pytest.fail(
+            "triton was imported before TRITON_INTERPRET=1 was set "
+            f"(pre-imported: {_TRITON_PREIMPORTED}); run with TRITON_INTERPRET=1"
+        )
 
 
 # --------------------------------------------------------------------------- window scores
@@ -76,7 +79,9 @@ def test_window_scores_paged(b, w, m, hq, hkv, d, dtype):
     s = 3 * m + 5
     q = (torch.randn(b, w, hq, d, generator=gen) * 2).to(dtype).to(DEV)
     kb = (torch.randn(s, hkv, d, generator=gen) * 2).to(dtype).to(DEV)
-    slots = torch.stack([torch.randperm(s, generator=gen)[:m] for _ in range(b)]).to(DEV)
+    slots = torch.stack([torch.randperm(s, generator=gen)[:m] for _ in range(b)]).to(
+        DEV
+    )
     slots = slots.to(torch.int32 if b == 2 else torch.int64)
     out = window_scores_paged(q, kb, slots, use_triton=True)
     ref = window_scores_paged_ref(q, kb, slots)
@@ -90,10 +95,16 @@ def test_window_scores_paged_scale_and_default_dispatch():
     q = torch.randn(1, 20, 2, 64, generator=gen).to(DEV)
     kb = torch.randn(40, 2, 64, generator=gen).to(DEV)
     slots = torch.arange(5, 25, device=DEV).view(1, 20)
-    out = window_scores_paged(q, kb, slots, scale=0.05)  # None -> Triton (interpreter / CUDA)
-    torch.testing.assert_close(out, window_scores_paged_ref(q, kb, slots, 0.05), **TOL[torch.float32])
+    out = window_scores_paged(
+        q, kb, slots, scale=0.05
+    )  # None -> Triton (interpreter / CUDA)
     torch.testing.assert_close(
-        window_scores_paged(q, kb, slots, use_triton=False), window_scores_paged_ref(q, kb, slots))
+        out, window_scores_paged_ref(q, kb, slots, 0.05), **TOL[torch.float32]
+    )
+    torch.testing.assert_close(
+        window_scores_paged(q, kb, slots, use_triton=False),
+        window_scores_paged_ref(q, kb, slots),
+    )
 
 
 def test_window_scores_paged_validation():
@@ -120,18 +131,24 @@ def test_window_scores_paged_validation():
 
 def _pools(n_layers, s, h, d, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
-    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32}[torch.empty(0, dtype=dtype).element_size()]
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32}[
+        torch.empty(0, dtype=dtype).element_size()
+    ]
     info = torch.iinfo(bits)
 
     def one():  # arbitrary bit patterns, NaN payloads included
-        raw = torch.randint(info.min, info.max, (s, h, d), generator=gen, dtype=torch.int64)
+        raw = torch.randint(
+            info.min, info.max, (s, h, d), generator=gen, dtype=torch.int64
+        )
         return raw.to(bits).view(dtype).to(DEV)
 
     return [one() for _ in range(n_layers)], [one() for _ in range(n_layers)]
 
 
 def _bits_equal(xs, ys):
-    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(xs, ys))
+    return all(
+        torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(xs, ys)
+    )
 
 
 COMPACT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -140,20 +157,32 @@ if hasattr(torch, "float8_e4m3fn"):
 
 
 @pytest.mark.parametrize("dtype", COMPACT_DTYPES)
-@pytest.mark.parametrize("b,n_layers,h,d,k", [(2, 3, 2, 64, 37), (1, 2, 1, 128, 5), (3, 1, 8, 64, 70)])
+@pytest.mark.parametrize(
+    "b,n_layers,h,d,k", [(2, 3, 2, 64, 37), (1, 2, 1, 128, 5), (3, 1, 8, 64, 70)]
+)
 def test_compact_kv_bit_exact(dtype, b, n_layers, h, d, k):
     old = 2 * k + 3  # slots [0, old) hold the window, fresh slots come after
     s = old + b * k + 7
     kb, vb = _pools(n_layers, s, h, d, dtype, seed=k + h)
     gen = torch.Generator().manual_seed(k)
-    src = torch.stack([torch.sort(torch.randperm(old, generator=gen)[:k]).values
-                       for _ in range(b * n_layers * h)]).view(b, n_layers, h, k).to(DEV)
+    src = (
+        torch.stack(
+            [
+                torch.sort(torch.randperm(old, generator=gen)[:k]).values
+                for _ in range(b * n_layers * h)
+            ]
+        )
+        .view(b, n_layers, h, k)
+        .to(DEV)
+    )
     dst = (old + torch.randperm(b * k, generator=gen)).view(b, k).to(DEV)
     kr, vr = [t.clone() for t in kb], [t.clone() for t in vb]
     kc, vc = [t.clone() for t in kb], [t.clone() for t in vb]
     compact_kv(kb, vb, src, dst, use_triton=True)
     compact_kv_ref(kr, vr, src, dst)
-    compact_kv(kc, vc, src, dst, use_triton=False)  # the path without Triton (CPU serving)
+    compact_kv(
+        kc, vc, src, dst, use_triton=False
+    )  # the path without Triton (CPU serving)
     assert _bits_equal(kb + vb, kr + vr)
     assert _bits_equal(kc + vc, kr + vr)
     # and the reference does what the docstring says
@@ -161,8 +190,10 @@ def test_compact_kv_bit_exact(dtype, b, n_layers, h, d, k):
     for l in range(n_layers):
         for bi in range(b):
             for hi in range(h):
-                assert torch.equal(kr[l][dst[bi], hi].view(torch.uint8),
-                                   kb0[l][src[bi, l, hi], hi].view(torch.uint8))
+                assert torch.equal(
+                    kr[l][dst[bi], hi].view(torch.uint8),
+                    kb0[l][src[bi, l, hi], hi].view(torch.uint8),
+                )
 
 
 def test_compact_kv_preconditions():
@@ -210,14 +241,29 @@ def test_score_select_compact_pipeline():
     kb = [torch.randn(s, hkv, d, generator=gen).to(DEV) for _ in range(n_layers)]
     qs = [torch.randn(b, w, hq, d, generator=gen).to(DEV) for _ in range(n_layers)]
     slots = torch.arange(b * w, device=DEV).view(b, w)[:, :m]
-    idx = torch.stack([select(window_scores_paged(qs[l], kb[l], slots).reshape(-1, m),
-                              0.4, 4, 5).view(b, hkv, -1) for l in range(n_layers)], dim=1)
-    ref_idx = torch.stack([select(window_scores(qs[l], kb[l][slots]), 0.4, 4, 5)
-                           for l in range(n_layers)], dim=1)
+    idx = torch.stack(
+        [
+            select(
+                window_scores_paged(qs[l], kb[l], slots).reshape(-1, m), 0.4, 4, 5
+            ).view(b, hkv, -1)
+            for l in range(n_layers)
+        ],
+        dim=1,
+    )
+    ref_idx = torch.stack(
+        [
+            select(window_scores(qs[l], kb[l][slots]), 0.4, 4, 5)
+            for l in range(n_layers)
+        ],
+        dim=1,
+    )
     assert torch.equal(idx, ref_idx)  # scores agree closely enough to pick the same set
     src = slots[:, None, None, :].expand(b, n_layers, hkv, m).gather(3, idx)
     dst = (b * w + torch.arange(b * idx.shape[-1], device=DEV)).view(b, -1)
-    expect = [kb[l][src[:, l].transpose(1, 2), torch.arange(hkv, device=DEV)] for l in range(n_layers)]
+    expect = [
+        kb[l][src[:, l].transpose(1, 2), torch.arange(hkv, device=DEV)]
+        for l in range(n_layers)
+    ]
     compact_kv(kb, vb, src, dst)
     for l in range(n_layers):
         assert torch.equal(kb[l][dst], expect[l])

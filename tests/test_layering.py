@@ -32,16 +32,49 @@ ROOT = Path(sgl_kara.__file__).parent
 
 FORBIDDEN = {
     "kernels": ("sgl_kara", "sglang"),
-    "policies": ("sgl_kara.config", "sgl_kara.mem_cache", "sgl_kara.scheduler", "sgl_kara._sglang", "sglang",
-                 "sgl_kara.support", "sgl_kara.memory"),
-    "config.py": ("sgl_kara.mem_cache", "sgl_kara.scheduler", "sgl_kara._sglang", "sglang"),
+    "policies": (
+        "sgl_kara.config",
+        "sgl_kara.mem_cache",
+        "sgl_kara.scheduler",
+        "sgl_kara._sglang",
+        "sglang",
+        "sgl_kara.support",
+        "sgl_kara.memory",
+    ),
+    "config.py": (
+        "sgl_kara.mem_cache",
+        "sgl_kara.scheduler",
+        "sgl_kara._sglang",
+        "sglang",
+    ),
     "mem_cache": ("sgl_kara.scheduler",),
     "process.py": ("sgl_kara", "sglang"),
-    "cpu": ("sgl_kara.scheduler", "sgl_kara.mem_cache", "sgl_kara.policies", "sgl_kara.config", "sgl_kara.kernels",
-            "sgl_kara.support", "sgl_kara.memory", "sgl_kara.plugin", "sgl_kara.engine", "sgl_kara.launch_server"),
-    "models": ("sglang", "sgl_kara._sglang", "sgl_kara.scheduler", "sgl_kara.mem_cache", "sgl_kara.policies",
-               "sgl_kara.config", "sgl_kara.kernels", "sgl_kara.cpu", "sgl_kara.support", "sgl_kara.plugin",
-               "sgl_kara.engine", "sgl_kara.launch_server"),
+    "cpu": (
+        "sgl_kara.scheduler",
+        "sgl_kara.mem_cache",
+        "sgl_kara.policies",
+        "sgl_kara.config",
+        "sgl_kara.kernels",
+        "sgl_kara.support",
+        "sgl_kara.memory",
+        "sgl_kara.plugin",
+        "sgl_kara.engine",
+        "sgl_kara.launch_server",
+    ),
+    "models": (
+        "sglang",
+        "sgl_kara._sglang",
+        "sgl_kara.scheduler",
+        "sgl_kara.mem_cache",
+        "sgl_kara.policies",
+        "sgl_kara.config",
+        "sgl_kara.kernels",
+        "sgl_kara.cpu",
+        "sgl_kara.support",
+        "sgl_kara.plugin",
+        "sgl_kara.engine",
+        "sgl_kara.launch_server",
+    ),
 }
 
 
@@ -63,12 +96,18 @@ def _imports(path: Path) -> list[str]:
 
 @pytest.mark.parametrize("layer", sorted(FORBIDDEN))
 def test_no_upward_imports(layer):
-    files = [ROOT / layer] if layer.endswith(".py") else sorted((ROOT / layer).rglob("*.py"))
+    files = (
+        [ROOT / layer]
+        if layer.endswith(".py")
+        else sorted((ROOT / layer).rglob("*.py"))
+    )
     bad = []
     for path in files:
         for name in _imports(path):
             allowed_self = layer == "kernels" and name.startswith("sgl_kara.kernels")
-            if not allowed_self and any(name == f or name.startswith(f + ".") for f in FORBIDDEN[layer]):
+            if not allowed_self and any(
+                name == f or name.startswith(f + ".") for f in FORBIDDEN[layer]
+            ):
                 bad.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not bad, bad
 
@@ -77,7 +116,9 @@ def _has_attribute(owner, name: str) -> bool:
     if hasattr(owner, name):
         return True
     if inspect.isclass(owner):
-        if dataclasses.is_dataclass(owner) and name in {f.name for f in dataclasses.fields(owner)}:
+        if dataclasses.is_dataclass(owner) and name in {
+            f.name for f in dataclasses.fields(owner)
+        }:
             return True
         if name in getattr(owner, "__annotations__", {}):
             return True
@@ -117,7 +158,9 @@ def test_every_sglang_touch_point_exists():
 def test_every_patch_note_is_indexed():
     notes = {p.name for p in (ROOT.parent / "patches").glob("*.md")} - {"README.md"}
     index = (ROOT.parent / "patches" / "README.md").read_text()
-    assert all(f"({n})" in index for n in notes), sorted(n for n in notes if f"({n})" not in index)
+    assert all(f"({n})" in index for n in notes), sorted(
+        n for n in notes if f"({n})" not in index
+    )
 
 
 def _sglang_imports(path: Path) -> list[str]:
@@ -131,18 +174,35 @@ def _sglang_imports(path: Path) -> list[str]:
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and not node.level:
             names = [node.module or ""]
-        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+        elif (
+            isinstance(node, ast.Call)
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
             func = node.func
-            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
-            if called in ("import_module", "__import__", "resolve_name") and isinstance(node.args[0].value, str):
+            called = (
+                func.attr
+                if isinstance(func, ast.Attribute)
+                else getattr(func, "id", "")
+            )
+            if called in ("import_module", "__import__", "resolve_name") and isinstance(
+                node.args[0].value, str
+            ):
                 names = [node.args[0].value]
-        found += [f"{node.lineno}: {n}" for n in names if n == "sglang" or n.startswith("sglang.")]
+        found += [
+            f"{node.lineno}: {n}"
+            for n in names
+            if n == "sglang" or n.startswith("sglang.")
+        ]
     return found
 
 
 def test_only_the_sglang_module_imports_sglang():
-    bad = {str(p.relative_to(ROOT)): hits for p in sorted(ROOT.rglob("*.py"))
-           if p != ROOT / "_sglang.py" and (hits := _sglang_imports(p))}
+    bad = {
+        str(p.relative_to(ROOT)): hits
+        for p in sorted(ROOT.rglob("*.py"))
+        if p != ROOT / "_sglang.py" and (hits := _sglang_imports(p))
+    }
     assert not bad, bad
     assert _sglang_imports(ROOT / "_sglang.py")  # the check sees imports where they are
 
@@ -152,7 +212,11 @@ def _raw(path: str):
     classmethod or staticmethod unwrapped to its function; a plugin hook's wrapper to SGLang's own)."""
     owner_path, _, name = path.rpartition(".")
     owner = pkgutil.resolve_name(owner_path)
-    obj = inspect.getattr_static(owner, name) if inspect.isclass(owner) else getattr(owner, name)
+    obj = (
+        inspect.getattr_static(owner, name)
+        if inspect.isclass(owner)
+        else getattr(owner, name)
+    )
     if isinstance(obj, (classmethod, staticmethod)):
         obj = obj.__func__
     if inspect.isclass(obj):
@@ -163,19 +227,35 @@ def _raw(path: str):
 def signature_text(fn) -> str:
     """Names, order, kinds and defaults of ``fn``'s parameters, without annotations."""
     sig = inspect.signature(fn, follow_wrapped=False)
-    params = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]
-    return str(sig.replace(parameters=params, return_annotation=inspect.Signature.empty))
+    params = [
+        p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()
+    ]
+    return str(
+        sig.replace(parameters=params, return_annotation=inspect.Signature.empty)
+    )
 
 
 def test_every_hooked_or_overridden_sglang_callable_has_the_recorded_signature():
     from sgl_kara import _sglang as sg
 
-    targets = [t for k, v in vars(sg).items() if k.startswith("TARGET_")
-               for t in (v if isinstance(v, tuple) else (v,))]
-    assert set(targets) | set(sg.OVERRIDDEN) == set(sg.SIGNATURES)  # every target has one
-    changed = {path: (signature_text(_raw(path)), want) for path, want in sg.SIGNATURES.items()
-               if signature_text(_raw(path)) != want}
-    assert not changed, "SGLang signatures differ from sgl_kara/_sglang.py (installed, recorded): " + repr(changed)
+    targets = [
+        t
+        for k, v in vars(sg).items()
+        if k.startswith("TARGET_")
+        for t in (v if isinstance(v, tuple) else (v,))
+    ]
+    assert set(targets) | set(sg.OVERRIDDEN) == set(
+        sg.SIGNATURES
+    )  # every target has one
+    changed = {
+        path: (signature_text(_raw(path)), want)
+        for path, want in sg.SIGNATURES.items()
+        if signature_text(_raw(path)) != want
+    }
+    assert not changed, (
+        "SGLang signatures differ from sgl_kara/_sglang.py (installed, recorded): "
+        + repr(changed)
+    )
 
 
 def _follows(impl, path: str, first: str) -> str | None:
@@ -184,18 +264,25 @@ def _follows(impl, path: str, first: str) -> str | None:
     named parameter must be SGLang's parameter at the same place under the same name (the first,
     self / cls, may be renamed: it is always passed by position), keyword-only ones SGLang's
     keyword-only ones; what it does not name, ``*args`` / ``**kwargs`` must take."""
-    want = [p for p in inspect.signature(_raw(path), follow_wrapped=False).parameters.values()]
+    want = [
+        p
+        for p in inspect.signature(_raw(path), follow_wrapped=False).parameters.values()
+    ]
     got = list(inspect.signature(impl, follow_wrapped=False).parameters.values())
     if first:
         if not got or got[0].name != first:
             return f"first parameter should be {first!r}"
         got = got[1:]
     P = inspect.Parameter
-    positional = [p for p in got if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    positional = [
+        p for p in got if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)
+    ]
     keyword = {p.name: p for p in got if p.kind == P.KEYWORD_ONLY}
     var_pos = any(p.kind == P.VAR_POSITIONAL for p in got)
     var_kw = any(p.kind == P.VAR_KEYWORD for p in got)
-    sg_positional = [p for p in want if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    sg_positional = [
+        p for p in want if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)
+    ]
     if len(positional) > len(sg_positional):
         return f"takes {len(positional)} positional parameters, SGLang {len(sg_positional)}"
     for i, (mine, theirs) in enumerate(zip(positional, sg_positional)):
@@ -205,7 +292,7 @@ def _follows(impl, path: str, first: str) -> str | None:
             return f"parameter {mine.name!r}: SGLang's has {'no ' if theirs.default is P.empty else ''}default"
         if theirs.default is not P.empty and mine.default != theirs.default:
             return f"parameter {mine.name!r} defaults to {mine.default!r}, SGLang's to {theirs.default!r}"
-    for theirs in sg_positional[len(positional):]:
+    for theirs in sg_positional[len(positional) :]:
         if not (var_pos or var_kw):
             return f"does not take SGLang's {theirs.name!r}"
     for theirs in want:
@@ -223,37 +310,57 @@ def test_every_hook_takes_its_targets_parameters_as_sglang_names_them(monkeypatc
     from sgl_kara import _sglang as sg
     from sgl_kara import plugin
 
-    monkeypatch.setenv("KARA_PACKED_CPU_LINEAR", "1")  # the linear hooks are in the list
+    monkeypatch.setenv(
+        "KARA_PACKED_CPU_LINEAR", "1"
+    )  # the linear hooks are in the list
 
     hooks = [h for part in plugin.PARTS for h in plugin.HOOKS[part]()]
     hooks.append((sg.TARGET_SET_ENVS, plugin._fork_after_set_envs, sg.HookType.AFTER))
-    assert {t for t, *_ in hooks} == {t for k, v in vars(sg).items() if k.startswith("TARGET_") and k != "TARGET_SCHEDULER"
-                                      for t in (v if isinstance(v, tuple) else (v,))}
+    assert {t for t, *_ in hooks} == {
+        t
+        for k, v in vars(sg).items()
+        if k.startswith("TARGET_") and k != "TARGET_SCHEDULER"
+        for t in (v if isinstance(v, tuple) else (v,))
+    }
     first = {sg.HookType.AROUND: "original", sg.HookType.AFTER: "result"}
-    bad = {f"{target} <- {hook.__qualname__}": why for target, hook, kind in hooks
-           if (why := _follows(hook, target, first[kind]))}
+    bad = {
+        f"{target} <- {hook.__qualname__}": why
+        for target, hook, kind in hooks
+        if (why := _follows(hook, target, first[kind]))
+    }
     assert not bad, bad
 
 
 def _overrides():
     """(SGLang path, sgl_kara's method) for every method sgl_kara's SGLang subclasses define over
     one of their SGLang bases."""
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+
     from sgl_kara import _sglang as sg
     from sgl_kara.mem_cache.radix import KaraRadixCache
     from sgl_kara.scheduler.admission import make_prefill_adder
     from sgl_kara.scheduler.kara_scheduler import KaraScheduler
     from sgl_kara.scheduler.output import make_output_streamer
 
-    from sglang.srt.managers.schedule_policy import PrefillAdder
-
-    classes = [KaraScheduler, KaraRadixCache, make_output_streamer(sg.SchedulerOutputStreamer),
-               make_prefill_adder(PrefillAdder, runtime=None)]
+    classes = [
+        KaraScheduler,
+        KaraRadixCache,
+        make_output_streamer(sg.SchedulerOutputStreamer),
+        make_prefill_adder(PrefillAdder, runtime=None),
+    ]
     out = []
     for cls in classes:
         for name, value in vars(cls).items():
             if not inspect.isfunction(value) or name.startswith("__"):
                 continue
-            base = next((b for b in cls.__mro__[1:] if b.__module__.startswith("sglang.") and name in vars(b)), None)
+            base = next(
+                (
+                    b
+                    for b in cls.__mro__[1:]
+                    if b.__module__.startswith("sglang.") and name in vars(b)
+                ),
+                None,
+            )
             if base is not None:
                 out.append((f"{base.__module__}.{base.__qualname__}.{name}", value))
     return out
@@ -263,8 +370,14 @@ def test_every_override_takes_sglangs_parameters():
     from sgl_kara import _sglang as sg
 
     overrides = _overrides()
-    assert len(overrides) >= 8  # KaraScheduler 4, output streamer 2, prefill adder 2, radix 1
+    assert (
+        len(overrides) >= 8
+    )  # KaraScheduler 4, output streamer 2, prefill adder 2, radix 1
     missing = [path for path, _ in overrides if path not in sg.SIGNATURES]
     assert not missing, f"record these in sgl_kara/_sglang.py (OVERRIDDEN): {missing}"
-    bad = {f"{path} <- {fn.__qualname__}": why for path, fn in overrides if (why := _follows(fn, path, ""))}
+    bad = {
+        f"{path} <- {fn.__qualname__}": why
+        for path, fn in overrides
+        if (why := _follows(fn, path, ""))
+    }
     assert not bad, bad

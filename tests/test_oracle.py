@@ -14,27 +14,46 @@ from the engine after the first event, and before it both references must agree 
 from __future__ import annotations
 
 import pytest
-
 from oracle import KARA, TOL, engine_options, read_evictions, record_path, run_and_check  # noqa: F401  (tests/gpu_checks.py imports TOL and run_and_check from here)
 
 
-@pytest.mark.parametrize("arch, page, query_source", [  # the shared Llama capture engine last: reused below
-    ("llama", 16, "recompute"),
-    ("qwen3", 1, "recompute"),
-    ("qwen3", 16, "capture"),
-    ("llama", 1, "capture"),
-])
-def test_kara_matches_masked_reference(arch, page, query_source, tiny_llama, tiny_qwen3, tmp_path, engines):
-    run_and_check({"llama": tiny_llama, "qwen3": tiny_qwen3}[arch], tmp_path, page, query_source, engines=engines)
+@pytest.mark.parametrize(
+    "arch, page, query_source",
+    [  # the shared Llama capture engine last: reused below
+        ("llama", 16, "recompute"),
+        ("qwen3", 1, "recompute"),
+        ("qwen3", 16, "capture"),
+        ("llama", 1, "capture"),
+    ],
+)
+def test_kara_matches_masked_reference(
+    arch, page, query_source, tiny_llama, tiny_qwen3, tmp_path, engines
+):
+    run_and_check(
+        {"llama": tiny_llama, "qwen3": tiny_qwen3}[arch],
+        tmp_path,
+        page,
+        query_source,
+        engines=engines,
+    )
 
 
 def test_buffer_scoring_matches_masked_reference(tiny_llama, tmp_path, engines):
     """--kara-scoring buffer with recompute (a forward over the last U window tokens only)."""
-    run_and_check(tiny_llama, tmp_path, 1, "recompute", extra=dict(kara_scoring="buffer"), engines=engines)
+    run_and_check(
+        tiny_llama,
+        tmp_path,
+        1,
+        "recompute",
+        extra=dict(kara_scoring="buffer"),
+        engines=engines,
+    )
 
 
 @pytest.mark.integration  # engines of their own configurations (docs/TESTING.md, tiers)
-def test_requests_without_a_ring_row_fall_back_to_recompute(tiny_llama, tmp_path, engines):
+def test_requests_without_a_ring_row_fall_back_to_recompute(
+    tiny_llama, tmp_path, engines
+):
     """A capture ring with fewer rows than running requests (memory.ring_rows bounds it by the
     pool; ``--kara-query-ring-rows 1`` forces it here): the requests without a row are scored from
     recomputed queries while the row's holder is scored from the ring, in the same event (the
@@ -46,23 +65,52 @@ def test_requests_without_a_ring_row_fall_back_to_recompute(tiny_llama, tmp_path
     import json
 
     def per_prompt(outs, query_source, extra=None, env_extra=None):
-        record = record_path(tiny_llama, engine_options("kara", query_source, 1, extra), env_extra)
+        record = record_path(
+            tiny_llama, engine_options("kara", query_source, 1, extra), env_extra
+        )
         events = read_evictions(record)
-        return [([(e["logical_len"], e["evicted"]) for e in events[o["meta_info"]["id"]]], o["output_ids"])
-                for o in outs]
+        return [
+            (
+                [
+                    (e["logical_len"], e["evicted"])
+                    for e in events[o["meta_info"]["id"]]
+                ],
+                o["output_ids"],
+            )
+            for o in outs
+        ]
 
     trace = {"KARA_TRACE": str(tmp_path / "trace.jsonl")}
     ring1 = {"kara_query_ring_rows": 1}
-    fell_back = run_and_check(tiny_llama, tmp_path, 1, "capture", extra=ring1, env_extra=trace, engines=engines)[0]
-    steps = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    fell_back = run_and_check(
+        tiny_llama,
+        tmp_path,
+        1,
+        "capture",
+        extra=ring1,
+        env_extra=trace,
+        engines=engines,
+    )[0]
+    steps = [
+        json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()
+    ]
     assert max(s["running"] for s in steps) == 3
     scored = sum(o["meta_info"]["kara"]["compressions"] for o in fell_back)
-    assert 0 < steps[-1]["kara_recompute_fallbacks"] < scored  # some windows came from the ring
+    assert (
+        0 < steps[-1]["kara_recompute_fallbacks"] < scored
+    )  # some windows came from the ring
     mixed = per_prompt(fell_back, "capture", ring1, trace)
-    recomputed = per_prompt(run_and_check(tiny_llama, tmp_path, 1, "recompute", engines=engines)[0], "recompute")
-    captured = per_prompt(run_and_check(tiny_llama, tmp_path, 1, "capture", engines=engines)[0], "capture")
-    source = ["recompute" if m == r else "capture" if m == c else "neither"
-              for m, r, c in zip(mixed, recomputed, captured)]
+    recomputed = per_prompt(
+        run_and_check(tiny_llama, tmp_path, 1, "recompute", engines=engines)[0],
+        "recompute",
+    )
+    captured = per_prompt(
+        run_and_check(tiny_llama, tmp_path, 1, "capture", engines=engines)[0], "capture"
+    )
+    source = [
+        "recompute" if m == r else "capture" if m == c else "neither"
+        for m, r, c in zip(mixed, recomputed, captured)
+    ]
     assert "neither" not in source and set(source) == {"recompute", "capture"}, source
 
 
@@ -74,28 +122,53 @@ def test_recency_band_matches_masked_reference(tiny_llama, tmp_path, engines):
     import json
 
     recent, buffer = 24, KARA["kara_buffer"]
-    extra, env_extra = dict(kara_recent=recent), {"KARA_TRACE": str(tmp_path / "trace.jsonl")}
-    outs, _, _, _ = run_and_check(tiny_llama, tmp_path, 1, "capture", extra=extra, env_extra=env_extra, engines=engines)
-    steps = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    extra, env_extra = (
+        dict(kara_recent=recent),
+        {"KARA_TRACE": str(tmp_path / "trace.jsonl")},
+    )
+    outs, _, _, _ = run_and_check(
+        tiny_llama,
+        tmp_path,
+        1,
+        "capture",
+        extra=extra,
+        env_extra=env_extra,
+        engines=engines,
+    )
+    steps = [
+        json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()
+    ]
     assert steps[-1]["kara_recompute_fallbacks"] == 0
-    events = read_evictions(record_path(tiny_llama, engine_options("kara", "capture", 1, extra), env_extra))
+    events = read_evictions(
+        record_path(tiny_llama, engine_options("kara", "capture", 1, extra), env_extra)
+    )
     for out in outs:
         evs = events[out["meta_info"]["id"]]
         assert len(evs) >= 3
         for ev in evs:
             newest = max(p for layer in ev["evicted"] for head in layer for p in head)
-            assert newest < ev["logical_len"] - recent - buffer, (newest, ev["logical_len"])
+            assert newest < ev["logical_len"] - recent - buffer, (
+                newest,
+                ev["logical_len"],
+            )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch, page, query_source", [
-    ("llama", 1, "recompute"),
-    ("llama", 16, "capture"),
-    ("qwen3", 1, "capture"),
-    ("qwen3", 16, "recompute"),
-])
-def test_kara_matches_masked_reference_rest(arch, page, query_source, tiny_llama, tiny_qwen3, tmp_path):
-    run_and_check({"llama": tiny_llama, "qwen3": tiny_qwen3}[arch], tmp_path, page, query_source)
+@pytest.mark.parametrize(
+    "arch, page, query_source",
+    [
+        ("llama", 1, "recompute"),
+        ("llama", 16, "capture"),
+        ("qwen3", 1, "capture"),
+        ("qwen3", 16, "recompute"),
+    ],
+)
+def test_kara_matches_masked_reference_rest(
+    arch, page, query_source, tiny_llama, tiny_qwen3, tmp_path
+):
+    run_and_check(
+        {"llama": tiny_llama, "qwen3": tiny_qwen3}[arch], tmp_path, page, query_source
+    )
 
 
 @pytest.mark.slow
@@ -103,6 +176,11 @@ def test_kara_matches_masked_reference_rest(arch, page, query_source, tiny_llama
 def test_smollm2_matches_masked_reference(page, query_source, tmp_path):
     from sgl_kara.models.default import default_model_path
 
-    run_and_check(default_model_path(), tmp_path, page, query_source,
-                  extra=dict(kara_window=128, kara_buffer=16, kara_period=16),
-                  gen={"max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True})
+    run_and_check(
+        default_model_path(),
+        tmp_path,
+        page,
+        query_source,
+        extra=dict(kara_window=128, kara_buffer=16, kara_period=16),
+        gen={"max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True},
+    )

@@ -21,7 +21,6 @@ import json
 from collections import defaultdict
 
 import pytest
-
 from support import flush_when_idle
 
 pytestmark = pytest.mark.integration  # engines of their own (docs/TESTING.md, tiers)
@@ -38,30 +37,62 @@ def runs(engines, tiny_llama, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("overlap")
     out = {}
     vanilla = engines("sglang", tiny_llama, disable_overlap_schedule=False)
-    out["vanilla"] = vanilla.generate(input_ids=PROMPTS, sampling_params={**GREEDY},
-                                      return_logprob=True, logprob_start_len=-1)
-    for name, options in (("overlap", dict(disable_overlap_schedule=False, kara_spread="even")),
-                          ("plain", dict(disable_overlap_schedule=True, kara_spread="off"))):
+    out["vanilla"] = vanilla.generate(
+        input_ids=PROMPTS,
+        sampling_params={**GREEDY},
+        return_logprob=True,
+        logprob_start_len=-1,
+    )
+    for name, options in (
+        ("overlap", dict(disable_overlap_schedule=False, kara_spread="even")),
+        ("plain", dict(disable_overlap_schedule=True, kara_spread="off")),
+    ):
         evictions = tmp / f"{name}.jsonl"
-        env = {"KARA_CHECK_INTEGRITY": "1", "KARA_RECORD_EVICTIONS": str(evictions),
-               "KARA_INJECT_FAULT_RID_PREFIX": FAULT, "KARA_INJECT_FAULT_AT": "commit"}
+        env = {
+            "KARA_CHECK_INTEGRITY": "1",
+            "KARA_RECORD_EVICTIONS": str(evictions),
+            "KARA_INJECT_FAULT_RID_PREFIX": FAULT,
+            "KARA_INJECT_FAULT_AT": "commit",
+        }
         kara = engines("kara", tiny_llama, env=env, **WINDOW, **options)
-        full = kara.generate(input_ids=PROMPTS, sampling_params={**GREEDY, "custom_params": {"kara": {"retention": 1.0}}},
-                             return_logprob=True, logprob_start_len=-1, rid=[f"full-{i}" for i in range(len(PROMPTS))])
-        part = kara.generate(input_ids=PROMPTS, sampling_params={**GREEDY, "custom_params": {"kara": {"retention": 0.25}}},
-                             rid=[f"part-{i}" for i in range(len(PROMPTS))])
+        full = kara.generate(
+            input_ids=PROMPTS,
+            sampling_params={**GREEDY, "custom_params": {"kara": {"retention": 1.0}}},
+            return_logprob=True,
+            logprob_start_len=-1,
+            rid=[f"full-{i}" for i in range(len(PROMPTS))],
+        )
+        part = kara.generate(
+            input_ids=PROMPTS,
+            sampling_params={**GREEDY, "custom_params": {"kara": {"retention": 0.25}}},
+            rid=[f"part-{i}" for i in range(len(PROMPTS))],
+        )
         faulted = None
         if name == "overlap":
             import asyncio
 
             # the failing request and two others, running together (in the same events)
-            calls = [kara.async_generate(input_ids=PROMPTS[0], sampling_params=GREEDY, rid=f"{FAULT}0")]
-            calls += [kara.async_generate(input_ids=p, sampling_params=GREEDY, rid=f"ok-{i}")
-                      for i, p in enumerate(PROMPTS[1:3])]
-            faulted = asyncio.get_event_loop().run_until_complete(asyncio.gather(*calls, return_exceptions=True))
+            calls = [
+                kara.async_generate(
+                    input_ids=PROMPTS[0], sampling_params=GREEDY, rid=f"{FAULT}0"
+                )
+            ]
+            calls += [
+                kara.async_generate(input_ids=p, sampling_params=GREEDY, rid=f"ok-{i}")
+                for i, p in enumerate(PROMPTS[1:3])
+            ]
+            faulted = asyncio.get_event_loop().run_until_complete(
+                asyncio.gather(*calls, return_exceptions=True)
+            )
         assert flush_when_idle(kara), f"{name}: the pool is not whole after the runs"
         state = kara.get_server_info()["internal_states"][0]["kara"]
-        out[name] = dict(full=full, part=part, faulted=faulted, evicted=_evictions(evictions), state=state)
+        out[name] = dict(
+            full=full,
+            part=part,
+            faulted=faulted,
+            evicted=_evictions(evictions),
+            state=state,
+        )
     return out
 
 
@@ -79,7 +110,9 @@ def test_retention_one_under_overlap_is_token_identical_to_plain_sglang(runs):
     for name in ("overlap", "plain"):
         for want, got in zip(runs["vanilla"], runs[name]["full"]):
             assert got["output_ids"] == want["output_ids"], name
-            assert got["meta_info"]["kara"]["compressions"] >= 4, got["meta_info"]["kara"]
+            assert got["meta_info"]["kara"]["compressions"] >= 4, got["meta_info"][
+                "kara"
+            ]
             lp = [x[0] for x in got["meta_info"]["output_token_logprobs"]]
             ref = [x[0] for x in want["meta_info"]["output_token_logprobs"]]
             assert max(abs(a - b) for a, b in zip(lp, ref)) < 1e-4, name
@@ -92,16 +125,24 @@ def test_overlap_and_spread_change_when_work_runs_not_what_is_kept(runs):
         assert x["output_ids"] == y["output_ids"]
         mx, my = x["meta_info"]["kara"], y["meta_info"]["kara"]
         assert mx["compressions"] == my["compressions"] >= 4
-        assert mx["kv_physical_len"] == my["kv_physical_len"] < 0.6 * mx["kv_logical_len"]
+        assert (
+            mx["kv_physical_len"] == my["kv_physical_len"] < 0.6 * mx["kv_logical_len"]
+        )
     for i in range(len(PROMPTS)):
         rid = f"part-{i}"
-        assert a["evicted"][rid] == b["evicted"][rid] and len(a["evicted"][rid]) >= 4, rid
+        assert a["evicted"][rid] == b["evicted"][rid] and len(a["evicted"][rid]) >= 4, (
+            rid
+        )
     assert a["state"]["failed_requests"] == 1 and b["state"]["failed_requests"] == 0
 
 
 def test_a_fault_before_an_event_commits_fails_that_request_alone(runs):
     error, ok1, ok2 = runs["overlap"]["faulted"]
-    assert isinstance(error, Exception) and "500" in str(error) and "KV compression failed" in str(error), error
+    assert (
+        isinstance(error, Exception)
+        and "500" in str(error)
+        and "KV compression failed" in str(error)
+    ), error
     assert "injected fault at commit" in str(error)
     for o in (ok1, ok2):
         assert o["meta_info"]["finish_reason"]["type"] == "length"
@@ -109,4 +150,6 @@ def test_a_fault_before_an_event_commits_fails_that_request_alone(runs):
     # after the flush no slot is held (SGLang's strict idle check ran in the scheduler too)
     for name in ("overlap", "plain"):
         state = runs[name]["state"]
-        assert state["free_slots"] == state["pool_slots"] and state["evictable_slots"] == 0, state
+        assert (
+            state["free_slots"] == state["pool_slots"] and state["evictable_slots"] == 0
+        ), state

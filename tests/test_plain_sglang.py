@@ -24,9 +24,13 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
-_TORCH_NATIVE = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
+_TORCH_NATIVE = (
+    "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
+)
 _LINEAR = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod"
-_EXPORTER = "sglang.srt.model_executor.model_runner_components.weight_exporter.WeightExporter"
+_EXPORTER = (
+    "sglang.srt.model_executor.model_runner_components.weight_exporter.WeightExporter"
+)
 CPU_KERNEL_HOOKS = {  # written out here, not read from sgl_kara: the CPU speed-ups and their report
     f"{_TORCH_NATIVE}._run_sdpa_forward_decode <- sgl_kara.cpu.attention.run_sdpa_forward_decode",
     f"{_TORCH_NATIVE}._run_sdpa_forward_extend <- sgl_kara.plugin._recompute_extend_hook",
@@ -36,8 +40,15 @@ CPU_KERNEL_HOOKS = {  # written out here, not read from sgl_kara: the CPU speed-
     f"{_LINEAR}.apply_into <- sgl_kara.cpu.linear.linear_apply_into_hook",
     f"{_LINEAR}.process_weights_after_loading <- sgl_kara.cpu.linear.process_weights_hook",
     f"{_LINEAR}.restore_weights_before_loading <- sgl_kara.cpu.linear.restore_weights_hook",
-    *(f"{_EXPORTER}.{name} <- sgl_kara.cpu.linear.weight_export_hook"
-      for name in ("get_weights_by_name", "save_sharded_model", "save_remote_model", "send_weights_to_remote_instance")),
+    *(
+        f"{_EXPORTER}.{name} <- sgl_kara.cpu.linear.weight_export_hook"
+        for name in (
+            "get_weights_by_name",
+            "save_sharded_model",
+            "save_remote_model",
+            "send_weights_to_remote_instance",
+        )
+    ),
     "sglang.srt.managers.scheduler.Scheduler.get_internal_state <- sgl_kara.plugin._internal_state_hook",
 }
 SERVING_HOOKS = {
@@ -64,13 +75,24 @@ def _targets(hooks) -> set[str]:
 @pytest.fixture(scope="module")
 def probes(tiny_llama, tmp_path_factory):
     out = tmp_path_factory.mktemp("plain_sglang")
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("KARA_", "SGL_KARA_", "SGLANG_PLUGINS")) and k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(HERE / "plain_sglang_probe.py"), tiny_llama, str(out)],
-                          env=env, capture_output=True, text=True, timeout=540)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("KARA_", "SGL_KARA_", "SGLANG_PLUGINS"))
+        and k != "TRITON_INTERPRET"
+    }
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "plain_sglang_probe.py"), tiny_llama, str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return {case: json.loads((out / f"{case}.json").read_text())
-            for case in ("plain", "plain_cpu_kernels", "sgl_kara")}
+    return {
+        case: json.loads((out / f"{case}.json").read_text())
+        for case in ("plain", "plain_cpu_kernels", "sgl_kara")
+    }
 
 
 def test_plain_sglang_runs_no_hook_of_sgl_kara(probes):
@@ -80,10 +102,17 @@ def test_plain_sglang_runs_no_hook_of_sgl_kara(probes):
     assert len(pids) == 3  # three processes, each read in itself
     for p in PROCESSES:
         state = run[p]
-        assert state["plugin_loaded"], p  # SGLang loaded sgl_kara's plugin there: it chose to add nothing
+        assert state["plugin_loaded"], (
+            p
+        )  # SGLang loaded sgl_kara's plugin there: it chose to add nothing
         assert state["sgl_kara_hooks"] == [] and state["wrapped"] == [], (p, state)
-        assert not state["kara_radix_backend"] and state["KARA_SERVE"] is None, (p, state)
-        assert state["rope_cpu"], p  # the one change: RoPE's CPU path (this machine has no CUDA)
+        assert not state["kara_radix_backend"] and state["KARA_SERVE"] is None, (
+            p,
+            state,
+        )
+        assert state["rope_cpu"], (
+            p
+        )  # the one change: RoPE's CPU path (this machine has no CUDA)
     assert run["kara_cpu_kernels"] is None  # and /server_info is SGLang's own
 
 
@@ -91,12 +120,21 @@ def test_plain_sglang_opts_into_the_cpu_kernels_with_one_switch(probes, tiny_lla
     run = probes["plain_cpu_kernels"]
     scheduler = run["scheduler"]
     assert set(scheduler["sgl_kara_hooks"]) == CPU_KERNEL_HOOKS
-    assert set(scheduler["wrapped"]) == _targets(CPU_KERNEL_HOOKS)  # SGLang's objects say the same
+    assert set(scheduler["wrapped"]) == _targets(
+        CPU_KERNEL_HOOKS
+    )  # SGLang's objects say the same
     assert not scheduler["kara_radix_backend"] and scheduler["KARA_SERVE"] is None
-    layers = json.loads((Path(tiny_llama) / "config.json").read_text())["num_hidden_layers"]
+    layers = json.loads((Path(tiny_llama) / "config.json").read_text())[
+        "num_hidden_layers"
+    ]
     kernels = run["kara_cpu_kernels"]
-    assert kernels == {"enabled": True, "decode_attention": "batched", "window_extend": True, "packed_linear": True,
-                       "packed_weights": 4 * layers + 1}  # qkv, o, gate_up, down per layer + the lm_head's copy
+    assert kernels == {
+        "enabled": True,
+        "decode_attention": "batched",
+        "window_extend": True,
+        "packed_linear": True,
+        "packed_weights": 4 * layers + 1,
+    }  # qkv, o, gate_up, down per layer + the lm_head's copy
     assert run["completion_tokens"] == [8, 8, 8, 8]
 
 
@@ -107,7 +145,14 @@ def test_sgl_kara_engine_serves_with_every_hook_in_every_process(probes):
         assert set(state["sgl_kara_hooks"]) == SERVING_HOOKS | CPU_KERNEL_HOOKS, p
         assert set(state["wrapped"]) == _targets(SERVING_HOOKS | CPU_KERNEL_HOOKS), p
         assert state["kara_radix_backend"], p
-    assert run["scheduler"]["KARA_SERVE"] == "1" and run["detokenizer"]["KARA_SERVE"] == "1"
-    assert run["main"]["KARA_SERVE"] is None  # set while the engine started its processes only
-    assert run["kara_cpu_kernels"]["enabled"] and run["kara_cpu_kernels"]["decode_attention"] == "batched"
-
+    assert (
+        run["scheduler"]["KARA_SERVE"] == "1"
+        and run["detokenizer"]["KARA_SERVE"] == "1"
+    )
+    assert (
+        run["main"]["KARA_SERVE"] is None
+    )  # set while the engine started its processes only
+    assert (
+        run["kara_cpu_kernels"]["enabled"]
+        and run["kara_cpu_kernels"]["decode_attention"] == "batched"
+    )

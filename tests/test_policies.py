@@ -16,7 +16,6 @@ from sgl_kara.policies import (
     window_scores,
 )
 
-
 # --------------------------------------------------------------------------- kept_count
 
 
@@ -37,6 +36,7 @@ def test_kept_count_rejects_bad_retention(r):
 
 
 # --------------------------------------------------------------------------- hand-worked Token2Chunk
+
 
 # M = 20, retention 0.5 -> K = 10; chunk_budget 4 -> K0 = 6 discrete candidates.
 # Candidates I = {0, 2, 6, 9, 12, 13}; background 0.1 except position 15 (0.5, best fill).
@@ -156,9 +156,13 @@ def test_select_properties_random():
         for i in range(n):
             row = out[i].tolist()
             assert row == sorted(set(row)) and 0 <= row[0] and row[-1] < m
-            assert set(order[i, : k - cb].tolist()) <= set(row)  # top K - alpha always kept
+            assert set(order[i, : k - cb].tolist()) <= set(
+                row
+            )  # top K - alpha always kept
             assert row == select_ref(a[i], r, cb, g)
-            assert torch.equal(select(a[i : i + 1], r, cb, g)[0], out[i])  # batch-independent
+            assert torch.equal(
+                select(a[i : i + 1], r, cb, g)[0], out[i]
+            )  # batch-independent
 
 
 def test_select_leading_dims():
@@ -199,7 +203,9 @@ def _naive_scores(q, k, scale=None):
     for bi in range(b):
         for j in range(hq):
             h = j // (hq // hkv)
-            p = torch.softmax(q[bi, :, j].double() @ k[bi, :, h].double().T * scale, dim=-1)  # [W, M]
+            p = torch.softmax(
+                q[bi, :, j].double() @ k[bi, :, h].double().T * scale, dim=-1
+            )  # [W, M]
             out[bi, h] += p.sum(0)
     return out
 
@@ -234,7 +240,9 @@ def test_window_scores_buffer_zero_and_scale():
     q = torch.randn(1, 12, 2, 8, generator=gen)
     k = torch.randn(1, 12, 2, 8, generator=gen)
     torch.testing.assert_close(window_scores(q, k).double(), _naive_scores(q, k))
-    torch.testing.assert_close(window_scores(q, k, 0.3).double(), _naive_scores(q, k, 0.3))
+    torch.testing.assert_close(
+        window_scores(q, k, 0.3).double(), _naive_scores(q, k, 0.3)
+    )
 
 
 def test_window_scores_chunked_over_w(monkeypatch):
@@ -246,7 +254,9 @@ def test_window_scores_chunked_over_w(monkeypatch):
 
     monkeypatch.setattr(ws, "_SCORE_BLOCK_ELEMS", 2 * 4 * 30 * 3)  # 3 queries per chunk
     torch.testing.assert_close(window_scores(q, k), full)
-    torch.testing.assert_close(full.double(), _naive_scores(q.float(), k.float()), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        full.double(), _naive_scores(q.float(), k.float()), rtol=1e-5, atol=1e-5
+    )
 
 
 # --------------------------------------------------------------------------- SnapKV
@@ -304,7 +314,9 @@ def test_random_selection_is_a_uniform_subset():
     from sgl_kara.policies.base import Region, RowView, ScoreInput
     from sgl_kara.scheduler.state import KaraReqState
 
-    p = KaraConfig.build(policy="random", random_window=48, random_buffer=8, random_retention=0.25).make_policy()
+    p = KaraConfig.build(
+        policy="random", random_window=48, random_buffer=8, random_retention=0.25
+    ).make_policy()
     m, keep, heads, windows = 40, 10, 2, 400
     counts = torch.zeros(m)
     k_buffer = torch.zeros(100, heads, 4)
@@ -318,5 +330,7 @@ def test_random_selection_is_a_uniform_subset():
         counts += torch.bincount(kept.flatten(), minlength=m)
     expected = windows * heads * keep / m  # 200 per position
     # binomial sd = sqrt(800 * 0.25 * 0.75) ~ 12.2; 5 sd is far beyond chance for 40 positions
-    assert (counts - expected).abs().max() < 5 * (windows * heads * (keep / m) * (1 - keep / m)) ** 0.5, counts
+    assert (counts - expected).abs().max() < 5 * (
+        windows * heads * (keep / m) * (1 - keep / m)
+    ) ** 0.5, counts
     assert p.options.kept_per_window == keep

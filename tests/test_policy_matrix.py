@@ -13,8 +13,8 @@ options when the threshold trio (threshold / budget / window) does not fit it.
 from __future__ import annotations
 
 import pytest
-
 from oracle import check_policy_through_engine, shared_engine, small_options
+
 from sgl_kara.policies import base
 
 
@@ -30,9 +30,13 @@ def test_threshold_baselines_bound_generated_kv(policy, tiny_llama, tmp_path, en
     matrix's engines."""
     opts = small_options(policy)
     threshold, budget = opts[f"kara_{policy}_threshold"], opts[f"kara_{policy}_budget"]
-    engine, _ = shared_engine(engines, tiny_llama, 1, "capture", policy=policy, extra=opts)
-    outs = engine.generate(["Hello world", "The answer is"], {"max_new_tokens": 200, "temperature": 0.0,
-                                                               "ignore_eos": True})
+    engine, _ = shared_engine(
+        engines, tiny_llama, 1, "capture", policy=policy, extra=opts
+    )
+    outs = engine.generate(
+        ["Hello world", "The answer is"],
+        {"max_new_tokens": 200, "temperature": 0.0, "ignore_eos": True},
+    )
     for out in outs:
         meta, kara = out["meta_info"], out["meta_info"]["kara"]
         assert meta["completion_tokens"] == 200

@@ -12,16 +12,15 @@ from dataclasses import fields
 
 import pytest
 import torch
+from support import HKV, HQ, LAYERS, B, D, M  # noqa: F401  (the shapes; tests/test_h2o.py imports them here)
+from support import make_policy as _policy
+from support import row_view as _row
+from support import score_input as _inputs
 
 from sgl_kara.config import KaraConfig, KaraConfigError, add_cli_args, flag_name
 from sgl_kara.policies import base
 from sgl_kara.policies.base import RowView, ScoreInput, top_k
 from sgl_kara.scheduler.state import KaraReqState
-
-from support import B, D, HKV, HQ, LAYERS, M  # noqa: F401  (the shapes; tests/test_h2o.py imports them here)
-from support import make_policy as _policy
-from support import row_view as _row
-from support import score_input as _inputs
 
 POLICIES = base.names()
 
@@ -42,21 +41,33 @@ def test_options_defaults_valid_and_every_option_has_a_flag(name):
     flags = {a for action in parser._actions for a in action.option_strings}
     for f in fields(pcls.Options):
         assert flag_name(pcls.prefix + f.name) in flags
-    assert cfg.to_dict() == KaraConfig.build(**cfg.to_dict()).to_dict()  # the scheduler's round trip
+    assert (
+        cfg.to_dict() == KaraConfig.build(**cfg.to_dict()).to_dict()
+    )  # the scheduler's round trip
 
 
 @pytest.mark.parametrize("name", POLICIES)
 def test_scores_and_selection_properties(name):
     policy = _policy(name)
-    per_layer = [policy.score(_inputs(policy, layer, seed=layer)) for layer in range(LAYERS)]
+    per_layer = [
+        policy.score(_inputs(policy, layer, seed=layer)) for layer in range(LAYERS)
+    ]
     for s in per_layer:
-        assert s.shape == (B, HKV, M) and s.dtype == torch.float32 and torch.isfinite(s).all()
+        assert (
+            s.shape == (B, HKV, M)
+            and s.dtype == torch.float32
+            and torch.isfinite(s).all()
+        )
     scores = torch.stack(per_layer, dim=1)  # [B, L, H_kv, M]
     for keep in (1, 12, M):
         kept = policy.select(scores, keep)
         assert kept.shape == (B, LAYERS, HKV, keep) and kept.dtype == torch.int64
-        assert (kept.diff(dim=-1) > 0).all() and kept.min() >= 0 and kept.max() < M  # sorted, unique
-        if type(policy).select is base.Policy.select:  # default selection: kept = top-scored
+        assert (
+            (kept.diff(dim=-1) > 0).all() and kept.min() >= 0 and kept.max() < M
+        )  # sorted, unique
+        if (
+            type(policy).select is base.Policy.select
+        ):  # default selection: kept = top-scored
             thresh = scores.sort(dim=-1, descending=True).values[..., keep - 1 : keep]
             assert (scores.gather(-1, kept) >= thresh).all()
 
@@ -74,7 +85,9 @@ def test_footprint_is_bounded_and_monotone(name):
         f = policy.footprint(remaining, state)
         assert 0 <= f <= remaining and f >= prev
         prev = f
-    assert policy.footprint(100_000, state) < 100_000  # compression discounts long futures
+    assert (
+        policy.footprint(100_000, state) < 100_000
+    )  # compression discounts long futures
 
 
 def test_kara_region_schedule_and_per_request_retention():
@@ -82,7 +95,13 @@ def test_kara_region_schedule_and_per_request_retention():
     assert [p.due(s) for s in (7, 8, 16)] == [False, True, True]
     assert p.region(_row(10 + 63)) is None
     r = p.region(_row(10 + 64, frontier=10))
-    assert (r.start, r.length, r.keep, r.query_start, r.query_len) == (10, 48, 12, 10, 64)
+    assert (r.start, r.length, r.keep, r.query_start, r.query_len) == (
+        10,
+        48,
+        12,
+        10,
+        64,
+    )
     assert p.region(_row(10 + 64, retention=0.5)).keep == 24
     assert p.query_capacity() == 64 + 8
 
@@ -92,12 +111,16 @@ def test_kara_buffer_scoring_names_only_the_last_u_queries():
     so its query window is exactly those U positions (a recompute forward computes U tokens,
     not W); the scores are those of the full window's queries with the first W - U dropped."""
     full = _policy("kara", window=64, buffer=16, period=8, retention=0.25)
-    buf = _policy("kara", window=64, buffer=16, period=8, retention=0.25, scoring="buffer")
+    buf = _policy(
+        "kara", window=64, buffer=16, period=8, retention=0.25, scoring="buffer"
+    )
     row = _row(10 + 70, frontier=10)
     a, b = full.region(row), buf.region(row)
     assert (b.start, b.length, b.keep) == (a.start, a.length, a.keep) == (10, 48, 12)
     assert (b.query_start, b.query_len) == (a.query_start + 48, 16)
-    assert b.query_start + b.query_len == a.query_start + a.query_len  # the window's last U
+    assert (
+        b.query_start + b.query_len == a.query_start + a.query_len
+    )  # the window's last U
     g = torch.Generator().manual_seed(3)
     k_buffer = torch.randn(200, HKV, D, generator=g)
     slots = torch.randperm(200, generator=g)[:48][None]
@@ -107,10 +130,14 @@ def test_kara_buffer_scoring_names_only_the_last_u_queries():
     # mask), per KV head summed over the queries of its GQA group and over the queries.
     keys = k_buffer[slots[0]]  # [48, HKV, D]
     qh = q[0, 48:].reshape(16, HKV, HQ // HKV, D)
-    att = torch.softmax(torch.einsum("uhgd,mhd->hgum", qh, keys) / D ** 0.5, dim=-1)
+    att = torch.softmax(torch.einsum("uhgd,mhd->hgum", qh, keys) / D**0.5, dim=-1)
     want = att.sum(dim=(1, 2))[None]  # [1, HKV, 48]
-    torch.testing.assert_close(got / got.sum(-1, keepdim=True), want / want.sum(-1, keepdim=True),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        got / got.sum(-1, keepdim=True),
+        want / want.sum(-1, keepdim=True),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 def test_kara_leaves_a_window_that_finishes_within_its_charged_tail():
@@ -118,22 +145,37 @@ def test_kara_leaves_a_window_that_finishes_within_its_charged_tail():
     due = _row(10 + 64, frontier=10)  # tail = W: its first window is complete
     assert p.region(due) is not None
     assert p.worth_compressing(due, 9)  # tail would reach 73 > W + period
-    assert not p.worth_compressing(due, 8)  # 72 = W + period: admission charged exactly that
+    assert not p.worth_compressing(
+        due, 8
+    )  # 72 = W + period: admission charged exactly that
     assert not p.worth_compressing(due, 1)
-    assert p.worth_compressing(_row(10 + 200, frontier=10), 8)  # a long tail (re-prefilled) is compressed
+    assert p.worth_compressing(
+        _row(10 + 200, frontier=10), 8
+    )  # a long tail (re-prefilled) is compressed
 
 
 def _simulate(p, gen, skip=True, prompt=10):
     """One request through Kara's schedule as the runtime runs it (plan_jobs, events before each
     decode step's forward): its peak generated KV and its events."""
     state = KaraReqState()
-    frontier, length, peak, events = prompt, prompt, 0, 0  # after the prefill: P entries, 1 token out
-    for step in range(1, gen):  # decode step `step` writes token `step` (0-based output index)
+    frontier, length, peak, events = (
+        prompt,
+        prompt,
+        0,
+        0,
+    )  # after the prefill: P entries, 1 token out
+    for step in range(
+        1, gen
+    ):  # decode step `step` writes token `step` (0-based output index)
         remaining = gen - step
         if p.due(step):
             row = RowView(prompt, frontier, length, 0, state)
             region = p.region(row)
-            if region is not None and remaining > 1 and (not skip or p.worth_compressing(row, remaining)):
+            if (
+                region is not None
+                and remaining > 1
+                and (not skip or p.worth_compressing(row, remaining))
+            ):
                 length -= region.length - region.keep
                 frontier = region.start + region.keep
                 events += 1
@@ -142,16 +184,33 @@ def _simulate(p, gen, skip=True, prompt=10):
     return peak, events
 
 
-@pytest.mark.parametrize("window,buffer,period,saves,recent", [(64, 16, 8, False, 0), (128, 8, 32, True, 0),
-                                                             (128, 16, 1, False, 0), (512, 32, 128, True, 0),
-                                                             (64, 16, 8, False, 40), (128, 16, 1, False, 128),
-                                                             (128, 8, 32, True, 100)])
-def test_kara_never_holds_more_than_admission_charged(window, buffer, period, saves, recent):
+@pytest.mark.parametrize(
+    "window,buffer,period,saves,recent",
+    [
+        (64, 16, 8, False, 0),
+        (128, 8, 32, True, 0),
+        (128, 16, 1, False, 0),
+        (512, 32, 128, True, 0),
+        (64, 16, 8, False, 40),
+        (128, 16, 1, False, 128),
+        (128, 8, 32, True, 100),
+    ],
+)
+def test_kara_never_holds_more_than_admission_charged(
+    window, buffer, period, saves, recent
+):
     """Peak generated KV <= footprint(G) (what the admission reserved) for every G, with and
     without leaving the last window of a finishing request; leaving it saves events only. It
     saves some when the window cycle W - U is not a multiple of the period (at 64/16/8 every
     event finds a tail of W + period - 1, so only a request finishing next step is left alone)."""
-    p = _policy("kara", window=window, buffer=buffer, period=period, retention=0.25, recent=recent)
+    p = _policy(
+        "kara",
+        window=window,
+        buffer=buffer,
+        period=period,
+        retention=0.25,
+        recent=recent,
+    )
     saved = 0
     for gen in range(2, 3 * window + 40, 3):
         charged = p.footprint(gen, KaraReqState())
@@ -173,14 +232,21 @@ def test_kara_recency_band_region_capacity_and_footprint():
     assert p.region(_row(10 + 64 + 31)) is None
     row = _row(10 + 64 + 32, frontier=10)
     r, r0 = p.region(row), p0.region(row)
-    assert (r.start, r.length, r.keep, r.query_start, r.query_len) == (10, 48, 12, 10, 64) == \
-        (r0.start, r0.length, r0.keep, r0.query_start, r0.query_len)
-    assert p.region(_row(10 + 96, retention=0.5)).keep == 24  # per-request retention still honoured
+    assert (
+        (r.start, r.length, r.keep, r.query_start, r.query_len)
+        == (10, 48, 12, 10, 64)
+        == (r0.start, r0.length, r0.keep, r0.query_start, r0.query_len)
+    )
+    assert (
+        p.region(_row(10 + 96, retention=0.5)).keep == 24
+    )  # per-request retention still honoured
     assert p.query_capacity() == p0.query_capacity() + 32 == 64 + 8 + 32
     state = KaraReqState()
     for remaining in (200, 1000, 10_000):
         assert p.footprint(remaining, state) == p0.footprint(remaining, state) + 32
-    assert not p.worth_compressing(row, 104 - 96)  # 96 + 8 = W + R + period: within the charged tail
+    assert not p.worth_compressing(
+        row, 104 - 96
+    )  # 96 + 8 = W + R + period: within the charged tail
     assert p.worth_compressing(row, 9)
 
 
@@ -188,26 +254,46 @@ def test_kara_recency_band_region_capacity_and_footprint():
 def test_random_policy_uses_karas_windows_without_queries(recent):
     """random: Kara's region, schedule, capacity-free (no queries) and footprint; its draws are
     reproducible per (seed, layer, window start) and differ between seeds, layers and windows."""
-    p = _policy("random", window=64, buffer=16, period=8, retention=0.25, recent=recent, seed=1)
+    p = _policy(
+        "random", window=64, buffer=16, period=8, retention=0.25, recent=recent, seed=1
+    )
     k = _policy("kara", window=64, buffer=16, period=8, retention=0.25, recent=recent)
     assert not p.needs_queries and p.query_capacity() == 0
     for length in (10 + 63 + recent, 10 + 64 + recent, 10 + 200):
         a, b = p.region(_row(length)), k.region(_row(length))
         assert (a is None) == (b is None)
         if a is not None:
-            assert (a.start, a.length, a.keep, a.query_len) == (b.start, b.length, b.keep, 0)
+            assert (a.start, a.length, a.keep, a.query_len) == (
+                b.start,
+                b.length,
+                b.keep,
+                0,
+            )
     assert p.region(_row(10 + 64 + recent, retention=0.5)).keep == 24
     assert [p.due(s) for s in (7, 8)] == [False, True]
     assert p.footprint(5000, KaraReqState()) == k.footprint(5000, KaraReqState())
     inp = _inputs(p)
     s1 = p.score(inp)
     assert torch.equal(s1, p.score(inp))  # reproducible
-    assert torch.equal(s1[0], s1[1])  # the two rows' windows start at the same logical position
-    other = _policy("random", window=64, buffer=16, period=8, retention=0.25, recent=recent, seed=2)
+    assert torch.equal(
+        s1[0], s1[1]
+    )  # the two rows' windows start at the same logical position
+    other = _policy(
+        "random", window=64, buffer=16, period=8, retention=0.25, recent=recent, seed=2
+    )
     assert not torch.equal(s1, other.score(inp))
     assert not torch.equal(s1, p.score(_inputs(p, layer=1)))
-    shifted = ScoreInput(0, None, inp.k_buffer, inp.slots, [_row(M + 60, offset=7), inp.rows[1]], inp.regions)
-    assert not torch.equal(p.score(shifted)[0], s1[0]) and torch.equal(p.score(shifted)[1], s1[1])
+    shifted = ScoreInput(
+        0,
+        None,
+        inp.k_buffer,
+        inp.slots,
+        [_row(M + 60, offset=7), inp.rows[1]],
+        inp.regions,
+    )
+    assert not torch.equal(p.score(shifted)[0], s1[0]) and torch.equal(
+        p.score(shifted)[1], s1[1]
+    )
 
 
 @pytest.mark.parametrize("name", [n for n in POLICIES if n not in ("kara", "random")])
@@ -227,12 +313,28 @@ def test_retraction_keeps_the_request_options():
     """The bug of the old hand-rebuilt state: a retracted snapkv request fell back to the
     server-wide budget. reset_row clears the row state and keeps the request's own options."""
     state = KaraReqState(enabled=True, retention=0.5, budget=30)
-    state.protected, state.frontier, state.pos_offset, state.compressions = 16, 40, 120, 3
+    state.protected, state.frontier, state.pos_offset, state.compressions = (
+        16,
+        40,
+        120,
+        3,
+    )
     state.policy_state["h2o"] = {0: torch.ones(1, 4)}
     state.kv_peak = 99
     state.reset_row()
-    assert (state.budget, state.retention, state.enabled, state.kv_peak) == (30, 0.5, True, 99)
-    assert (state.protected, state.frontier, state.pos_offset, state.compressions, state.policy_state) == (-1, 0, 0, 0, {})
+    assert (state.budget, state.retention, state.enabled, state.kv_peak) == (
+        30,
+        0.5,
+        True,
+        99,
+    )
+    assert (
+        state.protected,
+        state.frontier,
+        state.pos_offset,
+        state.compressions,
+        state.policy_state,
+    ) == (-1, 0, 0, 0, {})
     p = _policy("snapkv", threshold=80, budget=60, window=8)
     assert p.region(RowView(10, 10, 10 + 51, 0, state)).keep == 30 - 8
 

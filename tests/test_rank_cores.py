@@ -9,30 +9,43 @@ import types
 import pytest
 
 from sgl_kara import support
-from sgl_kara.rank_cores import THREADS_BIND_VAR, format_cpu_list, parse_cpu_list, split_cores
+from sgl_kara.rank_cores import (
+    THREADS_BIND_VAR,
+    format_cpu_list,
+    parse_cpu_list,
+    split_cores,
+)
 
 
-@pytest.mark.parametrize("nodes, ranks, expected", [
-    (["0,1"], 2, "0|1"),
-    ([",".join(map(str, range(16)))], 2, "0-7|8-15"),
-    (["0,1,2,3,4"], 2, "0-2|3-4"),
-    (["0,1,2,3", "4,5,6,7"], 4, "0-1|2-3|4-5|6-7"),
-    (["0,1,2,3", "4,5,6,7"], 3, "0-2|3-5|6-7"),
-    (["0,2,4,6"], 2, "0,2|4,6"),
-    (["0-3"], 4, "0|1|2|3"),
-])
+@pytest.mark.parametrize(
+    "nodes, ranks, expected",
+    [
+        (["0,1"], 2, "0|1"),
+        ([",".join(map(str, range(16)))], 2, "0-7|8-15"),
+        (["0,1,2,3,4"], 2, "0-2|3-4"),
+        (["0,1,2,3", "4,5,6,7"], 4, "0-1|2-3|4-5|6-7"),
+        (["0,1,2,3", "4,5,6,7"], 3, "0-2|3-5|6-7"),
+        (["0,2,4,6"], 2, "0,2|4,6"),
+        (["0-3"], 4, "0|1|2|3"),
+    ],
+)
 def test_split_cores(nodes, ranks, expected):
     assert split_cores(nodes, ranks) == expected
 
 
-@pytest.mark.parametrize("nodes, ranks", [(["0,1"], 1), (["0-3", "4-7"], 2), (["0-3", "4-7"], 1)])
+@pytest.mark.parametrize(
+    "nodes, ranks", [(["0,1"], 1), (["0-3", "4-7"], 2), (["0-3", "4-7"], 1)]
+)
 def test_sglang_default_serves(nodes, ranks):
     """One rank, or no more ranks than NUMA nodes: SGLang gives each rank a node itself."""
     assert split_cores(nodes, ranks) is None
 
 
 def test_fewer_cores_than_ranks_is_refused():
-    with pytest.raises(ValueError, match="3 scheduler ranks need a CPU core each, but this process may use 2 \\(0-1\\)"):
+    with pytest.raises(
+        ValueError,
+        match="3 scheduler ranks need a CPU core each, but this process may use 2 \\(0-1\\)",
+    ):
         split_cores(["0,1"], 3)
 
 
@@ -59,7 +72,9 @@ def test_cpu_list_round_trip():
 
 
 def _args(**kw):
-    return types.SimpleNamespace(**{"dp_size": 2, "tp_size": 1, "pp_size": 1, "device": "cpu", **kw})
+    return types.SimpleNamespace(
+        **{"dp_size": 2, "tp_size": 1, "pp_size": 1, "device": "cpu", **kw}
+    )
 
 
 @pytest.fixture
@@ -94,7 +109,9 @@ def test_user_binding_is_kept(two_cores, monkeypatch):
 
 
 def test_too_many_replicas_for_the_cores_is_refused(two_cores):
-    with pytest.raises(support.UnsupportedFeature, match=f"--dp-size 3: .*set {THREADS_BIND_VAR}"):
+    with pytest.raises(
+        support.UnsupportedFeature, match=f"--dp-size 3: .*set {THREADS_BIND_VAR}"
+    ):
         support.default_threads_bind(_args(dp_size=3))
 
 
@@ -103,21 +120,31 @@ def test_launcher_and_engine_set_the_binding(two_cores, tiny_llama):
     import os
 
     from support import PROXY_MODEL
+
     from sgl_kara.engine import build_server_args
     from sgl_kara.launch_server import parse
 
     cfg, sa = parse(["--model-path", PROXY_MODEL, "--dp-size", "2"])
     assert cfg.enabled and sa.dp_size == 2 and os.environ[THREADS_BIND_VAR] == "0|1"
     del os.environ[THREADS_BIND_VAR]
-    cfg, sa = build_server_args({"model_path": tiny_llama, "dp_size": 2, "kara_policy": "none"})
+    cfg, sa = build_server_args(
+        {"model_path": tiny_llama, "dp_size": 2, "kara_policy": "none"}
+    )
     assert sa.dp_size == 2 and os.environ[THREADS_BIND_VAR] == "0|1"
 
 
 def test_memory_check_counts_every_replica():
     from sgl_kara.memory import MemoryConfigError, ModelShape, check_cpu_fit
 
-    shape = ModelShape(layers=2, q_heads=4, kv_heads=2, head_dim=16, context_len=8192, checkpoint_dtype="float32",
-                       weight_file_bytes=1 << 20)
+    shape = ModelShape(
+        layers=2,
+        q_heads=4,
+        kv_heads=2,
+        head_dim=16,
+        context_len=8192,
+        checkpoint_dtype="float32",
+        weight_file_bytes=1 << 20,
+    )
     one = check_cpu_fit(shape, 4, 4096, 8, 64, 1 << 40)
     two = check_cpu_fit(shape, 4, 4096, 8, 64, 1 << 40, replicas=2)
     for part in ("weights", "kv_pool", "capture_ring"):

@@ -39,12 +39,15 @@ FLAG_ARGS = {
 
 def _parse_exit(argv, capsys) -> str:
     from conftest import PROXY_MODEL
+
     from sgl_kara.launch_server import parse
 
     with pytest.raises(SystemExit) as e:
         parse(["--model-path", PROXY_MODEL, *argv])
     assert e.value.code == 2
-    return "\n".join(l for l in capsys.readouterr().err.splitlines() if l.startswith("error:"))
+    return "\n".join(
+        l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")
+    )
 
 
 def test_every_refusal_has_a_case():
@@ -60,9 +63,19 @@ def test_unsupported_flag_exits_2_naming_it(flag, capsys):
 def test_unsupported_flag_is_fine_without_compression():
     """--kara-policy none is plain SGLang: nothing is refused on Kara's behalf."""
     from conftest import PROXY_MODEL
+
     from sgl_kara.launch_server import parse
 
-    cfg, sa = parse(["--model-path", PROXY_MODEL, "--kara-policy", "none", "--num-continuous-decode-steps", "2"])
+    cfg, sa = parse(
+        [
+            "--model-path",
+            PROXY_MODEL,
+            "--kara-policy",
+            "none",
+            "--num-continuous-decode-steps",
+            "2",
+        ]
+    )
     assert not cfg.enabled and sa.num_continuous_decode_steps == 2
 
 
@@ -86,9 +99,16 @@ def test_mrope_model_is_refused(tmp_path, capsys):
 
     assert ModelShape.from_model_path(str(model)).mrope
     assert not ModelShape.from_model_path(PROXY_MODEL).mrope
-    args = types.SimpleNamespace(model_path=str(model), device="cpu", dtype="float32", max_running_requests=8,
-                                 max_total_tokens=4096, radix_cache_backend=None, disable_overlap_schedule=False,
-                                 disable_cuda_graph=False)
+    args = types.SimpleNamespace(
+        model_path=str(model),
+        device="cpu",
+        dtype="float32",
+        max_running_requests=8,
+        max_total_tokens=4096,
+        radix_cache_backend=None,
+        disable_overlap_schedule=False,
+        disable_cuda_graph=False,
+    )
     with pytest.raises(support.UnsupportedFeature, match="--model-path .* M-RoPE"):
         support.prepare_server_args(args, KaraConfig())
 
@@ -98,15 +118,26 @@ def test_beam_search_is_refused_per_request():
 
     check_supported(types.SimpleNamespace(beam_width=None), "kara")
     check_supported(types.SimpleNamespace(beam_width=1), "kara")
-    with pytest.raises(ValueError, match=r"beam_width=4 \(beam search\) is not supported with --kara-policy snapkv"):
+    with pytest.raises(
+        ValueError,
+        match=r"beam_width=4 \(beam search\) is not supported with --kara-policy snapkv",
+    ):
         check_supported(types.SimpleNamespace(beam_width=4), "snapkv")
 
 
 # ------------------------------------------------------------------ models: refused before they load
 def _model_dir(tmp_path, name: str, **config) -> str:
     """A checkpoint directory holding only a config.json (the start-up check reads no weights)."""
-    base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=4096)
+    base = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+        max_position_embeddings=4096,
+    )
     path = tmp_path / name
     path.mkdir()
     (path / "config.json").write_text(json.dumps({**base, **config}))
@@ -114,16 +145,40 @@ def _model_dir(tmp_path, name: str, **config) -> str:
 
 
 LOCAL_ATTENTION_MODELS = {
-    "gemma2": dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", sliding_window=4096),
-    "gemma3": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", sliding_window=512,
-                   num_hidden_layers=12),
-    "cohere2": dict(architectures=["Cohere2ForCausalLM"], model_type="cohere2", sliding_window=4096,
-                    num_hidden_layers=8),
-    "exaone4": dict(architectures=["Exaone4ForCausalLM"], model_type="exaone4", sliding_window=4096,
-                    sliding_window_pattern=4, num_hidden_layers=8),
-    "gpt_oss": dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", sliding_window=128,
-                    num_local_experts=4, num_experts_per_tok=2),
-    "llama4": dict(architectures=["Llama4ForCausalLM"], model_type="llama4_text", attention_chunk_size=8192),
+    "gemma2": dict(
+        architectures=["Gemma2ForCausalLM"], model_type="gemma2", sliding_window=4096
+    ),
+    "gemma3": dict(
+        architectures=["Gemma3ForCausalLM"],
+        model_type="gemma3_text",
+        sliding_window=512,
+        num_hidden_layers=12,
+    ),
+    "cohere2": dict(
+        architectures=["Cohere2ForCausalLM"],
+        model_type="cohere2",
+        sliding_window=4096,
+        num_hidden_layers=8,
+    ),
+    "exaone4": dict(
+        architectures=["Exaone4ForCausalLM"],
+        model_type="exaone4",
+        sliding_window=4096,
+        sliding_window_pattern=4,
+        num_hidden_layers=8,
+    ),
+    "gpt_oss": dict(
+        architectures=["GptOssForCausalLM"],
+        model_type="gpt_oss",
+        sliding_window=128,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    ),
+    "llama4": dict(
+        architectures=["Llama4ForCausalLM"],
+        model_type="llama4_text",
+        attention_chunk_size=8192,
+    ),
 }
 
 
@@ -144,18 +199,44 @@ def test_sliding_window_models_are_refused_at_start_up(tmp_path, capsys, name):
         parse(["--model-path", model, *extra])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert f"error: --model-path {model} ({arch}) uses sliding-window attention" in err, err
-    with pytest.raises(support.UnsupportedFeature, match=rf"\({arch}\) uses sliding-window attention \(a \d+-token window"):
+    assert (
+        f"error: --model-path {model} ({arch}) uses sliding-window attention" in err
+    ), err
+    with pytest.raises(
+        support.UnsupportedFeature,
+        match=rf"\({arch}\) uses sliding-window attention \(a \d+-token window",
+    ):
         build_server_args({"model_path": model, "kara_policy": "snapkv"})
 
 
-@pytest.mark.parametrize("name, config, what", [
-    ("deepseek_v3", dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", kv_lora_rank=64,
-                         q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
-                         n_routed_experts=4, num_experts_per_tok=2), "multi-head latent attention"),
-    ("qwen3_next", dict(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next"), "linear_attention layers"),
-])
-def test_mla_and_hybrid_models_are_refused_at_start_up(tmp_path, capsys, name, config, what):
+@pytest.mark.parametrize(
+    "name, config, what",
+    [
+        (
+            "deepseek_v3",
+            dict(
+                architectures=["DeepseekV3ForCausalLM"],
+                model_type="deepseek_v3",
+                kv_lora_rank=64,
+                q_lora_rank=32,
+                qk_rope_head_dim=16,
+                qk_nope_head_dim=16,
+                v_head_dim=16,
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+            ),
+            "multi-head latent attention",
+        ),
+        (
+            "qwen3_next",
+            dict(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next"),
+            "linear_attention layers",
+        ),
+    ],
+)
+def test_mla_and_hybrid_models_are_refused_at_start_up(
+    tmp_path, capsys, name, config, what
+):
     from sgl_kara.launch_server import parse
 
     model = _model_dir(tmp_path, name, **config)
@@ -165,11 +246,28 @@ def test_mla_and_hybrid_models_are_refused_at_start_up(tmp_path, capsys, name, c
     assert what in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name, config", [
-    ("mistral", dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=4096)),
-    ("qwen2", dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", sliding_window=32768,
-                   use_sliding_window=False)),
-])
+@pytest.mark.parametrize(
+    "name, config",
+    [
+        (
+            "mistral",
+            dict(
+                architectures=["MistralForCausalLM"],
+                model_type="mistral",
+                sliding_window=4096,
+            ),
+        ),
+        (
+            "qwen2",
+            dict(
+                architectures=["Qwen2ForCausalLM"],
+                model_type="qwen2",
+                sliding_window=32768,
+                use_sliding_window=False,
+            ),
+        ),
+    ],
+)
 def test_models_attending_globally_are_accepted(tmp_path, name, config):
     """A sliding_window SGLang 0.5.23 does not apply (Mistral's Llama model; Qwen2 without
     use_sliding_window) is no reason to refuse."""
@@ -180,12 +278,18 @@ def test_models_attending_globally_are_accepted(tmp_path, name, config):
     support.check_model(shape, name, "kara")
 
 
-def _scheduler(pool, attention, decode_graph_runner=None, policy="kara", query_source="recompute"):
+def _scheduler(
+    pool, attention, decode_graph_runner=None, policy="kara", query_source="recompute"
+):
     model = torch.nn.ModuleList(attention)
-    runner = types.SimpleNamespace(model=model, decode_cuda_graph_runner=decode_graph_runner)
-    return types.SimpleNamespace(token_to_kv_pool_allocator=types.SimpleNamespace(get_kvcache=lambda: pool),
-                                 tp_worker=types.SimpleNamespace(model_runner=runner),
-                                 kara_config=KaraConfig.build(policy=policy, query_source=query_source))
+    runner = types.SimpleNamespace(
+        model=model, decode_cuda_graph_runner=decode_graph_runner
+    )
+    return types.SimpleNamespace(
+        token_to_kv_pool_allocator=types.SimpleNamespace(get_kvcache=lambda: pool),
+        tp_worker=types.SimpleNamespace(model_runner=runner),
+        kara_config=KaraConfig.build(policy=policy, query_source=query_source),
+    )
 
 
 def test_the_scheduler_checks_the_built_model_again():
@@ -196,23 +300,45 @@ def test_the_scheduler_checks_the_built_model_again():
     pool = MHATokenToKVPool(64, 1, torch.float32, 2, 16, 2, "cpu", False)
     layers = [RadixAttention(4, 16, 1.0, 2, layer_id=i) for i in range(2)]
     support.check_runtime_supported(_scheduler(pool, layers))
-    support.check_runtime_supported(_scheduler(pool, layers, decode_graph_runner=object()))  # graphs: fine for kara
-    with pytest.raises(support.UnsupportedFeature, match="KV pools only; this model uses SimpleNamespace"):
+    support.check_runtime_supported(
+        _scheduler(pool, layers, decode_graph_runner=object())
+    )  # graphs: fine for kara
+    with pytest.raises(
+        support.UnsupportedFeature,
+        match="KV pools only; this model uses SimpleNamespace",
+    ):
         support.check_runtime_supported(_scheduler(types.SimpleNamespace(), layers))
-    windowed = [RadixAttention(4, 16, 1.0, 2, layer_id=0, sliding_window_size=63), layers[1]]
-    with pytest.raises(support.UnsupportedFeature, match=r"sliding window \(63 tokens\)"):
+    windowed = [
+        RadixAttention(4, 16, 1.0, 2, layer_id=0, sliding_window_size=63),
+        layers[1],
+    ]
+    with pytest.raises(
+        support.UnsupportedFeature, match=r"sliding window \(63 tokens\)"
+    ):
         support.check_runtime_supported(_scheduler(pool, windowed))
     for kw in (dict(policy="h2o"), dict(query_source="capture")):
         support.check_runtime_supported(_scheduler(pool, layers, **kw))
-        with pytest.raises(support.UnsupportedFeature, match="decode CUDA graphs were captured"):
-            support.check_runtime_supported(_scheduler(pool, layers, decode_graph_runner=object(), **kw))
+        with pytest.raises(
+            support.UnsupportedFeature, match="decode CUDA graphs were captured"
+        ):
+            support.check_runtime_supported(
+                _scheduler(pool, layers, decode_graph_runner=object(), **kw)
+            )
 
 
 # ------------------------------------------------------------------ CUDA defaults, no GPU here
 def _cuda_args(model, **kw):
-    base = dict(model_path=model, device="cuda", dtype="bfloat16", max_running_requests=None,
-                max_total_tokens=None, radix_cache_backend=None, disable_overlap_schedule=False,
-                disable_cuda_graph=False, disable_decode_cuda_graph=False)
+    base = dict(
+        model_path=model,
+        device="cuda",
+        dtype="bfloat16",
+        max_running_requests=None,
+        max_total_tokens=None,
+        radix_cache_backend=None,
+        disable_overlap_schedule=False,
+        disable_cuda_graph=False,
+        disable_decode_cuda_graph=False,
+    )
     return types.SimpleNamespace(**{**base, **kw})
 
 
@@ -229,14 +355,21 @@ def test_cuda_server_defaults_to_recompute_with_graphs_on(monkeypatch, tiny_llam
     auto resolves to recompute and decode CUDA graphs stay on; capture needs a known request
     limit (its ring is taken from the pool at start-up) and turns decode graphs off."""
     monkeypatch.setattr(support, "cuda_available", lambda: False)
-    monkeypatch.setattr(support, "device_memory_bytes", lambda device: None)  # no GPU memory to plan with
+    monkeypatch.setattr(
+        support, "device_memory_bytes", lambda device: None
+    )  # no GPU memory to plan with
     args = _cuda_args(tiny_llama)
     cfg = support.prepare_server_args(args, KaraConfig())
     assert cfg.query_source == "recompute"
     assert args.disable_cuda_graph is False and args.disable_decode_cuda_graph is False
     assert args.radix_cache_backend == "kara"
-    with pytest.raises(support.UnsupportedFeature, match="--max-running-requests or --kara-query-ring-rows"):
-        support.prepare_server_args(_cuda_args(tiny_llama), KaraConfig.build(query_source="capture"))
+    with pytest.raises(
+        support.UnsupportedFeature,
+        match="--max-running-requests or --kara-query-ring-rows",
+    ):
+        support.prepare_server_args(
+            _cuda_args(tiny_llama), KaraConfig.build(query_source="capture")
+        )
     args = _cuda_args(tiny_llama, max_running_requests=16)
     cfg = support.prepare_server_args(args, KaraConfig.build(query_source="capture"))
     assert cfg.query_source == "capture" and args.disable_decode_cuda_graph is True
@@ -247,15 +380,24 @@ def test_cuda_auto_captures_only_with_decode_graphs_off(monkeypatch, tiny_llama)
     would replay decode graphs (capture would turn them off), and picks capture where the user
     turned them off; a ring past 5% of the GPU stays at recompute."""
     monkeypatch.setattr(support, "cuda_available", lambda: True)
-    monkeypatch.setattr(support, "reserve_device_memory", lambda *a: {})  # tests/test_gpu_resolution.py
+    monkeypatch.setattr(
+        support, "reserve_device_memory", lambda *a: {}
+    )  # tests/test_gpu_resolution.py
     monkeypatch.setattr(support, "device_memory_bytes", lambda device: 80 << 30)
     args = _cuda_args(tiny_llama, max_running_requests=16)
     assert support.prepare_server_args(args, KaraConfig()).query_source == "recompute"
     assert args.disable_decode_cuda_graph is False
-    for off in (dict(disable_cuda_graph=True), dict(disable_decode_cuda_graph=True),
-                dict(cuda_graph_backend_decode="disabled")):
-        assert support.prepare_server_args(_cuda_args(tiny_llama, max_running_requests=16, **off),
-                                           KaraConfig()).query_source == "capture"
+    for off in (
+        dict(disable_cuda_graph=True),
+        dict(disable_decode_cuda_graph=True),
+        dict(cuda_graph_backend_decode="disabled"),
+    ):
+        assert (
+            support.prepare_server_args(
+                _cuda_args(tiny_llama, max_running_requests=16, **off), KaraConfig()
+            ).query_source
+            == "capture"
+        )
     monkeypatch.setattr(support, "device_memory_bytes", lambda device: 1 << 20)
     big = _cuda_args(tiny_llama, max_running_requests=4096, disable_cuda_graph=True)
     assert support.prepare_server_args(big, KaraConfig()).query_source == "recompute"
@@ -265,18 +407,39 @@ def test_cuda_auto_captures_only_with_decode_graphs_off(monkeypatch, tiny_llama)
 def test_cpu_pool_is_sized_for_the_given_request_limit(tiny_llama):
     """--max-running-requests sizes the CPU pool like the default 8 does (max(context, running x
     1,024) tokens, within 5% of RAM), from the launcher's flags (strings) and Engine keywords alike."""
-    from sgl_kara.memory import CPU_KV_SHARE, CPU_TOKENS_PER_REQUEST, MIN_TOKENS, ModelShape, total_ram_bytes
+    from sgl_kara.memory import (
+        CPU_KV_SHARE,
+        CPU_TOKENS_PER_REQUEST,
+        MIN_TOKENS,
+        ModelShape,
+        total_ram_bytes,
+    )
 
     shape = ModelShape.from_model_path(tiny_llama)
     by_ram = int(CPU_KV_SHARE * total_ram_bytes()) // shape.kv_bytes_per_token(4)
     for running in (8, 24):
-        want = max(MIN_TOKENS, min(by_ram, max(shape.context_len, running * CPU_TOKENS_PER_REQUEST)))
-        for given in ({"max_running_requests": running}, {"max_running_requests": str(running)}):
-            assert support.server_defaults(tiny_llama, {"device": "cpu", **given})["max_total_tokens"] == want
-    assert want == 24 * CPU_TOKENS_PER_REQUEST > shape.context_len  # the given limit, not 8, set it
+        want = max(
+            MIN_TOKENS,
+            min(by_ram, max(shape.context_len, running * CPU_TOKENS_PER_REQUEST)),
+        )
+        for given in (
+            {"max_running_requests": running},
+            {"max_running_requests": str(running)},
+        ):
+            assert (
+                support.server_defaults(tiny_llama, {"device": "cpu", **given})[
+                    "max_total_tokens"
+                ]
+                == want
+            )
+    assert (
+        want == 24 * CPU_TOKENS_PER_REQUEST > shape.context_len
+    )  # the given limit, not 8, set it
 
 
-def test_cpu_memory_check_counts_karas_event_and_observer_memory(monkeypatch, tiny_llama):
+def test_cpu_memory_check_counts_karas_event_and_observer_memory(
+    monkeypatch, tiny_llama
+):
     """The RAM check adds the largest event's scores (32 bytes per region entry, layer and KV
     head, for every running request's region, at most the pool) and H2O's observer memory; a
     machine that holds everything but that is refused, naming it."""
@@ -286,18 +449,50 @@ def test_cpu_memory_check_counts_karas_event_and_observer_memory(monkeypatch, ti
     shape = ModelShape.from_model_path(tiny_llama)
     seen = {}
     real = support.check_cpu_fit
-    monkeypatch.setattr(support, "check_cpu_fit", lambda *a, **kw: seen.update(kw) or real(*a, **kw))
+    monkeypatch.setattr(
+        support, "check_cpu_fit", lambda *a, **kw: seen.update(kw) or real(*a, **kw)
+    )
     monkeypatch.setattr(support, "available_ram_bytes", lambda: 1 << 40)
-    args = types.SimpleNamespace(model_path=tiny_llama, device="cpu", dtype="float32", max_running_requests=8,
-                                 max_total_tokens=4096, radix_cache_backend=None, disable_cuda_graph=False,
-                                 disable_decode_cuda_graph=False)
+    args = types.SimpleNamespace(
+        model_path=tiny_llama,
+        device="cpu",
+        dtype="float32",
+        max_running_requests=8,
+        max_total_tokens=4096,
+        radix_cache_backend=None,
+        disable_cuda_graph=False,
+        disable_decode_cuda_graph=False,
+    )
     support.prepare_server_args(args, KaraConfig.build(policy="h2o"))
-    scores = min(4096, 8 * 1281) * shape.layers * shape.kv_heads * 32  # C_max + 1 entries per request
+    scores = (
+        min(4096, 8 * 1281) * shape.layers * shape.kv_heads * 32
+    )  # C_max + 1 entries per request
     observer = H2OPolicy.observer_bytes(shape, 4, 4096, 8)
     assert seen["kara_workspace"] == scores + observer and observer > 0
-    support.prepare_server_args(args, KaraConfig.build(policy="kara", query_source="recompute"))
-    assert seen["kara_workspace"] == min(4096, 8 * 512) * shape.layers * shape.kv_heads * 32  # a window W each
+    support.prepare_server_args(
+        args, KaraConfig.build(policy="kara", query_source="recompute")
+    )
+    assert (
+        seen["kara_workspace"]
+        == min(4096, 8 * 512) * shape.layers * shape.kv_heads * 32
+    )  # a window W each
     without = sum(check_cpu_fit(shape, 4, 4096, 0, 0, 1 << 40).values())
-    check_cpu_fit(shape, 4, 4096, 0, 0, without + scores + observer, kara_workspace=scores + observer)
+    check_cpu_fit(
+        shape,
+        4,
+        4096,
+        0,
+        0,
+        without + scores + observer,
+        kara_workspace=scores + observer,
+    )
     with pytest.raises(MemoryConfigError, match="Kara's event and observer memory"):
-        check_cpu_fit(shape, 4, 4096, 0, 0, without + scores + observer - 1, kara_workspace=scores + observer)
+        check_cpu_fit(
+            shape,
+            4,
+            4096,
+            0,
+            0,
+            without + scores + observer - 1,
+            kara_workspace=scores + observer,
+        )

@@ -29,11 +29,25 @@ def _named(message: str, field: str) -> set[str]:
 def test_unknown_field_names_the_policies_taking_each_option():
     message = _message({"window": 64})
     assert "unknown field(s) ['window']" in message
-    takes = {name: {p.name for p in base.policies() if name in p.request_options} for name in ("budget", "retention")}
-    assert takes["budget"] == {"snapkv", "streaming", "h2o", "rkv"} and takes["retention"] == {"kara", "random"}
-    assert _named(message, "budget") == takes["budget"] and _named(message, "retention") == takes["retention"]
-    assert "'enable': 'bool'" in message and "int in [2, 10000000]" in message and "float in (0, 1]" in message
-    assert _named(_message_for_type(), "budget") == takes["budget"]  # a non-object says the same
+    takes = {
+        name: {p.name for p in base.policies() if name in p.request_options}
+        for name in ("budget", "retention")
+    }
+    assert takes["budget"] == {"snapkv", "streaming", "h2o", "rkv"} and takes[
+        "retention"
+    ] == {"kara", "random"}
+    assert (
+        _named(message, "budget") == takes["budget"]
+        and _named(message, "retention") == takes["retention"]
+    )
+    assert (
+        "'enable': 'bool'" in message
+        and "int in [2, 10000000]" in message
+        and "float in (0, 1]" in message
+    )
+    assert (
+        _named(_message_for_type(), "budget") == takes["budget"]
+    )  # a non-object says the same
 
 
 def _message_for_type() -> str:
@@ -53,13 +67,26 @@ def test_a_policy_registered_later_is_named(monkeypatch):
     assert "newpolicy" not in _named(_message({"window": 64}), "retention")
 
 
-@pytest.mark.parametrize("opts,field", [({"retention": 0}, "retention"), ({"budget": 1}, "budget"),
-                                        ({"enable": 1}, "enable"), ({"enable": False, "budget": 9}, "enable")])
+@pytest.mark.parametrize(
+    "opts,field",
+    [
+        ({"retention": 0}, "retention"),
+        ({"budget": 1}, "budget"),
+        ({"enable": 1}, "enable"),
+        ({"enable": False, "budget": 9}, "enable"),
+    ],
+)
 def test_bad_values_name_the_field(opts, field):
     assert f"custom_params.kara.{field}" in _message(opts)
 
 
 def test_valid_options_pass():
     assert request_options.validate({"kara": {"retention": 0.5}}) == {"retention": 0.5}
-    assert request_options.validate({"kara": {"budget": 300, "enable": True}}) == {"budget": 300, "enable": True}
-    assert request_options.validate(None) == {} and request_options.validate({"other": 1}) == {}
+    assert request_options.validate({"kara": {"budget": 300, "enable": True}}) == {
+        "budget": 300,
+        "enable": True,
+    }
+    assert (
+        request_options.validate(None) == {}
+        and request_options.validate({"other": 1}) == {}
+    )

@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
-
-from support import B, D, HKV, HQ, M
+from support import HKV, HQ, B, D, M
 from support import make_policy as _policy
 from support import score_input as _inputs
 
@@ -22,8 +21,14 @@ def test_rkv_scores_match_a_direct_computation():
     g = HQ // HKV
     for b in range(B):
         for h in range(HKV):
-            logits = torch.stack([torch.stack([q[b, w, h * g + j] @ k[b, :, h].T for j in range(g)]).amax(0)
-                                  for w in range(q.shape[1])]) / math.sqrt(D)  # [w, M]
+            logits = torch.stack(
+                [
+                    torch.stack(
+                        [q[b, w, h * g + j] @ k[b, :, h].T for j in range(g)]
+                    ).amax(0)
+                    for w in range(q.shape[1])
+                ]
+            ) / math.sqrt(D)  # [w, M]
             imp[b, h] = torch.softmax(logits, dim=-1).mean(0)
             kn = k[b, :, h] / (k[b, :, h].norm(dim=-1, keepdim=True) + 1e-8)
             sim = kn @ kn.T
@@ -35,4 +40,6 @@ def test_rkv_scores_match_a_direct_computation():
     torch.testing.assert_close(rkv_importance(q, k, 1), imp)
     torch.testing.assert_close(rkv_redundancy(k, 0.5), red)
     torch.testing.assert_close(p.score(inp), 0.3 * imp - 0.7 * red)
-    assert p.options.threshold == 60 + 128  # unset: budget + the reference implementation's buffer
+    assert (
+        p.options.threshold == 60 + 128
+    )  # unset: budget + the reference implementation's buffer

@@ -9,7 +9,6 @@
 """
 
 import pytest
-
 from oracle import KARA, shared_engine
 from support import engine_env, flush_when_idle, start_engine
 
@@ -21,7 +20,10 @@ PROMPTS = [
 ]
 GEN = 300
 GREEDY = {"max_new_tokens": GEN, "temperature": 0.0, "ignore_eos": True}
-FULL = {**GREEDY, "custom_params": {"kara": {"retention": 1.0}}}  # per request: every entry kept
+FULL = {
+    **GREEDY,
+    "custom_params": {"kara": {"retention": 1.0}},
+}  # per request: every entry kept
 # Small windows so a 300-token answer goes through many events: W=40, U=8 -> 32 compressible, r = 0.25
 # -> K = 8, chunk budget 4 (its default at K = 8). The engines are the session's shared ones of
 # this configuration (tests/oracle.py shared_engine: integrity checks, capture-vs-recompute
@@ -29,7 +31,13 @@ FULL = {**GREEDY, "custom_params": {"kara": {"retention": 1.0}}}  # per request:
 KARA_SMALL = dict(KARA, kara_retention=0.25)
 
 
-def kara_engine(engines, model_path: str, query_source: str, extra: dict | None = None, page: int = 1):
+def kara_engine(
+    engines,
+    model_path: str,
+    query_source: str,
+    extra: dict | None = None,
+    page: int = 1,
+):
     return shared_engine(engines, model_path, page, query_source, extra=extra)[0]
 
 
@@ -47,14 +55,25 @@ def vanilla(tiny_llama, tiny_qwen3):
 
 # Both architectures, both query sources, page sizes 1 and 16, on the exactness oracle's engines
 # (tests/test_oracle.py); the shared Llama capture engine last: the tests after this one run on it.
-@pytest.mark.parametrize("arch, page, query_source", [("qwen3", 16, "capture"), ("qwen3", 1, "recompute"),
-                                                      ("llama", 16, "recompute"), ("llama", 1, "recompute"),
-                                                      ("llama", 1, "capture")])
-def test_full_retention_is_token_identical(arch, page, query_source, vanilla, tiny_llama, tiny_qwen3, engines):
+@pytest.mark.parametrize(
+    "arch, page, query_source",
+    [
+        ("qwen3", 16, "capture"),
+        ("qwen3", 1, "recompute"),
+        ("llama", 16, "recompute"),
+        ("llama", 1, "recompute"),
+        ("llama", 1, "capture"),
+    ],
+)
+def test_full_retention_is_token_identical(
+    arch, page, query_source, vanilla, tiny_llama, tiny_qwen3, engines
+):
     """Retention 1.0 for these requests (``custom_params.kara``): every window still goes through
     scoring, selection and compaction into fresh slots (at page size 16, the kept entries and the
     shifted tail go to fresh page-aligned pages), and the tokens are plain SGLang's."""
-    engine = kara_engine(engines, tiny_llama if arch == "llama" else tiny_qwen3, query_source, page=page)
+    engine = kara_engine(
+        engines, tiny_llama if arch == "llama" else tiny_qwen3, query_source, page=page
+    )
     outs = engine.generate(PROMPTS, FULL)
     for out, ref in zip(outs, vanilla[arch]):
         meta = out["meta_info"]
@@ -89,7 +108,9 @@ def test_footprint_matches_prediction(compressing_engine):
         # Windows are compressed whenever W uncompressed rows exist at an event (every 4 steps),
         # so the count is fixed by the schedule: floor((tail) / 32) up to one period of lag.
         assert kara["compressions"] >= (GEN - 40 - 4) // 32
-        assert kara["kv_physical_len"] == predicted_physical(meta["prompt_tokens"], GEN, kara["compressions"])
+        assert kara["kv_physical_len"] == predicted_physical(
+            meta["prompt_tokens"], GEN, kara["compressions"]
+        )
         assert kara["kv_physical_len"] < 0.5 * logical
         assert kara["integrity_checks"] >= kara["compressions"]
 
@@ -112,9 +133,15 @@ def test_parallel_samples_share_prompt_and_cache_hit(compressing_engine):
         kara = out["meta_info"]["kara"]
         assert out["meta_info"]["completion_tokens"] == 200
         assert kara["compressions"] >= 3
-        assert kara["integrity_checks"] >= kara["compressions"]  # prompt slots and bytes unchanged
-    again = compressing_engine.generate(prompt, {"max_new_tokens": 4, "temperature": 0.0})
-    assert again["meta_info"]["cached_tokens"] >= again["meta_info"]["prompt_tokens"] - 1
+        assert (
+            kara["integrity_checks"] >= kara["compressions"]
+        )  # prompt slots and bytes unchanged
+    again = compressing_engine.generate(
+        prompt, {"max_new_tokens": 4, "temperature": 0.0}
+    )
+    assert (
+        again["meta_info"]["cached_tokens"] >= again["meta_info"]["prompt_tokens"] - 1
+    )
 
 
 def test_flush_leaves_every_slot_free(compressing_engine):
@@ -122,7 +149,9 @@ def test_flush_leaves_every_slot_free(compressing_engine):
     assert flush_when_idle(compressing_engine)
     # The strict idle check (SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1) raises inside the
     # scheduler on any leaked slot; a further request proves the scheduler is alive.
-    out = compressing_engine.generate("Hello", {"max_new_tokens": 2, "temperature": 0.0})
+    out = compressing_engine.generate(
+        "Hello", {"max_new_tokens": 2, "temperature": 0.0}
+    )
     assert out["meta_info"]["completion_tokens"] == 2
 
 
@@ -147,7 +176,11 @@ def test_tight_pool_retracts_and_completes(tiny_llama):
 
     with engine_env(SGLANG_INIT_NEW_TOKEN_RATIO="0.01"):
         engine = start_engine(
-            "kara", tiny_llama, kara_query_source="capture", max_total_tokens=900, max_running_requests=12,
+            "kara",
+            tiny_llama,
+            kara_query_source="capture",
+            max_total_tokens=900,
+            max_running_requests=12,
             **KARA_SMALL,
         )
     params = {"max_new_tokens": GEN, "min_new_tokens": GEN, "temperature": 0.0}
@@ -169,17 +202,25 @@ def test_tight_pool_retracts_and_completes(tiny_llama):
 
     async def run_all(attempt):
         retracted_at.clear()
-        waves = [[f"{p} {i} {attempt}" for i in range(w, w + 2) for p in PROMPTS[:3]] for w in (0, 2)]
+        waves = [
+            [f"{p} {i} {attempt}" for i in range(w, w + 2) for p in PROMPTS[:3]]
+            for w in (0, 2)
+        ]
         progress, first_seen_at = {}, []
         first_started = [asyncio.Event() for _ in waves[0]]
-        first = [asyncio.create_task(run_one(p, e, progress, i)) for i, (p, e) in enumerate(zip(waves[0], first_started))]
+        first = [
+            asyncio.create_task(run_one(p, e, progress, i))
+            for i, (p, e) in enumerate(zip(waves[0], first_started))
+        ]
         await asyncio.gather(*(e.wait() for e in first_started))
 
         async def second_one(p, j):
             started = asyncio.Event()
             task = asyncio.create_task(run_one(p, started, progress, ("second", j)))
             await started.wait()
-            first_seen_at.append(max(v for k, v in progress.items() if isinstance(k, int)))
+            first_seen_at.append(
+                max(v for k, v in progress.items() if isinstance(k, int))
+            )
             return await task
 
         second = [asyncio.create_task(second_one(p, j)) for j, p in enumerate(waves[1])]
@@ -194,11 +235,15 @@ def test_tight_pool_retracts_and_completes(tiny_llama):
             if first_wave_progress <= GEN // 2:
                 break
         else:
-            pytest.fail(f"the second wave never started before the first passed {GEN // 2} tokens "
-                        f"(last: {first_wave_progress}): machine too loaded for this scenario")
+            pytest.fail(
+                f"the second wave never started before the first passed {GEN // 2} tokens "
+                f"(last: {first_wave_progress}): machine too loaded for this scenario"
+            )
     finally:
         engine.shutdown()
-    retracted = [o["meta_info"] for o in outs if o["meta_info"].get("num_retractions", 0)]
+    retracted = [
+        o["meta_info"] for o in outs if o["meta_info"].get("num_retractions", 0)
+    ]
     assert retracted
     # A re-prefilled request inserts only its prompt into the tree, so its regenerated history
     # is compressed again (catch-up passes) instead of becoming a protected prefix -- if it has
@@ -209,7 +254,9 @@ def test_tight_pool_retracts_and_completes(tiny_llama):
     early = [m for m in retracted if GEN - m["retracted_at"] > room]
     assert early, [m["retracted_at"] for m in retracted]
     for meta in early:
-        assert meta["kara"]["kv_physical_len"] < meta["kara"]["kv_logical_len"] - 100, meta
+        assert meta["kara"]["kv_physical_len"] < meta["kara"]["kv_logical_len"] - 100, (
+            meta
+        )
 
 
 @pytest.mark.integration  # a retraction scenario on an engine of its own (docs/TESTING.md, tiers)
@@ -224,12 +271,23 @@ def test_retracted_request_keeps_its_own_budget(tiny_llama):
 
     with engine_env(SGLANG_INIT_NEW_TOKEN_RATIO="0.01"):
         engine = start_engine(
-            "kara", tiny_llama, kara_policy="snapkv", kara_snapkv_threshold=216, kara_snapkv_budget=200,
-            kara_snapkv_window=8, kara_query_source="capture", max_total_tokens=300, max_running_requests=12,
+            "kara",
+            tiny_llama,
+            kara_policy="snapkv",
+            kara_snapkv_threshold=216,
+            kara_snapkv_budget=200,
+            kara_snapkv_window=8,
+            kara_query_source="capture",
+            max_total_tokens=300,
+            max_running_requests=12,
         )
     gen = 200
-    params = {"max_new_tokens": gen, "min_new_tokens": gen, "temperature": 0.0,
-              "custom_params": {"kara": {"budget": 24}}}
+    params = {
+        "max_new_tokens": gen,
+        "min_new_tokens": gen,
+        "temperature": 0.0,
+        "custom_params": {"kara": {"budget": 24}},
+    }
 
     async def run_one(prompt, started):
         last = None
@@ -239,9 +297,13 @@ def test_retracted_request_keeps_its_own_budget(tiny_llama):
         return last
 
     async def run_all():
-        waves = [[f"{p} {i}" for i in range(w, w + 2) for p in PROMPTS[:3]] for w in (0, 2)]
+        waves = [
+            [f"{p} {i}" for i in range(w, w + 2) for p in PROMPTS[:3]] for w in (0, 2)
+        ]
         first_started = [asyncio.Event() for _ in waves[0]]
-        first = [asyncio.create_task(run_one(p, e)) for p, e in zip(waves[0], first_started)]
+        first = [
+            asyncio.create_task(run_one(p, e)) for p, e in zip(waves[0], first_started)
+        ]
         await asyncio.gather(*(e.wait() for e in first_started))
         second = [asyncio.create_task(run_one(p, asyncio.Event())) for p in waves[1]]
         return await asyncio.gather(*first, *second)
@@ -251,11 +313,16 @@ def test_retracted_request_keeps_its_own_budget(tiny_llama):
     finally:
         engine.shutdown()
     assert all(o["meta_info"]["completion_tokens"] == gen for o in outs)
-    retracted = [o["meta_info"] for o in outs if o["meta_info"].get("num_retractions", 0)]
+    retracted = [
+        o["meta_info"] for o in outs if o["meta_info"].get("num_retractions", 0)
+    ]
     assert retracted, "no request was retracted: the test did not exercise the path"
     for meta in (o["meta_info"] for o in outs):
         held = meta["kara"]["kv_physical_len"] - meta["prompt_tokens"]
-        assert 24 <= held <= 40 + 1, (held, meta)  # its own N..C_max, not the server's 200..216
+        assert 24 <= held <= 40 + 1, (
+            held,
+            meta,
+        )  # its own N..C_max, not the server's 200..216
 
 
 @pytest.mark.integration  # an engine of its own configuration (docs/TESTING.md, tiers)
@@ -263,9 +330,13 @@ def test_buffer_scoring_recomputes_the_decoded_queries(tiny_llama, engines):
     """--kara-scoring buffer: a region's query window is the last U tokens of the window, and the
     recompute forward extends those alone (prefix = every row before them). On each request's
     first window its scores equal those from the captured decode-time queries (crosscheck)."""
-    engine = kara_engine(engines, tiny_llama, "capture", extra={"kara_scoring": "buffer"})
+    engine = kara_engine(
+        engines, tiny_llama, "capture", extra={"kara_scoring": "buffer"}
+    )
     outs = engine.generate(PROMPTS, GREEDY)
     for out in outs:
         kara = out["meta_info"]["kara"]
         assert kara["compressions"] >= 3
-        assert kara["query_crosscheck_max_rel_err"] < 2e-2, kara["query_crosscheck_max_rel_err"]
+        assert kara["query_crosscheck_max_rel_err"] < 2e-2, kara[
+            "query_crosscheck_max_rel_err"
+        ]

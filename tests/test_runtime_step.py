@@ -67,11 +67,19 @@ def test_the_runtime_fences_before_any_event_work(monkeypatch):
     order = []
     rt = KaraRuntime.__new__(KaraRuntime)
     rt.cfg = types.SimpleNamespace(phase="request", spread_max=0, trigger="schedule")
-    rt.decode_steps, rt.spreading, rt.page_size, rt.check, rt.slack = 1, True, 1, False, 0
+    rt.decode_steps, rt.spreading, rt.page_size, rt.check, rt.slack = (
+        1,
+        True,
+        1,
+        False,
+        0,
+    )
     rt.policy = types.SimpleNamespace(due=lambda s: True)
     rt._fence = lambda: order.append("fence")
-    rt.events = types.SimpleNamespace(advance=lambda b, c: order.append("advance"),
-                                      run=lambda b, j: order.append("run") or 0)
+    rt.events = types.SimpleNamespace(
+        advance=lambda b, c: order.append("advance"),
+        run=lambda b, j: order.append("run") or 0,
+    )
     monkeypatch.setattr(runtime_mod, "plan_chunks", lambda *a, **k: [("job", 1)])
     job = types.SimpleNamespace(req=object())
     plans = iter([[job], []])
@@ -88,7 +96,12 @@ class DeviceLike(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types_, args=(), kwargs=None):
-        if func in (torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.cpu, torch.Tensor.numpy):
+        if func in (
+            torch.Tensor.tolist,
+            torch.Tensor.item,
+            torch.Tensor.cpu,
+            torch.Tensor.numpy,
+        ):
             cls.reads.append(func.__name__)
         return super().__torch_function__(func, types_, args, kwargs or {})
 
@@ -103,10 +116,19 @@ def test_compaction_reads_no_row_index_back_to_the_host():
     free = list(range(41, S))
     kept = torch.sort(torch.rand(2, L, H, 8).argsort(-1)[..., :3], -1).values
     rows = torch.tensor([1, 2]).as_subclass(DeviceLike)
-    plan = CompactionPlan(rows=rows, starts=[4, 4], lengths=[20, 20], region=8, kept=kept, row_ids=[1, 2])
+    plan = CompactionPlan(
+        rows=rows, starts=[4, 4], lengths=[20, 20], region=8, kept=kept, row_ids=[1, 2]
+    )
     DeviceLike.reads = []
-    prepared = prepare_compaction(plan, req_to_token, k, v, lambda n: torch.tensor([free.pop() for _ in range(n)]),
-                                  lambda s: None, 1)
+    prepared = prepare_compaction(
+        plan,
+        req_to_token,
+        k,
+        v,
+        lambda n: torch.tensor([free.pop() for _ in range(n)]),
+        lambda s: None,
+        1,
+    )
     prepared.commit(req_to_token, lambda s: None)
     assert DeviceLike.reads == [], DeviceLike.reads
     assert req_to_token[1, :15].unique().numel() == 15  # rewritten: 4 + 3 kept + 8 tail
@@ -126,5 +148,7 @@ def test_the_recompute_batch_carries_no_watermark_candidates_or_grammars():
     got = scoring_sampling_info(running)
     assert isinstance(got, SamplingBatchInfo) and got is not running
     assert got.has_watermark_candidates is False and got.grammars is None
-    assert running.has_watermark_candidates is True and running.grammars == ["grammar"]  # untouched
+    assert running.has_watermark_candidates is True and running.grammars == [
+        "grammar"
+    ]  # untouched
     assert scoring_sampling_info(None) is None

@@ -15,7 +15,17 @@ from sgl_kara.policies.base import RowView
 from sgl_kara.policies.kara import KaraOptions, KaraPolicy
 from sgl_kara.policies.snapkv import SnapKVOptions, SnapKVPolicy
 from sgl_kara.scheduler.jobs import decoded_tokens
-from sgl_kara.scheduler.spread import MIN_CHUNK, ScoringJob, phase, chunk, deadline, first_lead, plan_chunks, slack, spreads
+from sgl_kara.scheduler.spread import (
+    MIN_CHUNK,
+    ScoringJob,
+    chunk,
+    deadline,
+    first_lead,
+    phase,
+    plan_chunks,
+    slack,
+    spreads,
+)
 from sgl_kara.scheduler.state import KaraReqState
 
 PAPER = KaraPolicy(KaraOptions())  # W 512, U 32, delta 128
@@ -42,7 +52,9 @@ def test_deadline_is_the_first_due_step_a_cap_can_meet():
 def test_slack_is_what_a_cap_can_delay():
     assert slack(PAPER, 0) == 0
     assert slack(PAPER, 16) == 0  # 512 queries / 16 = 32 steps = U: always on time
-    assert slack(PAPER, 4) == 128  # 128 steps from U = 32 before the due step: one period late
+    assert (
+        slack(PAPER, 4) == 128
+    )  # 128 steps from U = 32 before the due step: one period late
     assert slack(PAPER, 2) == 256
     buffer = KaraPolicy(KaraOptions(scoring="buffer"))
     assert slack(buffer, 1) == 0  # U queries, one decoded per step
@@ -50,7 +62,9 @@ def test_slack_is_what_a_cap_can_delay():
 
 def test_only_additive_query_scorers_spread():
     assert spreads(PAPER, "even") and not spreads(PAPER, "off")
-    assert not spreads(SnapKVPolicy(SnapKVOptions()), "even")  # pooled after the sum: not additive
+    assert not spreads(
+        SnapKVPolicy(SnapKVOptions()), "even"
+    )  # pooled after the sum: not additive
     from sgl_kara.policies.random import RandomOptions, RandomPolicy
 
     assert not spreads(RandomPolicy(RandomOptions()), "even")  # scores without queries
@@ -61,7 +75,9 @@ class Req:
         self.origin_input_ids = [0] * prompt
         self.output_ids = [7]  # the prefill's token
         self.sampling_params = types.SimpleNamespace(max_new_tokens=max_new)
-        self.kv = types.SimpleNamespace(kv_committed_len=prompt, kv_allocated_len=prompt, cache_protected_len=0)
+        self.kv = types.SimpleNamespace(
+            kv_committed_len=prompt, kv_allocated_len=prompt, cache_protected_len=0
+        )
         self.kara = KaraReqState()
         self.to_finish = None
 
@@ -85,18 +101,24 @@ def simulate(policy, cap: int, steps: int, others: int = 0, prompt: int = 9):
     for t in range(steps):
         if t == 40 and others:
             reqs += [Req(prompt + i, 10_000) for i in range(others)]
-        chunks = plan_chunks(policy, reqs, lambda r: r.kara, 1, cap, lambda r: decoded_tokens(r, r.kara))
+        chunks = plan_chunks(
+            policy, reqs, lambda r: r.kara, 1, cap, lambda r: decoded_tokens(r, r.kara)
+        )
         got = {id(j.req): n for j, n in chunks}
         for j, n in chunks:
             region, state = j.region, j.state
-            assert region.query_start + state.scoring.done + n <= j.req.kv.kv_committed_len  # decoded only
+            assert (
+                region.query_start + state.scoring.done + n <= j.req.kv.kv_committed_len
+            )  # decoded only
             state.scoring.add(torch.zeros(1, 1, region.length), n)
         share.append(got.get(id(reqs[0]), 0))
         for r in reqs:
             s = r.kara
             if s.protected < 0 or not policy.due(decoded_tokens(r, s)):
                 continue
-            row = RowView(s.protected, s.frontier, r.kv.kv_committed_len, s.pos_offset, s)
+            row = RowView(
+                s.protected, s.frontier, r.kv.kv_committed_len, s.pos_offset, s
+            )
             region = policy.region(row)
             if region is not None and r is reqs[0]:
                 first_due.setdefault(region.start, decoded_tokens(r, s))
@@ -125,7 +147,10 @@ def test_a_window_is_scored_evenly_until_its_due_step():
     # 64 queries in chunks of MIN_CHUNK (32) over the 24 steps: every 12th step, from the phase
     # the request's prompt gives
     p = phase(Req(9, 10), 12)
-    assert 0 < p < 12 and [(i, n) for i, n in enumerate(first) if n] == [(p, 32), (p + 12, 32)], first
+    assert 0 < p < 12 and [(i, n) for i, n in enumerate(first) if n] == [
+        (p, 32),
+        (p + 12, 32),
+    ], first
     assert all(n <= MIN_CHUNK for n in share), max(share)
     # no cap: every window compressed at the first due step at which it is complete, as unspread
     assert all(due == done for due, done in compressed), compressed
@@ -135,7 +160,9 @@ def test_a_cap_delays_by_at_most_the_slack_and_never_skips_work():
     policy = KaraPolicy(KaraOptions(window=64, buffer=8, period=16))
     capped_share, capped = simulate(policy, cap=1, steps=600)
     assert max(capped_share) == 1
-    s = slack(policy, 1)  # 64 queries at 1 per step, keys known 8 steps before due: 56 late -> 64
+    s = slack(
+        policy, 1
+    )  # 64 queries at 1 per step, keys known 8 steps before due: 56 late -> 64
     assert s == 64
     delays = [done - due for due, done in capped]
     assert len(capped) >= 5 and all(0 <= x <= s for x in delays), capped
@@ -146,13 +173,23 @@ def test_queries_are_scored_only_once_decoded():
     from sgl_kara.scheduler.spread import decoded
 
     policy = KaraPolicy(KaraOptions(window=16, buffer=8, period=1))  # due at every step
-    region, _ = policy.upcoming(RowView(4, 4, 12, 0, KaraReqState(protected=4, frontier=4)))
-    assert decoded(region, 12, 0) == 8 and decoded(region, 12, 5) == 3 and decoded(region, 20, 16) == 0
-    share, compressed = simulate(policy, cap=0, steps=60)  # asserts decoded-only at every chunk
+    region, _ = policy.upcoming(
+        RowView(4, 4, 12, 0, KaraReqState(protected=4, frontier=4))
+    )
+    assert (
+        decoded(region, 12, 0) == 8
+        and decoded(region, 12, 5) == 3
+        and decoded(region, 20, 16) == 0
+    )
+    share, compressed = simulate(
+        policy, cap=0, steps=60
+    )  # asserts decoded-only at every chunk
     # 16 queries, one chunk's worth: at the first scoring step (the prompt's phase) all decoded by
     # then, the others at the due step
     p = phase(Req(9, 10), 9)
-    assert share[8:17] == [0] * p + [8 + p] + [0] * (7 - p) + [8 - p] and compressed[0] == (17, 17), share[8:17]
+    assert share[8:17] == [0] * p + [8 + p] + [0] * (7 - p) + [8 - p] and compressed[
+        0
+    ] == (17, 17), share[8:17]
 
 
 def test_a_request_is_scored_the_same_whatever_else_runs():
@@ -176,7 +213,11 @@ def test_window_scores_add_up_over_query_parts(use_triton, dtype):
     parts = torch.zeros_like(whole)
     for lo, hi in ((0, 7), (7, 8), (8, 33), (33, 40)):
         part = q[:, lo:hi].contiguous()
-        parts += fn(part, k, slots) if not use_triton else fn(part, k, slots, use_triton=True)
+        parts += (
+            fn(part, k, slots)
+            if not use_triton
+            else fn(part, k, slots, use_triton=True)
+        )
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(parts, whole, rtol=tol, atol=tol * m)
 
@@ -204,11 +245,15 @@ def test_requests_in_step_score_their_parts_on_different_steps():
         reqs.append(r)
     per_step = []
     for t in range(80):
-        chunks = plan_chunks(policy, reqs, lambda r: r.kara, 1, 0, lambda r: decoded_tokens(r, r.kara))
+        chunks = plan_chunks(
+            policy, reqs, lambda r: r.kara, 1, 0, lambda r: decoded_tokens(r, r.kara)
+        )
         for j, n in chunks:
             j.state.scoring.add(torch.zeros(1, 1, j.region.length), n)
         per_step.append(len(chunks))
         for r in reqs:
             r.step()
     assert sum(per_step) >= 16 and max(per_step) < 8, per_step  # 2 parts each
-    assert all(r.kara.scoring.remaining == 0 for r in reqs)  # whole before the due step (80)
+    assert all(
+        r.kara.scoring.remaining == 0 for r in reqs
+    )  # whole before the due step (80)

@@ -8,20 +8,42 @@ import json
 import types
 
 import pytest
+from support import run_bench
 
 from bench import step_costs as sc
 from bench import throughput_grid as grid
 from bench.engine_run import RunResult
-from support import run_bench
 
 
 @pytest.mark.integration
 def test_grid_one_cell(tiny_llama, tmp_path):
     requests, gen = 4, 96
-    run_bench("throughput", "--grid", "--model", tiny_llama, "--gens", str(gen), "--pool-fractions", "0.5",
-              "--windows", "32", "--systems", "vanilla", "kara", "--requests", str(requests), "--max-running", "8",
-              "--query-source", "capture", "--out", str(tmp_path))
-    runs = {r["system"]: r for r in json.loads((tmp_path / "grid.json").read_text())["runs"]}
+    run_bench(
+        "throughput",
+        "--grid",
+        "--model",
+        tiny_llama,
+        "--gens",
+        str(gen),
+        "--pool-fractions",
+        "0.5",
+        "--windows",
+        "32",
+        "--systems",
+        "vanilla",
+        "kara",
+        "--requests",
+        str(requests),
+        "--max-running",
+        "8",
+        "--query-source",
+        "capture",
+        "--out",
+        str(tmp_path),
+    )
+    runs = {
+        r["system"]: r for r in json.loads((tmp_path / "grid.json").read_text())["runs"]
+    }
     assert set(runs) == {"vanilla", "kara"}
     van, kara = runs["vanilla"], runs["kara"]
     for r in runs.values():
@@ -30,14 +52,22 @@ def test_grid_one_cell(tiny_llama, tmp_path):
         assert 0 < r["mean_running"] <= r["peak_running"] <= requests
         assert r["pool"] == int(0.5 * requests * (r["prompt_len"] + gen))
     # ratios are to vanilla in the same cell
-    assert van["sched_ratio"] == 1.0 and abs(kara["sched_ratio"] - kara["tps_sched"] / van["tps_sched"]) < 1e-9
+    assert (
+        van["sched_ratio"] == 1.0
+        and abs(kara["sched_ratio"] - kara["tps_sched"] / van["tps_sched"]) < 1e-9
+    )
     # vanilla never compresses; Kara (W=32, 96 tokens) does, and its share of decode time is a fraction
     assert van["compress_share"] == 0 and van["events"] == 0
     assert kara["events"] > 0 and 0 < kara["compress_share"] < 1
     assert kara["window"] == 32
     # capture: the ring is memory beyond the pool, reported beside it; vanilla has none. Its rows
     # default to one per request that can run at once, so no window fell back to recompute.
-    assert van["ring_bytes"] == 0 and kara["ring_bytes"] > 0 and kara["pool_bytes"] > 0 and kara["fallbacks"] == 0
+    assert (
+        van["ring_bytes"] == 0
+        and kara["ring_bytes"] > 0
+        and kara["pool_bytes"] > 0
+        and kara["fallbacks"] == 0
+    )
     assert "| kara W=32 |" in (tmp_path / "grid.md").read_text()
     # compression shortens what attention reads: mean KV rows per request below vanilla's P + G/2
     assert gen / 2 < van["mean_kv"] <= van["prompt_len"] + gen / 2
@@ -47,40 +77,63 @@ def test_grid_one_cell(tiny_llama, tmp_path):
     assert "wave bound" in md
     # a results file says what made it, when and where
     head = md.splitlines()[:3]
-    assert head[0].startswith("command: python -m bench.throughput --grid ") and head[2].startswith("date: 20")
-    assert any(line.startswith("machine: ") and "core" in line for line in md.splitlines()[:5])
+    assert head[0].startswith("command: python -m bench.throughput --grid ") and head[
+        2
+    ].startswith("date: 20")
+    assert any(
+        line.startswith("machine: ") and "core" in line for line in md.splitlines()[:5]
+    )
     # the run record beside it: commit, command, and each engine's settings as resolved
     run = json.loads((tmp_path / "run.json").read_text())
-    assert run["command"] == head[0].removeprefix("command: ") and len(run["git"]["commit"] or "") == 40
+    assert (
+        run["command"] == head[0].removeprefix("command: ")
+        and len(run["git"]["commit"] or "") == 40
+    )
     assert run["configs"]["kara W=32"]["kara"]["window"] == 32
     assert run["configs"]["kara W=32"]["kara"]["query_source"] == "capture"
     assert run["configs"]["vanilla"]["kara"] == {"policy": "none"}
     for label, r in (("vanilla", van), ("kara W=32", kara)):
         assert run["configs"][label]["server"]["max_total_tokens"] == r["pool"]
-        assert run["configs"][label]["server"]["disable_overlap_schedule"] is False  # both at SGLang's defaults
+        assert (
+            run["configs"][label]["server"]["disable_overlap_schedule"] is False
+        )  # both at SGLang's defaults
     # the per-step trace: vanilla's pool holds 2-3 of the 4 requests, so some wait for admission.
     # The share of steps with a request waiting (concurrency_profile, per record) and the
     # saturated phase's steps (step_costs, per interval: one fewer record) count the same steps.
     for r in runs.values():
         n, sat = r["steps_rate"]["steps"], (r["saturated"] or {}).get("steps", 0)
-        assert sat - 1e-9 <= r["waiting_share"] * (n + 1) and r["waiting_share"] * n <= sat + 1 + 1e-9, (n, sat, r)
+        assert (
+            sat - 1e-9 <= r["waiting_share"] * (n + 1)
+            and r["waiting_share"] * n <= sat + 1 + 1e-9
+        ), (n, sat, r)
         assert 1 <= len(r["running_by_tenth"]) <= 10
         assert all(0 < x <= r["peak_running"] for x in r["running_by_tenth"])
-    assert van["waiting_share"] > 0 and van["running_while_waiting"] <= van["peak_running"]
+    assert (
+        van["waiting_share"] > 0 and van["running_while_waiting"] <= van["peak_running"]
+    )
     # per-step costs (bench/step_costs.py): the trace's decode steps carry every output token but the
     # prefill's first one per request (the last step has no successor record: its batch is not
     # counted), and their CPU intervals are the scheduler's CPU during the run
     for r in runs.values():
         steps = r["steps_rate"]
-        assert r["retractions"] > 0 or requests * (gen - 1) - r["peak_running"] <= steps["tokens"] <= requests * (gen - 1)
+        assert r["retractions"] > 0 or requests * (gen - 1) - r[
+            "peak_running"
+        ] <= steps["tokens"] <= requests * (gen - 1)
         # scheduler_cpu_seconds is read from /proc in clock ticks (10 ms); the steps' intervals are
         # finer, so their sum may pass it by up to a tick at each end
-        assert 0.9 * r["scheduler_cpu_seconds"] <= steps["cpu"] <= r["scheduler_cpu_seconds"] + 0.02
+        assert (
+            0.9 * r["scheduler_cpu_seconds"]
+            <= steps["cpu"]
+            <= r["scheduler_cpu_seconds"] + 0.02
+        )
         assert r["fit_stats"]["n"] <= steps["steps"]
     # vanilla waits for admission, so both systems have a saturated phase and its ratio is to vanilla's
     assert van["saturated"]["steps"] > 0 and van["sat_ratio"] == 1.0
     if kara["waiting_share"] > 0:
-        assert abs(kara["sat_ratio"] - kara["saturated"]["tps"] / van["saturated"]["tps"]) < 1e-9
+        assert (
+            abs(kara["sat_ratio"] - kara["saturated"]["tps"] / van["saturated"]["tps"])
+            < 1e-9
+        )
     else:  # Kara's footprint admitted all four at once: no saturated phase, no ratio
         assert kara["saturated"] is None and kara["sat_ratio"] is None
     costs = (tmp_path / "costs.md").read_text()
@@ -89,10 +142,15 @@ def test_grid_one_cell(tiny_llama, tmp_path):
 
 def test_concurrency_profile_splits_the_admission_bound_phase_from_the_drain():
     concurrency_profile = grid.concurrency_profile
-    trace = [dict(running=0, waiting=4)] + [dict(running=8, waiting=2)] * 6 + [dict(running=r, waiting=0)
-                                                                               for r in (6, 4, 2, 2)]
+    trace = (
+        [dict(running=0, waiting=4)]
+        + [dict(running=8, waiting=2)] * 6
+        + [dict(running=r, waiting=0) for r in (6, 4, 2, 2)]
+    )
     prof = concurrency_profile(trace)
-    assert prof["waiting_share"] == 0.6  # the idle step (nothing running) is not a decode step
+    assert (
+        prof["waiting_share"] == 0.6
+    )  # the idle step (nothing running) is not a decode step
     assert prof["running_while_waiting"] == 8 and prof["running_after_waiting"] == 3.5
     assert prof["running_by_tenth"] == [8, 8, 8, 8, 8, 8, 6, 4, 2, 2]
     assert concurrency_profile([]) == {}
@@ -101,12 +159,18 @@ def test_concurrency_profile_splits_the_admission_bound_phase_from_the_drain():
 def test_wave_bound_is_the_concurrency_of_whole_waves():
     """32 requests, pool 1/4: vanilla holds 8 (4 waves), Kara's footprint 18 (2 waves): 2.00x,
     however far the footprint limit lies above; a window as long as the output gains nothing."""
-    footprint_limit, kara_peak, wave_bound = grid.footprint_limit, grid.kara_peak, grid.wave_bound
+    footprint_limit, kara_peak, wave_bound = (
+        grid.footprint_limit,
+        grid.kara_peak,
+        grid.wave_bound,
+    )
     p, g, requests = 20, 512, 32
     pool = int(0.25 * requests * (p + g))
     row = dict(window=64, system="kara", prompt_len=p, gen=g, pool=pool)
     gain, n_v, n_k = wave_bound(row, requests, 0.25)
-    assert (n_v, n_k) == (pool // (p + g), pool // (p + kara_peak(g, 64, 0.25))) == (8, 18)
+    assert (
+        (n_v, n_k) == (pool // (p + g), pool // (p + kara_peak(g, 64, 0.25))) == (8, 18)
+    )
     assert gain == 4 / 2 and footprint_limit(row, 0.25) > 2.3
     assert wave_bound(dict(row, window=512), requests, 0.25)[0] == 1.0
     assert wave_bound(dict(row, system="vanilla", window=None), requests, 0.25) is None
@@ -118,10 +182,18 @@ def test_spread_output_lengths():
     output_lengths = grid.output_lengths
     assert output_lengths(512, 32, 0.0) == [512] * 32
     lengths = output_lengths(512, 32, 0.5)
-    assert lengths == output_lengths(512, 32, 0.5)  # fixed seed: every system gets the same workload
+    assert lengths == output_lengths(
+        512, 32, 0.5
+    )  # fixed seed: every system gets the same workload
     assert sorted(lengths) == [round(512 * (0.5 + j / 31)) for j in range(32)]
-    assert min(lengths) == 256 and max(lengths) == 768 and abs(sum(lengths) / 32 - 512) <= 0.5
-    assert lengths != sorted(lengths)  # shuffled: long and short requests share every wave
+    assert (
+        min(lengths) == 256
+        and max(lengths) == 768
+        and abs(sum(lengths) / 32 - 512) <= 0.5
+    )
+    assert lengths != sorted(
+        lengths
+    )  # shuffled: long and short requests share every wave
     for bad in (-0.1, 1.0):
         with pytest.raises(ValueError, match="--spread"):
             output_lengths(512, 32, bad)
@@ -132,24 +204,81 @@ def test_profile_scheduler_options_drive_the_grid_runner(tiny_llama):
     runner reads must exist there (it lacked --spread and crashed before sampling anything)."""
     from bench import profile_scheduler
 
-    args = profile_scheduler.build_parser().parse_args(["--out", "unused", "--requests", "4", "--gen", "40",
-                                                        "--spread", "0.5", "--window", "32"])
+    args = profile_scheduler.build_parser().parse_args(
+        [
+            "--out",
+            "unused",
+            "--requests",
+            "4",
+            "--gen",
+            "40",
+            "--spread",
+            "0.5",
+            "--window",
+            "32",
+        ]
+    )
     args.model_path = tiny_llama
-    label, opts, per_request = grid.system_spec(args.system, args.gen, args.window, args, args.requests)
+    label, opts, per_request = grid.system_spec(
+        args.system, args.gen, args.window, args, args.requests
+    )
     seen = {}
 
-    def run_system(system, a, pool, max_running, kara=None, prompts_params=None, label=None, record=None):
-        seen.update(system=system, pool=pool, max_running=max_running, kara=kara, params=prompts_params[1])
+    def run_system(
+        system,
+        a,
+        pool,
+        max_running,
+        kara=None,
+        prompts_params=None,
+        label=None,
+        record=None,
+    ):
+        seen.update(
+            system=system,
+            pool=pool,
+            max_running=max_running,
+            kara=kara,
+            params=prompts_params[1],
+        )
         trace = [dict(running=4, waiting=0, kara_events=0, kara_seconds=0.0)]
-        return RunResult(system=label, pool=pool, max_running=max_running, seconds=1.0, output_tokens=160,
-                         lengths_ok=True, retractions=0, mean_running=4.0, peak_running=4, events=0,
-                         compress_seconds=0.0, trace=trace, cpu_seconds=2.0, scheduler_cpu_seconds=1.0)
+        return RunResult(
+            system=label,
+            pool=pool,
+            max_running=max_running,
+            seconds=1.0,
+            output_tokens=160,
+            lengths_ok=True,
+            retractions=0,
+            mean_running=4.0,
+            peak_running=4,
+            events=0,
+            compress_seconds=0.0,
+            trace=trace,
+            cpu_seconds=2.0,
+            scheduler_cpu_seconds=1.0,
+        )
 
-    r = grid.run_one(run_system, args, grid.grid_prompts(4), args.gen, 500, label, opts, per_request)
-    assert seen["system"] == "kara" and seen["kara"]["kara_window"] == 32 and seen["max_running"] == 256
+    r = grid.run_one(
+        run_system, args, grid.grid_prompts(4), args.gen, 500, label, opts, per_request
+    )
+    assert (
+        seen["system"] == "kara"
+        and seen["kara"]["kara_window"] == 32
+        and seen["max_running"] == 256
+    )
     lengths = [p["max_new_tokens"] for p in seen["params"]]
-    assert lengths == grid.output_lengths(40, 4, 0.5) and sorted(lengths) == [20, 33, 47, 60]  # --spread 0.5
-    assert r["tps_sched"] == 160.0 and r["waiting_share"] == 0 and r["running_by_tenth"] == [4.0]
+    assert lengths == grid.output_lengths(40, 4, 0.5) and sorted(lengths) == [
+        20,
+        33,
+        47,
+        60,
+    ]  # --spread 0.5
+    assert (
+        r["tps_sched"] == 160.0
+        and r["waiting_share"] == 0
+        and r["running_by_tenth"] == [4.0]
+    )
 
 
 def _model_trace(steps, fixed, per_request, per_row, events=()):
@@ -158,7 +287,9 @@ def _model_trace(steps, fixed, per_request, per_row, events=()):
     trace, cpu, kara = [], 0.0, 0.0
     events = dict(events)
     for i, (b, rows, waiting) in enumerate(steps):
-        trace.append(dict(running=b, rows=rows, waiting=waiting, cpu=cpu, kara_seconds=kara))
+        trace.append(
+            dict(running=b, rows=rows, waiting=waiting, cpu=cpu, kara_seconds=kara)
+        )
         cpu += fixed + per_request * b + per_row * rows + events.get(i, 0.0)
         kara += events.get(i, 0.0)
     trace.append(dict(running=0, rows=0, waiting=0, cpu=cpu, kara_seconds=kara))
@@ -174,7 +305,10 @@ def test_step_costs_recover_the_model_and_split_a_ratio():
     # vanilla: 4 running, rows growing, a queue for 3 waves then the last wave alone
     van = [(4, 4 * (20 + s % 500), 12 if s < 1500 else 0) for s in range(2000)]
     # kara: 13 running with short rows while requests wait, then 3 (the drain); events every 16 steps
-    kara = [(13, 13 * (20 + s % 120), 3) if s < 500 else (3, 3 * (20 + s % 120), 0) for s in range(1000)]
+    kara = [
+        (13, 13 * (20 + s % 120), 3) if s < 500 else (3, 3 * (20 + s % 120), 0)
+        for s in range(1000)
+    ]
     ev = {s: 0.05 for s in range(8, 1000, 16)}
     tv, tk = _model_trace(van, a, b, c), _model_trace(kara, a, b, c, ev)
     iv_v, iv_k = sc.intervals(tv), sc.intervals(tk)
@@ -189,10 +323,17 @@ def test_step_costs_recover_the_model_and_split_a_ratio():
     assert model.n == 2000 + 1000 - len(ev) - 2
     # joint statistics = statistics of the concatenated intervals
     joint = sc.fit([sc.fit_stats(iv_v + iv_k)])
-    assert (joint.fixed, joint.per_request, joint.n) == pytest.approx((model.fixed, model.per_request, model.n))
+    assert (joint.fixed, joint.per_request, joint.n) == pytest.approx(
+        (model.fixed, model.per_request, model.n)
+    )
 
     sv, sk = sc.saturated(iv_v), sc.saturated(iv_k)
-    assert sv["steps"] == 1500 and sv["running"] == 4 and sk["steps"] == 500 and sk["running"] == 13
+    assert (
+        sv["steps"] == 1500
+        and sv["running"] == 4
+        and sk["steps"] == 500
+        and sk["running"] == 13
+    )
     assert sk["event_share"] > 0 and sv["event_share"] == 0
     measured = sk["tps"] / sv["tps"]
     parts = sc.explain(model, sv, sk, limit_running=4 * 3.0)
@@ -201,10 +342,14 @@ def test_step_costs_recover_the_model_and_split_a_ratio():
     # concurrency alone buys less than 13/4 (a fixed cost is shared, per-request costs are not)
     assert 1 < parts["batching"] < parts["concurrency"]
     assert parts["same_batch"] > 1  # shorter rows
-    assert parts["at_limit"] == pytest.approx(model.tps(12, sk["rows_per_request"]) / model.tps(4, sv["rows_per_request"]))
+    assert parts["at_limit"] == pytest.approx(
+        model.tps(12, sk["rows_per_request"]) / model.tps(4, sv["rows_per_request"])
+    )
     # the whole run includes the drain: below the saturated ratio
     assert sc.rate(iv_k)["tps"] / sc.rate(iv_v)["tps"] < measured
-    assert sc.intervals([dict(running=4, waiting=0)] * 3) == []  # traces recorded without a CPU clock
+    assert (
+        sc.intervals([dict(running=4, waiting=0)] * 3) == []
+    )  # traces recorded without a CPU clock
 
 
 def test_profile_stages_split_the_forward_by_layer_file(tmp_path):
@@ -214,7 +359,10 @@ def test_profile_stages_split_the_forward_by_layer_file(tmp_path):
     from bench.profile_scheduler import stage_of, summarize
 
     # frames as py-spy writes them: the shortest unique path suffix of each file
-    loop, fwd = "event_loop (scheduler.py:1)", "ModelRunner.forward (model_executor/model_runner.py:2)"
+    loop, fwd = (
+        "event_loop (scheduler.py:1)",
+        "ModelRunner.forward (model_executor/model_runner.py:2)",
+    )
     linear = "ColumnParallelLinear.forward (linear.py:626);UnquantizedLinearMethod.apply (quantization/unquant.py:614)"
     stacks = {
         f"{loop};{fwd};{linear}": 50,
@@ -224,16 +372,37 @@ def test_profile_stages_split_the_forward_by_layer_file(tmp_path):
         f"{loop};Sampler.forward (sampler.py:301)": 10,
         f"{loop};EventRunner.run (events.py:1);EventRunner._recompute (events.py:3);{fwd};{linear}": 10,
     }
-    assert [stage_of(s) for s in stacks] == ["forward: projections + MLP (linear)", "forward: logits (lm_head)",
-                                             "decode attention", "sampling", "event: recompute forward"]
-    assert stage_of(f"{loop};{fwd};RMSNorm.forward_native (layernorm.py:840)") == "forward: norms"
-    assert stage_of(f"{loop};{fwd};forward_native (rotary_embedding/base.py:9)") == "forward: rotary"
-    assert stage_of(f"{loop};{fwd};LlamaModel.forward (models/llama.py:487)") == "model forward (other)"
-    assert stage_of(f"{loop};{fwd};Module.forward (torch/nn/modules/nonlinear.py:1)") == "model forward (other)"
+    assert [stage_of(s) for s in stacks] == [
+        "forward: projections + MLP (linear)",
+        "forward: logits (lm_head)",
+        "decode attention",
+        "sampling",
+        "event: recompute forward",
+    ]
+    assert (
+        stage_of(f"{loop};{fwd};RMSNorm.forward_native (layernorm.py:840)")
+        == "forward: norms"
+    )
+    assert (
+        stage_of(f"{loop};{fwd};forward_native (rotary_embedding/base.py:9)")
+        == "forward: rotary"
+    )
+    assert (
+        stage_of(f"{loop};{fwd};LlamaModel.forward (models/llama.py:487)")
+        == "model forward (other)"
+    )
+    assert (
+        stage_of(f"{loop};{fwd};Module.forward (torch/nn/modules/nonlinear.py:1)")
+        == "model forward (other)"
+    )
     path = tmp_path / "stacks.txt"
-    path.write_text("".join(f"{s} {n}\n" for s, n in stacks.items()) + "watchdog (w.py:1) 99\n")
+    path.write_text(
+        "".join(f"{s} {n}\n" for s, n in stacks.items()) + "watchdog (w.py:1) 99\n"
+    )
     text = summarize(str(path), step_ms=200.0)
-    assert "samples in the scheduler's event loop: 100" in text  # the watchdog thread is not the loop
+    assert (
+        "samples in the scheduler's event loop: 100" in text
+    )  # the watchdog thread is not the loop
     assert "| forward: projections + MLP (linear) | 50 | 50.0% | 100.00 |" in text
     assert "| sampling | 10 | 10.0% | 20.00 |" in text
 
@@ -248,7 +417,11 @@ def test_grid_system_with_its_own_query_source():
     label, opts, _ = grid.system_spec("kara", 1024, 64, args, 2)
     assert label == "kara W=64" and opts["kara_query_source"] == "auto"
     label, opts, per_request = grid.system_spec("snapkv:capture", 1024, 64, args, 2)
-    assert opts["kara_query_source"] == "capture" and opts["kara_policy"] == "snapkv" and len(per_request) == 2
+    assert (
+        opts["kara_query_source"] == "capture"
+        and opts["kara_policy"] == "snapkv"
+        and len(per_request) == 2
+    )
     with pytest.raises(ValueError, match="kara:ring"):
         grid.system_spec("kara:ring", 1024, 64, args, 2)
 
@@ -259,14 +432,18 @@ def test_grid_kara_opt_reaches_every_compressing_system():
     the flag; vanilla gets none; a malformed item is refused naming the flag."""
     from sgl_kara.config import KaraConfig
 
-    args = types.SimpleNamespace(query_source="auto", retention=0.25, kara_opt=["phase=server", "max-seqs=8"])
+    args = types.SimpleNamespace(
+        query_source="auto", retention=0.25, kara_opt=["phase=server", "max-seqs=8"]
+    )
     for system in ("kara", "kara-buffer:recompute", "snapkv"):
         _, opts, _ = grid.system_spec(system, 512, 64, args, 2)
         assert opts["kara_phase"] == "server" and opts["kara_max_seqs"] == 8
         cfg, rest = KaraConfig.from_prefixed(opts)
         assert cfg.phase == "server" and cfg.max_seqs == 8 and rest == {}
     assert grid.system_spec("vanilla", 512, None, args, 2)[1] is None
-    plain = grid.system_spec("kara", 512, 64, types.SimpleNamespace(query_source="auto", retention=0.25), 2)[1]
+    plain = grid.system_spec(
+        "kara", 512, 64, types.SimpleNamespace(query_source="auto", retention=0.25), 2
+    )[1]
     assert "kara_phase" not in plain  # without --kara-opt: sgl_kara's default
     with pytest.raises(ValueError, match="--kara-opt"):
         grid.kara_opts(["phase"])

@@ -5,9 +5,8 @@ retention 1.0 exercises the full compaction path, so greedy tokens must equal va
 with the same backend.
 """
 
-import pytest
-
 import gpu_checks as gc
+import pytest
 
 pytestmark = pytest.mark.slow
 
@@ -17,7 +16,9 @@ GREEDY = {"max_new_tokens": GEN, "temperature": 0.0, "ignore_eos": True}
 
 
 def _engine(kind, path, **kw):
-    return gc.start(kind, path, **gc.device_options("triton", 1), **kw)  # interpreter on CPU
+    return gc.start(
+        kind, path, **gc.device_options("triton", 1), **kw
+    )  # interpreter on CPU
 
 
 def test_triton_backend_over_compacted_rows(tiny_llama):
@@ -26,8 +27,16 @@ def test_triton_backend_over_compacted_rows(tiny_llama):
         ref = [o["text"] for o in ref_engine.generate(PROMPTS, GREEDY)]
     finally:
         ref_engine.shutdown()
-    engine = _engine("kara", tiny_llama, kara_retention=1.0, kara_window=24, kara_buffer=4,
-                     kara_chunk_budget=2, kara_max_chunk=4, kara_period=4)
+    engine = _engine(
+        "kara",
+        tiny_llama,
+        kara_retention=1.0,
+        kara_window=24,
+        kara_buffer=4,
+        kara_chunk_budget=2,
+        kara_max_chunk=4,
+        kara_period=4,
+    )
     try:
         outs = engine.generate(PROMPTS, GREEDY)
     finally:

@@ -35,18 +35,33 @@ except ImportError:  # pragma: no cover - the pure functions still import withou
 KEY = "fidelity"
 
 _REFS: dict[str, np.ndarray] = {}  # ref file -> memmap [steps, V] (scheduler process)
-_STEPS: dict[tuple[str, int], list[tuple[int, float, float, int]]] = {}  # (tag, k) -> [(agree, kl, nll, hit)]
+_STEPS: dict[
+    tuple[str, int], list[tuple[int, float, float, int]]
+] = {}  # (tag, k) -> [(agree, kl, nll, hit)]
 
 
-def step_stats(logits: torch.Tensor, ref_logp: torch.Tensor, token: int) -> tuple[int, float, float, int]:
+def step_stats(
+    logits: torch.Tensor, ref_logp: torch.Tensor, token: int
+) -> tuple[int, float, float, int]:
     """(agree, KL(p_ref || p), -log p(token), hit) for one step. logits, ref_logp: [V]; ref_logp
     is renormalised; agree: the policy's greedy choice is the reference's; hit: it is ``token``."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     ref = ref_logp.float() - torch.logsumexp(ref_logp.float(), dim=-1)
     # Tokens masked in both runs (-inf, e.g. EOS under min_new_tokens) contribute 0, not nan.
-    kl = torch.where(torch.isfinite(ref), ref.exp() * (ref - logp), torch.zeros_like(ref)).sum().clamp_min(0.0)
+    kl = (
+        torch.where(
+            torch.isfinite(ref), ref.exp() * (ref - logp), torch.zeros_like(ref)
+        )
+        .sum()
+        .clamp_min(0.0)
+    )
     choice = int(torch.argmax(logp))
-    return int(choice == int(torch.argmax(ref))), float(kl), float(-logp[token]), int(choice == token)
+    return (
+        int(choice == int(torch.argmax(ref))),
+        float(kl),
+        float(-logp[token]),
+        int(choice == token),
+    )
 
 
 def force(logits: torch.Tensor, token: int) -> torch.Tensor:
@@ -67,7 +82,9 @@ def stats_path(directory: str, tag: str, k: int) -> str:
 def _ref_rows(path: str, vocab: int) -> np.ndarray:
     rows = _REFS.get(path)
     if rows is None:
-        rows = _REFS[path] = np.memmap(path, dtype=np.float32, mode="r").reshape(-1, vocab)
+        rows = _REFS[path] = np.memmap(path, dtype=np.float32, mode="r").reshape(
+            -1, vocab
+        )
     return rows
 
 
@@ -85,27 +102,48 @@ class FidelityProcessor(CustomLogitProcessor):
                 row = torch.log_softmax(logits[i].float(), dim=-1).cpu().numpy()
                 size = os.path.getsize(path) if os.path.exists(path) else 0
                 if size != step * row.nbytes:
-                    raise RuntimeError(f"fidelity record {path}: step {step} but the file holds {size // row.nbytes} rows")
+                    raise RuntimeError(
+                        f"fidelity record {path}: step {step} but the file holds {size // row.nbytes} rows"
+                    )
                 with open(path, "ab") as f:
                     f.write(row.tobytes())
-                if "tokens" in p:  # teacher-forced text: full KV reads the text, not its own output
+                if (
+                    "tokens" in p
+                ):  # teacher-forced text: full KV reads the text, not its own output
                     logits[i] = force(logits[i], p["tokens"][step])
                 continue
             tokens, key = p["tokens"], (p["tag"], p["k"])
             if step >= len(tokens):
-                raise RuntimeError(f"fidelity force {key}: step {step} beyond the {len(tokens)} full-KV tokens")
+                raise RuntimeError(
+                    f"fidelity force {key}: step {step} beyond the {len(tokens)} full-KV tokens"
+                )
             ref = _ref_rows(ref_path(p["dir"], p["k"]), logits.shape[-1])
             if step >= ref.shape[0]:
-                raise RuntimeError(f"fidelity force {key}: ref_{p['k']} has {ref.shape[0]} rows, step {step}")
+                raise RuntimeError(
+                    f"fidelity force {key}: ref_{p['k']} has {ref.shape[0]} rows, step {step}"
+                )
             per_step = _STEPS.setdefault(key, [])
             if len(per_step) != step:
-                raise RuntimeError(f"fidelity force {key}: step {step} after {len(per_step)} recorded steps")
-            per_step.append(step_stats(logits[i], torch.from_numpy(np.array(ref[step])), tokens[step]))
+                raise RuntimeError(
+                    f"fidelity force {key}: step {step} after {len(per_step)} recorded steps"
+                )
+            per_step.append(
+                step_stats(
+                    logits[i], torch.from_numpy(np.array(ref[step])), tokens[step]
+                )
+            )
             logits[i] = force(logits[i], tokens[step])
             if step == len(tokens) - 1:
                 with open(stats_path(p["dir"], p["tag"], p["k"]), "w") as f:
-                    json.dump({"agree": [a for a, _, _, _ in per_step], "kl": [round(x, 6) for _, x, _, _ in per_step],
-                               "nll": [round(x, 5) for _, _, x, _ in per_step], "hit": [h for *_, h in per_step]}, f)
+                    json.dump(
+                        {
+                            "agree": [a for a, _, _, _ in per_step],
+                            "kl": [round(x, 6) for _, x, _, _ in per_step],
+                            "nll": [round(x, 5) for _, _, x, _ in per_step],
+                            "hit": [h for *_, h in per_step],
+                        },
+                        f,
+                    )
                 del _STEPS[key]
         return logits
 
@@ -116,7 +154,9 @@ def load_steps(directory: str, tag: str, k: int) -> dict:
         return json.load(f)
 
 
-def summarize(directory: str, tag: str, ks: list[int], roles: dict[int, list[str]] | None = None) -> dict:
+def summarize(
+    directory: str, tag: str, ks: list[int], roles: dict[int, list[str]] | None = None
+) -> dict:
     """Token-weighted agreement and mean KL over problems ks (one read of each stats file); with
     ``roles`` (problem k -> per-step role: the proxy's task.token_roles of the full-KV output;
     steps past them, e.g. EOS, are ``eos``) also ``disagree_by_role`` = {role: [disagreeing
@@ -132,12 +172,21 @@ def summarize(directory: str, tag: str, ks: list[int], roles: dict[int, list[str
         agree += d["agree"]
         kl += d["kl"]
         for t, a in enumerate(d["agree"] if roles else ()):
-            cell = by_role.setdefault(roles[k][t] if t < len(roles[k]) else "eos", [0, 0])
+            cell = by_role.setdefault(
+                roles[k][t] if t < len(roles[k]) else "eos", [0, 0]
+            )
             cell[0] += 1 - a
             cell[1] += 1
     if missing:
-        raise RuntimeError(f"fidelity {tag}: no stats for problems {missing[:10]} (forced run ended early?)")
-    out = dict(agree=sum(agree) / len(agree), kl=sum(kl) / len(kl), fid_n=len(ks), fid_tokens=len(agree))
+        raise RuntimeError(
+            f"fidelity {tag}: no stats for problems {missing[:10]} (forced run ended early?)"
+        )
+    out = dict(
+        agree=sum(agree) / len(agree),
+        kl=sum(kl) / len(kl),
+        fid_n=len(ks),
+        fid_tokens=len(agree),
+    )
     if roles:
         out["disagree_by_role"] = by_role
     return out

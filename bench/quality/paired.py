@@ -27,11 +27,16 @@ def per_prompt(directory: str, tag: str) -> dict[int, dict[str, float]]:
         if m:
             with open(os.path.join(directory, name)) as f:
                 st = json.load(f)
-            out[int(m.group(1))] = {"agree": sum(st["agree"]) / len(st["agree"]), "kl": sum(st["kl"]) / len(st["kl"])}
+            out[int(m.group(1))] = {
+                "agree": sum(st["agree"]) / len(st["agree"]),
+                "kl": sum(st["kl"]) / len(st["kl"]),
+            }
     return out
 
 
-def bootstrap_mean(xs: list[float], reps: int = 10_000, seed: int = 0) -> tuple[float, float, float]:
+def bootstrap_mean(
+    xs: list[float], reps: int = 10_000, seed: int = 0
+) -> tuple[float, float, float]:
     """(mean, 2.5th, 97.5th percentile of the resampled means)."""
     rng = random.Random(seed)
     n = len(xs)
@@ -43,7 +48,9 @@ def compare(directory: str, a: str, b: str) -> dict:
     pa, pb = per_prompt(directory, a), per_prompt(directory, b)
     ks = sorted(set(pa) & set(pb))
     if not ks:
-        raise SystemExit(f"no prompt recorded under both {a!r} and {b!r} in {directory}")
+        raise SystemExit(
+            f"no prompt recorded under both {a!r} and {b!r} in {directory}"
+        )
     row = {"a": a, "b": b, "n": len(ks)}
     for field in ("agree", "kl"):
         d = [pa[k][field] - pb[k][field] for k in ks]
@@ -53,11 +60,20 @@ def compare(directory: str, a: str, b: str) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--dir", required=True, help="the --ref-dir of the quality runs")
-    ap.add_argument("pairs", nargs="+", metavar="A:B", help="two tags, e.g. kara_0.25:streaming_0.25_mean")
+    ap.add_argument(
+        "pairs",
+        nargs="+",
+        metavar="A:B",
+        help="two tags, e.g. kara_0.25:streaming_0.25_mean",
+    )
     args = ap.parse_args(argv)
-    print("| A | B | prompts | agreement A - B [95% CI] | A better (agreement) | KL A - B [95% CI] | A better (KL) |")
+    print(
+        "| A | B | prompts | agreement A - B [95% CI] | A better (agreement) | KL A - B [95% CI] | A better (KL) |"
+    )
     print("|---|---|---|---|---|---|---|")
     rows = []
     for pair in args.pairs:
@@ -66,8 +82,10 @@ def main(argv=None):
         r = compare(args.dir, *pair.split(":"))
         rows.append(r)
         (ma, la, ha), (mk, lk, hk) = r["agree"], r["kl"]
-        print(f"| {r['a']} | {r['b']} | {r['n']} | {ma:+.4f} [{la:+.4f}, {ha:+.4f}] | {r['agree_a_better']}/{r['n']} "
-              f"| {mk:+.4f} [{lk:+.4f}, {hk:+.4f}] | {r['kl_a_better']}/{r['n']} |")
+        print(
+            f"| {r['a']} | {r['b']} | {r['n']} | {ma:+.4f} [{la:+.4f}, {ha:+.4f}] | {r['agree_a_better']}/{r['n']} "
+            f"| {mk:+.4f} [{lk:+.4f}, {hk:+.4f}] | {r['kl_a_better']}/{r['n']} |"
+        )
     return rows
 
 

@@ -63,10 +63,16 @@ def policy_spec(name: str) -> dict:
     if name in POLICIES:
         return POLICIES[name]
     base, _, r = name.rpartition("-r")
-    if base in POLICIES and (base.startswith("kara") or base == "random") and r.isdigit():
+    if (
+        base in POLICIES
+        and (base.startswith("kara") or base == "random")
+        and r.isdigit()
+    ):
         key = "kara_recent" if base.startswith("kara") else "kara_random_recent"
         return dict(POLICIES[base], **{key: int(r)})
-    raise SystemExit(f"unknown policy {name!r}: one of {', '.join(POLICIES)}, or kara*/random with -r<R> (recency band)")
+    raise SystemExit(
+        f"unknown policy {name!r}: one of {', '.join(POLICIES)}, or kara*/random with -r<R> (recency band)"
+    )
 
 
 def policy_order(name: str) -> tuple:
@@ -84,11 +90,16 @@ def load_problems(args, tok) -> list[dict]:
         if args.text:
             return workloads.text_problems(args.text, args.n, args.new_tokens, tok)
         return workloads.recall_problems(args.n, args.new_tokens, args.facts, tok)
-    rows = [json.loads(line) for line in open(args.prompts) if line.strip()][:: args.stride][: args.n]
+    rows = [json.loads(line) for line in open(args.prompts) if line.strip()][
+        :: args.stride
+    ][: args.n]
     out = []
     for r in rows:
-        text = tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
-                                       tokenize=False)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": r["prompt"]}],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
         out.append(dict(r, input_ids=tok(text, add_special_tokens=False)["input_ids"]))
     return out
 
@@ -98,10 +109,16 @@ REFERENCE = "reference.json"  # in the record directory: {"key", "tokens"}
 
 def reference_key(args, problems) -> str:
     """What the full-KV record depends on: model, prompts, length, decoding."""
-    ident = dict(model=os.path.abspath(args.model_path), prompts=[p["input_ids"] for p in problems],
-                 targets=[p.get("target") for p in problems],
-                 new_tokens=args.new_tokens, decoding=args.decoding, temperature=args.temperature,
-                 top_p=args.top_p, seed=args.seed)
+    ident = dict(
+        model=os.path.abspath(args.model_path),
+        prompts=[p["input_ids"] for p in problems],
+        targets=[p.get("target") for p in problems],
+        new_tokens=args.new_tokens,
+        decoding=args.decoding,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
@@ -120,7 +137,12 @@ def load_reference(d: str, key: str, T: int) -> list[list[int]] | None:
     tokens = rec["tokens"]
     for k, t in enumerate(tokens):
         ref = fidelity.ref_path(d, k)
-        if len(t) != T or not os.path.exists(ref) or not os.path.getsize(ref) or os.path.getsize(ref) % (4 * T):
+        if (
+            len(t) != T
+            or not os.path.exists(ref)
+            or not os.path.getsize(ref)
+            or os.path.getsize(ref) % (4 * T)
+        ):
             return None
     return tokens
 
@@ -134,7 +156,10 @@ def first_loop(ids: list[int], span: int = 24, repeats: int = 3) -> int:
             if start < 0:
                 break
             seg = ids[end - p + 1 : end + 1]
-            if all(ids[start + r * p : start + (r + 1) * p] == seg for r in range(repeats - 1)):
+            if all(
+                ids[start + r * p : start + (r + 1) * p] == seg
+                for r in range(repeats - 1)
+            ):
                 return start
     return len(ids)
 
@@ -180,44 +205,81 @@ def engine_options(name, ratio, args, kara_peaks=None, kara_means=None):
 
 def _engine_options(name, ratio, args, kara_peaks=None, kara_means=None):
     spec = policy_spec(name)
-    opts = dict(spec, max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running)
+    opts = dict(
+        spec,
+        max_total_tokens=args.max_total_tokens,
+        max_running_requests=args.max_running,
+    )
     if name == "none":
         return opts, None
     opts.update(kara_max_seqs=4096, kara_query_source="capture")
     if name.startswith("kara"):
-        opts.update(kara_window=args.window, kara_buffer=args.buffer, kara_retention=ratio, kara_period=args.period)
+        opts.update(
+            kara_window=args.window,
+            kara_buffer=args.buffer,
+            kara_retention=ratio,
+            kara_period=args.period,
+        )
         return opts, None
     if spec["kara_policy"] == "random":
-        opts.update(kara_random_window=args.window, kara_random_buffer=args.buffer, kara_random_retention=ratio,
-                    kara_random_period=args.period)
+        opts.update(
+            kara_random_window=args.window,
+            kara_random_buffer=args.buffer,
+            kara_random_retention=ratio,
+            kara_random_period=args.period,
+        )
         return opts, None
     gap = args.window - args.buffer
     prefix = f"kara_{spec['kara_policy']}_"
     w = 8 if name == "rkv" else args.buffer  # R-KV keeps its own 8 observation queries
-    floor = w + 8  # server-wide N only needs to be valid (StreamingLLM's 4 sinks fit); requests bring their own
-    opts.update({prefix + "window": w, prefix + "budget": floor, prefix + "threshold": floor + gap})
+    floor = (
+        w + 8
+    )  # server-wide N only needs to be valid (StreamingLLM's 4 sinks fit); requests bring their own
+    opts.update(
+        {
+            prefix + "window": w,
+            prefix + "budget": floor,
+            prefix + "threshold": floor + gap,
+        }
+    )
     if args.match == "mean":
         steps = args.new_tokens - 1  # decode steps (the first token comes from prefill)
-        return opts, [{"budget": budget_for_mean(m, gap, steps, floor)} for m in kara_means[ratio]]
+        return opts, [
+            {"budget": budget_for_mean(m, gap, steps, floor)} for m in kara_means[ratio]
+        ]
     return opts, [{"budget": max(floor, peak - gap)} for peak in kara_peaks[ratio]]
 
 
-def run_engine(model_path, opts, problems, params_of, per_request=None, fidelity=None, threads=1, record=None,
-               label=None, text_of=None):
+def run_engine(
+    model_path,
+    opts,
+    problems,
+    params_of,
+    per_request=None,
+    fidelity=None,
+    threads=1,
+    record=None,
+    label=None,
+    text_of=None,
+):
     """Outputs of ``problems`` on one engine: ``params_of(i, problem)`` its sampling params,
     per_request / fidelity its custom_params.kara / .fidelity (None: none); the prompt is
     ``problem["input_ids"]``, or the text ``text_of(problem)``; ``record``: a
     bench.record.RunRecord that gets the engine's resolved settings under ``label``."""
     import sgl_kara
-
     from bench.engine_env import engine_env
 
     opts = dict(opts)
     if fidelity:
         opts["enable_custom_logit_processor"] = True
     with engine_env(threads):
-        engine = sgl_kara.Engine(model_path=model_path, log_level="error", random_seed=0,
-                                 disable_overlap_schedule=True, **opts)
+        engine = sgl_kara.Engine(
+            model_path=model_path,
+            log_level="error",
+            random_seed=0,
+            disable_overlap_schedule=True,
+            **opts,
+        )
     if record is not None:
         record.add_engine(label or opts.get("kara_policy", "engine"), engine)
     try:
@@ -238,9 +300,14 @@ def run_engine(model_path, opts, problems, params_of, per_request=None, fidelity
 
             processor = [FidelityProcessor.to_str()] * len(problems)
         if text_of is not None:
-            return engine.generate([text_of(p) for p in problems], params, custom_logit_processor=processor)
-        return engine.generate(input_ids=[p["input_ids"] for p in problems], sampling_params=params,
-                               custom_logit_processor=processor)
+            return engine.generate(
+                [text_of(p) for p in problems], params, custom_logit_processor=processor
+            )
+        return engine.generate(
+            input_ids=[p["input_ids"] for p in problems],
+            sampling_params=params,
+            custom_logit_processor=processor,
+        )
     finally:
         engine.shutdown()
 
@@ -257,22 +324,39 @@ def summarize_policy(name, ratio, steps_by_k, outs, problems, loops, late_from) 
         first.append(dis[0] if dis else len(st["agree"]))
     nl_agree = [a for k, st in steps_by_k.items() for a in st["agree"][: loops[k]]]
     nl_kl = [x for k, st in steps_by_k.items() for x in st["kl"][: loops[k]]]
-    late_agree = [a for k, st in steps_by_k.items() for a in st["agree"][late_from[k]:]]
-    late_kl = [x for k, st in steps_by_k.items() for x in st["kl"][late_from[k]:]]
+    late_agree = [
+        a for k, st in steps_by_k.items() for a in st["agree"][late_from[k] :]
+    ]
+    late_kl = [x for k, st in steps_by_k.items() for x in st["kl"][late_from[k] :]]
     metas = [o["meta_info"].get("kara", {}) for o in outs]
     prompt = [len(p["input_ids"]) for p in problems]
-    peak = [m.get("kv_peak_len", 0) - p for m, p in zip(metas, prompt)] if metas[0] else []
-    mean = [m.get("kv_mean_len", 0) - p for m, p in zip(metas, prompt)] if metas[0] else []
+    peak = (
+        [m.get("kv_peak_len", 0) - p for m, p in zip(metas, prompt)] if metas[0] else []
+    )
+    mean = (
+        [m.get("kv_mean_len", 0) - p for m, p in zip(metas, prompt)] if metas[0] else []
+    )
     steps = len(steps_by_k[next(iter(steps_by_k))]["agree"])
     return dict(
-        policy=name, ratio=ratio, agree=sum(agree) / len(agree), kl=sum(kl) / len(kl),
-        ppl=math.exp(sum(nll) / len(nll)), shared_prefix_median=statistics.median(first),
-        identical=sum(f == steps for f in first), n=len(first), tokens=len(agree),
-        agree_noloop=sum(nl_agree) / max(1, len(nl_agree)), kl_noloop=sum(nl_kl) / max(1, len(nl_kl)),
-        noloop_tokens=len(nl_agree), agree_late=sum(late_agree) / max(1, len(late_agree)),
-        kl_late=sum(late_kl) / max(1, len(late_kl)), late_tokens=len(late_agree),
-        peak_kv=sum(peak) / len(peak) if peak else None, mean_kv=sum(mean) / len(mean) if mean else None,
-        shared_prefix=first, **_scored(steps_by_k, problems),
+        policy=name,
+        ratio=ratio,
+        agree=sum(agree) / len(agree),
+        kl=sum(kl) / len(kl),
+        ppl=math.exp(sum(nll) / len(nll)),
+        shared_prefix_median=statistics.median(first),
+        identical=sum(f == steps for f in first),
+        n=len(first),
+        tokens=len(agree),
+        agree_noloop=sum(nl_agree) / max(1, len(nl_agree)),
+        kl_noloop=sum(nl_kl) / max(1, len(nl_kl)),
+        noloop_tokens=len(nl_agree),
+        agree_late=sum(late_agree) / max(1, len(late_agree)),
+        kl_late=sum(late_kl) / max(1, len(late_kl)),
+        late_tokens=len(late_agree),
+        peak_kv=sum(peak) / len(peak) if peak else None,
+        mean_kv=sum(mean) / len(mean) if mean else None,
+        shared_prefix=first,
+        **_scored(steps_by_k, problems),
     )
 
 
@@ -300,35 +384,70 @@ def main(args, argv):
     def full_params(i, p):
         sp = {"max_new_tokens": T, "min_new_tokens": T, "temperature": 0.0}
         if args.decoding == "sample":
-            sp.update(temperature=args.temperature, top_p=args.top_p, sampling_seed=args.seed + i)
+            sp.update(
+                temperature=args.temperature,
+                top_p=args.top_p,
+                sampling_seed=args.seed + i,
+            )
         return sp
 
     rows, texts = [], {}
     tic = time.time()
     with contextlib.ExitStack() as stack:
-        d = args.ref_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="kara_real_"))
+        d = args.ref_dir or stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="kara_real_")
+        )
         key = reference_key(args, problems)
         tokens = load_reference(d, key, T)
         if tokens is None:
             os.makedirs(d, exist_ok=True)
             for name in os.listdir(d):  # a stale or partial record: start over
-                if name.startswith(("ref_", "kara_peaks_", "kara_means_")) or name == REFERENCE:
+                if (
+                    name.startswith(("ref_", "kara_peaks_", "kara_means_"))
+                    or name == REFERENCE
+                ):
                     os.remove(os.path.join(d, name))
-            rec = [dict(mode="record", dir=d, k=k, **({"tokens": problems[k]["target"]} if "target" in problems[k] else {}))
-                   for k in ks]
-            outs = run_engine(args.model_path, engine_options("none", None, args)[0], problems, full_params,
-                              fidelity=rec, threads=args.omp_threads, record=args.record, label="none")
+            rec = [
+                dict(
+                    mode="record",
+                    dir=d,
+                    k=k,
+                    **(
+                        {"tokens": problems[k]["target"]}
+                        if "target" in problems[k]
+                        else {}
+                    ),
+                )
+                for k in ks
+            ]
+            outs = run_engine(
+                args.model_path,
+                engine_options("none", None, args)[0],
+                problems,
+                full_params,
+                fidelity=rec,
+                threads=args.omp_threads,
+                record=args.record,
+                label="none",
+            )
             tokens = [o["output_ids"] for o in outs]
             assert all(len(t) == T for t in tokens), [len(t) for t in tokens]
-            if any("target" in p and p["target"] != t for p, t in zip(problems, tokens)):
-                raise RuntimeError("full KV: a teacher-forced output differs from its text")
+            if any(
+                "target" in p and p["target"] != t for p, t in zip(problems, tokens)
+            ):
+                raise RuntimeError(
+                    "full KV: a teacher-forced output differs from its text"
+                )
             with open(os.path.join(d, REFERENCE), "w") as f:
                 json.dump({"key": key, "tokens": tokens}, f)
         else:
             print(f"full KV: reusing the record in {d}", flush=True)
         loops = {k: first_loop(tokens[k]) for k in ks}
-        print(f"full KV: {len(ks)} x {T} tokens in {time.time() - tic:.0f}s; outputs with a loop: "
-              f"{sum(loops[k] < T for k in ks)}", flush=True)
+        print(
+            f"full KV: {len(ks)} x {T} tokens in {time.time() - tic:.0f}s; outputs with a loop: "
+            f"{sum(loops[k] < T for k in ks)}",
+            flush=True,
+        )
         texts["none"] = [tok.decode(tokens[k]) for k in ks[: args.show]]
         if "target" in problems[0] and not args.free_only:
             from bench.quality import workloads
@@ -337,36 +456,78 @@ def main(args, argv):
         kara_peaks: dict[float, list[int]] = {}
         kara_means: dict[float, list[float]] = {}
         src = budget_source(args)
-        for ratio in args.ratios:  # Kara's peaks from an earlier run on this record (it may not run now)
+        for ratio in (
+            args.ratios
+        ):  # Kara's peaks from an earlier run on this record (it may not run now)
             for store, what in ((kara_peaks, "peaks"), (kara_means, "means")):
                 if os.path.exists(os.path.join(d, f"kara_{what}_{ratio}{src}.json")):
                     with open(os.path.join(d, f"kara_{what}_{ratio}{src}.json")) as f:
                         store[ratio] = json.load(f)
-        forced_params = lambda i, p: {"max_new_tokens": T, "min_new_tokens": T, "temperature": 0.0}  # noqa: E731
+        forced_params = lambda i, p: {
+            "max_new_tokens": T,
+            "min_new_tokens": T,
+            "temperature": 0.0,
+        }  # noqa: E731
         if args.free_only:  # the rows come from earlier runs on this record
             missing = [r for r in args.ratios if r not in kara_peaks]
             if missing and any(n in THRESHOLD for n in args.policies):
-                raise SystemExit(f"--free-only: no Kara peaks stored in {d} for ratios {missing}; run kara there first")
-        for name, ratio in [] if args.free_only else run_order(args.policies, args.ratios, args.budget_from):
+                raise SystemExit(
+                    f"--free-only: no Kara peaks stored in {d} for ratios {missing}; run kara there first"
+                )
+        for name, ratio in (
+            []
+            if args.free_only
+            else run_order(args.policies, args.ratios, args.budget_from)
+        ):
             matched = name in THRESHOLD and args.match != "peak"
-            tag = f"{name}_{ratio}" + (f"_{args.match}" if matched else "") + (src if name in THRESHOLD else "")
-            forced = [{"mode": "force", "dir": d, "k": k, "tag": tag, "tokens": tokens[k]} for k in ks]
-            opts, per_request = engine_options(name, ratio, args, kara_peaks, kara_means)
+            tag = (
+                f"{name}_{ratio}"
+                + (f"_{args.match}" if matched else "")
+                + (src if name in THRESHOLD else "")
+            )
+            forced = [
+                {"mode": "force", "dir": d, "k": k, "tag": tag, "tokens": tokens[k]}
+                for k in ks
+            ]
+            opts, per_request = engine_options(
+                name, ratio, args, kara_peaks, kara_means
+            )
             t0 = time.time()
-            outs = run_engine(args.model_path, opts, problems, forced_params, per_request, forced, args.omp_threads,
-                              record=args.record, label=tag)
+            outs = run_engine(
+                args.model_path,
+                opts,
+                problems,
+                forced_params,
+                per_request,
+                forced,
+                args.omp_threads,
+                record=args.record,
+                label=tag,
+            )
             if any(o["output_ids"] != t for o, t in zip(outs, tokens)):
-                raise RuntimeError(f"{tag}: a forced output differs from the full-KV output")
+                raise RuntimeError(
+                    f"{tag}: a forced output differs from the full-KV output"
+                )
             if name == args.budget_from:
-                kara_peaks[ratio] = [o["meta_info"]["kara"]["kv_peak_len"] - len(p["input_ids"])
-                                     for o, p in zip(outs, problems)]
-                kara_means[ratio] = [o["meta_info"]["kara"]["kv_mean_len"] - len(p["input_ids"])
-                                     for o, p in zip(outs, problems)]
-                if args.ref_dir:  # a later run's baselines and "late" steps use them without Kara
+                kara_peaks[ratio] = [
+                    o["meta_info"]["kara"]["kv_peak_len"] - len(p["input_ids"])
+                    for o, p in zip(outs, problems)
+                ]
+                kara_means[ratio] = [
+                    o["meta_info"]["kara"]["kv_mean_len"] - len(p["input_ids"])
+                    for o, p in zip(outs, problems)
+                ]
+                if (
+                    args.ref_dir
+                ):  # a later run's baselines and "late" steps use them without Kara
                     for store, what in ((kara_peaks, "peaks"), (kara_means, "means")):
-                        with open(os.path.join(d, f"kara_{what}_{ratio}{src}.json"), "w") as f:
+                        with open(
+                            os.path.join(d, f"kara_{what}_{ratio}{src}.json"), "w"
+                        ) as f:
                             json.dump(store[ratio], f)
-            late_from = {k: kara_peaks[ratio][k] if ratio in kara_peaks else 0 for k in ks}
+            late_from = {
+                k: kara_peaks[ratio][k] if ratio in kara_peaks else 0 for k in ks
+            }
             steps = {k: fidelity.load_steps(d, tag, k) for k in ks}
             row = summarize_policy(name, ratio, steps, outs, problems, loops, late_from)
             row["seconds"] = time.time() - t0
@@ -376,9 +537,12 @@ def main(args, argv):
                 row["budget_from"] = args.budget_from
             rows.append(row)
             write(rows, texts, args, argv)
-            print(f"{name:12s} r={ratio} agree {row['agree']:.4f} KL {row['kl']:.4f} PPL {row['ppl']:.3f} "
-                  f"shared prefix {row['shared_prefix_median']} identical {row['identical']}/{row['n']} "
-                  f"peak KV {row['peak_kv']} ({row['seconds']:.0f}s)", flush=True)
+            print(
+                f"{name:12s} r={ratio} agree {row['agree']:.4f} KL {row['kl']:.4f} PPL {row['ppl']:.3f} "
+                f"shared prefix {row['shared_prefix_median']} identical {row['identical']}/{row['n']} "
+                f"peak KV {row['peak_kv']} ({row['seconds']:.0f}s)",
+                flush=True,
+            )
     if args.show:
         free_generation(args, problems[: args.show], texts, kara_peaks, kara_means, tok)
     write(rows, texts, args, argv)
@@ -397,12 +561,22 @@ def merge(paths, args, argv) -> list[dict]:
             run = json.load(f)
         for r in run["rows"]:
             key = (r["policy"], r["ratio"], r.get("match"), r.get("budget_from"))
-            if key in rows and (rows[key]["agree"], rows[key]["kl"]) != (r["agree"], r["kl"]):
+            if key in rows and (rows[key]["agree"], rows[key]["kl"]) != (
+                r["agree"],
+                r["kl"],
+            ):
                 raise SystemExit(f"--merge: {key} differs between runs ({path})")
             rows[key] = r
         texts.update(run.get("texts", {}))
-    merged = sorted(rows.values(), key=lambda r: (r["ratio"] or 0, r.get("match") or "", policy_order(r["policy"]),
-                                                  r.get("budget_from") or ""))
+    merged = sorted(
+        rows.values(),
+        key=lambda r: (
+            r["ratio"] or 0,
+            r.get("match") or "",
+            policy_order(r["policy"]),
+            r.get("budget_from") or "",
+        ),
+    )
     args.policies = list(dict.fromkeys(r["policy"] for r in merged))
     os.makedirs(args.out, exist_ok=True)
     write(merged, texts, args, argv)
@@ -425,36 +599,66 @@ def run_order(names, ratios, first="kara"):
 
 def free_generation(args, problems, texts, kara_peaks, kara_means, tok):
     ratio = 0.25 if 0.25 in args.ratios else args.ratios[0]
-    params = lambda i, p: {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens,  # noqa: E731
-                           "temperature": 0.0}
+    params = lambda i, p: {
+        "max_new_tokens": args.new_tokens,
+        "min_new_tokens": args.new_tokens,  # noqa: E731
+        "temperature": 0.0,
+    }
     for name in args.policies:
         if name == "none":
             continue
-        peaks = {ratio: kara_peaks.get(ratio, [0] * args.n)[: len(problems)]} if name in THRESHOLD else None
-        means = {ratio: kara_means.get(ratio, [0] * args.n)[: len(problems)]} if name in THRESHOLD else None
+        peaks = (
+            {ratio: kara_peaks.get(ratio, [0] * args.n)[: len(problems)]}
+            if name in THRESHOLD
+            else None
+        )
+        means = (
+            {ratio: kara_means.get(ratio, [0] * args.n)[: len(problems)]}
+            if name in THRESHOLD
+            else None
+        )
         opts, per_request = engine_options(name, ratio, args, peaks, means)
-        outs = run_engine(args.model_path, opts, problems, params, per_request, threads=args.omp_threads,
-                          record=args.record, label=f"{name}_{ratio} free")
+        outs = run_engine(
+            args.model_path,
+            opts,
+            problems,
+            params,
+            per_request,
+            threads=args.omp_threads,
+            record=args.record,
+            label=f"{name}_{ratio} free",
+        )
         texts[f"{name}_{ratio}"] = [o["text"] for o in outs]
 
 
 def label(row) -> str:
     """The policy's name in tables: budget-matched at equal mean KV rows are marked (and the
     policy that set the budgets, when not Kara)."""
-    return (row["policy"] + (f" ({row['match']}-matched)" if row.get("match") else "")
-            + (f" (budget of {row['budget_from']})" if row.get("budget_from") else ""))
+    return (
+        row["policy"]
+        + (f" ({row['match']}-matched)" if row.get("match") else "")
+        + (f" (budget of {row['budget_from']})" if row.get("budget_from") else "")
+    )
 
 
 def write(rows, texts, args, argv):
     forced = any("hit" in r for r in rows)
     if forced:  # teacher-forced text / recall (bench/quality/workloads.py)
         scored = any("hit_scored" in r for r in rows)
-        head = ("| policy | retention | agreement | KL | PPL | text hit | agreement late | KL late "
-                + ("| recall accuracy | recall agreement | recall KL | recall PPL " if scored else "")
-                + "| peak gen. KV | mean gen. KV |")
+        head = (
+            "| policy | retention | agreement | KL | PPL | text hit | agreement late | KL late "
+            + (
+                "| recall accuracy | recall agreement | recall KL | recall PPL "
+                if scored
+                else ""
+            )
+            + "| peak gen. KV | mean gen. KV |"
+        )
     else:
-        head = ("| policy | retention | agreement | KL | PPL | shared prefix (median) | identical | agreement no-loop "
-                "| KL no-loop | agreement late | KL late | peak gen. KV | mean gen. KV |")
+        head = (
+            "| policy | retention | agreement | KL | PPL | shared prefix (median) | identical | agreement no-loop "
+            "| KL no-loop | agreement late | KL late | peak gen. KV | mean gen. KV |"
+        )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
 
     def f(r, key, fmt):
@@ -464,15 +668,24 @@ def write(rows, texts, args, argv):
         kv = f"{f(r, 'peak_kv', '.0f')} | {f(r, 'mean_kv', '.0f')}"
         ratio = r["ratio"] if r["ratio"] is not None else "-"
         if forced:
-            rec = (f"{f(r, 'hit_scored', '.4f')} | {f(r, 'agree_scored', '.4f')} | {f(r, 'kl_scored', '.4f')} | "
-                   f"{f(r, 'ppl_scored', '.3f')} | ") if scored else ""
-            lines.append(f"| {label(r)} | {ratio} | {r['agree']:.4f} | {r['kl']:.4f} | {r['ppl']:.3f} | "
-                         f"{f(r, 'hit', '.4f')} | {f(r, 'agree_late', '.4f')} | {f(r, 'kl_late', '.4f')} | {rec}{kv} |")
+            rec = (
+                (
+                    f"{f(r, 'hit_scored', '.4f')} | {f(r, 'agree_scored', '.4f')} | {f(r, 'kl_scored', '.4f')} | "
+                    f"{f(r, 'ppl_scored', '.3f')} | "
+                )
+                if scored
+                else ""
+            )
+            lines.append(
+                f"| {label(r)} | {ratio} | {r['agree']:.4f} | {r['kl']:.4f} | {r['ppl']:.3f} | "
+                f"{f(r, 'hit', '.4f')} | {f(r, 'agree_late', '.4f')} | {f(r, 'kl_late', '.4f')} | {rec}{kv} |"
+            )
             continue
         lines.append(
             f"| {label(r)} | {ratio} | {r['agree']:.4f} | {r['kl']:.4f} | {r['ppl']:.3f} | "
             f"{r['shared_prefix_median']:.0f} | {r['identical']}/{r['n']} | {r['agree_noloop']:.4f} | "
-            f"{r['kl_noloop']:.4f} | {r['agree_late']:.4f} | {r['kl_late']:.4f} | {kv} |")
+            f"{r['kl_noloop']:.4f} | {r['agree_late']:.4f} | {r['kl_late']:.4f} | {kv} |"
+        )
     with open(os.path.join(args.out, "quality_real.md"), "w") as f:
         f.write(args.record.header + "\n".join(lines) + "\n")
         for key, outs in texts.items():
@@ -480,8 +693,15 @@ def write(rows, texts, args, argv):
             for i, t in enumerate(outs):
                 f.write(f"**prompt {i}**: {json.dumps(t[:1500])}\n\n")
     with open(os.path.join(args.out, "quality_real.json"), "w") as f:
-        json.dump({"rows": rows, "texts": texts, "args": {k: v for k, v in vars(args).items() if k != "record"}}, f,
-                  indent=1)
+        json.dump(
+            {
+                "rows": rows,
+                "texts": texts,
+                "args": {k: v for k, v in vars(args).items() if k != "record"},
+            },
+            f,
+            indent=1,
+        )
 
 
 def plot(rows, args):
@@ -493,7 +713,10 @@ def plot(rows, args):
     except ImportError:
         return
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    for ax, field, ylabel in ((axes[0], "agree", "next-token agreement with full KV"), (axes[1], "kl", "KL(full || policy)")):
+    for ax, field, ylabel in (
+        (axes[0], "agree", "next-token agreement with full KV"),
+        (axes[1], "kl", "KL(full || policy)"),
+    ):
         for name in dict.fromkeys(label(r) for r in rows if r["ratio"] is not None):
             pts = sorted((r["ratio"], r[field]) for r in rows if label(r) == name)
             ax.plot([p for p, _ in pts], [v for _, v in pts], marker="o", label=name)

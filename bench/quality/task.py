@@ -57,7 +57,11 @@ MAX_DELTA = 9  # pointer digit range 0..9 -> look-back 2..29 steps
 SYMBOLS = [";", "+", "=", ".", "query", "seed", "answer", "and", "last"]
 DIGITS = [str(d) for d in range(10)]
 FAMILIES = ["K", "r", "QA", "QB", "QE"]  # plain name words: Kk, rk, QAk, QBk, QEk
-COMPOUNDS = ["V", "P", "L"]  # Vk=d (value), Pk=d (pointer), Lk=d (the last step's pointer)
+COMPOUNDS = [
+    "V",
+    "P",
+    "L",
+]  # Vk=d (value), Pk=d (pointer), Lk=d (the last step's pointer)
 WORDS = (
     SYMBOLS
     + DIGITS
@@ -78,7 +82,11 @@ _WORD_RE = re.compile(r"^(K|r|QA|QB|QE|V|P|L)(\d+)(?:=(\d))?$")
 def parse_word(word: str) -> tuple[str, int, int | None] | None:
     """("V", 12, 3) for "V12=3", ("r", 5, None) for "r5"; None for symbols and digits."""
     m = _WORD_RE.match(word)
-    return (m.group(1), int(m.group(2)), None if m.group(3) is None else int(m.group(3))) if m else None
+    return (
+        (m.group(1), int(m.group(2)), None if m.group(3) is None else int(m.group(3)))
+        if m
+        else None
+    )
 
 
 def make_chain(rng: random.Random, size: int) -> tuple[list[int], list[int]]:
@@ -94,7 +102,9 @@ def make_chain(rng: random.Random, size: int) -> tuple[list[int], list[int]]:
     return values, deltas
 
 
-def make_problem(rng: random.Random, size: int, fmt: int = FORMAT) -> tuple[str, str, str]:
+def make_problem(
+    rng: random.Random, size: int, fmt: int = FORMAT
+) -> tuple[str, str, str]:
     """(prompt_text, solution_text, answer) for a chain of ``size`` values.
 
     ``answer`` is the three queried values as a space-separated digit string, e.g. "7 2 5".
@@ -150,7 +160,9 @@ def solve_prompt(prompt_text: str) -> str:
     vals = dict(seeds)
     k = (seeds[1][0] + 1) % MAX_NAMES
     while k in ptr:
-        vals[k] = (vals[(k - 1) % MAX_NAMES] + vals[(k - 2 - 3 * ptr[k]) % MAX_NAMES]) % 10
+        vals[k] = (
+            vals[(k - 1) % MAX_NAMES] + vals[(k - 2 - 3 * ptr[k]) % MAX_NAMES]
+        ) % 10
         k = (k + 1) % MAX_NAMES
     return " ".join(str(vals[query[f]]) for f in ("QA", "QB", "QE"))
 
@@ -195,7 +207,7 @@ def token_roles(solution_text: str, far: int = 20, fmt: int = FORMAT) -> list[st
         parsed = parse_word(w)
         pprev = parse_word(prev)
         closes_step = bool(pprev) and pprev[0] == "V" and i >= 2 and words[i - 2] == ";"
-        if (prev == "." if fmt == 2 else closes_step):
+        if prev == "." if fmt == 2 else closes_step:
             roles[i] = "decide"
         elif parsed and parsed[0] in ("P", "L") or (pprev and pprev[0] in ("P", "L")):
             roles[i] = "pointer"

@@ -28,7 +28,9 @@ def build_tokenizer(words: list[str] | None = None):
     vocab = {w: i for i, w in enumerate(SPECIALS + (WORDS if words is None else words))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    tok.decoder = decoders.WordPiece(
+        prefix="##", cleanup=False
+    )  # joins words with spaces
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
     )

@@ -1,6 +1,6 @@
 """Train the reasoning proxy: a small Llama on the pointer-chain task (task.py), on CPU.
 
-Three stages (the committed proxy, sgl_kara/assets/reasoning_proxy, came from exactly these, ~95 min in all on
+Three stages (the committed proxy, bench/models/reasoning_proxy, came from exactly these, ~95 min in all on
 one core; log in bench/quality/train_log.txt):
 
     # stage 1: curriculum from size 6 to 64, fresh init, task format 2 (~58 min)
@@ -13,7 +13,7 @@ one core; log in bench/quality/train_log.txt):
     # stage 3: task format 3 (the last pointer is an L word), vocabulary grown by the 640 Lk=d
     # words (initialised from Pk=d), stop word 3x on top (~21 min)
     env OMP_WAIT_POLICY=PASSIVE python -m bench.quality.train --init-from /tmp/proxy_stage2 \
-        --out sgl_kara/assets/reasoning_proxy --steps 400 --seed 2 --lr 3e-4 --warmup 10 \
+        --out bench/models/reasoning_proxy --steps 400 --seed 2 --lr 3e-4 --warmup 10 \
         --size-start 64 --decide-weight 20 --stop-weight 3 --eval-every 100 --log bench/quality/train_log.txt
 
 Stages 1-2 compute every value of the chain but often fail
@@ -45,27 +45,55 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from bench.quality.task import (  # noqa: E402
-    FORMAT, FORMATS, MAX_NAMES, ROLES, check, make_problem, parse_word, token_roles, vocabulary,
+    FORMAT,
+    FORMATS,
+    MAX_NAMES,
+    ROLES,
+    check,
+    make_problem,
+    parse_word,
+    token_roles,
+    vocabulary,
 )
 from bench.quality.tokenizer import build_tokenizer  # noqa: E402
 
 DECIDE = ROLES.index("decide")
-EVAL_SEED = 10_000_019  # held-out problems (train.py's periodic eval); eval_hf.py uses its own
+EVAL_SEED = (
+    10_000_019  # held-out problems (train.py's periodic eval); eval_hf.py uses its own
+)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", required=True, help="output model directory")
     p.add_argument("--steps", type=int, default=1200)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--init-from", default=None,
-                   help="continue from this checkpoint's weights (stage 2) instead of a fresh init")
-    p.add_argument("--decide-weight", type=float, default=1.0,
-                   help="loss weight of 'decide' words (continue with the next step or answer)")
-    p.add_argument("--stop-weight", type=float, default=1.0,
-                   help="extra loss factor on the one 'stop' decision per problem (the 'answer' word)")
-    p.add_argument("--task-format", type=int, default=FORMAT, choices=FORMATS,
-                   help="task format (task.make_problem); stages 1-2 of the committed model used 2")
+    p.add_argument(
+        "--init-from",
+        default=None,
+        help="continue from this checkpoint's weights (stage 2) instead of a fresh init",
+    )
+    p.add_argument(
+        "--decide-weight",
+        type=float,
+        default=1.0,
+        help="loss weight of 'decide' words (continue with the next step or answer)",
+    )
+    p.add_argument(
+        "--stop-weight",
+        type=float,
+        default=1.0,
+        help="extra loss factor on the one 'stop' decision per problem (the 'answer' word)",
+    )
+    p.add_argument(
+        "--task-format",
+        type=int,
+        default=FORMAT,
+        choices=FORMATS,
+        help="task format (task.make_problem); stages 1-2 of the committed model used 2",
+    )
     p.add_argument("--log", default=None, help="log file (default: <out>/train.log)")
     p.add_argument("--threads", type=int, default=1)
     # model
@@ -79,12 +107,24 @@ def parse_args(argv=None):
     p.add_argument("--min-lr-frac", type=float, default=0.05)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--batch-tokens", type=int, default=6144, help="token budget per batch (incl. prompt)")
+    p.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=6144,
+        help="token budget per batch (incl. prompt)",
+    )
     # curriculum (size = number of values in the chain; 16 solution tokens per step)
     p.add_argument("--size-start", type=int, default=6)
     p.add_argument("--size-max", type=int, default=64)
-    p.add_argument("--ramp", type=float, default=0.5, help="fraction of steps over which the max size grows")
-    p.add_argument("--band", type=int, default=4, help="sizes in one batch span [h-band+1, h]")
+    p.add_argument(
+        "--ramp",
+        type=float,
+        default=0.5,
+        help="fraction of steps over which the max size grows",
+    )
+    p.add_argument(
+        "--band", type=int, default=4, help="sizes in one batch span [h-band+1, h]"
+    )
     # logging / eval
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-every", type=int, default=250)
@@ -126,8 +166,13 @@ def structured_init(model, tok, seed: int):
     learnable from the first steps. Everything stays trainable.
     """
     g = torch.Generator().manual_seed(seed + 1)
-    for weight in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
-        std = weight[tok.convert_tokens_to_ids([str(d) for d in range(10)])].std().item()
+    for weight in (
+        model.get_input_embeddings().weight,
+        model.get_output_embeddings().weight,
+    ):
+        std = (
+            weight[tok.convert_tokens_to_ids([str(d) for d in range(10)])].std().item()
+        )
         names = torch.randn(MAX_NAMES, weight.shape[1], generator=g) * std
         fams = {}
         for word, idx in tok.get_vocab().items():
@@ -157,7 +202,10 @@ def grow_vocab(model, tok, seed: int) -> int:
     model.resize_token_embeddings(len(tok), mean_resizing=False)
     g = torch.Generator().manual_seed(seed + 2)
     vocab = tok.get_vocab()
-    for weight in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
+    for weight in (
+        model.get_input_embeddings().weight,
+        model.get_output_embeddings().weight,
+    ):
         fam = torch.randn(weight.shape[1], generator=g) * weight[:old].std().item()
         for word, idx in vocab.items():
             if idx >= old:
@@ -192,14 +240,18 @@ def make_batch(rng: random.Random, tok, step: int, args):
         ids, n_prompt = encode_example(tok, prompt, solution)
         rows.append(ids)
         starts.append(n_prompt)
-        roles.append([ROLES.index(r) for r in token_roles(solution, fmt=args.task_format)] + [0])  # + EOS
+        roles.append(
+            [ROLES.index(r) for r in token_roles(solution, fmt=args.task_format)] + [0]
+        )  # + EOS
     T = max(len(r) for r in rows)
     x = torch.full((len(rows), T), tok.pad_token_id, dtype=torch.long)
     y = torch.full((len(rows), T), -100, dtype=torch.long)
     role = torch.zeros((len(rows), T), dtype=torch.long)
     for i, (r, s0, ro) in enumerate(zip(rows, starts, roles)):
         x[i, : len(r)] = torch.tensor(r)
-        y[i, s0 - 1 : len(r) - 1] = torch.tensor(r[s0:])  # predict token t+1 at position t
+        y[i, s0 - 1 : len(r) - 1] = torch.tensor(
+            r[s0:]
+        )  # predict token t+1 at position t
         role[i, s0 - 1 : len(r) - 1] = torch.tensor(ro)
     return x, y, role, h
 
@@ -208,7 +260,9 @@ def lr_at(step: int, args) -> float:
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
     t = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return args.lr * (args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t)))
+    return args.lr * (
+        args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t))
+    )
 
 
 @torch.no_grad()
@@ -222,7 +276,10 @@ def greedy_accuracy(model, tok, problems, batch_size: int = 12) -> float:
         enc = tok([p for p, _, _ in chunk], return_tensors="pt", padding=True)
         max_new = max(len(s.split()) for _, s, _ in chunk) + 40
         out = model.generate(
-            **enc, max_new_tokens=max_new, do_sample=False, eos_token_id=tok.eos_token_id,
+            **enc,
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
         )
         for (_, _, ans), row in zip(chunk, out[:, enc["input_ids"].shape[1] :]):
@@ -256,11 +313,15 @@ def main(argv=None):
         log.write(line + "\n")
         log.flush()
 
-    tok = build_tokenizer(vocabulary(args.task_format))  # format 2: the stage-1/2 vocabulary
+    tok = build_tokenizer(
+        vocabulary(args.task_format)
+    )  # format 2: the stage-1/2 vocabulary
     stop_id = tok.convert_tokens_to_ids("answer")
     config = model_config(args, len(tok), tok)
     if args.init_from:
-        model = LlamaForCausalLM.from_pretrained(args.init_from, torch_dtype=torch.float32)
+        model = LlamaForCausalLM.from_pretrained(
+            args.init_from, torch_dtype=torch.float32
+        )
         grown = grow_vocab(model, tok, args.seed)
         if grown:
             emit(f"vocabulary grown by {grown} words (Lk=d pointers of the last step)")
@@ -268,17 +329,31 @@ def main(argv=None):
         model = LlamaForCausalLM(config)
         structured_init(model, tok, args.seed)
     model.generation_config = GenerationConfig(
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-        do_sample=False, max_new_tokens=2048,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        do_sample=False,
+        max_new_tokens=2048,
     )
     n_params = sum(p.numel() for p in model.parameters())
     emit(f"start args={vars(args)} params={n_params}")
 
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
+    decay = [
+        p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n
+    ]
+    no_decay = [
+        p
+        for n, p in model.named_parameters()
+        if not (p.dim() >= 2 and "embed" not in n)
+    ]
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.98), eps=1e-8,
+        [
+            {"params": decay, "weight_decay": args.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=args.lr,
+        betas=(0.9, 0.98),
+        eps=1e-8,
     )
     rng = random.Random(args.seed)
     eval_rng = random.Random(EVAL_SEED)
@@ -293,10 +368,14 @@ def main(argv=None):
             g["lr"] = lr_at(step, args)
         logits = model(input_ids=x).logits
         mask = y != -100
-        per_token = torch.nn.functional.cross_entropy(logits[mask], y[mask], reduction="none")
+        per_token = torch.nn.functional.cross_entropy(
+            logits[mask], y[mask], reduction="none"
+        )
         decide = role[mask] == DECIDE
         weight = torch.where(decide, args.decide_weight, 1.0)
-        weight = torch.where(decide & (y[mask] == stop_id), weight * args.stop_weight, weight)
+        weight = torch.where(
+            decide & (y[mask] == stop_id), weight * args.stop_weight, weight
+        )
         loss = (per_token * weight).sum() / weight.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -314,8 +393,10 @@ def main(argv=None):
                 f"step {step + 1} loss {acc_loss / acc_n:.4f} tok_acc {acc_tok / acc_n:.4f} "
                 f"max_size {max_size_at(step, args)} lr {lr_at(step, args):.2e} "
                 f"batch {tuple(x.shape)} elapsed {time.time() - t0:.0f}s | acc "
-                + " ".join(f"{r} {role_hits[i] / max(1.0, role_count[i].item()):.3f}"
-                           for i, r in enumerate(ROLES))
+                + " ".join(
+                    f"{r} {role_hits[i] / max(1.0, role_count[i].item()):.3f}"
+                    for i, r in enumerate(ROLES)
+                )
             )
             acc_loss = acc_tok = acc_n = 0.0
             role_hits.zero_()
@@ -323,13 +404,28 @@ def main(argv=None):
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             size_now = max_size_at(step, args)
             sizes = [min(MAX_NAMES, max(3, size_now - 4 * i)) for i in range(3)]
-            probs = [make_problem(eval_rng, sizes[i % 3], args.task_format) for i in range(args.eval_n)]
+            probs = [
+                make_problem(eval_rng, sizes[i % 3], args.task_format)
+                for i in range(args.eval_n)
+            ]
             te = time.time()
             acc = greedy_accuracy(model, tok, probs)
-            emit(f"eval step {step + 1} sizes {sizes} exact {acc:.3f} ({round(acc * len(probs))}/{len(probs)}) "
-                 f"eval_time {time.time() - te:.0f}s")
-            save(model, tok, out, {"args": vars(args), "step": step + 1, "params": n_params,
-                                   "train_seconds": round(time.time() - t0), "last_eval": acc})
+            emit(
+                f"eval step {step + 1} sizes {sizes} exact {acc:.3f} ({round(acc * len(probs))}/{len(probs)}) "
+                f"eval_time {time.time() - te:.0f}s"
+            )
+            save(
+                model,
+                tok,
+                out,
+                {
+                    "args": vars(args),
+                    "step": step + 1,
+                    "params": n_params,
+                    "train_seconds": round(time.time() - t0),
+                    "last_eval": acc,
+                },
+            )
     emit(f"done steps {args.steps} elapsed {time.time() - t0:.0f}s")
 
 

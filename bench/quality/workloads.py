@@ -31,13 +31,57 @@ import sysconfig
 import numpy as np
 
 PROMPT_TOKENS = 64
-PYTHON_FILES = ("argparse.py", "typing.py", "dataclasses.py", "inspect.py", "subprocess.py", "tarfile.py",
-                "pathlib.py", "functools.py", "enum.py", "ast.py", "difflib.py", "threading.py", "zipfile.py",
-                "shutil.py", "pickle.py", "logging/__init__.py")
+PYTHON_FILES = (
+    "argparse.py",
+    "typing.py",
+    "dataclasses.py",
+    "inspect.py",
+    "subprocess.py",
+    "tarfile.py",
+    "pathlib.py",
+    "functools.py",
+    "enum.py",
+    "ast.py",
+    "difflib.py",
+    "threading.py",
+    "zipfile.py",
+    "shutil.py",
+    "pickle.py",
+    "logging/__init__.py",
+)
 LICENSES = "/usr/share/common-licenses"
-PROSE_FILES = ("GPL-3", "LGPL-2.1", "GFDL-1.3", "MPL-1.1", "GPL-2", "LGPL-2", "GFDL-1.2", "Apache-2.0")
-NAMES = ("Alice", "Bruno", "Chen", "Dana", "Emeka", "Farah", "Goran", "Hana", "Ivan", "Jun", "Kofi", "Lena",
-         "Mateo", "Nadia", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tariq")
+PROSE_FILES = (
+    "GPL-3",
+    "LGPL-2.1",
+    "GFDL-1.3",
+    "MPL-1.1",
+    "GPL-2",
+    "LGPL-2",
+    "GFDL-1.2",
+    "Apache-2.0",
+)
+NAMES = (
+    "Alice",
+    "Bruno",
+    "Chen",
+    "Dana",
+    "Emeka",
+    "Farah",
+    "Goran",
+    "Hana",
+    "Ivan",
+    "Jun",
+    "Kofi",
+    "Lena",
+    "Mateo",
+    "Nadia",
+    "Omar",
+    "Priya",
+    "Quinn",
+    "Rosa",
+    "Sven",
+    "Tariq",
+)
 
 
 def source_files(source: str) -> list[str]:
@@ -47,10 +91,14 @@ def source_files(source: str) -> list[str]:
     if source == "prose":
         return [os.path.join(LICENSES, f) for f in PROSE_FILES]
     if os.path.isdir(source):
-        return sorted(p for p in glob.glob(os.path.join(source, "*")) if os.path.isfile(p))
+        return sorted(
+            p for p in glob.glob(os.path.join(source, "*")) if os.path.isfile(p)
+        )
     found = sorted(glob.glob(source))
     if not found:
-        raise SystemExit(f"--text {source!r}: not python, prose, a file, a directory or a glob that matches")
+        raise SystemExit(
+            f"--text {source!r}: not python, prose, a file, a directory or a glob that matches"
+        )
     return found
 
 
@@ -64,40 +112,66 @@ def text_problems(source: str, n: int, new_tokens: int, tok) -> list[dict]:
             ids = tok(f.read(), add_special_tokens=False)["input_ids"]
         if len(ids) < PROMPT_TOKENS + new_tokens:
             continue
-        out.append(dict(id=os.path.basename(path), input_ids=ids[:PROMPT_TOKENS],
-                        target=ids[PROMPT_TOKENS:PROMPT_TOKENS + new_tokens]))
+        out.append(
+            dict(
+                id=os.path.basename(path),
+                input_ids=ids[:PROMPT_TOKENS],
+                target=ids[PROMPT_TOKENS : PROMPT_TOKENS + new_tokens],
+            )
+        )
         if len(out) == n:
             break
     if len(out) < n:
-        raise SystemExit(f"--text {source}: only {len(out)} texts of >= {PROMPT_TOKENS + new_tokens} tokens (asked {n})")
+        raise SystemExit(
+            f"--text {source}: only {len(out)} texts of >= {PROMPT_TOKENS + new_tokens} tokens (asked {n})"
+        )
     return out
 
 
-def recall_problems(n: int, new_tokens: int, facts: int, tok, seed: int = 0) -> list[dict]:
+def recall_problems(
+    n: int, new_tokens: int, facts: int, tok, seed: int = 0
+) -> list[dict]:
     """Recall items of exactly ``new_tokens`` forced tokens: facts, prose, the facts again;
     ``score_steps`` are the forced steps of the recalled values (each code's non-blank tokens)."""
     prose = []
-    for path in source_files("prose") + source_files("python"):  # license texts; Python where absent
+    for path in source_files("prose") + source_files(
+        "python"
+    ):  # license texts; Python where absent
         if os.path.exists(path) and len(prose) < 4 * new_tokens:
             with open(path, encoding="utf-8", errors="replace") as f:
                 prose += tok(f.read(), add_special_tokens=False)["input_ids"]
     if len(prose) < new_tokens:
         prose = prose * math.ceil(new_tokens / max(1, len(prose)))
-    prompt = tok("The following notes list the access code of each member of the team. Read them carefully: "
-                 "at the end, every code is written down again from memory.\n\n", add_special_tokens=False)["input_ids"]
+    prompt = tok(
+        "The following notes list the access code of each member of the team. Read them carefully: "
+        "at the end, every code is written down again from memory.\n\n",
+        add_special_tokens=False,
+    )["input_ids"]
     out = []
     for i in range(n):
         rng = random.Random(seed * 1000 + i)
         names = rng.sample(NAMES, facts)
         codes = {name: str(rng.randrange(1000, 10000)) for name in names}
-        def fact(name):  # (tokens, the value's offsets): stated and recalled with the same tokens
-            before = tok(f"The access code of {name} is", add_special_tokens=False)["input_ids"]
+
+        def fact(
+            name,
+        ):  # (tokens, the value's offsets): stated and recalled with the same tokens
+            before = tok(f"The access code of {name} is", add_special_tokens=False)[
+                "input_ids"
+            ]
             value = tok(f" {codes[name]}", add_special_tokens=False)["input_ids"]
             ids = before + value + tok(".\n", add_special_tokens=False)["input_ids"]
-            return ids, [len(before) + j for j, t in enumerate(value) if tok.decode([t]).strip()]
+            return ids, [
+                len(before) + j for j, t in enumerate(value) if tok.decode([t]).strip()
+            ]
 
         head = [t for name in names for t in fact(name)[0]]
-        tail, steps = tok("\nNow, from memory, the codes again:\n", add_special_tokens=False)["input_ids"], []
+        tail, steps = (
+            tok("\nNow, from memory, the codes again:\n", add_special_tokens=False)[
+                "input_ids"
+            ],
+            [],
+        )
         order = names[:]
         rng.shuffle(order)
         for name in order:
@@ -106,13 +180,22 @@ def recall_problems(n: int, new_tokens: int, facts: int, tok, seed: int = 0) -> 
             tail += ids
         room = new_tokens - len(head) - len(tail)
         if room < 1:
-            raise SystemExit(f"--recall: {facts} facts need more than --new-tokens {new_tokens} tokens")
+            raise SystemExit(
+                f"--recall: {facts} facts need more than --new-tokens {new_tokens} tokens"
+            )
         off = rng.randrange(0, len(prose) - room + 1)
-        middle = prose[off:off + room]
+        middle = prose[off : off + room]
         target = head + middle + tail
         base = len(head) + len(middle)
-        out.append(dict(id=f"recall-{i}", input_ids=prompt, target=target, score_steps=[base + s for s in steps],
-                        distance=len(middle)))
+        out.append(
+            dict(
+                id=f"recall-{i}",
+                input_ids=prompt,
+                target=target,
+                score_steps=[base + s for s in steps],
+                distance=len(middle),
+            )
+        )
     return out
 
 
@@ -124,7 +207,9 @@ def full_kv_row(directory: str, problems: list[dict]) -> dict:
     nll, hit, s_nll, s_hit = [], [], [], []
     for k, p in enumerate(problems):
         target = np.asarray(p["target"])
-        rows = np.memmap(ref_path(directory, k), dtype=np.float32, mode="r").reshape(len(target), -1)
+        rows = np.memmap(ref_path(directory, k), dtype=np.float32, mode="r").reshape(
+            len(target), -1
+        )
         lp = rows[np.arange(len(target)), target]
         h = rows.argmax(axis=1) == target
         nll += (-lp).tolist()
@@ -132,11 +217,24 @@ def full_kv_row(directory: str, problems: list[dict]) -> dict:
         for t in p.get("score_steps", ()):
             s_nll.append(float(-lp[t]))
             s_hit.append(bool(h[t]))
-    row = dict(policy="none", ratio=None, agree=1.0, kl=0.0, ppl=math.exp(sum(nll) / len(nll)),
-               hit=sum(hit) / len(hit), n=len(problems), tokens=len(nll))
+    row = dict(
+        policy="none",
+        ratio=None,
+        agree=1.0,
+        kl=0.0,
+        ppl=math.exp(sum(nll) / len(nll)),
+        hit=sum(hit) / len(hit),
+        n=len(problems),
+        tokens=len(nll),
+    )
     if s_nll:
-        row.update(agree_scored=1.0, kl_scored=0.0, ppl_scored=math.exp(sum(s_nll) / len(s_nll)),
-                   hit_scored=sum(s_hit) / len(s_hit), scored_tokens=len(s_nll))
+        row.update(
+            agree_scored=1.0,
+            kl_scored=0.0,
+            ppl_scored=math.exp(sum(s_nll) / len(s_nll)),
+            hit_scored=sum(s_hit) / len(s_hit),
+            scored_tokens=len(s_nll),
+        )
     return row
 
 
@@ -150,8 +248,13 @@ def scored_stats(steps_by_k: dict, problems: list[dict]) -> dict:
         kl = [st["kl"][t] for st, s in pick for t in s]
         nll = [st["nll"][t] for st, s in pick for t in s]
         h = [st["hit"][t] for st, s in pick for t in s]
-        out.update(agree_scored=sum(a) / len(a), kl_scored=sum(kl) / len(kl),
-                   ppl_scored=math.exp(sum(nll) / len(nll)), hit_scored=sum(h) / len(h), scored_tokens=len(a))
+        out.update(
+            agree_scored=sum(a) / len(a),
+            kl_scored=sum(kl) / len(kl),
+            ppl_scored=math.exp(sum(nll) / len(nll)),
+            hit_scored=sum(h) / len(h),
+            scored_tokens=len(a),
+        )
     return out
 
 

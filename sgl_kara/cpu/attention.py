@@ -64,7 +64,10 @@ class _Rows:
         self.lens = seq_lens.tolist()
         self.width = max(self.lens) if self.lens else 0
         self.rows = req_to_token[req_pool_indices, : self.width].to(torch.int64)
-        self.mask = torch.arange(self.width, device=self.rows.device)[None, :] < seq_lens[:, None]
+        self.mask = (
+            torch.arange(self.width, device=self.rows.device)[None, :]
+            < seq_lens[:, None]
+        )
         self._padded = {}
 
     # slots and bounds serve the loop and the window extend only: the padded decode (the default)
@@ -86,8 +89,15 @@ class _Rows:
         if head_units not in self._padded:
             t, width = self.rows.shape
             entry = None
-            if t and width and t * width <= PAD_RATIO * sum(self.lens) + t * CALL_UNITS / head_units:
-                idx = torch.where(self.mask, self.rows, self.rows[:, :1]).reshape(-1)  # padding reads the row's own slot
+            if (
+                t
+                and width
+                and t * width
+                <= PAD_RATIO * sum(self.lens) + t * CALL_UNITS / head_units
+            ):
+                idx = torch.where(self.mask, self.rows, self.rows[:, :1]).reshape(
+                    -1
+                )  # padding reads the row's own slot
                 entry = (idx, self.mask[:, None, None, :], width)
             self._padded[head_units] = entry
         return self._padded[head_units]
@@ -95,7 +105,11 @@ class _Rows:
 
 def _rows(backend, req_to_token, req_pool_indices, seq_lens) -> _Rows:
     meta = getattr(backend, _META, None)
-    if meta is None or meta.seq_lens is not seq_lens or meta.req_pool_indices is not req_pool_indices:
+    if (
+        meta is None
+        or meta.seq_lens is not seq_lens
+        or meta.req_pool_indices is not req_pool_indices
+    ):
         meta = _Rows(req_to_token, req_pool_indices, seq_lens)
         setattr(backend, _META, meta)
     return meta
@@ -112,31 +126,74 @@ def _buffer(backend, cache: torch.Tensor, n: int, which: int) -> torch.Tensor:
         # A normal tensor even when first needed inside the recompute pass's inference_mode: the
         # decode forward, outside it, writes into the same buffer (an inference tensor would refuse).
         with torch.inference_mode(False):
-            buf = torch.empty((max(n, 2 * (buf.shape[0] if buf is not None else 0)), *cache.shape[1:]),
-                              dtype=cache.dtype, device=cache.device)
+            buf = torch.empty(
+                (
+                    max(n, 2 * (buf.shape[0] if buf is not None else 0)),
+                    *cache.shape[1:],
+                ),
+                dtype=cache.dtype,
+                device=cache.device,
+            )
         bufs[key] = buf
     return buf[:n]
 
 
-def run_sdpa_forward_decode(original, backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
-                            seq_lens, encoder_lens=None, scaling=None, enable_gqa=False, causal=False,
-                            is_cross_attn=False, sliding_window_size=None):
+def run_sdpa_forward_decode(
+    original,
+    backend,
+    query,
+    output,
+    k_cache,
+    v_cache,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    encoder_lens=None,
+    scaling=None,
+    enable_gqa=False,
+    causal=False,
+    is_cross_attn=False,
+    sliding_window_size=None,
+):
     """AROUND ``TorchNativeAttnBackend._run_sdpa_forward_decode`` (same arguments).
 
     query [T, H_q, D] (one token per request), output [T, H_q, D_v]; k_cache / v_cache
     [S, H_kv, D]; req_to_token [R, C]; req_pool_indices, seq_lens [T]."""
-    plain = (encoder_lens is None and not is_cross_attn and query.device.type == "cpu"
-             and (sliding_window_size is None or sliding_window_size <= -1) and env.fast_cpu_decode())
+    plain = (
+        encoder_lens is None
+        and not is_cross_attn
+        and query.device.type == "cpu"
+        and (sliding_window_size is None or sliding_window_size <= -1)
+        and env.fast_cpu_decode()
+    )
     if not plain:
-        return original(backend, query=query, output=output, k_cache=k_cache, v_cache=v_cache,
-                        req_to_token=req_to_token, req_pool_indices=req_pool_indices, seq_lens=seq_lens,
-                        encoder_lens=encoder_lens, scaling=scaling, enable_gqa=enable_gqa, causal=causal,
-                        is_cross_attn=is_cross_attn, sliding_window_size=sliding_window_size)
+        return original(
+            backend,
+            query=query,
+            output=output,
+            k_cache=k_cache,
+            v_cache=v_cache,
+            req_to_token=req_to_token,
+            req_pool_indices=req_pool_indices,
+            seq_lens=seq_lens,
+            encoder_lens=encoder_lens,
+            scaling=scaling,
+            enable_gqa=enable_gqa,
+            causal=causal,
+            is_cross_attn=is_cross_attn,
+            sliding_window_size=sliding_window_size,
+        )
     meta = _rows(backend, req_to_token, req_pool_indices, seq_lens)
-    if env.batched_cpu_decode() and not causal and query.shape[1] % k_cache.shape[1] == 0:
+    if (
+        env.batched_cpu_decode()
+        and not causal
+        and query.shape[1] % k_cache.shape[1] == 0
+    ):
         padded = meta.padded(query.shape[1] * query.shape[2])
         if padded is not None:
-            return _decode_padded(backend, padded, query, output, k_cache, v_cache, scaling)
+            return _decode_padded(
+                backend, padded, query, output, k_cache, v_cache, scaling
+            )
     slots, bounds = meta.slots, meta.bounds
     n = slots.numel()
     keys = torch.index_select(k_cache, 0, slots, out=_buffer(backend, k_cache, n, 0))
@@ -149,7 +206,9 @@ def run_sdpa_forward_decode(original, backend, query, output, k_cache, v_cache, 
             q[:, i : i + 1, :].unsqueeze(0),
             keys[a:b].movedim(0, 1).unsqueeze(0),
             values[a:b].movedim(0, 1).unsqueeze(0),
-            enable_gqa=enable_gqa, scale=scaling, is_causal=causal,
+            enable_gqa=enable_gqa,
+            scale=scaling,
+            is_causal=causal,
         )
         output[i : i + 1] = out.squeeze(0).movedim(1, 0)
     return output
@@ -167,13 +226,27 @@ def _decode_padded(backend, padded, query, output, k_cache, v_cache, scaling):
         keys, values = keys.to(query.dtype), values.to(query.dtype)
     keys = keys.view(t, width, hkv, d).transpose(1, 2)
     values = values.view(t, width, hkv, -1).transpose(1, 2)
-    out = scaled_dot_product_attention(query.reshape(t, hkv, hq // hkv, d), keys, values, attn_mask=mask, scale=scaling)
+    out = scaled_dot_product_attention(
+        query.reshape(t, hkv, hq // hkv, d), keys, values, attn_mask=mask, scale=scaling
+    )
     output.copy_(out.reshape(t, hq, -1))
     return output
 
 
-def run_window_extend(backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-                      extend_prefix_lens, extend_seq_lens, scaling=None, enable_gqa=False) -> torch.Tensor:
+def run_window_extend(
+    backend,
+    query,
+    output,
+    k_cache,
+    v_cache,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    extend_prefix_lens,
+    extend_seq_lens,
+    scaling=None,
+    enable_gqa=False,
+) -> torch.Tensor:
     """Causal extend attention of the recompute pass (arguments as SGLang's
     ``_run_sdpa_forward_extend``): query [T, H_q, D], the E_i queries of request i back to back,
     at row positions [p_i, p_i + E_i) with p_i + E_i = seq_lens[i]; output [T, H_q, D_v]."""
@@ -182,7 +255,9 @@ def run_window_extend(backend, query, output, k_cache, v_cache, req_to_token, re
     prefix, extend = extend_prefix_lens.tolist(), extend_seq_lens.tolist()
     for i, (a, b) in enumerate(bounds):
         if prefix[i] + extend[i] != b - a:
-            raise ValueError(f"extend of request {i}: prefix {prefix[i]} + extend {extend[i]} != row length {b - a}")
+            raise ValueError(
+                f"extend of request {i}: prefix {prefix[i]} + extend {extend[i]} != row length {b - a}"
+            )
     n = slots.numel()
     keys = torch.index_select(k_cache, 0, slots, out=_buffer(backend, k_cache, n, 0))
     values = torch.index_select(v_cache, 0, slots, out=_buffer(backend, v_cache, n, 1))
@@ -195,12 +270,16 @@ def run_window_extend(backend, query, output, k_cache, v_cache, req_to_token, re
         p, e = prefix[i], extend[i]
         mask = masks.get((p, e))
         if mask is None:
-            mask = masks[(p, e)] = torch.ones(e, p + e, dtype=torch.bool, device=query.device).tril(diagonal=p)
+            mask = masks[(p, e)] = torch.ones(
+                e, p + e, dtype=torch.bool, device=query.device
+            ).tril(diagonal=p)
         out = scaled_dot_product_attention(
             q[:, start : start + e, :].unsqueeze(0),
             keys[a:b].movedim(0, 1).unsqueeze(0),
             values[a:b].movedim(0, 1).unsqueeze(0),
-            attn_mask=mask, enable_gqa=enable_gqa, scale=scaling,
+            attn_mask=mask,
+            enable_gqa=enable_gqa,
+            scale=scaling,
         )
         output[start : start + e] = out.squeeze(0).movedim(1, 0)
         start += e

@@ -38,18 +38,28 @@ PACK_HINT_ROWS = 16
 
 # id(weight) -> (weak reference to the weight, packed copy, the weight's version); an entry leaves with its
 # weight (a finalizer), so a model replaced in this process does not keep its old lm_head alive.
-_copies: dict[int, tuple["weakref.ref[torch.Tensor]", torch.Tensor, int]] = {}
-_packed_layers: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # layers whose weight is packed in place
+_copies: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, int]] = {}
+_packed_layers: weakref.WeakSet[torch.nn.Module] = (
+    weakref.WeakSet()
+)  # layers whose weight is packed in place
 
 
 def available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    return torch.backends.mkldnn.is_available() and hasattr(
+        torch.ops.mkldnn, "_linear_pointwise"
+    )
 
 
 def packable(weight: torch.Tensor) -> bool:
     """A dense float32 2-D CPU weight that takes no gradient."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
-            and not weight.is_mkldnn and not weight.requires_grad and weight.numel() > 0)
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and not weight.is_mkldnn
+        and not weight.requires_grad
+        and weight.numel() > 0
+    )
 
 
 def packed_count() -> int:
@@ -68,7 +78,9 @@ def _replace_weight(layer: torch.nn.Module, data: torch.Tensor) -> None:
 
 
 def _reorder(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size=PACK_HINT_ROWS)
+    return torch.ops.mkldnn._reorder_linear_weight(
+        weight.detach(), batch_size=PACK_HINT_ROWS
+    )
 
 
 def pack_in_place(layer: torch.nn.Module) -> bool:
@@ -76,7 +88,11 @@ def pack_in_place(layer: torch.nn.Module) -> bool:
     from sgl_kara._sglang import use_intel_amx_backend
 
     weight = getattr(layer, "weight", None)
-    if not isinstance(weight, torch.Tensor) or not packable(weight) or use_intel_amx_backend(layer):
+    if (
+        not isinstance(weight, torch.Tensor)
+        or not packable(weight)
+        or use_intel_amx_backend(layer)
+    ):
         return False
     _replace_weight(layer, _reorder(weight))
     _packed_layers.add(layer)
@@ -93,7 +109,9 @@ def unpack_in_place(layer: torch.nn.Module) -> bool:
     return True
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``F.linear`` with a packed weight: x [..., in] (any rows, any leading dims) -> [..., out]."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]) if x.dim() != 2 else x
@@ -105,7 +123,9 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     if x2.shape[0] == 0:
         out = x2.new_empty((0, packed.shape[0]))
     else:
-        out = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), packed, bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(
+            x2.contiguous(), packed, bias, "none", [], ""
+        )
     if dtype != torch.float32:
         out = out.to(dtype)
     return out.reshape(*shape[:-1], packed.shape[0]) if x.dim() != 2 else out
@@ -126,11 +146,17 @@ def packed_copy(weight: torch.Tensor) -> torch.Tensor:
 
 
 def lm_head_takes_copy(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return x.dim() == 2 and LM_HEAD_ROWS[0] <= x.shape[0] <= LM_HEAD_ROWS[1] and x.device.type == "cpu" \
-        and x.dtype == torch.float32 and packable(weight)
+    return (
+        x.dim() == 2
+        and LM_HEAD_ROWS[0] <= x.shape[0] <= LM_HEAD_ROWS[1]
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and packable(weight)
+    )
 
 
 # --- hooks (plugin.py) --------------------------------------------------------------------------
+
 
 def process_weights_hook(original, method, layer, **kwargs):
     """AROUND ``UnquantizedLinearMethod.process_weights_after_loading``: SGLang's own processing
@@ -181,25 +207,51 @@ def linear_apply_into_hook(original, method, layer, x, output, bias=None, **kwar
     if weight.is_mkldnn:
         out = packed_linear(x, weight, bias)
         if output.shape != out.shape:
-            raise ValueError(f"linear output has shape {tuple(output.shape)}, expected {tuple(out.shape)}")
+            raise ValueError(
+                f"linear output has shape {tuple(output.shape)}, expected {tuple(out.shape)}"
+            )
         return output.copy_(out)
     return original(method, layer=layer, x=x, output=output, bias=bias, **kwargs)
 
 
-def lm_head_hook(original, processor, hidden_states, lm_head, embedding_bias=None, *, out=None, **kwargs):
+def lm_head_hook(
+    original,
+    processor,
+    hidden_states,
+    lm_head,
+    embedding_bias=None,
+    *,
+    out=None,
+    **kwargs,
+):
     """AROUND ``LogitsProcessor._compute_lm_head``: its plain ``hidden @ lm_head.weight.T`` branch."""
-    from sgl_kara._sglang import should_apply_lm_head_quant_method, use_intel_amx_backend
+    from sgl_kara._sglang import (
+        should_apply_lm_head_quant_method,
+        use_intel_amx_backend,
+    )
 
     weight = getattr(lm_head, "weight", None)
     plain = (  # the row check first: prefill and 1-2-row steps skip SGLang's branch conditions
-        weight is not None and lm_head_takes_copy(hidden_states, weight)
-        and not kwargs and out is None and embedding_bias is None
+        weight is not None
+        and lm_head_takes_copy(hidden_states, weight)
+        and not kwargs
+        and out is None
+        and embedding_bias is None
         and not (hasattr(lm_head, "set_lora") and hasattr(lm_head, "apply_lora"))
-        and not should_apply_lm_head_quant_method(lm_head, getattr(lm_head, "quant_method", None))
-        and not processor.use_fp32_lm_head and processor.rl_on_policy_target is None
+        and not should_apply_lm_head_quant_method(
+            lm_head, getattr(lm_head, "quant_method", None)
+        )
+        and not processor.use_fp32_lm_head
+        and processor.rl_on_policy_target is None
         and not use_intel_amx_backend(lm_head)
     )
     if plain:
         return packed_linear(hidden_states, packed_copy(weight))
-    return original(processor, hidden_states=hidden_states, lm_head=lm_head, embedding_bias=embedding_bias, out=out,
-                    **kwargs)
+    return original(
+        processor,
+        hidden_states=hidden_states,
+        lm_head=lm_head,
+        embedding_bias=embedding_bias,
+        out=out,
+        **kwargs,
+    )

@@ -41,8 +41,20 @@ BLOCK_T = 64
 
 
 @triton.jit(do_not_specialize=["K"])
-def _compact_kernel(k_table, v_table, src_ptr, dst_ptr, L, H, K, stride_s, stride_h,
-                    ELEM: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
+def _compact_kernel(
+    k_table,
+    v_table,
+    src_ptr,
+    dst_ptr,
+    L,
+    H,
+    K,
+    stride_s,
+    stride_h,
+    ELEM: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
     pid = tl.program_id(0)  # (b, l, h) flattened, h fastest
     h = pid % H
     l = (pid // H) % L
@@ -62,8 +74,17 @@ def _compact_kernel(k_table, v_table, src_ptr, dst_ptr, L, H, K, stride_s, strid
 
 
 @triton.jit(do_not_specialize=["N"])
-def _copy_rows_kernel(k_table, v_table, src_ptr, dst_ptr, N, ROW, stride_s,
-                      ELEM: tl.constexpr, BLOCK: tl.constexpr):
+def _copy_rows_kernel(
+    k_table,
+    v_table,
+    src_ptr,
+    dst_ptr,
+    N,
+    ROW,
+    stride_s,
+    ELEM: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Pool rows dst[i] <- pool rows src[i] of layer l, directly (src and dst disjoint)."""
     pid = tl.program_id(0)  # (l, i) flattened, i fastest
     l = pid // N
@@ -74,13 +95,31 @@ def _copy_rows_kernel(k_table, v_table, src_ptr, dst_ptr, N, ROW, stride_s,
     dst = tl.load(dst_ptr + i)
     k_ptr = tl.load(k_table + l).to(tl.pointer_type(ELEM))
     v_ptr = tl.load(v_table + l).to(tl.pointer_type(ELEM))
-    tl.store(k_ptr + dst * stride_s + offs, tl.load(k_ptr + src * stride_s + offs, mask=ok), mask=ok)
-    tl.store(v_ptr + dst * stride_s + offs, tl.load(v_ptr + src * stride_s + offs, mask=ok), mask=ok)
+    tl.store(
+        k_ptr + dst * stride_s + offs,
+        tl.load(k_ptr + src * stride_s + offs, mask=ok),
+        mask=ok,
+    )
+    tl.store(
+        v_ptr + dst * stride_s + offs,
+        tl.load(v_ptr + src * stride_s + offs, mask=ok),
+        mask=ok,
+    )
 
 
 @triton.jit(do_not_specialize=["N"])
-def _gather_rows_kernel(k_table, v_table, src_ptr, k_ws, v_ws, N, ROW, stride_s,
-                        ELEM: tl.constexpr, BLOCK: tl.constexpr):
+def _gather_rows_kernel(
+    k_table,
+    v_table,
+    src_ptr,
+    k_ws,
+    v_ws,
+    N,
+    ROW,
+    stride_s,
+    ELEM: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Workspace [L, N, ROW] <- pool rows src[i] of layer l (pass 1 of copy_slots)."""
     pid = tl.program_id(0)  # (l, i) flattened, i fastest
     l = pid // N
@@ -96,8 +135,18 @@ def _gather_rows_kernel(k_table, v_table, src_ptr, k_ws, v_ws, N, ROW, stride_s,
 
 
 @triton.jit(do_not_specialize=["N"])
-def _scatter_rows_kernel(k_table, v_table, dst_ptr, k_ws, v_ws, N, ROW, stride_s,
-                         ELEM: tl.constexpr, BLOCK: tl.constexpr):
+def _scatter_rows_kernel(
+    k_table,
+    v_table,
+    dst_ptr,
+    k_ws,
+    v_ws,
+    N,
+    ROW,
+    stride_s,
+    ELEM: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Pool rows dst[i] of layer l <- workspace [L, N, ROW] (pass 2 of copy_slots)."""
     pid = tl.program_id(0)
     l = pid // N
@@ -134,7 +183,9 @@ def _compact_kv_rows(k_buffers, v_buffers, src_slots, dst_slots):
     for l in range(n_layers):
         src = (src_slots[:, l] * h + heads).reshape(-1)
         for buf in (k_buffers[l], v_buffers[l]):
-            rows = buf.view(_INT_VIEW[buf.element_size()]).view(-1, buf.shape[-1])  # bits (fp8 too)
+            rows = buf.view(_INT_VIEW[buf.element_size()]).view(
+                -1, buf.shape[-1]
+            )  # bits (fp8 too)
             rows.index_copy_(0, dst, rows.index_select(0, src))
 
 
@@ -146,8 +197,10 @@ def copy_slots_ref(k_buffers, v_buffers, src, dst):
 
 def _check_buffers(k_buffers, v_buffers):
     if len(k_buffers) == 0 or len(k_buffers) != len(v_buffers):
-        raise ValueError(f"need the same non-zero number of k and v layers, got "
-                         f"{len(k_buffers)} and {len(v_buffers)}")
+        raise ValueError(
+            f"need the same non-zero number of k and v layers, got "
+            f"{len(k_buffers)} and {len(v_buffers)}"
+        )
     ref = k_buffers[0]
     if ref.dim() != 3:
         raise ValueError(f"pool buffers must be [S, H_kv, D], got {tuple(ref.shape)}")
@@ -162,7 +215,9 @@ def _check_buffers(k_buffers, v_buffers):
 
 
 def _ptr_table(bufs):
-    return torch.tensor([t.data_ptr() for t in bufs], dtype=torch.int64, device=bufs[0].device)
+    return torch.tensor(
+        [t.data_ptr() for t in bufs], dtype=torch.int64, device=bufs[0].device
+    )
 
 
 def _check_slots(name, t, device, size):
@@ -184,18 +239,24 @@ def compact_kv(k_buffers, v_buffers, src_slots, dst_slots, use_triton=None, chec
     ref = _check_buffers(k_buffers, v_buffers)
     s, h, d = ref.shape
     if src_slots.dim() != 4 or tuple(src_slots.shape[1:3]) != (len(k_buffers), h):
-        raise ValueError(f"src_slots must be [B, L={len(k_buffers)}, H_kv={h}, K], "
-                         f"got {tuple(src_slots.shape)}")
+        raise ValueError(
+            f"src_slots must be [B, L={len(k_buffers)}, H_kv={h}, K], "
+            f"got {tuple(src_slots.shape)}"
+        )
     b, _, _, k = src_slots.shape
     if tuple(dst_slots.shape) != (b, k):
-        raise ValueError(f"dst_slots must be [B={b}, K={k}], got {tuple(dst_slots.shape)}")
+        raise ValueError(
+            f"dst_slots must be [B={b}, K={k}], got {tuple(dst_slots.shape)}"
+        )
     _check_slots("src_slots", src_slots, ref.device, s)
     _check_slots("dst_slots", dst_slots, ref.device, s)
     if check or (check is None and ref.device.type == "cpu"):
         if dst_slots.unique().numel() != dst_slots.numel():
             raise ValueError("dst_slots must be unique")
         if torch.isin(dst_slots, src_slots).any():
-            raise ValueError("dst_slots overlap src_slots; compaction is in place and would race")
+            raise ValueError(
+                "dst_slots overlap src_slots; compaction is in place and would race"
+            )
     if src_slots.numel() == 0:
         return
     if not want_triton(use_triton, ref, pow2_dim=d):
@@ -206,8 +267,19 @@ def compact_kv(k_buffers, v_buffers, src_slots, dst_slots, use_triton=None, chec
     block_t = BLOCK_T
     grid = (b * len(k_buffers) * h, triton.cdiv(k, block_t))
     _compact_kernel[grid](
-        _ptr_table(k_views), _ptr_table(v_views), aligned(src_slots), aligned(dst_slots),
-        len(k_buffers), h, k, ref.stride(0), ref.stride(1), ELEM=_TL_INT[n], D=d, BLOCK_T=block_t)
+        _ptr_table(k_views),
+        _ptr_table(v_views),
+        aligned(src_slots),
+        aligned(dst_slots),
+        len(k_buffers),
+        h,
+        k,
+        ref.stride(0),
+        ref.stride(1),
+        ELEM=_TL_INT[n],
+        D=d,
+        BLOCK_T=block_t,
+    )
 
 
 def copy_slots(k_buffers, v_buffers, src, dst, use_triton=None, disjoint=False):
@@ -220,7 +292,9 @@ def copy_slots(k_buffers, v_buffers, src, dst, use_triton=None, disjoint=False):
     ref = _check_buffers(k_buffers, v_buffers)
     s, h, d = ref.shape
     if src.dim() != 1 or src.shape != dst.shape:
-        raise ValueError(f"src and dst must be [N], got {tuple(src.shape)}, {tuple(dst.shape)}")
+        raise ValueError(
+            f"src and dst must be [N], got {tuple(src.shape)}, {tuple(dst.shape)}"
+        )
     _check_slots("src", src, ref.device, s)
     _check_slots("dst", dst, ref.device, s)
     if disjoint and ref.device.type == "cpu" and torch.isin(dst, src).any():

@@ -43,9 +43,27 @@ BLOCK_M = 64
 
 
 @triton.jit(do_not_specialize=_VARYING)
-def _lse_kernel(q_ptr, k_ptr, slots_ptr, lse_ptr, W, M, H_Q, GROUP, scale,
-                stride_qb, stride_qw, stride_qh, stride_ks, stride_kh, stride_sb,
-                FP32_DOT: tl.constexpr, D: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_M: tl.constexpr):
+def _lse_kernel(
+    q_ptr,
+    k_ptr,
+    slots_ptr,
+    lse_ptr,
+    W,
+    M,
+    H_Q,
+    GROUP,
+    scale,
+    stride_qb,
+    stride_qw,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_sb,
+    FP32_DOT: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     pid_bh = tl.program_id(0)
     b = (pid_bh // H_Q).to(tl.int64)
     j = pid_bh % H_Q
@@ -53,8 +71,15 @@ def _lse_kernel(q_ptr, k_ptr, slots_ptr, lse_ptr, W, M, H_Q, GROUP, scale,
     offs_w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     w_ok = offs_w < W
     offs_d = tl.arange(0, D)
-    q = tl.load(q_ptr + b * stride_qb + offs_w[:, None] * stride_qw + j * stride_qh + offs_d[None, :],
-                mask=w_ok[:, None], other=0.0)
+    q = tl.load(
+        q_ptr
+        + b * stride_qb
+        + offs_w[:, None] * stride_qw
+        + j * stride_qh
+        + offs_d[None, :],
+        mask=w_ok[:, None],
+        other=0.0,
+    )
     m_i = tl.full([BLOCK_W], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_W], tl.float32)
     slots_b = slots_ptr + b * stride_sb
@@ -63,10 +88,15 @@ def _lse_kernel(q_ptr, k_ptr, slots_ptr, lse_ptr, W, M, H_Q, GROUP, scale,
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_ok = offs_m < M
         slot = tl.load(slots_b + offs_m, mask=m_ok, other=0).to(tl.int64)
-        k = tl.load(k_ptr + slot[:, None] * stride_ks + h * stride_kh + offs_d[None, :],
-                    mask=m_ok[:, None], other=0.0)
+        k = tl.load(
+            k_ptr + slot[:, None] * stride_ks + h * stride_kh + offs_d[None, :],
+            mask=m_ok[:, None],
+            other=0.0,
+        )
         if FP32_DOT:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            s = tl.dot(
+                q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee"
+            )
         else:
             s = tl.dot(q, tl.trans(k))
         s = tl.where(m_ok[None, :], s * scale, float("-inf"))
@@ -78,9 +108,29 @@ def _lse_kernel(q_ptr, k_ptr, slots_ptr, lse_ptr, W, M, H_Q, GROUP, scale,
 
 
 @triton.jit(do_not_specialize=_VARYING)
-def _colsum_kernel(q_ptr, k_ptr, slots_ptr, lse_ptr, out_ptr, W, M, H_Q, H_KV, GROUP, scale,
-                   stride_qb, stride_qw, stride_qh, stride_ks, stride_kh, stride_sb,
-                   FP32_DOT: tl.constexpr, D: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_M: tl.constexpr):
+def _colsum_kernel(
+    q_ptr,
+    k_ptr,
+    slots_ptr,
+    lse_ptr,
+    out_ptr,
+    W,
+    M,
+    H_Q,
+    H_KV,
+    GROUP,
+    scale,
+    stride_qb,
+    stride_qw,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_sb,
+    FP32_DOT: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     pid_bh = tl.program_id(0)
     b = (pid_bh // H_KV).to(tl.int64)
     h = pid_bh % H_KV
@@ -90,8 +140,11 @@ def _colsum_kernel(q_ptr, k_ptr, slots_ptr, lse_ptr, out_ptr, W, M, H_Q, H_KV, G
     slots_b = slots_ptr + b * stride_sb
     m_ok = offs_m < M
     slot = tl.load(slots_b + offs_m, mask=m_ok, other=0).to(tl.int64)
-    k = tl.load(k_ptr + slot[:, None] * stride_ks + h * stride_kh + offs_d[None, :],
-                mask=m_ok[:, None], other=0.0)
+    k = tl.load(
+        k_ptr + slot[:, None] * stride_ks + h * stride_kh + offs_d[None, :],
+        mask=m_ok[:, None],
+        other=0.0,
+    )
     kt = tl.trans(k)  # [D, BLOCK_M], loaded once, reused for every query block
     acc = tl.zeros([BLOCK_M], tl.float32)
     for g in range(0, GROUP):
@@ -99,20 +152,33 @@ def _colsum_kernel(q_ptr, k_ptr, slots_ptr, lse_ptr, out_ptr, W, M, H_Q, H_KV, G
         for w0 in range(0, W, BLOCK_W):
             offs_w = w0 + tl.arange(0, BLOCK_W)
             w_ok = offs_w < W
-            q = tl.load(q_ptr + b * stride_qb + offs_w[:, None] * stride_qw + j * stride_qh
-                        + offs_d[None, :], mask=w_ok[:, None], other=0.0)
-            lse = tl.load(lse_ptr + (b * H_Q + j) * W + offs_w, mask=w_ok, other=float("inf"))
+            q = tl.load(
+                q_ptr
+                + b * stride_qb
+                + offs_w[:, None] * stride_qw
+                + j * stride_qh
+                + offs_d[None, :],
+                mask=w_ok[:, None],
+                other=0.0,
+            )
+            lse = tl.load(
+                lse_ptr + (b * H_Q + j) * W + offs_w, mask=w_ok, other=float("inf")
+            )
             if FP32_DOT:
                 s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
             else:
                 s = tl.dot(q, kt)
             s = tl.where(m_ok[None, :], s * scale, float("-inf"))
-            p = tl.exp(s - lse[:, None])  # masked rows: exp(s - inf) = 0; masked keys: exp(-inf) = 0
+            p = tl.exp(
+                s - lse[:, None]
+            )  # masked rows: exp(s - inf) = 0; masked keys: exp(-inf) = 0
             acc += tl.sum(p, axis=0)
     tl.store(out_ptr + (b * H_KV + h) * M + offs_m, acc, mask=m_ok)
 
 
-def window_scores(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+def window_scores(
+    q: torch.Tensor, k: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
     """Bidirectional window attention received by each compressible key (Eq. 4).
 
     q: [B, W, H_q, D]  queries of every window token.
@@ -122,11 +188,15 @@ def window_scores(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) 
     softmax_M(q . k * scale). No causal mask. scale defaults to 1/sqrt(D).
     """
     if q.dim() != 4 or k.dim() != 4:
-        raise ValueError(f"q and k must be 4-D, got {tuple(q.shape)} and {tuple(k.shape)}")
+        raise ValueError(
+            f"q and k must be 4-D, got {tuple(q.shape)} and {tuple(k.shape)}"
+        )
     b, w, hq, d = q.shape
     bk, m, hkv, dk = k.shape
     if bk != b or dk != d:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on B or D")
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on B or D"
+        )
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"H_q ({hq}) must be a multiple of H_kv ({hkv})")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -152,7 +222,8 @@ def _check(q, k_buffer, slots):
     if q.dim() != 4 or k_buffer.dim() != 3 or slots.dim() != 2:
         raise ValueError(
             f"expected q [B, W, H_q, D], k_buffer [S, H_kv, D], slots [B, M]; got "
-            f"{tuple(q.shape)}, {tuple(k_buffer.shape)}, {tuple(slots.shape)}")
+            f"{tuple(q.shape)}, {tuple(k_buffer.shape)}, {tuple(slots.shape)}"
+        )
     b, _, hq, d = q.shape
     _, hkv, dk = k_buffer.shape
     if dk != d:
@@ -162,8 +233,10 @@ def _check(q, k_buffer, slots):
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"H_q ({hq}) must be a multiple of H_kv ({hkv})")
     if q.dtype not in _DTYPES or k_buffer.dtype not in _DTYPES:
-        raise ValueError(f"q and k_buffer dtypes must each be one of {_DTYPES}; "
-                         f"got {q.dtype}, {k_buffer.dtype}")
+        raise ValueError(
+            f"q and k_buffer dtypes must each be one of {_DTYPES}; "
+            f"got {q.dtype}, {k_buffer.dtype}"
+        )
     if slots.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slots must be int32 or int64, got {slots.dtype}")
     if q.device != k_buffer.device or q.device != slots.device:
@@ -172,8 +245,11 @@ def _check(q, k_buffer, slots):
 
 def fp32_dot_needed(q_dtype, k_dtype, interpret: bool) -> bool:
     """Whether the scoring kernels widen both operands to fp32 before the dot."""
-    return (q_dtype != k_dtype or q_dtype == torch.float32
-            or (interpret and torch.bfloat16 in (q_dtype, k_dtype)))
+    return (
+        q_dtype != k_dtype
+        or q_dtype == torch.float32
+        or (interpret and torch.bfloat16 in (q_dtype, k_dtype))
+    )
 
 
 def window_scores_paged(q, k_buffer, slots, scale=None, use_triton=None):
@@ -205,11 +281,19 @@ def window_scores_paged(q, k_buffer, slots, scale=None, use_triton=None):
     # InterpreterBuilder.create_dot), so widen them there too; this only changes summation order.
     fp32_dot = fp32_dot_needed(q.dtype, k_buffer.dtype, interpret_mode())
     common = (w, m, hq)
-    strides = (q.stride(0), q.stride(1), q.stride(2), k_buffer.stride(0), k_buffer.stride(1),
-               slots.stride(0))
+    strides = (
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        slots.stride(0),
+    )
     meta = dict(FP32_DOT=fp32_dot, D=d, BLOCK_W=block_w, BLOCK_M=block_m)
     _lse_kernel[(b * hq, triton.cdiv(w, block_w))](
-        q, k_buffer, slots, lse, *common, hq // hkv, scale, *strides, **meta)
+        q, k_buffer, slots, lse, *common, hq // hkv, scale, *strides, **meta
+    )
     _colsum_kernel[(b * hkv, triton.cdiv(m, block_m))](
-        q, k_buffer, slots, lse, out, *common, hkv, hq // hkv, scale, *strides, **meta)
+        q, k_buffer, slots, lse, out, *common, hkv, hq // hkv, scale, *strides, **meta
+    )
     return out

@@ -34,8 +34,12 @@ class CompactionPlan:
     starts: list[int]  # a_b: first row position of the region
     lengths: list[int]  # L_b: physical length of each row before compaction
     region: int  # M: rows in the region
-    kept: torch.Tensor  # [B, L_layers, H_kv, K] int64 indices in [0, M), sorted per head
-    row_ids: list[int] | None = None  # ``rows`` on the host (None: read from ``rows``, a device sync)
+    kept: (
+        torch.Tensor
+    )  # [B, L_layers, H_kv, K] int64 indices in [0, M), sorted per head
+    row_ids: list[int] | None = (
+        None  # ``rows`` on the host (None: read from ``rows``, a device sync)
+    )
 
     @property
     def keep(self) -> int:
@@ -87,7 +91,9 @@ class PreparedCompaction:
             free(self.fresh)
 
 
-def fresh_slots_needed(start: int, length: int, region: int, keep: int, page_size: int = 1) -> int:
+def fresh_slots_needed(
+    start: int, length: int, region: int, keep: int, page_size: int = 1
+) -> int:
     """Fresh slots compacting rows [start, start + region) of a row of ``length`` to ``keep``
     entries allocates before it frees the old ones: ``keep`` with page size 1; with pages, every
     row from the region's page start to the new end, in whole pages (see _prepare_paged)."""
@@ -97,23 +103,42 @@ def fresh_slots_needed(start: int, length: int, region: int, keep: int, page_siz
     return -(-(length - (region - keep) - s) // page_size) * page_size
 
 
-def compact_rows(plan: CompactionPlan, req_to_token: torch.Tensor, k_buffers, v_buffers, alloc, free, page_size: int = 1,
-                 use_triton: bool | None = None):
+def compact_rows(
+    plan: CompactionPlan,
+    req_to_token: torch.Tensor,
+    k_buffers,
+    v_buffers,
+    alloc,
+    free,
+    page_size: int = 1,
+    use_triton: bool | None = None,
+):
     """Apply ``plan`` at once (``prepare_compaction`` then ``commit``); returns the per-request
     drop count d (same for every request). Raises OutOfSlots (nothing changed) when the fresh
     slots cannot be allocated."""
-    return prepare_compaction(plan, req_to_token, k_buffers, v_buffers, alloc, free, page_size,
-                              use_triton).commit(req_to_token, free)
+    return prepare_compaction(
+        plan, req_to_token, k_buffers, v_buffers, alloc, free, page_size, use_triton
+    ).commit(req_to_token, free)
 
 
-def prepare_compaction(plan: CompactionPlan, req_to_token: torch.Tensor, k_buffers, v_buffers, alloc, free,
-                       page_size: int = 1, use_triton: bool | None = None) -> PreparedCompaction:
+def prepare_compaction(
+    plan: CompactionPlan,
+    req_to_token: torch.Tensor,
+    k_buffers,
+    v_buffers,
+    alloc,
+    free,
+    page_size: int = 1,
+    use_triton: bool | None = None,
+) -> PreparedCompaction:
     """Allocate fresh slots and copy the kept K/V (and, with pages, the shifted tail) into them;
     the rows are not touched. ``alloc(n) -> LongTensor[n] | None`` and ``free(slots)`` are the
     token allocator's. Raises OutOfSlots when the fresh slots cannot be allocated; on any failure
     the fresh slots are given back first (nothing changed)."""
     if page_size > 1:
-        return _prepare_paged(plan, req_to_token, k_buffers, v_buffers, alloc, free, page_size, use_triton)
+        return _prepare_paged(
+            plan, req_to_token, k_buffers, v_buffers, alloc, free, page_size, use_triton
+        )
     B, K, M = len(plan.starts), plan.keep, plan.region
     device = req_to_token.device
     empty = torch.empty(0, dtype=torch.int64, device=device)
@@ -127,22 +152,38 @@ def prepare_compaction(plan: CompactionPlan, req_to_token: torch.Tensor, k_buffe
         offs = torch.arange(M, device=device)
         starts = torch.tensor(plan.starts, device=device, dtype=torch.int64)
         rows = plan.rows.to(device=device, dtype=torch.int64)
-        region_slots = req_to_token[rows[:, None], starts[:, None] + offs[None, :]].to(torch.int64)  # [B, M]
+        region_slots = req_to_token[rows[:, None], starts[:, None] + offs[None, :]].to(
+            torch.int64
+        )  # [B, M]
         # src[b, l, h, t] = region_slots[b, kept[b, l, h, t]]
         Bk, L, H, _ = plan.kept.shape
-        src = torch.gather(region_slots[:, None, None, :].expand(B, L, H, M), 3, plan.kept.to(device))
+        src = torch.gather(
+            region_slots[:, None, None, :].expand(B, L, H, M), 3, plan.kept.to(device)
+        )
         compact_kv(k_buffers, v_buffers, src, dst, use_triton=use_triton)
         writes = []
-        for b, (row, a, length) in enumerate(zip(plan.host_rows(), plan.starts, plan.lengths)):
+        for b, (row, a, length) in enumerate(
+            zip(plan.host_rows(), plan.starts, plan.lengths)
+        ):
             # row[a : a+K] = fresh slots, row[a+K : L-d] = the tail's slots, shifted down
-            writes.append((row, a, torch.cat([dst[b], req_to_token[row, a + M : length].to(torch.int64)])))
+            writes.append(
+                (
+                    row,
+                    a,
+                    torch.cat(
+                        [dst[b], req_to_token[row, a + M : length].to(torch.int64)]
+                    ),
+                )
+            )
     except BaseException:
         free(dst.reshape(-1))
         raise
     return PreparedCompaction(M - K, writes, region_slots.reshape(-1), dst.reshape(-1))
 
 
-def _prepare_paged(plan, req_to_token, k_buffers, v_buffers, alloc, free, page: int, use_triton=None):
+def _prepare_paged(
+    plan, req_to_token, k_buffers, v_buffers, alloc, free, page: int, use_triton=None
+):
     """Page size > 1: a slot's offset in its page must equal its row position mod page, so the
     rewritten part of each row goes to fresh, page-aligned pages:
 
@@ -163,31 +204,57 @@ def _prepare_paged(plan, req_to_token, k_buffers, v_buffers, alloc, free, page: 
     spans = []  # (s, a, L, n_new, n_pages)
     for a, length in zip(plan.starts, plan.lengths):
         s = a - a % page
-        spans.append((s, a, length, length - d - s, fresh_slots_needed(a, length, M, K, page) // page))
+        spans.append(
+            (
+                s,
+                a,
+                length,
+                length - d - s,
+                fresh_slots_needed(a, length, M, K, page) // page,
+            )
+        )
     total = sum(sp[4] for sp in spans) * page
     fresh = alloc(total)
     if fresh is None:
         raise OutOfSlots(f"need {total} free KV slots (page-aligned) for compaction")
     fresh = fresh.to(device=device, dtype=torch.int64)
     try:  # any failure before the commit gives the fresh pages back
-        new_rows = _paged_copy(plan, req_to_token, k_buffers, v_buffers, fresh, spans, rows, page, use_triton)
+        new_rows = _paged_copy(
+            plan,
+            req_to_token,
+            k_buffers,
+            v_buffers,
+            fresh,
+            spans,
+            rows,
+            page,
+            use_triton,
+        )
     except BaseException:
         free(fresh)
         raise
     writes = [(row, s, new) for row, s, new, _ in new_rows]
-    return PreparedCompaction(d, writes, torch.cat([old for *_, old in new_rows]), fresh)
+    return PreparedCompaction(
+        d, writes, torch.cat([old for *_, old in new_rows]), fresh
+    )
 
 
-def _paged_copy(plan, req_to_token, k_buffers, v_buffers, fresh, spans, rows, page, use_triton):
+def _paged_copy(
+    plan, req_to_token, k_buffers, v_buffers, fresh, spans, rows, page, use_triton
+):
     """Fill the fresh pages (kept entries gathered, rows [s, a) and the tail copied); returns
     (row, s, new slots, old slots) per request. Reads the rows, writes only fresh slots."""
     B, K, M = len(plan.starts), plan.keep, plan.region
     device = req_to_token.device
     offs = torch.arange(M, device=device)
     starts = torch.tensor(plan.starts, device=device, dtype=torch.int64)
-    region_slots = req_to_token[rows[:, None], starts[:, None] + offs[None, :]].to(torch.int64)
+    region_slots = req_to_token[rows[:, None], starts[:, None] + offs[None, :]].to(
+        torch.int64
+    )
     Bk, L, H, _ = plan.kept.shape
-    src = torch.gather(region_slots[:, None, None, :].expand(B, L, H, M), 3, plan.kept.to(device))
+    src = torch.gather(
+        region_slots[:, None, None, :].expand(B, L, H, M), 3, plan.kept.to(device)
+    )
 
     new_rows, kept_dst, copy_src, copy_dst = [], [], [], []
     cursor = 0
@@ -204,5 +271,12 @@ def _paged_copy(plan, req_to_token, k_buffers, v_buffers, fresh, spans, rows, pa
         new_rows.append((row, s, new, old_row))
     compact_kv(k_buffers, v_buffers, src, torch.stack(kept_dst), use_triton=use_triton)
     # Old pages -> fresh pages: disjoint, so no staging workspace (it would hold the whole tail).
-    copy_slots(k_buffers, v_buffers, torch.cat(copy_src), torch.cat(copy_dst), use_triton=use_triton, disjoint=True)
+    copy_slots(
+        k_buffers,
+        v_buffers,
+        torch.cat(copy_src),
+        torch.cat(copy_dst),
+        use_triton=use_triton,
+        disjoint=True,
+    )
     return new_rows

@@ -17,20 +17,35 @@ class IntegrityError(AssertionError):
     pass
 
 
-def check_prefix_unchanged(rid, slots: torch.Tensor, kv: list, ref_slots: torch.Tensor, ref_kv: list,
-                           protected: int) -> None:
+def check_prefix_unchanged(
+    rid,
+    slots: torch.Tensor,
+    kv: list,
+    ref_slots: torch.Tensor,
+    ref_kv: list,
+    protected: int,
+) -> None:
     """``slots`` [P] and ``kv`` (K/V rows of some layers at those slots) now vs at snapshot."""
     if not torch.equal(slots, ref_slots):
-        raise IntegrityError(f"Kara integrity: protected prefix slots of {rid} changed: "
-                             f"{slots.tolist()} vs {ref_slots.tolist()}")
+        raise IntegrityError(
+            f"Kara integrity: protected prefix slots of {rid} changed: "
+            f"{slots.tolist()} vs {ref_slots.tolist()}"
+        )
     bad = [i for i, (a, b) in enumerate(zip(kv, ref_kv)) if not torch.equal(a, b)]
     if bad:
-        rows = [(kv[i] != ref_kv[i]).flatten(1).any(1).nonzero().flatten().tolist() for i in bad]
-        raise IntegrityError(f"Kara integrity: protected prefix K/V bytes of {rid} changed "
-                             f"(tensors {bad}, rows {rows}, P={protected}, slots {slots.tolist()})")
+        rows = [
+            (kv[i] != ref_kv[i]).flatten(1).any(1).nonzero().flatten().tolist()
+            for i in bad
+        ]
+        raise IntegrityError(
+            f"Kara integrity: protected prefix K/V bytes of {rid} changed "
+            f"(tensors {bad}, rows {rows}, P={protected}, slots {slots.tolist()})"
+        )
 
 
-def check_row_ownership(owned: list[torch.Tensor], free_pages: torch.Tensor, page_size: int) -> None:
+def check_row_ownership(
+    owned: list[torch.Tensor], free_pages: torch.Tensor, page_size: int
+) -> None:
     """``owned``: per running row, the slots of its own rows [P, L)."""
     if not owned:
         return

@@ -1,2 +1,1 @@
-"""Models sgl_kara serves or builds itself: the default model and the reasoning proxy (default.py),
-the SmolLM2 conversion (smollm2.py) and random-weight test fixtures (tiny.py)."""
+"""The default model (default.py) and its one-time conversion (smollm2.py)."""

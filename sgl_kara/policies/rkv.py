@@ -46,22 +46,63 @@ REFERENCE_BUFFER = 128
 @dataclass(frozen=True)
 class RKVOptions:
     budget: int = field(default=1024, metadata={"help": "N: generated KV entries kept"})
-    threshold: int | None = field(default=None, metadata={"help": "C_max; unset: budget + 128 (R-KV's buffer)"})
-    window: int = field(default=8, metadata={"help": "w: observation queries, also most recent entries kept"})
-    kernel: int = field(default=7, metadata={"help": "max-pooling width over positions (odd; 1 = off)"})
-    mix_lambda: float = field(default=0.07, metadata={"help": "weight of importance vs redundancy, in [0, 1]"})
-    similarity: float = field(default=0.5, metadata={"help": "cosine similarity above which keys are redundant"})
+    threshold: int | None = field(
+        default=None, metadata={"help": "C_max; unset: budget + 128 (R-KV's buffer)"}
+    )
+    window: int = field(
+        default=8,
+        metadata={"help": "w: observation queries, also most recent entries kept"},
+    )
+    kernel: int = field(
+        default=7, metadata={"help": "max-pooling width over positions (odd; 1 = off)"}
+    )
+    mix_lambda: float = field(
+        default=0.07, metadata={"help": "weight of importance vs redundancy, in [0, 1]"}
+    )
+    similarity: float = field(
+        default=0.5,
+        metadata={"help": "cosine similarity above which keys are redundant"},
+    )
 
     def __post_init__(self):
         if self.threshold is None:
             object.__setattr__(self, "threshold", self.budget + REFERENCE_BUFFER)
-        need(1 <= self.window <= 65536, "window", "must be an integer in [1, 65536]", self.window)
-        need(self.window < self.budget, "budget", f"must be > window={self.window}", self.budget)
-        need(self.budget < self.threshold <= 10_000_000, "threshold",
-             f"must be in (budget={self.budget}, 10000000]", self.threshold)
-        need(1 <= self.kernel <= 63 and self.kernel % 2 == 1, "kernel", "must be an odd integer in [1, 63]", self.kernel)
-        need(0.0 <= self.mix_lambda <= 1.0, "mix_lambda", "must be in [0, 1]", self.mix_lambda)
-        need(-1.0 < self.similarity < 1.0, "similarity", "must be in (-1, 1)", self.similarity)
+        need(
+            1 <= self.window <= 65536,
+            "window",
+            "must be an integer in [1, 65536]",
+            self.window,
+        )
+        need(
+            self.window < self.budget,
+            "budget",
+            f"must be > window={self.window}",
+            self.budget,
+        )
+        need(
+            self.budget < self.threshold <= 10_000_000,
+            "threshold",
+            f"must be in (budget={self.budget}, 10000000]",
+            self.threshold,
+        )
+        need(
+            1 <= self.kernel <= 63 and self.kernel % 2 == 1,
+            "kernel",
+            "must be an odd integer in [1, 63]",
+            self.kernel,
+        )
+        need(
+            0.0 <= self.mix_lambda <= 1.0,
+            "mix_lambda",
+            "must be in [0, 1]",
+            self.mix_lambda,
+        )
+        need(
+            -1.0 < self.similarity < 1.0,
+            "similarity",
+            "must be in (-1, 1)",
+            self.similarity,
+        )
 
 
 def rkv_importance(q: torch.Tensor, k: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -69,7 +110,9 @@ def rkv_importance(q: torch.Tensor, k: torch.Tensor, kernel: int) -> torch.Tenso
     max logit, mean over the w queries, max-pooled over positions."""
     b, w, hq, d = q.shape
     hkv = k.shape[2]
-    logits = torch.einsum("bwhgd,bmhd->bhgwm", q.float().reshape(b, w, hkv, hq // hkv, d), k.float()) / math.sqrt(d)
+    logits = torch.einsum(
+        "bwhgd,bmhd->bhgwm", q.float().reshape(b, w, hkv, hq // hkv, d), k.float()
+    ) / math.sqrt(d)
     probs = torch.softmax(logits.amax(dim=2), dim=-1)  # [B, H_kv, w, M]
     return snapkv_pool(probs.mean(dim=2), kernel)
 
@@ -83,7 +126,9 @@ def rkv_redundancy(k: torch.Tensor, threshold: float) -> torch.Tensor:
     m = sim.shape[-1]
     sim.diagonal(dim1=-2, dim2=-1).zero_()
     idx = torch.arange(m, device=k.device)
-    last_similar = torch.where(sim > threshold, idx, torch.zeros_like(idx)).amax(dim=-1, keepdim=True)
+    last_similar = torch.where(sim > threshold, idx, torch.zeros_like(idx)).amax(
+        dim=-1, keepdim=True
+    )
     sim.scatter_(-1, last_similar, 0.0)
     return torch.softmax(sim.mean(dim=-2), dim=-1)
 
@@ -98,4 +143,6 @@ class RKVPolicy(ThresholdPolicy):
         o = self.options
         keys = inp.keys()
         importance = rkv_importance(inp.queries, keys, o.kernel)
-        return o.mix_lambda * importance - (1.0 - o.mix_lambda) * rkv_redundancy(keys, o.similarity)
+        return o.mix_lambda * importance - (1.0 - o.mix_lambda) * rkv_redundancy(
+            keys, o.similarity
+        )

@@ -31,12 +31,16 @@ from .base import ScoreInput, need, register
 from .threshold import ThresholdOptions, ThresholdPolicy
 
 
-def snapkv_scores(q_obs: torch.Tensor, k: torch.Tensor, kernel_size: int = 7) -> torch.Tensor:
+def snapkv_scores(
+    q_obs: torch.Tensor, k: torch.Tensor, kernel_size: int = 7
+) -> torch.Tensor:
     """q_obs: [B, w, H_q, D] last w queries; k: [B, M, H_kv, D] keys to compress
     (all before the observation window, so no mask). Returns [B, H_kv, M] float32."""
     if kernel_size < 1 or kernel_size % 2 == 0:
         raise ValueError(f"kernel_size must be odd and >= 1, got {kernel_size}")
-    return snapkv_pool(window_scores(q_obs, k), kernel_size)  # softmax over M, summed over queries/heads
+    return snapkv_pool(
+        window_scores(q_obs, k), kernel_size
+    )  # softmax over M, summed over queries/heads
 
 
 def snapkv_pool(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:
@@ -46,7 +50,12 @@ def snapkv_pool(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:
     if kernel_size == 1 or scores.shape[-1] == 0:
         return scores
     shape = scores.shape
-    pooled = F.max_pool1d(scores.reshape(-1, 1, shape[-1]), kernel_size, stride=1, padding=kernel_size // 2)
+    pooled = F.max_pool1d(
+        scores.reshape(-1, 1, shape[-1]),
+        kernel_size,
+        stride=1,
+        padding=kernel_size // 2,
+    )
     return pooled.reshape(shape)
 
 
@@ -62,11 +71,18 @@ def snapkv_select(scores: torch.Tensor, budget: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class SnapKVOptions(ThresholdOptions):
-    kernel: int = field(default=7, metadata={"help": "max-pooling width over positions (odd; 1 = off)"})
+    kernel: int = field(
+        default=7, metadata={"help": "max-pooling width over positions (odd; 1 = off)"}
+    )
 
     def __post_init__(self):
         super().__post_init__()
-        need(1 <= self.kernel <= 63 and self.kernel % 2 == 1, "kernel", "must be an odd integer in [1, 63]", self.kernel)
+        need(
+            1 <= self.kernel <= 63 and self.kernel % 2 == 1,
+            "kernel",
+            "must be an odd integer in [1, 63]",
+            self.kernel,
+        )
 
 
 @register
@@ -76,4 +92,7 @@ class SnapKVPolicy(ThresholdPolicy):
     Options = SnapKVOptions
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
-        return snapkv_pool(window_scores_paged(inp.queries.contiguous(), inp.k_buffer, inp.slots), self.options.kernel)
+        return snapkv_pool(
+            window_scores_paged(inp.queries.contiguous(), inp.k_buffer, inp.slots),
+            self.options.kernel,
+        )

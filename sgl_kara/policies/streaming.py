@@ -26,10 +26,14 @@ from .base import ScoreInput, need, register
 from .threshold import ThresholdOptions, ThresholdPolicy
 
 
-def streaming_select(m: int, budget: int, sinks: int, device=None, batch_shape=()) -> torch.Tensor:
+def streaming_select(
+    m: int, budget: int, sinks: int, device=None, batch_shape=()
+) -> torch.Tensor:
     """Returns int64 [*batch_shape, budget]: positions 0..sinks-1 then m-(budget-sinks)..m-1."""
     if not 0 <= sinks <= budget <= m:
-        raise ValueError(f"need 0 <= sinks <= budget <= m, got sinks={sinks} budget={budget} m={m}")
+        raise ValueError(
+            f"need 0 <= sinks <= budget <= m, got sinks={sinks} budget={budget} m={m}"
+        )
     idx = torch.cat(
         [
             torch.arange(sinks, device=device, dtype=torch.int64),
@@ -41,12 +45,18 @@ def streaming_select(m: int, budget: int, sinks: int, device=None, batch_shape=(
 
 @dataclass(frozen=True)
 class StreamingOptions(ThresholdOptions):
-    sinks: int = field(default=4, metadata={"help": "first generated entries always kept"})
+    sinks: int = field(
+        default=4, metadata={"help": "first generated entries always kept"}
+    )
 
     def __post_init__(self):
         super().__post_init__()
-        need(0 <= self.sinks < self.budget - self.window, "sinks",
-             f"must be in [0, budget - window = {self.budget - self.window})", self.sinks)
+        need(
+            0 <= self.sinks < self.budget - self.window,
+            "sinks",
+            f"must be in [0, budget - window = {self.budget - self.window})",
+            self.sinks,
+        )
 
 
 def streaming_scores(m: int, sinks: int, device=None) -> torch.Tensor:

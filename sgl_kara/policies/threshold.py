@@ -19,15 +19,37 @@ from .base import Policy, Region, RowView, need
 
 @dataclass(frozen=True)
 class ThresholdOptions:
-    threshold: int = field(default=1280, metadata={"help": "C_max: generated KV entries that trigger compression"})
+    threshold: int = field(
+        default=1280,
+        metadata={"help": "C_max: generated KV entries that trigger compression"},
+    )
     budget: int = field(default=1024, metadata={"help": "N: generated KV entries kept"})
-    window: int = field(default=32, metadata={"help": "w: most recent entries always kept (and observation queries)"})
+    window: int = field(
+        default=32,
+        metadata={
+            "help": "w: most recent entries always kept (and observation queries)"
+        },
+    )
 
     def __post_init__(self):
-        need(1 <= self.window <= 65536, "window", "must be an integer in [1, 65536]", self.window)
-        need(self.window < self.budget, "budget", f"must be > window={self.window}", self.budget)
-        need(self.budget < self.threshold <= 10_000_000, "threshold",
-             f"must be in (budget={self.budget}, 10000000]", self.threshold)
+        need(
+            1 <= self.window <= 65536,
+            "window",
+            "must be an integer in [1, 65536]",
+            self.window,
+        )
+        need(
+            self.window < self.budget,
+            "budget",
+            f"must be > window={self.window}",
+            self.budget,
+        )
+        need(
+            self.budget < self.threshold <= 10_000_000,
+            "threshold",
+            f"must be in (budget={self.budget}, 10000000]",
+            self.threshold,
+        )
 
 
 class ThresholdPolicy(Policy):
@@ -36,7 +58,9 @@ class ThresholdPolicy(Policy):
     def _budget(self, state) -> tuple[int, int]:
         """(N, C_max) for this request."""
         o = self.options
-        budget = state.budget if state is not None and state.budget is not None else o.budget
+        budget = (
+            state.budget if state is not None and state.budget is not None else o.budget
+        )
         return budget, budget + (o.threshold - o.budget)
 
     def region(self, row: RowView) -> Region | None:

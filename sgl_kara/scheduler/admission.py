@@ -49,10 +49,10 @@ class _discounted:
         self.orig = self.params.max_new_tokens
         remaining = max(0, self.orig - self.done)
         state = self.runtime.state_of(self.req)
-        self.params.max_new_tokens = self.done + compressed_future_tokens(remaining, self.runtime, state)
+        self.params.max_new_tokens = self.done + compressed_future_tokens(
+            remaining, self.runtime, state
+        )
 
     def __exit__(self, *exc):
         self.params.max_new_tokens = self.orig
         return False
-
-

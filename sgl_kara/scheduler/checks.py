@@ -14,7 +14,11 @@ from sgl_kara.scheduler.state import get_state
 
 class RuntimeChecks:
     def _prefix_view(self, req, state):
-        slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : state.protected].to(torch.int64).clone()
+        slots = (
+            self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : state.protected]
+            .to(torch.int64)
+            .clone()
+        )
         first, last = self.layer_ids[0], self.layer_ids[-1]
         kv = [self.kv_pool.get_key_buffer(l)[slots].clone() for l in (first, last)]
         kv += [self.kv_pool.get_value_buffer(l)[slots].clone() for l in (first, last)]
@@ -32,14 +36,25 @@ class RuntimeChecks:
         lag = (0, 1) if getattr(self.scheduler, "enable_overlap", False) else (0,)
         for req in batch.reqs:
             state = get_state(req)
-            if state is not None and decoded_tokens(req, state) - len(req.output_ids) not in lag:
-                raise AssertionError(f"Kara integrity: {req.rid} counts {decoded_tokens(req, state)} tokens from its "
-                                     f"KV rows, SGLang {len(req.output_ids)} (overlap scheduler: {len(lag) > 1})")
+            if (
+                state is not None
+                and decoded_tokens(req, state) - len(req.output_ids) not in lag
+            ):
+                raise AssertionError(
+                    f"Kara integrity: {req.rid} counts {decoded_tokens(req, state)} tokens from its "
+                    f"KV rows, SGLang {len(req.output_ids)} (overlap scheduler: {len(lag) > 1})"
+                )
             if state is None or state.protected < 0 or state.prefix_snapshot is None:
                 continue
             slots, kv = self._prefix_view(req, state)
-            check_prefix_unchanged(req.rid, slots, kv, *state.prefix_snapshot, state.protected)
-            owned.append(req_to_token[req.kv.req_pool_idx, state.protected : int(req.kv.kv_committed_len)])
+            check_prefix_unchanged(
+                req.rid, slots, kv, *state.prefix_snapshot, state.protected
+            )
+            owned.append(
+                req_to_token[
+                    req.kv.req_pool_idx, state.protected : int(req.kv.kv_committed_len)
+                ]
+            )
             state.integrity_checks += 1
         if self.ring is not None:
             self.ring.check()

@@ -41,7 +41,10 @@ from sgl_kara.scheduler.scoring import Scorer
 
 logger = logging.getLogger(__name__)
 
-FAULT_STAGES = ("score", "commit")  # KARA_INJECT_FAULT_AT: before scoring, or just before the commit
+FAULT_STAGES = (
+    "score",
+    "commit",
+)  # KARA_INJECT_FAULT_AT: before scoring, or just before the commit
 
 
 class EventRunner:
@@ -67,8 +70,10 @@ class EventRunner:
             group, short = self._fit(pending.pop())
             if short:
                 rt.stats.skipped_no_memory += len(short)
-                logger.debug("Kara event skipped %d requests unscored: the pool cannot give their fresh slots",
-                             len(short))
+                logger.debug(
+                    "Kara event skipped %d requests unscored: the pool cannot give their fresh slots",
+                    len(short),
+                )
             if not group:
                 continue
             try:
@@ -79,12 +84,16 @@ class EventRunner:
                 logger.debug("Kara event skipped %d requests: %s", len(group), e)
             except Exception as e:  # noqa: BLE001 - isolate the failing request, keep serving
                 if len(group) > 1:
-                    pending.extend([job] for job in group)  # undone: retry one by one to find the culprit
+                    pending.extend(
+                        [job] for job in group
+                    )  # undone: retry one by one to find the culprit
                 else:
                     self._fail(group[0], e)
         seconds = time.perf_counter() - tic
         if cuda:
-            rt.stats.event_peak_bytes = max(rt.stats.event_peak_bytes, torch.cuda.max_memory_allocated() - start)
+            rt.stats.event_peak_bytes = max(
+                rt.stats.event_peak_bytes, torch.cuda.max_memory_allocated() - start
+            )
         # Every attempt's time is compression time, also one that found no fresh slots after
         # scoring (OutOfSlots): its work was spent all the same.
         rt.stats.compression_seconds += seconds
@@ -94,8 +103,14 @@ class EventRunner:
             rt.stats.events += 1
             if rt.metrics is not None:
                 rt.metrics.record_event(done, dropped)
-            logger.debug("Kara event #%d: %d requests compressed, %d KV entries freed, %.1f ms, %d free slots",
-                         rt.stats.events, done, dropped, seconds * 1e3, rt.allocator.available_size())
+            logger.debug(
+                "Kara event #%d: %d requests compressed, %d KV entries freed, %.1f ms, %d free slots",
+                rt.stats.events,
+                done,
+                dropped,
+                seconds * 1e3,
+                rt.allocator.available_size(),
+            )
         return dropped
 
     def _fit(self, group) -> tuple[list, list]:
@@ -121,7 +136,9 @@ class EventRunner:
         job.state.enabled = False
         job.state.scoring = None
         self.rt.stats.failed_requests += 1
-        job.req.to_finish = FINISH_ABORT(f"KV compression failed: {error}", status_code=500)
+        job.req.to_finish = FINISH_ABORT(
+            f"KV compression failed: {error}", status_code=500
+        )
 
     def _compress_group(self, batch, jobs) -> tuple[int, int]:
         rt = self.rt
@@ -130,23 +147,55 @@ class EventRunner:
         row_ids = [int(j.req.kv.req_pool_idx) for j in jobs]
         rows = torch.tensor(row_ids, dtype=torch.int64, device=device)
         M, K = jobs[0].region.length, jobs[0].region.keep
-        starts = torch.tensor([j.region.start for j in jobs], dtype=torch.int64, device=device)
-        region_slots = req_to_token[rows[:, None], starts[:, None] + torch.arange(M, device=device)].to(torch.int64)
+        starts = torch.tensor(
+            [j.region.start for j in jobs], dtype=torch.int64, device=device
+        )
+        region_slots = req_to_token[
+            rows[:, None], starts[:, None] + torch.arange(M, device=device)
+        ].to(torch.int64)
         self._inject_fault("score", jobs)
-        scores = self._complete_scores(batch, jobs, rows, region_slots)  # [B, L, H_kv, M]
+        scores = self._complete_scores(
+            batch, jobs, rows, region_slots
+        )  # [B, L, H_kv, M]
         kept = rt.policy.select(scores, K)
         lengths = [int(j.req.kv.kv_committed_len) for j in jobs]
-        plan = CompactionPlan(rows=rows, starts=[j.region.start for j in jobs], lengths=lengths, region=M, kept=kept,
-                              row_ids=row_ids)
+        plan = CompactionPlan(
+            rows=rows,
+            starts=[j.region.start for j in jobs],
+            lengths=lengths,
+            region=M,
+            kept=kept,
+            row_ids=row_ids,
+        )
         k_bufs = [rt.kv_pool.get_key_buffer(l) for l in rt.layer_ids]
         v_bufs = [rt.kv_pool.get_value_buffer(l) for l in rt.layer_ids]
-        prepared = prepare_compaction(plan, req_to_token, k_bufs, v_bufs, rt.alloc_slots, rt.allocator.free, rt.page_size)
+        prepared = prepare_compaction(
+            plan,
+            req_to_token,
+            k_bufs,
+            v_bufs,
+            rt.alloc_slots,
+            rt.allocator.free,
+            rt.page_size,
+        )
         try:
-            relaid = [self._relaid_policy_state(j, M, kept[b], lengths[b]) for b, j in enumerate(jobs)]
+            relaid = [
+                self._relaid_policy_state(j, M, kept[b], lengths[b])
+                for b, j in enumerate(jobs)
+            ]
             records = None
             if rt.recorder is not None:
-                records = [rt.recorder.prepare(j.req, j.state, j.region.start, M, kept[b], lengths[b] + j.state.pos_offset)
-                           for b, j in enumerate(jobs)]
+                records = [
+                    rt.recorder.prepare(
+                        j.req,
+                        j.state,
+                        j.region.start,
+                        M,
+                        kept[b],
+                        lengths[b] + j.state.pos_offset,
+                    )
+                    for b, j in enumerate(jobs)
+                ]
             self._inject_fault("commit", jobs)
         except BaseException:
             prepared.abort(rt.allocator.free)
@@ -175,8 +224,14 @@ class EventRunner:
 
     def _inject_fault(self, stage: str, jobs) -> None:
         fault = env.inject_fault_rid_prefix()
-        if fault and env.inject_fault_stage() == stage and any(str(j.req.rid).startswith(fault) for j in jobs):
-            raise RuntimeError(f"injected fault at {stage} (KARA_INJECT_FAULT_RID_PREFIX)")
+        if (
+            fault
+            and env.inject_fault_stage() == stage
+            and any(str(j.req.rid).startswith(fault) for j in jobs)
+        ):
+            raise RuntimeError(
+                f"injected fault at {stage} (KARA_INJECT_FAULT_RID_PREFIX)"
+            )
 
     def _shrink(self, batch, jobs, rows: torch.Tensor, d: int, keep: int) -> None:
         for j in jobs:
@@ -208,7 +263,9 @@ class EventRunner:
         partial = []
         for j in jobs:
             s = j.state.scoring
-            partial.append(s if s is not None and s.covers(j.region) and s.done > 0 else None)
+            partial.append(
+                s if s is not None and s.covers(j.region) and s.done > 0 else None
+            )
         by_left: dict[int, list[int]] = {}
         for b, (j, s) in enumerate(zip(jobs, partial)):
             left = j.region.query_len - (s.done if s is not None else 0)
@@ -219,7 +276,9 @@ class EventRunner:
             sel = torch.tensor(idx, device=rows.device)
             sub = [jobs[b] for b in idx]
             q_lo = [j.region.query_start + j.region.query_len - left for j in sub]
-            got = self.scorer.score(batch, sub, rows[sel], region_slots[sel], q_lo, left)
+            got = self.scorer.score(
+                batch, sub, rows[sel], region_slots[sel], q_lo, left
+            )
             for n, b in enumerate(idx):
                 fresh[b] = got[n]
         out = []
@@ -246,13 +305,21 @@ class EventRunner:
         for (M, n), group in groups.items():
             row_ids = [int(j.req.kv.req_pool_idx) for j in group]
             rows = torch.tensor(row_ids, dtype=torch.int64, device=device)
-            starts = torch.tensor([j.region.start for j in group], dtype=torch.int64, device=device)
-            slots = req_to_token[rows[:, None], starts[:, None] + torch.arange(M, device=device)].to(torch.int64)
+            starts = torch.tensor(
+                [j.region.start for j in group], dtype=torch.int64, device=device
+            )
+            slots = req_to_token[
+                rows[:, None], starts[:, None] + torch.arange(M, device=device)
+            ].to(torch.int64)
             q_lo = [j.region.query_start + j.state.scoring.done for j in group]
             try:
                 got = self.scorer.score(batch, group, rows, slots, q_lo, n)
             except Exception as e:  # noqa: BLE001 - the event scores these windows whole instead
-                logger.warning("Kara spread scoring failed for %d requests (%s); scored at their events", len(group), e)
+                logger.warning(
+                    "Kara spread scoring failed for %d requests (%s); scored at their events",
+                    len(group),
+                    e,
+                )
                 for j in group:
                     j.state.scoring = None
                 continue
@@ -266,6 +333,7 @@ class EventRunner:
         if rt.metrics is not None:
             rt.metrics.seconds.inc(seconds)
         return scored
+
 
 def _copy_dicts(d):
     """A copy of nested dicts (tensors and other leaves shared)."""

@@ -27,22 +27,34 @@ class EvictionRecorder:
         self.events = 0
 
     @classmethod
-    def from_env(cls) -> "EvictionRecorder | None":
+    def from_env(cls) -> EvictionRecorder | None:
         path = env.record_evictions()
         return cls(path) if path else None
 
-    def region_logical(self, state, start: int, region: int, layers: int, heads: int) -> torch.Tensor:
+    def region_logical(
+        self, state, start: int, region: int, layers: int, heads: int
+    ) -> torch.Tensor:
         """[layers, heads, region] logical positions of rows [start, start + region)."""
         rows = torch.arange(start, start + region)
         out = (rows + state.pos_offset).expand(layers, heads, region).clone()
         shadow = getattr(state, "logical_rows", None)
-        below = max(0, min(state.frontier, start + region) - start)  # region rows under the frontier
+        below = max(
+            0, min(state.frontier, start + region) - start
+        )  # region rows under the frontier
         if below:
             lo = start - state.protected
             out[..., :below] = shadow[..., lo : lo + below]
         return out
 
-    def prepare(self, req, state, start: int, region_len: int, kept: torch.Tensor, logical_len: int):
+    def prepare(
+        self,
+        req,
+        state,
+        start: int,
+        region_len: int,
+        kept: torch.Tensor,
+        logical_len: int,
+    ):
         """kept: [layers, heads, K] indices into the region rows [start, start + region_len); call
         before the request's state advances. Returns what ``commit`` writes once the event commits
         (nothing changes here)."""
@@ -51,9 +63,18 @@ class EvictionRecorder:
         kept_pos = torch.gather(region, 2, kept.cpu().to(torch.int64))
         evicted = []
         for l in range(layers):
-            evicted.append([sorted(set(region[l, h].tolist()) - set(kept_pos[l, h].tolist())) for h in range(heads)])
+            evicted.append(
+                [
+                    sorted(set(region[l, h].tolist()) - set(kept_pos[l, h].tolist()))
+                    for h in range(heads)
+                ]
+            )
         shadow = getattr(state, "logical_rows", None)
-        head = shadow[..., : start - state.protected] if shadow is not None else torch.empty(layers, heads, 0, dtype=torch.int64)
+        head = (
+            shadow[..., : start - state.protected]
+            if shadow is not None
+            else torch.empty(layers, heads, 0, dtype=torch.int64)
+        )
         return req.rid, logical_len, evicted, torch.cat([head, kept_pos], dim=2)
 
     def commit(self, state, prepared) -> None:
@@ -61,5 +82,14 @@ class EvictionRecorder:
         state.logical_rows = logical_rows
         self.events += 1
         with open(self.path, "a") as f:
-            f.write(json.dumps({"rid": rid, "event": self.events, "logical_len": logical_len,
-                                "evicted": evicted}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "rid": rid,
+                        "event": self.events,
+                        "logical_len": logical_len,
+                        "evicted": evicted,
+                    }
+                )
+                + "\n"
+            )

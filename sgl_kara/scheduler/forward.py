@@ -32,7 +32,9 @@ class ForwardContext:
         self.ring = ring
         self.req_to_token = req_to_token
         self.kv_pool = kv_pool
-        self.offsets = torch.zeros(req_to_token.shape[0], dtype=torch.int64, device=req_to_token.device)
+        self.offsets = torch.zeros(
+            req_to_token.shape[0], dtype=torch.int64, device=req_to_token.device
+        )
         self.capture = None  # (ring rows [T], logical positions [T]) of the decode forward being built
         self.observed = None  # (row slots per request, states) for a decode observer
         self.scoring = None  # the ScoringPass of a recompute forward in flight
@@ -54,12 +56,17 @@ class ForwardContext:
             if state is not None and state.offset_row == int(req.kv.req_pool_idx):
                 have = int(self.offsets[state.offset_row])
                 if have != state.pos_offset:
-                    raise AssertionError(f"Kara integrity: device offset {have} != pos_offset {state.pos_offset} of {req.rid}")
+                    raise AssertionError(
+                        f"Kara integrity: device offset {have} != pos_offset {state.pos_offset} of {req.rid}"
+                    )
 
     # -- hooks --------------------------------------------------------------------------------
     def on_forward_batch(self, batch, fb) -> None:
         self.capture = self.observed = None
-        if self.scoring is not None and getattr(batch, "_kara_scoring", None) is self.scoring:
+        if (
+            self.scoring is not None
+            and getattr(batch, "_kara_scoring", None) is self.scoring
+        ):
             fb.positions = self.scoring.positions.to(fb.positions.dtype)
             return
         reqs = batch.reqs
@@ -69,7 +76,9 @@ class ForwardContext:
         if fb.forward_mode.is_decode():
             if len(reqs) != fb.batch_size:
                 # Extra decode rows (beam search: refused per request, a 400); nothing compressed here.
-                assert not any(s is not None and s.pos_offset for s in states), "Kara offsets with extra decode rows"
+                assert not any(s is not None and s.pos_offset for s in states), (
+                    "Kara offsets with extra decode rows"
+                )
                 return
             rows = fb.req_pool_indices.to(torch.int64)
             fb.positions = fb.positions + self.offsets[rows].to(fb.positions.dtype)
@@ -79,17 +88,30 @@ class ForwardContext:
                 # Lengths from the host (the batch's CPU lengths; reading the device tensors here
                 # would sync the host at every decode step); the rows in one gather, each request's
                 # slots a view of it (one list per forward: every layer's observer gets it).
-                lens = (fb.seq_lens_cpu if fb.seq_lens_cpu is not None else batch.seq_lens_cpu).tolist()
+                lens = (
+                    fb.seq_lens_cpu
+                    if fb.seq_lens_cpu is not None
+                    else batch.seq_lens_cpu
+                ).tolist()
                 table = self.req_to_token[rows, : max(lens)].to(torch.int64)
                 self.observed = ([table[i, :n] for i, n in enumerate(lens)], states)
         else:
             # Only requests never compressed (or reset by retraction) are ever extended.
-            assert not any(s is not None and s.pos_offset for s in states), "extend of a compressed request"
+            assert not any(s is not None and s.pos_offset for s in states), (
+                "extend of a compressed request"
+            )
 
-    def on_attention(self, original, layer, q, k, v, fb, save_kv_cache, *args, **kwargs):
+    def on_attention(
+        self, original, layer, q, k, v, fb, save_kv_cache, *args, **kwargs
+    ):
         scoring = self.scoring
         if scoring is not None:
-            qv = q.reshape(scoring.B, q.shape[0] // scoring.B, layer.tp_q_head_num, layer.qk_head_dim)
+            qv = q.reshape(
+                scoring.B,
+                q.shape[0] // scoring.B,
+                layer.tp_q_head_num,
+                layer.qk_head_dim,
+            )
             scoring.score_layer(layer.layer_id, qv)
             if scoring.complete:
                 raise ScoringComplete  # the rest of the forward feeds no score (queries.py)
@@ -109,6 +131,13 @@ class ForwardContext:
                 self.ring.write(layer.layer_id, q3, *cap)
             if self.observed is not None and q.shape[0] == len(self.observed[0]):
                 slots, states = self.observed
-                self.policy.observe(ObserveInput(layer.layer_id - self.kv_pool.start_layer, q3,
-                                                 self.kv_pool.get_key_buffer(layer.layer_id), slots, states))
+                self.policy.observe(
+                    ObserveInput(
+                        layer.layer_id - self.kv_pool.start_layer,
+                        q3,
+                        self.kv_pool.get_key_buffer(layer.layer_id),
+                        slots,
+                        states,
+                    )
+                )
         return out

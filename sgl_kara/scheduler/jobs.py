@@ -40,7 +40,9 @@ class Job:
     def fresh_slots(self, page_size: int) -> int:
         """Slots compacting this job allocates before it frees the old ones."""
         r = self.region
-        return fresh_slots_needed(r.start, int(self.req.kv.kv_committed_len), r.length, r.keep, page_size)
+        return fresh_slots_needed(
+            r.start, int(self.req.kv.kv_committed_len), r.length, r.keep, page_size
+        )
 
 
 def fix_protected(req, state: KaraReqState, length: int, page_size: int) -> bool:
@@ -67,12 +69,16 @@ def decoded_tokens(req, state: KaraReqState) -> int:
     in flight (not yet in ``output_ids``) when the next step is planned, so the count comes from
     the KV rows, which both schedulers have advanced alike by then: the rows held, plus the
     entries dropped, less the prompt, plus the token being fed."""
-    return int(req.kv.kv_committed_len) + state.pos_offset - len(req.origin_input_ids) + 1
+    return (
+        int(req.kv.kv_committed_len) + state.pos_offset - len(req.origin_input_ids) + 1
+    )
 
 
 def due_at(policy, phase: str, server_step: int, req) -> bool:
     """Is an event due for ``req`` at this decode step (``server_step``: the scheduler's count)?"""
-    return policy.due(server_step if phase == "server" else decoded_tokens(req, req.kara))
+    return policy.due(
+        server_step if phase == "server" else decoded_tokens(req, req.kara)
+    )
 
 
 def overdue(tail: int, charge: int | None, interval: int) -> bool:
@@ -91,11 +97,17 @@ def choose(tails: list[int], charges: list, interval: int, max_seqs: int) -> lis
     return [i for i in order if i in picked]
 
 
-def eligible(req, state: KaraReqState, page_size: int, on_protected=None) -> tuple[RowView, int] | None:
+def eligible(
+    req, state: KaraReqState, page_size: int, on_protected=None
+) -> tuple[RowView, int] | None:
     """(its row as a policy sees it, tokens still to generate) of a request an event may touch now:
     compression on for it, not finishing, its KV fully committed, P fixed (here, at the first check
     once the row reaches it). None otherwise."""
-    if not state.enabled or req.finished() or getattr(req, "to_finish", None) is not None:
+    if (
+        not state.enabled
+        or req.finished()
+        or getattr(req, "to_finish", None) is not None
+    ):
         return None
     length = int(req.kv.kv_committed_len)
     if length != int(req.kv.kv_allocated_len):
@@ -108,11 +120,21 @@ def eligible(req, state: KaraReqState, page_size: int, on_protected=None) -> tup
         return None
     if fixed_now and on_protected is not None:
         on_protected(req, state)
-    return RowView(state.protected, state.frontier, length, state.pos_offset, state), remaining
+    return RowView(
+        state.protected, state.frontier, length, state.pos_offset, state
+    ), remaining
 
 
-def plan_jobs(policy, reqs, state_of, page_size: int, max_seqs: int, on_protected=None, due=None,
-              slack: int = 0) -> list[Job]:
+def plan_jobs(
+    policy,
+    reqs,
+    state_of,
+    page_size: int,
+    max_seqs: int,
+    on_protected=None,
+    due=None,
+    slack: int = 0,
+) -> list[Job]:
     """Jobs for the requests ``reqs`` (the running batch's, in order) for which ``due(req)`` holds
     (None: all of them). A request not due costs one check: with ``--kara-phase request`` this runs
     at every decode step. ``slack``: rows admission charged beyond the policy's tail charge (a
@@ -129,6 +151,14 @@ def plan_jobs(policy, reqs, state_of, page_size: int, max_seqs: int, on_protecte
         region = policy.region(row)
         if region is not None and policy.worth_compressing(row, remaining):
             charge = policy.tail_charge(row)
-            cands.append((row.length - state.frontier, None if charge is None else charge + slack, Job(i, req, state, region)))
-    picked = choose([c[0] for c in cands], [c[1] for c in cands], policy.event_interval(), max_seqs)
+            cands.append(
+                (
+                    row.length - state.frontier,
+                    None if charge is None else charge + slack,
+                    Job(i, req, state, region),
+                )
+            )
+    picked = choose(
+        [c[0] for c in cands], [c[1] for c in cands], policy.event_interval(), max_seqs
+    )
     return [cands[i][2] for i in picked]

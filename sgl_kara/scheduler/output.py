@@ -21,7 +21,10 @@ def make_output_streamer(base):
         def build_additional_customized_info(self, reqs):
             out = super().build_additional_customized_info(reqs)
             runtime = rt.active()
-            metas = [runtime.meta(r) if runtime is not None and r.finished() else None for r in reqs]
+            metas = [
+                runtime.meta(r) if runtime is not None and r.finished() else None
+                for r in reqs
+            ]
             out[KEY] = [[m] if m else [] for m in metas]
             return out
 
@@ -32,10 +35,18 @@ def make_output_streamer(base):
     return KaraOutputStreamer
 
 
-def unwrap_meta_hook(original, self, meta_info, state, customized_info, index, finish_reason):
+def unwrap_meta_hook(
+    original, self, meta_info, state, customized_info, index, finish_reason
+):
     """TokenizerManager.update_request_meta_info: meta_info["kara"] is a dict, not a list."""
-    result = original(self, meta_info=meta_info, state=state, customized_info=customized_info, index=index,
-                      finish_reason=finish_reason)
+    result = original(
+        self,
+        meta_info=meta_info,
+        state=state,
+        customized_info=customized_info,
+        index=index,
+        finish_reason=finish_reason,
+    )
     value = meta_info.get(KEY)
     if isinstance(value, list):
         if value:
@@ -43,4 +54,3 @@ def unwrap_meta_hook(original, self, meta_info, state, customized_info, index, f
         else:
             del meta_info[KEY]
     return result
-

@@ -31,7 +31,9 @@ means the pool holds more than that now, which admission sees as less free memor
 from __future__ import annotations
 
 
-def memory_binds(free: int, growth: int, fresh: int, waiting: int, running: int, max_running: int) -> bool:
+def memory_binds(
+    free: int, growth: int, fresh: int, waiting: int, running: int, max_running: int
+) -> bool:
     """True when a due event's freed slots are needed (see the module docstring)."""
     if waiting > 0 and running < max_running:
         return True
@@ -46,7 +48,9 @@ def growth_within(remaining: list[int], horizon: int | None, page_size: int = 1)
     """Slots the running requests (``remaining`` tokens each still to generate) take within the
     next ``horizon`` decode steps (None: to their end), a started page counted whole."""
     ahead = [max(r, 0) for r in remaining]
-    return sum((r if horizon is None else min(r, horizon)) + page_size - 1 for r in ahead)
+    return sum(
+        (r if horizon is None else min(r, horizon)) + page_size - 1 for r in ahead
+    )
 
 
 def horizon(trigger: str, event_interval: int) -> int | None:

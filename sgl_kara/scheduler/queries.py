@@ -29,7 +29,6 @@ import torch
 
 from sgl_kara.policies.base import ScoreInput
 
-
 # SGLang's allocators never hand out slot 0 (page 0): padded tokens write their dummy K/V there.
 PADDING_SLOT = 0
 
@@ -43,7 +42,15 @@ class ScoringPass:
     """Collects ``[B, L, H_kv, M]`` scores of one batch of jobs (all regions the same shape), one
     layer at a time, from ``policy.score``. ``slots``: ``[B, M]`` pool slots of the region keys."""
 
-    def __init__(self, policy, kv_pool, layer_ids: list[int], slots: torch.Tensor, rows: list, regions: list):
+    def __init__(
+        self,
+        policy,
+        kv_pool,
+        layer_ids: list[int],
+        slots: torch.Tensor,
+        rows: list,
+        regions: list,
+    ):
         self.policy = policy
         self.kv_pool = kv_pool
         self.layer_index = {lid: i for i, lid in enumerate(layer_ids)}
@@ -59,12 +66,21 @@ class ScoringPass:
 
     def score_layer(self, layer_id: int, q: torch.Tensor | None) -> None:
         """q: [B, W, H_q, D] window queries of this layer (post-RoPE), or None."""
-        inp = ScoreInput(self.layer_index[layer_id], q, self.kv_pool.get_key_buffer(layer_id), self.slots,
-                         self.rows, self.regions)
+        inp = ScoreInput(
+            self.layer_index[layer_id],
+            q,
+            self.kv_pool.get_key_buffer(layer_id),
+            self.slots,
+            self.rows,
+            self.regions,
+        )
         s = self.policy.score(inp)  # [B, H_kv, M]
         if self.scores is None:
-            self.scores = torch.zeros((self.B, len(self.layer_index), s.shape[1], self.M), dtype=torch.float32,
-                                      device=s.device)
+            self.scores = torch.zeros(
+                (self.B, len(self.layer_index), s.shape[1], self.M),
+                dtype=torch.float32,
+                device=s.device,
+            )
         self.scores[:, self.layer_index[layer_id]] = s
         self.seen.add(layer_id)
 
@@ -80,12 +96,21 @@ class ScoringPass:
     def result(self) -> torch.Tensor:
         missing = set(self.layer_index) - self.seen
         if missing:
-            raise RuntimeError(f"scoring pass saw no queries for layers {sorted(missing)}")
+            raise RuntimeError(
+                f"scoring pass saw no queries for layers {sorted(missing)}"
+            )
         return self.scores
 
 
-def recompute_batch(batch, jobs, rows: torch.Tensor, req_to_token: torch.Tensor, scoring: ScoringPass,
-                    q_lo: list[int] | None = None, n: int | None = None):
+def recompute_batch(
+    batch,
+    jobs,
+    rows: torch.Tensor,
+    req_to_token: torch.Tensor,
+    scoring: ScoringPass,
+    q_lo: list[int] | None = None,
+    n: int | None = None,
+):
     """A copy of the running ScheduleBatch turned into an EXTEND batch over ``n`` query tokens of
     each job from its physical row ``q_lo`` (default: the jobs' whole query windows), at logical
     positions + pos_offset. Every field SGLang's ForwardBatch.init_new reads for an extend batch
@@ -101,13 +126,20 @@ def recompute_batch(batch, jobs, rows: torch.Tensor, req_to_token: torch.Tensor,
         tokens = j.req.origin_input_ids + j.req.output_ids
         lo = lo_row + j.state.pos_offset
         if lo + W > len(tokens):
-            raise AssertionError(f"recompute of {j.req.rid}: tokens [{lo}, {lo + W}) not all known ({len(tokens)})")
+            raise AssertionError(
+                f"recompute of {j.req.rid}: tokens [{lo}, {lo + W}) not all known ({len(tokens)})"
+            )
         ids.extend(tokens[lo : lo + W])
         positions.extend(range(lo, lo + W))
         seq.append(lo_row + W)
     row_ids = [int(j.req.kv.req_pool_idx) for j in jobs]
-    row_pos = torch.tensor(q_lo, device=device)[:, None] + torch.arange(W, device=device)[None, :]
-    scoring.window_slots = req_to_token[rows[:, None], row_pos].reshape(-1).to(torch.int64)
+    row_pos = (
+        torch.tensor(q_lo, device=device)[:, None]
+        + torch.arange(W, device=device)[None, :]
+    )
+    scoring.window_slots = (
+        req_to_token[rows[:, None], row_pos].reshape(-1).to(torch.int64)
+    )
     sb = copy.copy(batch)
     sb.reqs = [j.req for j in jobs]
     sb.forward_mode = ForwardMode.EXTEND
@@ -118,7 +150,9 @@ def recompute_batch(batch, jobs, rows: torch.Tensor, req_to_token: torch.Tensor,
     sb.seq_lens_cpu = torch.tensor(seq, dtype=torch.int64)
     sb.orig_seq_lens = sb.seq_lens.to(torch.int32)
     sb.seq_lens_sum = int(sum(seq))
-    sb.out_cache_loc = torch.full((W * len(jobs),), PADDING_SLOT, dtype=torch.int64, device=device)
+    sb.out_cache_loc = torch.full(
+        (W * len(jobs),), PADDING_SLOT, dtype=torch.int64, device=device
+    )
     sb.prefix_lens = list(q_lo)
     sb.extend_lens = [W] * len(jobs)
     sb.extend_num_tokens = W * len(jobs)

@@ -10,7 +10,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def make_ring(rt, capacity: int) -> "QueryRing":
+def make_ring(rt, capacity: int) -> QueryRing:
     """The capture ring, allocated now (start-up), one row per request that can run at once
     (memory.ring_rows: the request limit, bounded by what the pool holds and by
     ``--kara-query-ring-rows``). Its memory was planned before the model loaded: on CUDA taken
@@ -23,15 +23,23 @@ def make_ring(rt, capacity: int) -> "QueryRing":
 
     layers = {
         m.layer_id: (m.tp_q_head_num, m.qk_head_dim)
-        for m in rt.model_runner.model.modules() if isinstance(m, RadixAttention)
+        for m in rt.model_runner.model.modules()
+        if isinstance(m, RadixAttention)
     }
     running = int(rt.scheduler.max_running_requests)
-    rows = ring_rows(running, int(rt.scheduler.max_total_num_tokens), capacity, rt.cfg.query_ring_rows)
+    rows = ring_rows(
+        running,
+        int(rt.scheduler.max_total_num_tokens),
+        capacity,
+        rt.cfg.query_ring_rows,
+    )
     device, dtype = rt.req_to_token_pool.req_to_token.device, rt.model_runner.dtype
     itemsize = torch.empty((), dtype=dtype).element_size()
     need = ring_bytes(rows, capacity, layers.values(), itemsize)
-    flags = ("use --kara-query-source recompute, or lower --kara-query-ring-rows / --max-running-requests / "
-             "--kara-window / --kara-period / --max-total-tokens")
+    flags = (
+        "use --kara-query-source recompute, or lower --kara-query-ring-rows / --max-running-requests / "
+        "--kara-window / --kara-period / --max-total-tokens"
+    )
     if device.type == "cuda":
         planned_rows = planned_ring_rows(rt.scheduler.server_args, rt.cfg)
         planned = ring_bytes(planned_rows, capacity, layers.values(), itemsize)
@@ -39,7 +47,8 @@ def make_ring(rt, capacity: int) -> "QueryRing":
             raise UnsupportedFeature(
                 f"the capture query ring needs {gib(need)} ({rows} rows: one per running request, "
                 f"--max-running-requests {running}, bounded by the KV pool and --kara-query-ring-rows) but "
-                f"{gib(planned)} ({planned_rows} rows) was taken from the KV pool at start-up: {flags}")
+                f"{gib(planned)} ({planned_rows} rows) was taken from the KV pool at start-up: {flags}"
+            )
     else:
         free = available_ram_bytes()
         if need > 0.9 * free:
@@ -49,10 +58,22 @@ def make_ring(rt, capacity: int) -> "QueryRing":
                 f"queries: the policy's window and period; x {len(layers)} layers) but only {gib(free)} of RAM is "
                 f"free after the KV pool: {flags}"
             )
-    ring = QueryRing(layers, rows, capacity, rt.req_to_token_pool.req_to_token.shape[0], dtype, device,
-                     poison=rt.check)
-    logger.info("sgl_kara: capture query ring allocated: %d rows x %d queries x %d layers, %s",
-                rows, capacity, len(layers), gib(ring.nbytes))
+    ring = QueryRing(
+        layers,
+        rows,
+        capacity,
+        rt.req_to_token_pool.req_to_token.shape[0],
+        dtype,
+        device,
+        poison=rt.check,
+    )
+    logger.info(
+        "sgl_kara: capture query ring allocated: %d rows x %d queries x %d layers, %s",
+        rows,
+        capacity,
+        len(layers),
+        gib(ring.nbytes),
+    )
     return ring
 
 
@@ -77,19 +98,30 @@ class QueryRing:
     mode) fills them with NaN instead, so a read of an unwritten query would turn the scores NaN.
     """
 
-    def __init__(self, layers: dict[int, tuple[int, int]], rows: int, capacity: int, req_slots: int, dtype, device,
-                 poison: bool = False):
+    def __init__(
+        self,
+        layers: dict[int, tuple[int, int]],
+        rows: int,
+        capacity: int,
+        req_slots: int,
+        dtype,
+        device,
+        poison: bool = False,
+    ):
         """layers: layer_id -> (H_q, D)."""
         self.rows = rows
         self.capacity = capacity
         self.buffers = {
-            lid: torch.empty((rows + 1, capacity, hq, d), dtype=dtype, device=device) for lid, (hq, d) in layers.items()
+            lid: torch.empty((rows + 1, capacity, hq, d), dtype=dtype, device=device)
+            for lid, (hq, d) in layers.items()
         }
         if poison:
             for b in self.buffers.values():
                 b.fill_(float("nan"))
         self.row_of = torch.full((req_slots,), rows, dtype=torch.int64, device=device)
-        self.owner: dict[int, tuple[int, object]] = {}  # req_pool_idx -> (ring row, request)
+        self.owner: dict[
+            int, tuple[int, object]
+        ] = {}  # req_pool_idx -> (ring row, request)
         self.free_rows = list(range(rows - 1, -1, -1))
 
     @property
@@ -104,7 +136,9 @@ class QueryRing:
         """Give ``req`` a ring row (True), or False when every row is held."""
         idx = req.kv.req_pool_idx
         held = self.owner.get(idx)
-        if held is not None:  # the slot's previous request finished between sweeps: take over
+        if (
+            held is not None
+        ):  # the slot's previous request finished between sweeps: take over
             self.owner[idx] = (held[0], req)
             return True
         if not self.free_rows:
@@ -125,20 +159,34 @@ class QueryRing:
         """Integrity: every row is free xor owned once, and row_of agrees with owner."""
         owned = [row for row, _ in self.owner.values()]
         if sorted(owned + self.free_rows) != list(range(self.rows)):
-            raise AssertionError(f"query ring rows inconsistent: owned {sorted(owned)} free {sorted(self.free_rows)}")
+            raise AssertionError(
+                f"query ring rows inconsistent: owned {sorted(owned)} free {sorted(self.free_rows)}"
+            )
         for idx, (row, _) in self.owner.items():
             if int(self.row_of[idx]) != row:
-                raise AssertionError(f"query ring row_of[{idx}] = {int(self.row_of[idx])}, owner says {row}")
+                raise AssertionError(
+                    f"query ring row_of[{idx}] = {int(self.row_of[idx])}, owner says {row}"
+                )
 
     def rows_for(self, req_pool_indices: torch.Tensor) -> torch.Tensor:
         return self.row_of[req_pool_indices]
 
-    def write(self, layer_id: int, q: torch.Tensor, ring_rows: torch.Tensor, positions: torch.Tensor) -> None:
+    def write(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        ring_rows: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> None:
         """q: [T, H_q, D] queries of T decode tokens; ring_rows (from ``rows_for``) / positions: [T]."""
         self.buffers[layer_id][ring_rows, positions % self.capacity] = q
 
-    def read(self, layer_id: int, ring_rows: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Tensor:
+    def read(
+        self, layer_id: int, ring_rows: torch.Tensor, starts: torch.Tensor, length: int
+    ) -> torch.Tensor:
         """Queries of logical positions [start_b, start_b + length) -> [B, length, H_q, D]."""
         buf = self.buffers[layer_id]
-        pos = (starts[:, None] + torch.arange(length, device=starts.device)[None, :]) % self.capacity
+        pos = (
+            starts[:, None] + torch.arange(length, device=starts.device)[None, :]
+        ) % self.capacity
         return buf[ring_rows[:, None], pos]

@@ -47,12 +47,12 @@ MAX_CATCH_UP_PASSES = 8
 MAX_PRESSURE_PASSES = 64
 
 
-def active() -> "KaraRuntime | None":
+def active() -> KaraRuntime | None:
     """The runtime of this scheduler process (None: plain SGLang, the hooks stay inert)."""
     return STATE.runtime
 
 
-def activate(runtime: "KaraRuntime | None") -> None:
+def activate(runtime: KaraRuntime | None) -> None:
     STATE.runtime = runtime
 
 
@@ -64,12 +64,22 @@ class KaraStats:
     compression_seconds: float = 0.0
     recompute_fallbacks: int = 0
     skipped_no_memory: int = 0
-    deferred_events: int = 0  # trigger=pressure / headroom: due events not run (memory did not bind)
+    deferred_events: int = (
+        0  # trigger=pressure / headroom: due events not run (memory did not bind)
+    )
     failed_requests: int = 0
-    event_peak_bytes: int = 0  # CUDA: most device memory an event allocated above its start
-    spread_queries: int = 0  # --kara-spread: window queries scored ahead of their events
-    spread_seconds: float = 0.0  # ... and the time it took (part of compression_seconds)
-    event_max_seconds: float = 0.0  # the longest event work in one decode step (spread steps included)
+    event_peak_bytes: int = (
+        0  # CUDA: most device memory an event allocated above its start
+    )
+    spread_queries: int = (
+        0  # --kara-spread: window queries scored ahead of their events
+    )
+    spread_seconds: float = (
+        0.0  # ... and the time it took (part of compression_seconds)
+    )
+    event_max_seconds: float = (
+        0.0  # the longest event work in one decode step (spread steps included)
+    )
 
 
 class KaraRuntime(RuntimeChecks):
@@ -82,42 +92,79 @@ class KaraRuntime(RuntimeChecks):
         self.kv_pool = self.allocator.get_kvcache()
         self.page_size = self.allocator.page_size
         self.model_runner = scheduler.tp_worker.model_runner
-        self.layer_ids = list(range(self.kv_pool.start_layer, self.kv_pool.start_layer + self.kv_pool.layer_num))
+        self.layer_ids = list(
+            range(
+                self.kv_pool.start_layer,
+                self.kv_pool.start_layer + self.kv_pool.layer_num,
+            )
+        )
         self.decode_steps = 0
         self.stats = KaraStats()
         self.metrics = None
-        if getattr(scheduler, "enable_metrics", False) or getattr(scheduler.server_args, "enable_metrics", False):
+        if getattr(scheduler, "enable_metrics", False) or getattr(
+            scheduler.server_args, "enable_metrics", False
+        ):
             from sgl_kara.scheduler.metrics import KaraMetrics
 
             self.metrics = KaraMetrics()
         self.check = env.check_integrity()
-        self.recorder = EvictionRecorder.from_env()  # diagnostic: evicted logical positions per event
+        self.recorder = (
+            EvictionRecorder.from_env()
+        )  # diagnostic: evicted logical positions per event
         capacity = self.policy.query_capacity()
-        self.ring = make_ring(self, capacity) if cfg.query_source == "capture" and capacity else None
-        self.forward = ForwardContext(self.policy, self.ring, self.req_to_token_pool.req_to_token, self.kv_pool)
+        self.ring = (
+            make_ring(self, capacity)
+            if cfg.query_source == "capture" and capacity
+            else None
+        )
+        self.forward = ForwardContext(
+            self.policy, self.ring, self.req_to_token_pool.req_to_token, self.kv_pool
+        )
         self.events = EventRunner(self)
         self.spreading = spreads(self.policy, cfg.spread)
-        self.slack = slack(self.policy, cfg.spread_max) if self.spreading else 0  # charged by admission too
+        self.slack = (
+            slack(self.policy, cfg.spread_max) if self.spreading else 0
+        )  # charged by admission too
         # SGLang's overlap scheduler on CUDA: the previous batch's forward may still run on its
         # stream while this step is planned (see _fence).
         self.forward_stream = None
-        if getattr(scheduler, "enable_overlap", False) and self.req_to_token_pool.req_to_token.device.type == "cuda":
-            self.forward_stream = getattr(scheduler, "forward_stream", None) or self.model_runner.forward_stream
+        if (
+            getattr(scheduler, "enable_overlap", False)
+            and self.req_to_token_pool.req_to_token.device.type == "cuda"
+        ):
+            self.forward_stream = (
+                getattr(scheduler, "forward_stream", None)
+                or self.model_runner.forward_stream
+            )
         chunk = getattr(scheduler.server_args, "chunked_prefill_size", None)
-        self.recompute_tokens = chunk if chunk and chunk > 0 else 8192  # tokens per recompute forward
+        self.recompute_tokens = (
+            chunk if chunk and chunk > 0 else 8192
+        )  # tokens per recompute forward
         if self.req_to_token_pool.req_to_token.device.type == "cuda":
-            warm_up_kernels(self.kv_pool, self.layer_ids, self.policy, query_heads(self.model_runner.model),
-                            self.model_runner.dtype, self.page_size)
+            warm_up_kernels(
+                self.kv_pool,
+                self.layer_ids,
+                self.policy,
+                query_heads(self.model_runner.model),
+                self.model_runner.dtype,
+                self.page_size,
+            )
 
     # ---------------------------------------------------------------- request state
     def state_of(self, req) -> KaraReqState:
         state = get_state(req)
         if state is None:
             opts = validate(getattr(req.sampling_params, "custom_params", None))
-            state = req.kara = KaraReqState(enabled=opts.get("enable", True), retention=opts.get("retention"),
-                                            budget=opts.get("budget"))
+            state = req.kara = KaraReqState(
+                enabled=opts.get("enable", True),
+                retention=opts.get("retention"),
+                budget=opts.get("budget"),
+            )
             for name in ("retention", "budget"):
-                if opts.get(name) is not None and name not in self.policy.request_options:
+                if (
+                    opts.get(name) is not None
+                    and name not in self.policy.request_options
+                ):
                     self._refuse_option(req, state, name)
             try:  # also checked in the tokenizer (plugin); a request that got here anyway is aborted
                 check_supported(req.sampling_params, self.policy.name)
@@ -131,7 +178,9 @@ class KaraRuntime(RuntimeChecks):
     def _refuse_option(self, req, state, name: str) -> None:
         from sgl_kara._sglang import FINISH_ABORT
 
-        accepting = [p.name for p in policy_base.policies() if name in p.request_options]
+        accepting = [
+            p.name for p in policy_base.policies() if name in p.request_options
+        ]
         state.enabled = False
         req.to_finish = FINISH_ABORT(
             f"custom_params.kara.{name} applies to --kara-policy {'/'.join(accepting)}, not {self.policy.name}",
@@ -166,9 +215,13 @@ class KaraRuntime(RuntimeChecks):
             state = self.state_of(req)
             length = int(req.kv.kv_committed_len)
             self.forward.sync_offset(req, state)
-            if self.ring is not None and (state.capture_from is None or not self.ring.holds(req)):
+            if self.ring is not None and (
+                state.capture_from is None or not self.ring.holds(req)
+            ):
                 # This step's forward writes the query of logical position length + pos_offset.
-                state.capture_from = length + state.pos_offset if self.ring.assign(req) else None
+                state.capture_from = (
+                    length + state.pos_offset if self.ring.assign(req) else None
+                )
             state.kv_peak = max(state.kv_peak, length)
             if state.protected >= 0:
                 state.tail_peak = max(state.tail_peak, length - state.frontier)
@@ -182,16 +235,24 @@ class KaraRuntime(RuntimeChecks):
                 # admission while the running batch is marked full, until a request ends.
                 batch.batch_is_full = False
         finally:
-            self.stats.event_max_seconds = max(self.stats.event_max_seconds, time.perf_counter() - tic)
+            self.stats.event_max_seconds = max(
+                self.stats.event_max_seconds, time.perf_counter() - tic
+            )
 
     def _step(self, batch) -> int:
         """This decode step's compression work: spread scoring, then the due events. Returns the
         KV slots freed."""
         phase, step = self.cfg.phase, self.decode_steps
         if self.spreading:
-            chunks = plan_chunks(self.policy, batch.reqs, self.state_of, self.page_size, self.cfg.spread_max,
-                                 lambda r: step if phase == "server" else decoded_tokens(r, r.kara),
-                                 on_protected=self._snapshot_prefix if self.check else None)
+            chunks = plan_chunks(
+                self.policy,
+                batch.reqs,
+                self.state_of,
+                self.page_size,
+                self.cfg.spread_max,
+                lambda r: step if phase == "server" else decoded_tokens(r, r.kara),
+                on_protected=self._snapshot_prefix if self.check else None,
+            )
             if chunks:
                 self._fence()
                 self.events.advance(batch, chunks)
@@ -237,11 +298,20 @@ class KaraRuntime(RuntimeChecks):
         for j in jobs:
             s = j.state.scoring
             if s is not None and s.covers(j.region) and s.remaining > 0:
-                row = RowView(j.state.protected, j.state.frontier, int(j.req.kv.kv_committed_len), j.state.pos_offset,
-                              j.state)
+                row = RowView(
+                    j.state.protected,
+                    j.state.frontier,
+                    int(j.req.kv.kv_committed_len),
+                    j.state.pos_offset,
+                    j.state,
+                )
                 charge = self.policy.tail_charge(row)
                 tail = row.length - row.frontier
-                if not overdue(tail, None if charge is None else charge + self.slack, self.policy.event_interval()):
+                if not overdue(
+                    tail,
+                    None if charge is None else charge + self.slack,
+                    self.policy.event_interval(),
+                ):
                     continue
             out.append(j)
         return out
@@ -258,15 +328,36 @@ class KaraRuntime(RuntimeChecks):
     def memory_binds(self, batch, jobs) -> bool:
         """trigger=pressure / headroom: are the slots these jobs free needed (pressure.py)?"""
         sched = self.scheduler
-        remaining = [r.sampling_params.max_new_tokens - decoded_tokens(r, self.state_of(r)) for r in batch.reqs]
-        growth = growth_within(remaining, horizon(self.cfg.trigger, self.policy.event_interval()), self.page_size)
+        remaining = [
+            r.sampling_params.max_new_tokens - decoded_tokens(r, self.state_of(r))
+            for r in batch.reqs
+        ]
+        growth = growth_within(
+            remaining,
+            horizon(self.cfg.trigger, self.policy.event_interval()),
+            self.page_size,
+        )
         fresh = sum(j.fresh_slots(self.page_size) for j in jobs)
-        return memory_binds(self.free_slots(), growth, fresh, len(sched.waiting_queue), len(batch.reqs),
-                            int(sched.max_running_requests))
+        return memory_binds(
+            self.free_slots(),
+            growth,
+            fresh,
+            len(sched.waiting_queue),
+            len(batch.reqs),
+            int(sched.max_running_requests),
+        )
 
     def _plan(self, reqs, due):
-        return plan_jobs(self.policy, reqs, self.state_of, self.page_size, self.cfg.max_seqs,
-                         on_protected=self._snapshot_prefix if self.check else None, due=due, slack=self.slack)
+        return plan_jobs(
+            self.policy,
+            reqs,
+            self.state_of,
+            self.page_size,
+            self.cfg.max_seqs,
+            on_protected=self._snapshot_prefix if self.check else None,
+            due=due,
+            slack=self.slack,
+        )
 
     def footprint(self, remaining: int, state) -> int:
         """Tokens a request that may still generate ``remaining`` will hold (admission): the
@@ -277,7 +368,9 @@ class KaraRuntime(RuntimeChecks):
 
     def free_slots(self) -> int:
         """Slots an allocation can get now: free, plus what ``alloc_slots`` may evict from the tree."""
-        return int(self.allocator.available_size()) + int(self.scheduler.tree_cache.evictable_size())
+        return int(self.allocator.available_size()) + int(
+            self.scheduler.tree_cache.evictable_size()
+        )
 
     def alloc_slots(self, n: int):
         """The allocator's ``alloc``, evicting from the radix tree once when the pool is short."""

@@ -46,15 +46,22 @@ from sgl_kara.scheduler.state import KaraReqState
 # python -m bench.score_parts). Under --kara-spread-max every step scores (at most the cap).
 MIN_CHUNK = 32
 
+
 @dataclass
 class ScoringJob:
     """The scoring of one upcoming window, as far as it got."""
 
     region: Region
     done: int = 0  # queries scored: the first ``done`` of the region's query window
-    scores: torch.Tensor | None = None  # [layers, H_kv, M] float32, summed over the scored queries
-    start: int = 0  # the step count (``now``) at which the job's scoring steps are counted from
-    stride: int = 1  # it scores at steps start, start + stride, ... (and at its due step)
+    scores: torch.Tensor | None = (
+        None  # [layers, H_kv, M] float32, summed over the scored queries
+    )
+    start: int = (
+        0  # the step count (``now``) at which the job's scoring steps are counted from
+    )
+    stride: int = (
+        1  # it scores at steps start, start + stride, ... (and at its due step)
+    )
 
     @property
     def remaining(self) -> int:
@@ -64,7 +71,12 @@ class ScoringJob:
         """Is this the scoring of ``region`` (same rows, same queries, same kept count)?"""
         r = self.region
         return (r.start, r.length, r.keep, r.query_start, r.query_len) == (
-            region.start, region.length, region.keep, region.query_start, region.query_len)
+            region.start,
+            region.length,
+            region.keep,
+            region.query_start,
+            region.query_len,
+        )
 
     def add(self, scores: torch.Tensor, n: int) -> None:
         """``scores`` [layers, H_kv, M]: the next ``n`` queries' part."""
@@ -74,16 +86,24 @@ class ScoringJob:
 
 def decoded(region: Region, length: int, done: int) -> int:
     """Queries of ``region`` past the first ``done`` whose tokens are decoded (rows < ``length``)."""
-    return max(0, min(region.query_start + region.query_len, length) - (region.query_start + done))
+    return max(
+        0,
+        min(region.query_start + region.query_len, length)
+        - (region.query_start + done),
+    )
 
 
-def chunk(remaining: int, available: int, steps_left: int, cap: int, least: int = 1) -> int:
+def chunk(
+    remaining: int, available: int, steps_left: int, cap: int, least: int = 1
+) -> int:
     """Queries to score now: the ``remaining`` spread evenly over this step and the ``steps_left``
     scoring steps after it, at least ``least`` (or all remaining), at most ``cap`` (0: no cap) and
     at most the ``available`` (decoded) ones."""
     if remaining <= 0 or available <= 0:
         return 0
-    n = min(available, max(-(-remaining // (max(0, steps_left) + 1)), min(least, remaining)))
+    n = min(
+        available, max(-(-remaining // (max(0, steps_left) + 1)), min(least, remaining))
+    )
     return min(n, cap) if cap else n
 
 
@@ -125,7 +145,11 @@ def first_lead(policy, limit: int = 1 << 24) -> int | None:
             lo, hi = n // 2, n
             while hi - lo > 1:
                 mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if policy.upcoming(RowView(0, 0, mid, 0, state)) is not None else (mid, hi)
+                lo, hi = (
+                    (lo, mid)
+                    if policy.upcoming(RowView(0, 0, mid, 0, state)) is not None
+                    else (mid, hi)
+                )
             return policy.upcoming(RowView(0, 0, hi, 0, state))[1]
         n *= 2
     return None
@@ -152,7 +176,9 @@ def spreads(policy, spread: str) -> bool:
     return spread == "even" and policy.needs_queries and policy.additive
 
 
-def plan_chunks(policy, reqs, state_of, page_size: int, cap: int, now_of, on_protected=None) -> list:
+def plan_chunks(
+    policy, reqs, state_of, page_size: int, cap: int, now_of, on_protected=None
+) -> list:
     """This step's spread scoring: ``[(Job, n)]``, the next ``n`` queries of each running request's
     upcoming window (a job is opened on the request's row state the first step its keys are all
     decoded). ``now_of(req)``: the count the policy's due steps are in (the request's own decoded
@@ -177,14 +203,21 @@ def plan_chunks(policy, reqs, state_of, page_size: int, cap: int, now_of, on_pro
                 continue  # it finishes before this window would be compressed
             steps = deadline(policy, now, to_region, region.query_len, cap) - now + 1
             stride = stride_for(region.query_len, steps, cap)
-            job = state.scoring = ScoringJob(region, start=now + phase(req, stride), stride=stride)
+            job = state.scoring = ScoringJob(
+                region, start=now + phase(req, stride), stride=stride
+            )
         if job.remaining <= 0:
             continue
         steps_left = deadline(policy, now, to_region, job.remaining, cap) - now
         if steps_left > 0 and (now < job.start or (now - job.start) % job.stride):
             continue  # not one of its scoring steps
-        n = chunk(job.remaining, decoded(region, length, job.done), steps_left // job.stride, cap,
-                  MIN_CHUNK if not cap else 1)
+        n = chunk(
+            job.remaining,
+            decoded(region, length, job.done),
+            steps_left // job.stride,
+            cap,
+            MIN_CHUNK if not cap else 1,
+        )
         if n:
             out.append((Job(i, req, state, region), n))
     return out

@@ -26,20 +26,38 @@ class KaraReqState:
     # -- options (custom_params.kara) and lifetime statistics: survive a retraction
     enabled: bool = True
     retention: float | None = None  # per-request override of the kara retention
-    budget: int | None = None  # per-request budget of threshold policies (budget matching)
+    budget: int | None = (
+        None  # per-request budget of threshold policies (budget matching)
+    )
     kv_peak: int = 0  # largest physical KV length seen at a decode step
-    kv_sum: int = 0  # sum of physical KV lengths over decode steps (mean = kv_sum / kv_steps)
+    kv_sum: int = (
+        0  # sum of physical KV lengths over decode steps (mean = kv_sum / kv_steps)
+    )
     kv_steps: int = 0
-    tail_peak: int = 0  # largest uncompressed tail (L - f, once P is fixed) seen at a decode step
+    tail_peak: int = (
+        0  # largest uncompressed tail (L - f, once P is fixed) seen at a decode step
+    )
     # -- row state: reset by reset_row
-    protected: int = -1  # P: rows [0, P) are never written or freed; -1 until the first event
+    protected: int = (
+        -1
+    )  # P: rows [0, P) are never written or freed; -1 until the first event
     frontier: int = 0  # f: first uncompressed row (>= P once fixed)
     pos_offset: int = 0  # tokens dropped so far: logical = physical + pos_offset past f
-    compressions: int = 0  # events since the row was (re)built; > 0: the row holds compressed KV
-    capture_from: int | None = None  # first logical position whose query is in the capture ring
-    offset_row: int | None = None  # req_pool_idx whose device offset mirrors pos_offset (forward.py)
-    policy_state: dict = field(default_factory=dict, repr=False)  # the policy's (observers)
-    scoring: object = field(default=None, repr=False, compare=False)  # spread.ScoringJob of the upcoming window
+    compressions: int = (
+        0  # events since the row was (re)built; > 0: the row holds compressed KV
+    )
+    capture_from: int | None = (
+        None  # first logical position whose query is in the capture ring
+    )
+    offset_row: int | None = (
+        None  # req_pool_idx whose device offset mirrors pos_offset (forward.py)
+    )
+    policy_state: dict = field(
+        default_factory=dict, repr=False
+    )  # the policy's (observers)
+    scoring: object = field(
+        default=None, repr=False, compare=False
+    )  # spread.ScoringJob of the upcoming window
     # Diagnostics (KARA_CHECK_INTEGRITY / _CROSSCHECK_QUERIES / _RECORD_EVICTIONS only).
     prefix_snapshot: object = field(default=None, repr=False, compare=False)
     integrity_checks: int = 0
@@ -49,8 +67,18 @@ class KaraReqState:
     def reset_row(self) -> None:
         """The request was retracted: it will be re-prefilled from its tokens, uncompressed."""
         fresh = KaraReqState()
-        for name in ("protected", "frontier", "pos_offset", "compressions", "capture_from", "offset_row", "policy_state",
-                     "scoring", "prefix_snapshot", "logical_rows"):
+        for name in (
+            "protected",
+            "frontier",
+            "pos_offset",
+            "compressions",
+            "capture_from",
+            "offset_row",
+            "policy_state",
+            "scoring",
+            "prefix_snapshot",
+            "logical_rows",
+        ):
             setattr(self, name, getattr(fresh, name))
 
     def meta(self, physical_len: int) -> dict:
@@ -59,7 +87,9 @@ class KaraReqState:
             "kv_physical_len": physical_len,
             "kv_logical_len": physical_len + self.pos_offset,
             "kv_peak_len": max(self.kv_peak, physical_len),
-            "kv_mean_len": self.kv_sum / self.kv_steps if self.kv_steps else float(physical_len),
+            "kv_mean_len": self.kv_sum / self.kv_steps
+            if self.kv_steps
+            else float(physical_len),
             "kv_tail_peak": self.tail_peak,
             "enabled": self.enabled,
         }

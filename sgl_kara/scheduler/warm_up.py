@@ -28,7 +28,9 @@ def query_heads(model) -> list[int]:
     """Distinct query-head counts of the model's attention layers (this rank's)."""
     from sgl_kara._sglang import RadixAttention
 
-    return sorted({m.tp_q_head_num for m in model.modules() if isinstance(m, RadixAttention)})
+    return sorted(
+        {m.tp_q_head_num for m in model.modules() if isinstance(m, RadixAttention)}
+    )
 
 
 def first_due_length(policy, limit: int = 1 << 26) -> int | None:
@@ -66,14 +68,19 @@ def warm_up_regions(policy) -> list[Region]:
     return list(out.values())
 
 
-def warm_up_kernels(kv_pool, layer_ids, policy, q_heads: list[int], q_dtype, page_size: int = 1) -> None:
+def warm_up_kernels(
+    kv_pool, layer_ids, policy, q_heads: list[int], q_dtype, page_size: int = 1
+) -> None:
     """Launch what an event launches on scratch tensors: the policy's scoring for each of its
     region shapes and each query-head count, compaction of all layers, slot copies (page > 1)."""
     from sgl_kara.kernels.compact import compact_kv, copy_slots
 
     k = kv_pool.get_key_buffer(layer_ids[0])
     hkv, d, dev, kv_dtype = k.shape[1], k.shape[2], k.device, k.dtype
-    scratch_k = [torch.zeros(SCRATCH_SLOTS, hkv, d, dtype=kv_dtype, device=dev) for _ in layer_ids]
+    scratch_k = [
+        torch.zeros(SCRATCH_SLOTS, hkv, d, dtype=kv_dtype, device=dev)
+        for _ in layer_ids
+    ]
     scratch_v = [torch.zeros_like(t) for t in scratch_k]
     half = SCRATCH_SLOTS // 2
     state = KaraReqState(protected=0, frontier=0)
@@ -86,9 +93,20 @@ def warm_up_kernels(kv_pool, layer_ids, policy, q_heads: list[int], q_dtype, pag
                 q = torch.zeros(1, region.query_len, hq, d, dtype=q_dtype, device=dev)
             policy.score(ScoreInput(0, q, scratch_k[0], slots, [row], [region]))
         kk = region.keep
-        src = (torch.arange(kk, device=dev) % half).view(1, 1, 1, kk).expand(1, len(layer_ids), hkv, kk).contiguous()
+        src = (
+            (torch.arange(kk, device=dev) % half)
+            .view(1, 1, 1, kk)
+            .expand(1, len(layer_ids), hkv, kk)
+            .contiguous()
+        )
         # Scratch: repeated destinations are harmless (check=False skips the uniqueness check).
-        compact_kv(scratch_k, scratch_v, src, half + (torch.arange(kk, device=dev) % half)[None], check=False)
+        compact_kv(
+            scratch_k,
+            scratch_v,
+            src,
+            half + (torch.arange(kk, device=dev) % half)[None],
+            check=False,
+        )
     if page_size > 1:
         for n in COPY_COUNTS:
             idx = torch.arange(n, device=dev) % half
