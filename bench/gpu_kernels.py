@@ -304,7 +304,9 @@ def run_model(
         for _ in range(L)
     ]
     pool = type(
-        "Pool", (), {"get_key_buffer": lambda self, l: kb[l], "start_layer": 0}
+        "Pool",
+        (),
+        {"get_key_buffer": lambda self, layer_id: kb[layer_id], "start_layer": 0},
     )()
     kara = KaraPolicy(KaraOptions(**(SMALL_KARA if small else KARA)))
     snap = SnapKVPolicy(SnapKVOptions(**(SMALL_SNAPKV if small else SNAPKV)))
@@ -401,7 +403,11 @@ def run_model(
     ).values
     src = torch.gather(region[:, None, None, :].expand(-1, L, hkv, -1), 3, kept)
     heads = torch.arange(hkv, device=dev)[None, :, None]
-    want = [(buf[src[:, l], heads], buf) for l in range(L) for buf in (kb[l], vb[l])]
+    want = [
+        (buf[src[:, layer_id], heads], buf)
+        for layer_id in range(L)
+        for buf in (kb[layer_id], vb[layer_id])
+    ]
     _, first = timer.once(lambda: compact_kv(kb, vb, src, dst))
     exact = all(
         torch.equal(buf[dst[:, None, :].expand(-1, hkv, -1), heads], x)

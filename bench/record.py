@@ -210,9 +210,7 @@ class RunRecord:
         os.makedirs(out_dir, exist_ok=True)
         self.path = os.path.join(out_dir, name)
         self.data = {
-            "date": datetime.datetime.now(datetime.UTC).isoformat(
-                timespec="seconds"
-            ),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "machine": machine(),
             "git": git_state(),
             "command": command_line(argv),

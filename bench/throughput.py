@@ -39,7 +39,7 @@ def workload(args):
             {"max_new_tokens": args.gen, "temperature": 0.8, "ignore_eos": True, "n": 1}
         )
     # Some requests share their prompt (parallel samples): the same prompt repeated.
-    for i in range(args.shared):
+    for _ in range(args.shared):
         prompts.append("Shared problem: let y = 7. Think step by step.")
         params.append(
             {"max_new_tokens": args.gen, "temperature": 0.8, "ignore_eos": True, "n": 1}

@@ -69,7 +69,7 @@ def parse(argv: list[str]):
         cfg = from_cli_namespace(kara_ns)
     except KaraConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2)
+        raise SystemExit(2) from None
     from sgl_kara.plugin import serving
 
     with (
@@ -92,7 +92,7 @@ def _resolve(cfg, rest: list[str]):
             rest = ["--model-path", default_model_path()] + rest
         except DefaultModelMissing as e:
             print(f"error: {e}", file=sys.stderr)
-            raise SystemExit(2)
+            raise SystemExit(2) from None
     model_path = _flag_value(rest, "--model-path") or _flag_value(rest, "--model")
     given = {
         field: _flag_value(rest, _flag(field))
@@ -108,7 +108,7 @@ def _resolve(cfg, rest: list[str]):
         cfg = prepare_server_args(server_args, cfg)
     except UnsupportedFeature as e:
         print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2)
+        raise SystemExit(2) from None
     return cfg, server_args
 
 

@@ -46,10 +46,10 @@ def visibility(
     vis = causal.expand(layers, kv_heads, length, length).clone()
     for ev in events:
         start = ev["logical_len"]
-        for l, heads in enumerate(ev["evicted"]):
+        for layer_id, heads in enumerate(ev["evicted"]):
             for h, positions in enumerate(heads):
                 if positions:
-                    vis[l, h, start:, torch.tensor(positions)] = False
+                    vis[layer_id, h, start:, torch.tensor(positions)] = False
     return vis
 
 

@@ -213,8 +213,8 @@ class World:
         self.n_rows = self.max_reqs + 2
         S = self.num_pages * page
         self.kv = torch.full((2, self.L, S, self.H, self.D), POISON, dtype=torch.int64)
-        self.k_bufs = [self.kv[0, l] for l in range(self.L)]
-        self.v_bufs = [self.kv[1, l] for l in range(self.L)]
+        self.k_bufs = [self.kv[0, layer_id] for layer_id in range(self.L)]
+        self.v_bufs = [self.kv[1, layer_id] for layer_id in range(self.L)]
         # stale garbage outside live rows, as in SGLang (rows are never cleared)
         self.req_to_token = torch.from_numpy(
             rng.integers(0, S, (self.n_rows, self.cap)).astype(np.int32)
@@ -669,8 +669,8 @@ class World:
         if not forced:  # a natural failure must be real
             need = (
                 sum(
-                    self.round_up(l - plan.dropped - (a - a % self.page))
-                    for a, l in zip(plan.starts, plan.lengths)
+                    self.round_up(layer_id - plan.dropped - (a - a % self.page))
+                    for a, layer_id in zip(plan.starts, plan.lengths)
                 )
                 if self.page > 1
                 else len(plan.starts) * plan.keep
@@ -820,7 +820,7 @@ class World:
 
     def describe_mismatch(self, got, want, slots):
         bad = (got != want).any(-1).any(-1)  # [2, L, n]
-        kv, l, n = [int(x) for x in bad.nonzero()[0]]
+        kv, layer_id, n = [int(x) for x in bad.nonzero()[0]]
         owner = "tree"
         off = 0
         for r in self.running:
@@ -828,10 +828,10 @@ class World:
                 owner = f"rid={r.rid} row pos {n - off}"
                 break
             off += r.length
-        g = int(got[kv, l, n, 0, 0])
-        w = int(want[kv, l, n, 0, 0])
+        g = int(got[kv, layer_id, n, 0, 0])
+        w = int(want[kv, layer_id, n, 0, 0])
         return (
-            f"K/V content mismatch ({'kv'[kv]}, layer {l}, {owner}, slot {int(slots[n])}): "
+            f"K/V content mismatch ({'kv'[kv]}, layer {layer_id}, {owner}, slot {int(slots[n])}): "
             f"got tag {g} (token {g // (self.D * 2 * self.H * self.L)}), expected {w} "
             f"(token {w // (self.D * 2 * self.H * self.L)}); {int(bad.sum())} rows differ"
         )

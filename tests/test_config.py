@@ -104,9 +104,9 @@ def test_invalid_values_name_the_flag(kwargs, name):
 
 def test_frozen():
     cfg = KaraConfig()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.policy = "none"
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.options.window = 3
 
 

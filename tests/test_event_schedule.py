@@ -100,7 +100,7 @@ def simulate(
                 lambda r: r.kara,
                 1,
                 max_seqs,
-                due=lambda r: due_at(policy, phase, step, r),
+                due=lambda r, step=step: due_at(policy, phase, step, r),
             )
             if jobs:
                 per_event.append(len(jobs))

@@ -289,7 +289,9 @@ def _event_launches(policy, pool, q_dtype, page: int, tails: list[int], prompt: 
     groups: dict = {}
     for i, r in enumerate(regions):
         groups.setdefault(r.shape, []).append(i)
-    ring = QueryRing({l: (HQ, D) for l in range(LAYERS)}, 4, 256, 8, q_dtype, "cpu")
+    ring = QueryRing(
+        {layer: (HQ, D) for layer in range(LAYERS)}, 4, 256, 8, q_dtype, "cpu"
+    )
     for buf in ring.buffers.values():
         buf.normal_()
     for idx in groups.values():
@@ -369,7 +371,7 @@ def test_captured_scores_are_read_in_bounded_chunks():
     pool = Pool()
     policy = KaraPolicy(KaraOptions(window=16, buffer=4, period=4))
     ring = QueryRing(
-        {l: (HQ, D) for l in range(LAYERS)}, 5, 64, 8, torch.float32, "cpu"
+        {layer: (HQ, D) for layer in range(LAYERS)}, 5, 64, 8, torch.float32, "cpu"
     )
     for buf in ring.buffers.values():
         buf.normal_(generator=torch.Generator().manual_seed(5))

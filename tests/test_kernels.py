@@ -187,12 +187,12 @@ def test_compact_kv_bit_exact(dtype, b, n_layers, h, d, k):
     assert _bits_equal(kc + vc, kr + vr)
     # and the reference does what the docstring says
     kb0, _ = _pools(n_layers, s, h, d, dtype, seed=k + h)
-    for l in range(n_layers):
+    for layer_id in range(n_layers):
         for bi in range(b):
             for hi in range(h):
                 assert torch.equal(
-                    kr[l][dst[bi], hi].view(torch.uint8),
-                    kb0[l][src[bi, l, hi], hi].view(torch.uint8),
+                    kr[layer_id][dst[bi], hi].view(torch.uint8),
+                    kb0[layer_id][src[bi, layer_id, hi], hi].view(torch.uint8),
                 )
 
 
@@ -244,16 +244,19 @@ def test_score_select_compact_pipeline():
     idx = torch.stack(
         [
             select(
-                window_scores_paged(qs[l], kb[l], slots).reshape(-1, m), 0.4, 4, 5
+                window_scores_paged(qs[layer_id], kb[layer_id], slots).reshape(-1, m),
+                0.4,
+                4,
+                5,
             ).view(b, hkv, -1)
-            for l in range(n_layers)
+            for layer_id in range(n_layers)
         ],
         dim=1,
     )
     ref_idx = torch.stack(
         [
-            select(window_scores(qs[l], kb[l][slots]), 0.4, 4, 5)
-            for l in range(n_layers)
+            select(window_scores(qs[layer_id], kb[layer_id][slots]), 0.4, 4, 5)
+            for layer_id in range(n_layers)
         ],
         dim=1,
     )
@@ -261,9 +264,9 @@ def test_score_select_compact_pipeline():
     src = slots[:, None, None, :].expand(b, n_layers, hkv, m).gather(3, idx)
     dst = (b * w + torch.arange(b * idx.shape[-1], device=DEV)).view(b, -1)
     expect = [
-        kb[l][src[:, l].transpose(1, 2), torch.arange(hkv, device=DEV)]
-        for l in range(n_layers)
+        kb[layer_id][src[:, layer_id].transpose(1, 2), torch.arange(hkv, device=DEV)]
+        for layer_id in range(n_layers)
     ]
     compact_kv(kb, vb, src, dst)
-    for l in range(n_layers):
-        assert torch.equal(kb[l][dst], expect[l])
+    for layer_id in range(n_layers):
+        assert torch.equal(kb[layer_id][dst], expect[layer_id])

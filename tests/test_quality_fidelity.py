@@ -95,7 +95,7 @@ def test_record_then_force_protocol(tmp_path):
         }
         for r in range(2)
     ]
-    for t, s in enumerate(steps):
+    for s in steps:
         out = _call(proc, list(s), rec)
         assert torch.equal(out, s)  # recording leaves the logits alone
         for r in range(2):

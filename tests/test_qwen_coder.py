@@ -230,8 +230,9 @@ def test_tiny_qwen2_matches_masked_reference(tiny_qwen2, tmp_path):
     assert get_rope_config(AutoConfig.from_pretrained(tiny_qwen2))[0] == 50000.0
     with safe_open(os.path.join(tiny_qwen2, "model.safetensors"), "pt") as f:
         assert all(
-            f.get_tensor(f"model.layers.{l}.self_attn.{p}_proj.bias").abs().sum() > 0
-            for l in range(2)
+            f.get_tensor(f"model.layers.{layer_id}.self_attn.{p}_proj.bias").abs().sum()
+            > 0
+            for layer_id in range(2)
             for p in "qkv"
         )
     outs = run_and_check(
@@ -261,8 +262,8 @@ def test_converted_checkpoint_keeps_what_sglang_reads():
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
         keys = set(f.keys())
     assert all(
-        f"model.layers.{l}.self_attn.{p}_proj.bias" in keys
-        for l in range(config.num_hidden_layers)
+        f"model.layers.{layer_id}.self_attn.{p}_proj.bias" in keys
+        for layer_id in range(config.num_hidden_layers)
         for p in "qkv"
     )
     assert "lm_head.weight" in keys and config.tie_word_embeddings is False

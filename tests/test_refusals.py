@@ -46,7 +46,9 @@ def _parse_exit(argv, capsys) -> str:
         parse(["--model-path", PROXY_MODEL, *argv])
     assert e.value.code == 2
     return "\n".join(
-        l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")
+        line
+        for line in capsys.readouterr().err.splitlines()
+        if line.startswith("error:")
     )
 
 

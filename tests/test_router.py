@@ -178,14 +178,14 @@ def test_mixed_load_compresses_on_both_workers_with_prefix_hits(cluster):
         results = list(
             pool.map(lambda job: (job[0], *greedy(router.url, job[1], n)), jobs)
         )
-    for group, (code, meta) in [(g, r) for g, r in firsts.items()] + [
+    for _group, (code, meta) in [(g, r) for g, r in firsts.items()] + [
         (g, (c, m)) for g, c, m in results
     ]:
         assert code == 200, meta
         assert meta["completion_tokens"] == n and meta["kara"]["compressions"] >= 5, (
             meta
         )
-    for group, code, meta in results:
+    for group, _code, meta in results:
         if group is not None:
             # the shared prompt is served from the radix cache of the worker the router chose
             assert meta["cached_tokens"] >= 0.8 * meta["prompt_tokens"], (group, meta)

@@ -211,7 +211,7 @@ def test_frontend_fork_shares_prompt(server):
         s += "Done."
 
     backend = sgl.RuntimeEndpoint(server.url)
-    for run in range(2):
+    for _run in range(2):
         metas.clear()
         state = parallel_reasoning.run(
             question="what is x if x = 3 + 4?", backend=backend

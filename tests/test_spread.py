@@ -244,7 +244,7 @@ def test_requests_in_step_score_their_parts_on_different_steps():
         r.origin_input_ids = [i + 1, 2 * i + 3] + [0] * 7
         reqs.append(r)
     per_step = []
-    for t in range(80):
+    for _t in range(80):
         chunks = plan_chunks(
             policy, reqs, lambda r: r.kara, 1, 0, lambda r: decoded_tokens(r, r.kara)
         )

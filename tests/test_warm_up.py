@@ -38,7 +38,7 @@ def event_launches(
         region = policy.region(RowView(state.protected, state.frontier, n, 0, state))
         assert region is not None, (n, state)
         jobs.append((i + 1, n, region))
-    for row, n, region in jobs:
+    for row, _n, region in jobs:
         slots = req_to_token[row, region.start : region.start + region.length].to(
             torch.int64
         )[None]

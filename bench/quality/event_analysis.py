@@ -69,19 +69,19 @@ PROBE = Probe()
 def _attention(
     module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs
 ):
-    l = module.layer_idx
+    layer_id = module.layer_idx
     hq, hkv = query.shape[1], key.shape[1]
     g = hq // hkv
-    PROBE.q[l], PROBE.k[l] = query[0].detach(), key[0].detach()
+    PROBE.q[layer_id], PROBE.k[layer_id] = query[0].detach(), key[0].detach()
     scores = (
         torch.matmul(query.float(), key.repeat_interleave(g, 1).float().transpose(2, 3))
         * scaling
     )
-    allowed = PROBE.vis[l].repeat_interleave(g, dim=0)[None]
+    allowed = PROBE.vis[layer_id].repeat_interleave(g, dim=0)[None]
     probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
     if PROBE.rows is not None:
         a, b = PROBE.rows
-        PROBE.probs[l] = probs[0, :, a:b].detach()
+        PROBE.probs[layer_id] = probs[0, :, a:b].detach()
     out = torch.matmul(probs, value.repeat_interleave(g, 1).float()).to(query.dtype)
     return out.transpose(1, 2).contiguous(), None
 
@@ -147,9 +147,11 @@ def full_output(model, tok, prompt, n_new, cache_dir):
 def window_qk(g, W, M, kv_heads):
     """q [L, B=1, W, H_q, D] of window rows, k [L, 1, M, H_kv, D] of region rows, per layer list."""
     qs, ks = [], []
-    for l in sorted(PROBE.q):
-        qs.append(PROBE.q[l][:, g : g + W].transpose(0, 1)[None])  # [1, W, H_q, D]
-        ks.append(PROBE.k[l][:, g : g + M].transpose(0, 1)[None])
+    for layer_id in sorted(PROBE.q):
+        qs.append(
+            PROBE.q[layer_id][:, g : g + W].transpose(0, 1)[None]
+        )  # [1, W, H_q, D]
+        ks.append(PROBE.k[layer_id][:, g : g + M].transpose(0, 1)[None])
     return qs, ks
 
 
@@ -158,10 +160,10 @@ def global_scores(g, W, M, vis):
     softmax over every key it can see before the window plus all W window keys; summed over the
     region keys. [L, H_kv, M]."""
     out = []
-    for l in sorted(PROBE.q):
+    for layer_id in sorted(PROBE.q):
         q, k = (
-            PROBE.q[l][:, g : g + W],
-            PROBE.k[l][:, : g + W],
+            PROBE.q[layer_id][:, g : g + W],
+            PROBE.k[layer_id][:, : g + W],
         )  # [H_q, W, D], [H_kv, g+W, D]
         hq, hkv = q.shape[0], k.shape[0]
         grp = hq // hkv
@@ -169,7 +171,7 @@ def global_scores(g, W, M, vis):
             q.float(), k.repeat_interleave(grp, 0).float().transpose(1, 2)
         ) / math.sqrt(q.shape[-1])
         seen = torch.ones(hkv, W, g + W, dtype=torch.bool)
-        seen[:, :, :g] = vis[l][
+        seen[:, :, :g] = vis[layer_id][
             :, g : g + W, :g
         ]  # what each window query sees before the window
         p = torch.softmax(
@@ -292,7 +294,10 @@ def simulate(model, tokens, P, args, method, methods, matched=None):
             qs, ks = window_qk(g, W, M, cfg.num_key_value_heads)
             # future mass per (layer, kv head, region key): next F queries under the current context
             fm = torch.stack(
-                [PROBE.probs[l][:, :, g : g + M].mean(1) for l in sorted(PROBE.probs)]
+                [
+                    PROBE.probs[layer_id][:, :, g : g + M].mean(1)
+                    for layer_id in sorted(PROBE.probs)
+                ]
             )  # [L, H_q, M]
             grp = cfg.num_attention_heads // cfg.num_key_value_heads
             fm_kv = fm.reshape(fm.shape[0], -1, grp, M).sum(2)
@@ -304,10 +309,10 @@ def simulate(model, tokens, P, args, method, methods, matched=None):
                 matched.append(_matched_record(ctx, methods, L, P, args, vis, kept_gen))
             evicted = [
                 [
-                    sorted(set(range(g, g + M)) - set((kept[l, h] + g).tolist()))
+                    sorted(set(range(g, g + M)) - set((kept[layer_id, h] + g).tolist()))
                     for h in range(kept.shape[1])
                 ]
-                for l in range(kept.shape[0])
+                for layer_id in range(kept.shape[0])
             ]
             events.append({"logical_len": L, "evicted": evicted})
             g += M
@@ -330,7 +335,7 @@ def _matched_record(ctx, methods, L, P, args, vis, kept_gen):
     # Generated-region baselines at the same moment, dropping the same D = M - K entries.
     D = M - K
     probs = torch.stack(
-        [PROBE.probs[l].mean(1) for l in sorted(PROBE.probs)]
+        [PROBE.probs[layer_id].mean(1) for layer_id in sorted(PROBE.probs)]
     )  # [L, H_q, T]
     grp = probs.shape[1] // vis.shape[1]
     gm = probs.reshape(probs.shape[0], -1, grp, probs.shape[-1]).sum(2)[
@@ -349,9 +354,14 @@ def _matched_record(ctx, methods, L, P, args, vis, kept_gen):
     rec["streaming-matched"] = float((gm * (stream_drop & held)).sum(-1).mean())
     # snapkv: lowest pooled score of the last w queries among held generated entries
     last = torch.stack(
-        [PROBE.q[l][:, L - args.snapkv_window : L] for l in sorted(PROBE.q)]
+        [
+            PROBE.q[layer_id][:, L - args.snapkv_window : L]
+            for layer_id in sorted(PROBE.q)
+        ]
     )  # [L, H_q, w, D]
-    ks = torch.stack([PROBE.k[l][:, P:L] for l in sorted(PROBE.k)])  # [L, H_kv, n, D]
+    ks = torch.stack(
+        [PROBE.k[layer_id][:, P:L] for layer_id in sorted(PROBE.k)]
+    )  # [L, H_kv, n, D]
     s = torch.einsum(
         "lhwd,lhnd->lhwn", last.float(), ks.repeat_interleave(grp, 1).float()
     ) / math.sqrt(last.shape[-1])
@@ -450,7 +460,7 @@ def main(argv=None):
     record.note(model_path=args.model_path)
     os.makedirs(args.cache, exist_ok=True)
     model, tok = load(args.model_path)
-    rows = [json.loads(l) for l in open(args.prompts)]
+    rows = [json.loads(line) for line in open(args.prompts)]
     prompts = [rows[(i * args.stride) % len(rows)] for i in range(args.n)]
     methods = region_methods(args)
     fid_methods = args.methods or list(methods) + []

@@ -319,7 +319,7 @@ def summarize_policy(name, ratio, steps_by_k, outs, problems, loops, late_from) 
     kl = [x for k in steps_by_k for x in steps_by_k[k]["kl"]]
     nll = [x for k in steps_by_k for x in steps_by_k[k]["nll"]]
     first = []
-    for k, st in steps_by_k.items():
+    for _k, st in steps_by_k.items():
         dis = [t for t, a in enumerate(st["agree"]) if not a]
         first.append(dis[0] if dis else len(st["agree"]))
     nl_agree = [a for k, st in steps_by_k.items() for a in st["agree"][: loops[k]]]

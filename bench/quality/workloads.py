@@ -153,9 +153,8 @@ def recall_problems(
         names = rng.sample(NAMES, facts)
         codes = {name: str(rng.randrange(1000, 10000)) for name in names}
 
-        def fact(
-            name,
-        ):  # (tokens, the value's offsets): stated and recalled with the same tokens
+        # (tokens, the value's offsets): stated and recalled with the same tokens
+        def fact(name, codes=codes):
             before = tok(f"The access code of {name} is", add_special_tokens=False)[
                 "input_ids"
             ]

@@ -57,7 +57,7 @@ def _compact_kernel(
 ):
     pid = tl.program_id(0)  # (b, l, h) flattened, h fastest
     h = pid % H
-    l = (pid // H) % L
+    layer_id = (pid // H) % L
     b = pid // (H * L)
     offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = offs_t < K
@@ -67,8 +67,8 @@ def _compact_kernel(
     src_off = src[:, None] * stride_s + h * stride_h + offs_d[None, :]
     dst_off = dst[:, None] * stride_s + h * stride_h + offs_d[None, :]
     mask = t_ok[:, None]
-    k_ptr = tl.load(k_table + l).to(tl.pointer_type(ELEM))
-    v_ptr = tl.load(v_table + l).to(tl.pointer_type(ELEM))
+    k_ptr = tl.load(k_table + layer_id).to(tl.pointer_type(ELEM))
+    v_ptr = tl.load(v_table + layer_id).to(tl.pointer_type(ELEM))
     tl.store(k_ptr + dst_off, tl.load(k_ptr + src_off, mask=mask), mask=mask)
     tl.store(v_ptr + dst_off, tl.load(v_ptr + src_off, mask=mask), mask=mask)
 
@@ -87,14 +87,14 @@ def _copy_rows_kernel(
 ):
     """Pool rows dst[i] <- pool rows src[i] of layer l, directly (src and dst disjoint)."""
     pid = tl.program_id(0)  # (l, i) flattened, i fastest
-    l = pid // N
+    layer_id = pid // N
     i = pid % N
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < ROW
     src = tl.load(src_ptr + i)
     dst = tl.load(dst_ptr + i)
-    k_ptr = tl.load(k_table + l).to(tl.pointer_type(ELEM))
-    v_ptr = tl.load(v_table + l).to(tl.pointer_type(ELEM))
+    k_ptr = tl.load(k_table + layer_id).to(tl.pointer_type(ELEM))
+    v_ptr = tl.load(v_table + layer_id).to(tl.pointer_type(ELEM))
     tl.store(
         k_ptr + dst * stride_s + offs,
         tl.load(k_ptr + src * stride_s + offs, mask=ok),
@@ -122,13 +122,13 @@ def _gather_rows_kernel(
 ):
     """Workspace [L, N, ROW] <- pool rows src[i] of layer l (pass 1 of copy_slots)."""
     pid = tl.program_id(0)  # (l, i) flattened, i fastest
-    l = pid // N
+    layer_id = pid // N
     i = pid % N
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < ROW
     src = tl.load(src_ptr + i)
-    k_ptr = tl.load(k_table + l).to(tl.pointer_type(ELEM))
-    v_ptr = tl.load(v_table + l).to(tl.pointer_type(ELEM))
+    k_ptr = tl.load(k_table + layer_id).to(tl.pointer_type(ELEM))
+    v_ptr = tl.load(v_table + layer_id).to(tl.pointer_type(ELEM))
     ws = pid.to(tl.int64) * ROW + offs
     tl.store(k_ws + ws, tl.load(k_ptr + src * stride_s + offs, mask=ok), mask=ok)
     tl.store(v_ws + ws, tl.load(v_ptr + src * stride_s + offs, mask=ok), mask=ok)
@@ -149,13 +149,13 @@ def _scatter_rows_kernel(
 ):
     """Pool rows dst[i] of layer l <- workspace [L, N, ROW] (pass 2 of copy_slots)."""
     pid = tl.program_id(0)
-    l = pid // N
+    layer_id = pid // N
     i = pid % N
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < ROW
     dst = tl.load(dst_ptr + i)
-    k_ptr = tl.load(k_table + l).to(tl.pointer_type(ELEM))
-    v_ptr = tl.load(v_table + l).to(tl.pointer_type(ELEM))
+    k_ptr = tl.load(k_table + layer_id).to(tl.pointer_type(ELEM))
+    v_ptr = tl.load(v_table + layer_id).to(tl.pointer_type(ELEM))
     ws = pid.to(tl.int64) * ROW + offs
     tl.store(k_ptr + dst * stride_s + offs, tl.load(k_ws + ws, mask=ok), mask=ok)
     tl.store(v_ptr + dst * stride_s + offs, tl.load(v_ws + ws, mask=ok), mask=ok)
@@ -166,9 +166,9 @@ def compact_kv_ref(k_buffers, v_buffers, src_slots, dst_slots):
     b, n_layers, h, k = src_slots.shape
     dst = dst_slots[:, None, :].expand(b, h, k)
     heads = torch.arange(h, device=src_slots.device)[None, :, None].expand(b, h, k)
-    for l in range(n_layers):
-        src = src_slots[:, l]  # [B, H, K]
-        for buf in (k_buffers[l], v_buffers[l]):
+    for layer_id in range(n_layers):
+        src = src_slots[:, layer_id]  # [B, H, K]
+        for buf in (k_buffers[layer_id], v_buffers[layer_id]):
             buf[dst, heads] = buf[src, heads]
 
 
@@ -180,9 +180,9 @@ def _compact_kv_rows(k_buffers, v_buffers, src_slots, dst_slots):
     b, n_layers, h, k = src_slots.shape
     heads = torch.arange(h, device=src_slots.device)[None, :, None]
     dst = (dst_slots[:, None, :] * h + heads).reshape(-1)  # [B * H * K]
-    for l in range(n_layers):
-        src = (src_slots[:, l] * h + heads).reshape(-1)
-        for buf in (k_buffers[l], v_buffers[l]):
+    for layer_id in range(n_layers):
+        src = (src_slots[:, layer_id] * h + heads).reshape(-1)
+        for buf in (k_buffers[layer_id], v_buffers[layer_id]):
             rows = buf.view(_INT_VIEW[buf.element_size()]).view(
                 -1, buf.shape[-1]
             )  # bits (fp8 too)

@@ -20,8 +20,14 @@ class RuntimeChecks:
             .clone()
         )
         first, last = self.layer_ids[0], self.layer_ids[-1]
-        kv = [self.kv_pool.get_key_buffer(l)[slots].clone() for l in (first, last)]
-        kv += [self.kv_pool.get_value_buffer(l)[slots].clone() for l in (first, last)]
+        kv = [
+            self.kv_pool.get_key_buffer(layer_id)[slots].clone()
+            for layer_id in (first, last)
+        ]
+        kv += [
+            self.kv_pool.get_value_buffer(layer_id)[slots].clone()
+            for layer_id in (first, last)
+        ]
         return slots, kv
 
     def _snapshot_prefix(self, req, state) -> None:

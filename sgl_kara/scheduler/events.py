@@ -167,8 +167,8 @@ class EventRunner:
             kept=kept,
             row_ids=row_ids,
         )
-        k_bufs = [rt.kv_pool.get_key_buffer(l) for l in rt.layer_ids]
-        v_bufs = [rt.kv_pool.get_value_buffer(l) for l in rt.layer_ids]
+        k_bufs = [rt.kv_pool.get_key_buffer(layer_id) for layer_id in rt.layer_ids]
+        v_bufs = [rt.kv_pool.get_value_buffer(layer_id) for layer_id in rt.layer_ids]
         prepared = prepare_compaction(
             plan,
             req_to_token,

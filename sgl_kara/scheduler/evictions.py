@@ -62,10 +62,13 @@ class EvictionRecorder:
         region = self.region_logical(state, start, region_len, layers, heads)
         kept_pos = torch.gather(region, 2, kept.cpu().to(torch.int64))
         evicted = []
-        for l in range(layers):
+        for layer_id in range(layers):
             evicted.append(
                 [
-                    sorted(set(region[l, h].tolist()) - set(kept_pos[l, h].tolist()))
+                    sorted(
+                        set(region[layer_id, h].tolist())
+                        - set(kept_pos[layer_id, h].tolist())
+                    )
                     for h in range(heads)
                 ]
             )
