@@ -16,7 +16,10 @@ torch reference -- compaction and slot copies bit-exact against the kernels' doc
 scores within the dtype's tolerance (TOL) of the fp32 torch reference -- and times it (CUDA
 events, median of REPS). It reports achieved GB/s (compulsory bytes: what the kernel must read
 and write) against the GPU's nominal memory bandwidth and a measured device copy, and whether any
-launch after the warm-up compiled a kernel. Results: DIR/gpu_kernels.json and DIR/gpu_kernels.md.
+launch after the warm-up compiled a kernel. Beside the kernels, the attention of a recompute forward
+(the extend pass that recomputes a window's queries) at the shapes bench/scoring_cost.py prices
+(RECOMPUTE: spread parts, whole windows), with torch's scaled_dot_product_attention standing in for
+SGLang's extend attention. Results: DIR/gpu_kernels.json and DIR/gpu_kernels.md.
 Exit status 1 if any check fails. ``plan()`` / ``estimate_seconds()`` bound the run time.
 
 ``--reference`` also times every kernel against its torch reference at one fixed size (serving-like
@@ -48,6 +51,12 @@ SMALL_KARA = dict(window=32, buffer=4, retention=0.25, period=8)
 SNAPKV = dict(threshold=1280, budget=1024, window=32)
 SMALL_SNAPKV = dict(threshold=40, budget=20, window=4)
 MAX_BATCH, SMALL_BATCH = 64, 3
+# The attention of a recompute forward (the extend pass that scores a window from recomputed
+# queries): (requests, query tokens each, cached context each). A spread part (a few requests x
+# 32 queries), the parts of one step at 256 running, one whole window, the windows of a server
+# due step; contexts of an H100's pool shared by 64 / 256 requests (bench/scoring_cost.py).
+RECOMPUTE = [(3, 32, 6144), (9, 32, 1536), (1, 512, 6144), (16, 512, 6144)]
+SMALL_RECOMPUTE = [(2, 4, 40), (1, 16, 40)]
 TAIL = 64  # rows per request moved by slot copies (a page-aligned tail)
 REPS, SMALL_REPS = 10, 0  # 0: the first (checked) launch is the only one
 # max |kernel - reference| / max |reference| per query dtype (fp32 accumulation in both).
@@ -129,7 +138,21 @@ def plan(small: bool, batch: int | None = None) -> list[dict]:
                 flops=0,
             ),
         ]
+        rows += [
+            dict(
+                model=name,
+                kernel=recompute_kernel(r, n, ctx),
+                B=r,
+                bytes=r * (2 * n * hq * d * item + 2 * (ctx + n) * row),
+                flops=4 * r * hq * n * (ctx + n) * d,
+            )
+            for r, n, ctx in (SMALL_RECOMPUTE if small else RECOMPUTE)
+        ]
     return rows
+
+
+def recompute_kernel(requests: int, queries: int, context: int) -> str:
+    return f"recompute attention {requests} x {queries} over {context} (torch sdpa)"
 
 
 def pool_slots(small: bool, batch: int) -> int:
@@ -461,6 +484,55 @@ def run_model(
     return out
 
 
+def run_recompute(
+    name: str, spec: dict, small: bool, timer: Timer, reps: int, dev: str
+) -> list[dict]:
+    """The attention of a recompute forward at each RECOMPUTE shape, one layer, bf16: each
+    request's query tokens attend to its cached context and to the window's tokens. torch's
+    scaled_dot_product_attention stands in for SGLang's extend attention (this script imports no
+    SGLang), without the causal mask inside the window (it would drop at most n / (2 (S + n)) of
+    the FLOPs, and a mask keeps torch off its flash kernel); checked on the first request against
+    softmax(Q K^T / sqrt(D)) V in fp32."""
+    import torch
+    import torch.nn.functional as F
+
+    hq, hkv, d = spec["q_heads"], spec["kv_heads"], spec["head_dim"]
+    plans = {r["kernel"]: r for r in plan(small) if r["model"] == name}
+    g = torch.Generator(device=dev).manual_seed(1)
+    out = []
+    for r, n, ctx in SMALL_RECOMPUTE if small else RECOMPUTE:
+        kernel = recompute_kernel(r, n, ctx)
+        q = torch.randn(r, hq, n, d, device=dev, generator=g).to(torch.bfloat16)
+        k = torch.randn(r, hkv, ctx + n, d, device=dev, generator=g).to(q.dtype)
+        v = torch.randn(r, hkv, ctx + n, d, device=dev, generator=g).to(q.dtype)
+
+        def attend(q=q, k=k, v=v):
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+        got, first = timer.once(attend)
+        kf, vf = (t[:1].float().repeat_interleave(hq // hkv, dim=1) for t in (k, v))
+        want = torch.softmax(q[:1].float() @ kf.transpose(-1, -2) / d**0.5, -1) @ vf
+        err = float((got[:1].float() - want).abs().max() / want.abs().max())
+        ms = first if reps == 0 else timer.median(attend, reps)
+        p = plans[kernel]
+        out.append(
+            dict(
+                model=name,
+                kernel=kernel,
+                B=r,
+                ok=err <= TOL["bfloat16"] * 10,
+                first_ms=round(first, 3),
+                ms=round(ms, 4),
+                gb_s=round(p["bytes"] / (ms / 1e3) / 1e9, 1) if ms > 0 else None,
+                tflop_s=round(p["flops"] / (ms / 1e3) / 1e12, 2) if ms > 0 else None,
+                rel_err=err,
+                tol=TOL["bfloat16"] * 10,
+            )
+        )
+        del q, k, v, kf, vf, want, got
+    return out
+
+
 # ------------------------------------------------------------------------ kernel versus reference
 def reference_sizes(cuda: bool) -> dict:
     """One fixed size per op: serving-like on CUDA (32 requests, W 512, U 64, Llama-8B-like heads,
@@ -689,6 +761,7 @@ def main(argv=None) -> int:
     for name, spec in (SMALL_MODELS if args.small else MODELS).items():
         try:
             rows += run_model(name, spec, args.small, batch, timer, head["reps"], dev)
+            rows += run_recompute(name, spec, args.small, timer, head["reps"], dev)
         except Exception as e:  # noqa: BLE001 - recorded, the other shapes still run
             rows.append(
                 dict(

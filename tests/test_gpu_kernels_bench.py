@@ -1,6 +1,7 @@
 """bench/gpu_kernels.py, the device check that needs no SGLang: it runs at tiny shapes under the
-Triton interpreter with ``sglang`` unimportable, every kernel checked against its reference, and
-its serving-shape plan fits the device and the time bound by construction."""
+Triton interpreter with ``sglang`` unimportable, every kernel (and the recompute pass's attention)
+checked against its reference, and its serving-shape plan fits the device and the time bound by
+construction."""
 
 from __future__ import annotations
 
@@ -58,6 +59,10 @@ def test_runs_without_sglang_every_kernel_exact_or_within_tolerance(tmp_path):
         "compact_kv",
         "copy_slots disjoint",
         "copy_slots staged",
+        *(
+            gpu_kernels.recompute_kernel(*shape)
+            for shape in gpu_kernels.SMALL_RECOMPUTE
+        ),
     } <= kernels, kernels
     assert all(r["ok"] is not False for r in rows), rows
     assert all(r["rel_err"] <= r["tol"] for r in rows if "rel_err" in r)
@@ -79,4 +84,5 @@ def test_serving_plan_fits_an_h100_within_five_minutes():
     assert biggest < 80e9 / 4
     assert gpu_kernels.estimate_seconds(False) < 300
     plan = gpu_kernels.plan(False)
-    assert len(plan) == 6 * len(models) and all(r["bytes"] > 0 for r in plan)
+    assert len(plan) == (6 + len(gpu_kernels.RECOMPUTE)) * len(models)
+    assert all(r["bytes"] > 0 for r in plan)
