@@ -141,7 +141,7 @@ def run_system(
 
     import sgl_kara
     from sgl_kara.engine import shutdown_cleanly
-    from sgl_kara.support import cpu_defaults
+    from sgl_kara.startup import cpu_defaults
 
     if system != "vanilla" and kara is None:
         raise ValueError(
@@ -162,7 +162,7 @@ def run_system(
         common["model_path"] = args.model_path
     with engine_env(args.omp_threads, KARA_TRACE=trace_path, **kernels):
         if system == "vanilla":
-            from sgl_kara.models.default import default_model_path
+            from sgl_kara.cpu.smollm2 import default_model_path
 
             engine = sglang.Engine(
                 **{"model_path": default_model_path(), **cpu_defaults(), **common}

@@ -156,7 +156,7 @@ def _quote(arg: str) -> str:
 
 def kernel_switches() -> dict:
     """The sgl_kara CPU kernel switches as this process reads them (the engines it starts inherit
-    the environment) and every ``KARA_*`` / ``SGL_KARA_*`` variable set."""
+    the environment) and every ``KARA_*`` variable set."""
     from sgl_kara import env
 
     return {
@@ -164,9 +164,7 @@ def kernel_switches() -> dict:
         "batched_cpu_decode": env.batched_cpu_decode(),
         "packed_cpu_linear": env.packed_cpu_linear(),
         "environment": {
-            k: v
-            for k, v in sorted(os.environ.items())
-            if k.startswith((env.PREFIX, env.OLD_PREFIX))
+            k: v for k, v in sorted(os.environ.items()) if k.startswith(env.PREFIX)
         },
     }
 

@@ -81,7 +81,7 @@ def model_path(name: str) -> str:
     if name == "tiny":
         return tiny_model()
     if name == "smollm2":
-        from sgl_kara.models.default import default_model_path
+        from sgl_kara.cpu.smollm2 import default_model_path
 
         return default_model_path()
     return name
@@ -417,7 +417,7 @@ def concurrency_profile(trace: list[dict]) -> dict:
 
 def kv_bytes_per_token(model_path: str) -> int:
     """KV bytes per token of the served model (float32 on CPU), for the ring-vs-pool column."""
-    from sgl_kara.memory import ModelShape
+    from sgl_kara.model_shape import ModelShape
 
     shape = ModelShape.from_model_path(model_path)
     return shape.kv_bytes_per_token(4) if shape is not None else 0

@@ -12,11 +12,12 @@ sgl_kara.config.
 from sglang.srt.arg_groups.overrides import model_config_of, resolving_view  # noqa: F401
 from sglang.srt.entrypoints.engine import Engine as SGLangEngine  # noqa: F401
 from sglang.srt.entrypoints.http_server import launch_server as sglang_launch_server  # noqa: F401
-from sglang.srt.layers.logits_processor import should_apply_lm_head_quant_method  # noqa: F401
 from sglang.srt.layers.radix_attention import RadixAttention  # noqa: F401
-from sglang.srt.layers.rotary_embedding import base as rotary_embedding_base  # noqa: F401
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch  # noqa: F401
 from sglang.srt.managers.scheduler import Scheduler, run_scheduler_process  # noqa: F401
+from sglang.srt.managers.scheduler_components.output_streamer import (  # noqa: F401
+    SchedulerOutputStreamer,
+)
 from sglang.srt.mem_cache.common import evict_from_tree_cache  # noqa: F401
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: F401
 from sglang.srt.mem_cache.registry import (  # noqa: F401
@@ -32,11 +33,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: F40
 from sglang.srt.runtime_context import get_parallel  # noqa: F401
 from sglang.srt.server_args import ServerArgs, prepare_server_args  # noqa: F401
 from sglang.srt.utils import kill_process_tree  # noqa: F401
-from sglang.srt.utils.common import (  # noqa: F401
-    get_cpu_ids_by_node,
-    get_device_memory_capacity,
-    use_intel_amx_backend,
-)
+from sglang.srt.utils.common import get_device_memory_capacity  # noqa: F401
 
 # Hook targets (dotted paths), one per touch point (see patches/*.md), each with its signature in
 # SGLang 0.5.23: parameter names, order, kinds and defaults, as ``str(inspect.signature)`` prints
@@ -54,19 +51,8 @@ def _target(path: str, signature: str) -> str:
 
 
 _FB = "sglang.srt.model_executor.forward_batch_info.ForwardBatch"
-_TORCH_NATIVE = (
-    "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
-)
-_SDPA = (
-    "(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, {}encoder_lens=None, "
-    "scaling=None, enable_gqa=False, causal=False, is_cross_attn=False, sliding_window_size=None)"
-)
-_LINEAR = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod"
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 _TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
-_WEIGHT_EXPORTER = (
-    "sglang.srt.model_executor.model_runner_components.weight_exporter.WeightExporter"
-)
 
 TARGET_INIT_NEW = _target(
     f"{_FB}.init_new",
@@ -99,47 +85,6 @@ TARGET_GET_INTERNAL_STATE = _target(
 )
 TARGET_VALIDATE_REQUEST = _target(
     f"{_TOKENIZER_MANAGER}._validate_one_request", "(self, obj, input_ids)"
-)
-TARGET_SET_ENVS = _target(
-    "sglang.srt.entrypoints.engine._set_envs_and_config", "(server_args)"
-)
-TARGET_TORCH_NATIVE_DECODE = _target(
-    f"{_TORCH_NATIVE}._run_sdpa_forward_decode", _SDPA.format("")
-)
-TARGET_TORCH_NATIVE_EXTEND = _target(
-    f"{_TORCH_NATIVE}._run_sdpa_forward_extend",
-    _SDPA.format("extend_prefix_lens, extend_seq_lens, "),
-)
-TARGET_TORCH_NATIVE_METADATA = _target(
-    f"{_TORCH_NATIVE}.init_forward_metadata", "(self, forward_batch)"
-)
-TARGET_LINEAR_APPLY = _target(f"{_LINEAR}.apply", "(self, layer, x, bias=None)")
-TARGET_LINEAR_APPLY_INTO = _target(
-    f"{_LINEAR}.apply_into", "(self, layer, x, output, bias=None)"
-)
-TARGET_LINEAR_PROCESS_WEIGHTS = _target(
-    f"{_LINEAR}.process_weights_after_loading", "(self, layer)"
-)
-TARGET_LINEAR_RESTORE_WEIGHTS = _target(
-    f"{_LINEAR}.restore_weights_before_loading", "(self, layer)"
-)
-TARGET_WEIGHT_EXPORTS = (
-    _target(
-        f"{_WEIGHT_EXPORTER}.get_weights_by_name", "(self, name, truncate_size=100)"
-    ),
-    _target(
-        f"{_WEIGHT_EXPORTER}.save_sharded_model",
-        "(self, path, pattern=None, max_size=None)",
-    ),
-    _target(f"{_WEIGHT_EXPORTER}.save_remote_model", "(self, url)"),
-    _target(
-        f"{_WEIGHT_EXPORTER}.send_weights_to_remote_instance",
-        "(self, master_address, ports, group_name)",
-    ),
-)
-TARGET_LM_HEAD = _target(
-    "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head",
-    "(self, hidden_states, lm_head, embedding_bias=None, *, out=None)",
 )
 # The scheduler class itself: KaraScheduler replaces it (a class REPLACE hook) in the scheduler
 # processes of a compressing server only (scheduler/kara_scheduler.py, patches/scheduler.md).
@@ -178,30 +123,10 @@ OVERRIDDEN = (
         "display_dp_rank=None, display_moe_ep_rank=None)",
     ),
 )
-ROTARY_BASE_MODULE = "sglang.srt.layers.rotary_embedding.base"
 
 # Attributes of SGLang objects read or written by sgl_kara (and by its tests), by owner, with
 # where: checked to exist (class attribute, dataclass field, or ``self.<name>`` in the class source).
 ATTRIBUTES = {
-    # cpu/linear.py: the lm_head hook takes SGLang's plain matmul branch only
-    "sglang.srt.layers.logits_processor.LogitsProcessor": [
-        "_compute_lm_head",
-        "use_fp32_lm_head",
-        "rl_on_policy_target",
-    ],
-    "sglang.srt.model_executor.model_runner_components.weight_exporter.WeightExporter": [
-        "get_model",
-        "get_weights_by_name",
-        "save_sharded_model",
-        "save_remote_model",
-        "send_weights_to_remote_instance",
-    ],
-    "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod": [
-        "apply",
-        "apply_into",
-        "process_weights_after_loading",
-        "restore_weights_before_loading",
-    ],
     # request KV bookkeeping: scheduler/jobs.py, events.py, runtime.py; mem_cache/radix.py
     "sglang.srt.managers.schedule_batch.Req": [
         "kv",
@@ -333,7 +258,7 @@ ATTRIBUTES = {
         "max_new_tokens",
         "custom_params",
     ],
-    # engine.py (shutdown): the engine's watchdog and event-loop tasks
+    # engine.py (shutdown): the engine's event-loop tasks
     "sglang.srt.entrypoints.engine.Engine": [
         "shutdown",
         "run_scheduler_process_func",
@@ -344,13 +269,7 @@ ATTRIBUTES = {
         "_validate_one_request",
         "asyncio_tasks",
         "event_loop",
-        "_subprocess_watchdog",
         "model_config",
-    ],
-    "sglang.srt.utils.watchdog.SubprocessWatchdog": [
-        "_stop_event",
-        "_processes",
-        "_names",
     ],
     # kara_scheduler.py: the replica's Kara stats in /server_info
     "sglang.srt.managers.io_struct.GetInternalStateReqOutput": ["internal_state"],
@@ -361,8 +280,7 @@ ATTRIBUTES = {
         "_hooks",
         "_patched",
     ],
-    # module attributes: launcher fork hook, CPU RoPE flag, the tests' kill_process_tree guard
-    "sglang.srt.entrypoints.engine": ["_set_envs_and_config", "kill_process_tree"],
+    # module attributes: the tests' kill_process_tree guard
+    "sglang.srt.entrypoints.engine": ["kill_process_tree"],
     "sglang.srt.managers.tokenizer_manager": ["kill_process_tree"],
-    ROTARY_BASE_MODULE: ["_is_cpu"],
 }

@@ -20,9 +20,8 @@ import sys
 
 from sgl_kara._sglang import SGLangEngine
 from sgl_kara.config import KaraConfig
-from sgl_kara.models.default import default_model_path
 from sgl_kara.plugin import serving
-from sgl_kara.support import prepare_server_args, server_defaults
+from sgl_kara.server_setup import default_model_path, prepare, server_defaults
 
 
 def build_server_args(kwargs: dict):
@@ -36,31 +35,8 @@ def build_server_args(kwargs: dict):
         rest.setdefault(key, value)
     rest.setdefault("log_level", "error")
     server_args = ServerArgs(**rest)
-    cfg = prepare_server_args(server_args, cfg)
+    cfg = prepare(server_args, cfg)
     return cfg, server_args
-
-
-def quiesce_watchdog(engine) -> None:
-    """Disarm the engine's SubprocessWatchdog before its children are killed.
-
-    Defensive (not shown to be needed on its own): SGLang 0.5.23's ``Engine.shutdown`` stops the
-    watchdog with a 2 s join and then SIGKILLs the children; a watchdog still checking after the
-    kill would report a crash and SIGQUIT this process. Emptying the watched list first makes a
-    late check a no-op. The crash actually traced in CI was another engine's shutdown killing a
-    live engine's children: ``Engine.shutdown`` kills every child of the process, so one engine
-    per process at a time.
-    """
-    manager = getattr(engine, "tokenizer_manager", None)
-    watchdog = getattr(manager, "_subprocess_watchdog", None)
-    if watchdog is None:
-        return
-    stop_event = getattr(watchdog, "_stop_event", None)
-    if stop_event is not None:
-        stop_event.set()
-    for attr in ("_processes", "_names"):
-        watched = getattr(watchdog, attr, None)
-        if isinstance(watched, list):
-            watched.clear()
 
 
 def release_loop_tasks(engine) -> None:
@@ -86,9 +62,8 @@ def release_loop_tasks(engine) -> None:
 
 
 def shutdown_cleanly(engine, shutdown=None) -> None:
-    """``quiesce_watchdog``, the engine's own shutdown, then ``release_loop_tasks``: what
-    ``sgl_kara.Engine.shutdown`` does, for a plain ``sglang.Engine`` too (benchmarks, tests)."""
-    quiesce_watchdog(engine)
+    """The engine's own shutdown, then ``release_loop_tasks``: what ``sgl_kara.Engine.shutdown``
+    does, for a plain ``sglang.Engine`` too (benchmarks, tests)."""
     try:
         (shutdown or engine.shutdown)()
     finally:

@@ -1,12 +1,10 @@
 """Every ``KARA_*`` environment variable, typed, in one place, and the one parser of boolean
 variables (read at call time, so a test or a spawned process sees the value its environment has).
-Each is also read under its former name ``SGL_KARA_*``, with a one-time deprecation warning naming
-the new one; the new name wins when both are set.
 
 | variable | type | default | meaning |
 |---|---|---|---|
 | KARA_SERVE | bool | 0 | this process and the SGLang processes it starts serve with sgl_kara: the plugin registers its hooks (set by sgl_kara's launcher and Engine; unset, the plugin only puts RoPE on its CPU path) |
-| KARA_CPU_KERNELS | bool | KARA_SERVE | the CPU speed-ups of sgl_kara/cpu in this process (decode and window-extend attention, packed linear); 1 opts plain SGLang in |
+| KARA_CPU_KERNELS | bool | KARA_SERVE on a machine without CUDA | the CPU speed-ups of sgl_kara/cpu in this process (decode and window-extend attention, packed linear); 1 opts plain SGLang in, or asks for them where CUDA is present |
 | KARA_CACHE | path | $XDG_CACHE_HOME/sgl_kara or ~/.cache/sgl_kara | converted default model |
 | KARA_FORK | bool | 1 | launcher on CPU: fork SGLang's workers instead of spawn |
 | KARA_CHECK_INTEGRITY | bool | 0 | check prefixes, slot ownership, ring, offsets at every event |
@@ -31,7 +29,6 @@ import warnings
 from pathlib import Path
 
 PREFIX = "KARA_"
-OLD_PREFIX = "SGL_KARA_"
 TRUE = ("1", "true", "yes", "y")
 FALSE = ("0", "false", "no", "n")
 
@@ -67,30 +64,11 @@ def flag(name: str, default: bool) -> bool:
 
 
 def _get(name: str) -> str | None:
-    """``KARA_<name>``, else the deprecated ``SGL_KARA_<name>`` (warned once, naming the new one)."""
-    new, old = PREFIX + name, OLD_PREFIX + name
-    value = os.environ.get(new)
-    if old in os.environ:
-        taken = (
-            f"{new} is set and takes precedence"
-            if value is not None
-            else f"read as {new} for now"
-        )
-        _warn_once(
-            old,
-            f"the environment variable {old} is deprecated, set {new} instead ({taken})",
-            FutureWarning,
-        )
-        if value is None:
-            value = os.environ[old]
-    return value
+    return os.environ.get(PREFIX + name)
 
 
 def _bool(name: str, default: bool) -> bool:
-    new = PREFIX + name
-    return parse_bool(
-        new if new in os.environ else OLD_PREFIX + name, _get(name), default
-    )
+    return parse_bool(PREFIX + name, _get(name), default)
 
 
 def cache_dir() -> Path:
@@ -111,8 +89,12 @@ def serving() -> bool:
     return _bool("SERVE", False)
 
 
-def cpu_kernels() -> bool:
-    return _bool("CPU_KERNELS", serving())
+def cpu_kernels_requested() -> bool | None:
+    """``KARA_CPU_KERNELS`` as set (None: unset, the plugin decides by device and KARA_SERVE)."""
+    value = _get("CPU_KERNELS")
+    if value is None or value.strip() == "":
+        return None
+    return _bool("CPU_KERNELS", False)
 
 
 def fork_workers() -> bool:

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import argparse
 import functools
+import glob
 import os
 import sys
 
-from sgl_kara.cpu.threads import prefer_passive_omp
+if not glob.glob("/dev/nvidia[0-9]*"):
+    # A CPU server: OpenMP's wait policy is read once, when torch loads (sgl_kara.config
+    # imports it), and the workers fork from here.
+    from sgl_kara.cpu.threads import prefer_passive_omp
 
-prefer_passive_omp()  # before torch loads (sgl_kara.config imports it); the workers fork from here
+    prefer_passive_omp()
 
 from sgl_kara.config import KaraConfigError, add_cli_args, from_cli_namespace  # noqa: E402
 
@@ -28,7 +32,7 @@ def _kara_parser(add_help: bool) -> argparse.ArgumentParser:
     return parser
 
 
-# ServerArgs fields whose user-given values decide sgl_kara's defaults (sgl_kara.support.server_defaults).
+# ServerArgs fields whose user-given values decide sgl_kara's defaults (server_setup.server_defaults).
 USER_SIZING_FIELDS = (
     "device",
     "dtype",
@@ -79,15 +83,12 @@ def parse(argv: list[str]):
 
 
 def _resolve(cfg, rest: list[str]):
-    from sgl_kara.models.default import default_model_path
-    from sgl_kara.models.smollm2 import DefaultModelMissing
-    from sgl_kara.support import (
-        UnsupportedFeature,
-        prepare_server_args,
-        server_defaults,
-    )
+    from sgl_kara.server_setup import default_model_path, prepare, server_defaults
+    from sgl_kara.startup import UnsupportedFeature
 
     if not _has_flag(rest, "--model-path") and not _has_flag(rest, "--model"):
+        from sgl_kara.cpu.smollm2 import DefaultModelMissing
+
         try:
             rest = ["--model-path", default_model_path()] + rest
         except DefaultModelMissing as e:
@@ -105,7 +106,7 @@ def _resolve(cfg, rest: list[str]):
 
     server_args = sglang_prepare(rest)
     try:
-        cfg = prepare_server_args(server_args, cfg)
+        cfg = prepare(server_args, cfg)
     except UnsupportedFeature as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     server_args.resolve_once()
     if server_args.device == "cpu" and env.fork_workers():
-        from sgl_kara.plugin import fork_server_processes
+        from sgl_kara.cpu.hooks import fork_server_processes
 
         fork_server_processes()
     try:

@@ -44,6 +44,7 @@ def hook_state() -> dict:
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     from sgl_kara import _sglang as sg
+    from sgl_kara.cpu import _sglang as kit
 
     hooks = sorted(
         f"{target} <- {hook.__module__}.{hook.__qualname__}"
@@ -53,7 +54,7 @@ def hook_state() -> dict:
         if getattr(hook, "__module__", "").startswith("sgl_kara")
     )
     wrapped = []
-    for path in sg.SIGNATURES:
+    for path in {**sg.SIGNATURES, **kit.SIGNATURES}:
         owner_path, _, name = path.rpartition(".")
         owner = pkgutil.resolve_name(owner_path)
         obj = (
@@ -104,8 +105,8 @@ def probe_detokenizer(*args, **kwargs):
 
 
 def run(case: str, engine_class, model: str, out: str, **options) -> None:
+    from sgl_kara.cpu.server import cpu_defaults
     from sgl_kara.engine import shutdown_cleanly
-    from sgl_kara.support import cpu_defaults
 
     class Probed(engine_class):
         run_scheduler_process_func = staticmethod(probe_scheduler)

@@ -92,9 +92,8 @@ def stop_engine(engine) -> None:
     ``Engine.shutdown`` kills every child of the process). For the shared engines of the tests."""
     import psutil
 
-    from sgl_kara.engine import quiesce_watchdog, release_loop_tasks
+    from sgl_kara.engine import release_loop_tasks
 
-    quiesce_watchdog(engine)
     procs = _LIVE_ENGINE_PROCS.pop(id(engine), [])
     victims = []
     for p in procs:
@@ -183,7 +182,7 @@ def start_engine(kind: str, model_path: str, shared: bool = False, **kwargs):
         if kind == "sglang":
             import sglang
 
-            from sgl_kara.support import cpu_defaults
+            from sgl_kara.cpu.server import cpu_defaults
 
             engine = sglang.Engine(model_path=model_path, **cpu_defaults(), **opts)
             release_tasks_on_shutdown(engine)

@@ -214,7 +214,7 @@ def test_launcher_process_exits_nonzero_naming_flag():
     ],
 )
 def test_auto_query_source_by_device(device, ring, ram, gpu, want):
-    from sgl_kara.support import choose_query_source
+    from sgl_kara.startup import choose_query_source
 
     assert choose_query_source(device, ring, ram, gpu) == want
 
@@ -227,8 +227,9 @@ def test_capture_ring_rows_are_bounded_by_the_pool(monkeypatch):
     then dropped: it is refused with recompute)."""
     import types
 
-    from sgl_kara import support
-    from sgl_kara.memory import CPU_RING_SHARE, ModelShape, ring_rows
+    from sgl_kara import startup as support
+    from sgl_kara.memory_plan import CPU_RING_SHARE
+    from sgl_kara.model_shape import ModelShape, ring_rows
 
     assert (
         ring_rows(8, 8192, 640) == 8

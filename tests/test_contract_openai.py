@@ -66,7 +66,7 @@ FULL = {"kara": {"retention": 1.0}}
 
 @pytest.fixture(scope="module")
 def model_path():
-    from sgl_kara.models.default import default_model_path
+    from sgl_kara.cpu.smollm2 import default_model_path
 
     return default_model_path()
 

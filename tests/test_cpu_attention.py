@@ -130,7 +130,7 @@ def test_new_forward_reads_rows_anew(monkeypatch, batched):
 def test_unsupported_cases_take_sglang_path(monkeypatch):
     from sglang_original import sglang_original
 
-    from sgl_kara._sglang import TARGET_TORCH_NATIVE_DECODE
+    from sgl_kara.cpu._sglang import TARGET_TORCH_NATIVE_DECODE
 
     calls = []
     original = sglang_original(
@@ -222,14 +222,14 @@ def test_extend_outside_the_recompute_pass_is_sglangs(monkeypatch):
     call goes to SGLang's own function, by keyword, with every argument as given."""
     from sglang_original import sglang_original
 
-    from sgl_kara import plugin
-    from sgl_kara._sglang import TARGET_TORCH_NATIVE_EXTEND
+    from sgl_kara.cpu import hooks
+    from sgl_kara.cpu._sglang import TARGET_TORCH_NATIVE_EXTEND
 
-    monkeypatch.setattr(plugin, "_active", lambda: None)
+    monkeypatch.setattr(hooks, "scoring_in_flight", lambda: False)
     calls = []
     q, k, v, rtt, idx, lens = _case(6, 2, 4, 2, 16, torch.float32)
     prefix = torch.zeros_like(lens)
-    out = plugin._recompute_extend_hook(
+    out = hooks._recompute_extend_hook(
         sglang_original(TARGET_TORCH_NATIVE_EXTEND, calls, "sglang"),
         _Backend(),
         q,

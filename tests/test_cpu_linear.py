@@ -113,7 +113,7 @@ def _original(
     signature, every argument but self by keyword)."""
     from sglang_original import sglang_original
 
-    from sgl_kara import _sglang as sg
+    from sgl_kara.cpu import _sglang as sg
 
     return sglang_original(getattr(sg, target), calls, value, side_effect)
 

@@ -66,11 +66,11 @@ def generate_batch(server, texts, params) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def vanilla_texts(tiny_llama):
-    from sgl_kara import support
-    from sgl_kara._sglang import get_cpu_ids_by_node
-    from sgl_kara.rank_cores import THREADS_BIND_VAR, split_cores
+    from sgl_kara.cpu._sglang import get_cpu_ids_by_node
+    from sgl_kara.cpu.cores import THREADS_BIND_VAR, split_cores
+    from sgl_kara.cpu.server import cpu_defaults
 
-    cpu = [f"--{k.replace('_', '-')}={v}" for k, v in support.cpu_defaults().items()]
+    cpu = [f"--{k.replace('_', '-')}={v}" for k, v in cpu_defaults().items()]
     # plain SGLang's launcher: sgl_kara's plugin loads but applies only RoPE's CPU path there
     # (tests/test_plain_sglang.py)
     srv = Server(
@@ -123,7 +123,7 @@ def test_launcher_binds_one_core_group_per_replica(server):
     """The launcher's CPU default: SGLANG_CPU_OMP_THREADS_BIND split over the two replicas (SGLang
     refuses two ranks on one NUMA node without it), each scheduler bound to its own group."""
     from sgl_kara._sglang import get_cpu_ids_by_node
-    from sgl_kara.rank_cores import THREADS_BIND_VAR, split_cores
+    from sgl_kara.cpu.cores import THREADS_BIND_VAR, split_cores
 
     groups = (
         os.environ.get(THREADS_BIND_VAR) or split_cores(get_cpu_ids_by_node(), 2)

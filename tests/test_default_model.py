@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from sgl_kara.memory import (
+from sgl_kara.cpu import smollm2
+from sgl_kara.cpu.memory import (
     CPU_RUNNING_REQUESTS,
     MemoryConfigError,
-    ModelShape,
     check_cpu_fit,
     cpu_memory_defaults,
 )
-from sgl_kara.models import smollm2
+from sgl_kara.model_shape import ModelShape
 
 SMOLLM2 = ModelShape(
     layers=30,
@@ -76,7 +76,7 @@ def test_killed_conversion_leaves_no_checkpoint(tmp_path):
     """A conversion killed midway leaves no (half) checkpoint at the target path; the next one
     starts clean (its temporary directory is removed first)."""
     env = {**os.environ, "KARA_CACHE": str(tmp_path)}
-    code = "from sgl_kara.models.smollm2 import ensure_checkpoint; ensure_checkpoint()"
+    code = "from sgl_kara.cpu.smollm2 import ensure_checkpoint; ensure_checkpoint()"
     proc = subprocess.Popen(
         [sys.executable, "-c", code],
         env=env,

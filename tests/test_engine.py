@@ -89,7 +89,7 @@ def test_policy_none_matches_sglang_running_the_same_kernels(tiny_llama, kernels
 def test_engine_rejects_bad_option_before_loading(tiny_llama):
     import sgl_kara
     from sgl_kara.config import KaraConfigError
-    from sgl_kara.support import UnsupportedFeature
+    from sgl_kara.startup import UnsupportedFeature
 
     with pytest.raises(KaraConfigError, match="--kara-retention"):
         sgl_kara.Engine(model_path=tiny_llama, kara_retention=2.0)

@@ -1,5 +1,5 @@
-"""sgl_kara.env: the one boolean parser (SGLang's spellings), the ``KARA_*`` names, the former
-``SGL_KARA_*`` names still read with a deprecation warning, and the new name winning over the old."""
+"""sgl_kara.env: the one boolean parser (SGLang's spellings) and the ``KARA_*`` names; the
+plugin's choice of the CPU kernels by ``KARA_SERVE``, ``KARA_CPU_KERNELS`` and the device."""
 
 from __future__ import annotations
 
@@ -13,13 +13,7 @@ from sgl_kara import env
 # (variable without prefix, reader, a value to set, what the reader returns for it, its default)
 VARIABLES = [
     ("SERVE", env.serving, "1", lambda v: v is True, False),
-    (
-        "CPU_KERNELS",
-        env.cpu_kernels,
-        "1",
-        lambda v: v is True,
-        False,
-    ),  # default: KARA_SERVE's (unset here)
+    ("CPU_KERNELS", env.cpu_kernels_requested, "1", lambda v: v is True, None),
     (
         "CACHE",
         env.cache_dir,
@@ -60,9 +54,9 @@ VARIABLES = [
 
 @pytest.fixture(autouse=True)
 def clean(monkeypatch):
-    """No KARA_* / SGL_KARA_* variable from the caller's environment, and fresh one-time warnings."""
+    """No KARA_* variable from the caller's environment, and fresh one-time warnings."""
     for key in list(os.environ):
-        if key.startswith((env.PREFIX, env.OLD_PREFIX)):
+        if key.startswith(env.PREFIX):
             monkeypatch.delenv(key)
     monkeypatch.setattr(env, "_warned", set())
 
@@ -92,50 +86,24 @@ def test_new_name_is_read_without_warning(
         assert check(reader())
 
 
-@pytest.mark.parametrize(
-    "name,reader,value,check,default", VARIABLES, ids=[v[0] for v in VARIABLES]
-)
-def test_old_name_is_read_with_one_deprecation_warning_naming_the_new(
-    monkeypatch, name, reader, value, check, default
-):
-    monkeypatch.setenv("SGL_KARA_" + name, value)
-    with pytest.warns(
-        FutureWarning, match=f"SGL_KARA_{name} is deprecated, set KARA_{name} instead"
-    ):
-        assert check(reader())
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # once per process
-        assert check(reader())
-
-
-def test_new_name_wins_over_old(monkeypatch):
-    monkeypatch.setenv("SGL_KARA_CHECK_INTEGRITY", "0")
-    monkeypatch.setenv("KARA_CHECK_INTEGRITY", "1")
-    monkeypatch.setenv("SGL_KARA_TRACE", "/tmp/old.jsonl")
-    monkeypatch.setenv("KARA_TRACE", "/tmp/new.jsonl")
-    with pytest.warns(
-        FutureWarning, match="KARA_CHECK_INTEGRITY is set and takes precedence"
-    ):
-        assert env.check_integrity() is True
-    with pytest.warns(FutureWarning, match="KARA_TRACE is set and takes precedence"):
-        assert env.trace() == "/tmp/new.jsonl"
-    monkeypatch.setenv(
-        "KARA_CHECK_INTEGRITY", ""
-    )  # set but empty: the default, not the old value
-    monkeypatch.setenv("SGL_KARA_CHECK_INTEGRITY", "1")
-    assert env.check_integrity() is False
-
-
+@pytest.mark.parametrize("cuda", [False, True])
 @pytest.mark.parametrize("serve", [None, "1", "0"])
 @pytest.mark.parametrize("kernels", [None, "1", "0", ""])
-def test_cpu_kernels_default_to_serving(monkeypatch, serve, kernels):
-    """The CPU kernels follow KARA_SERVE unless KARA_CPU_KERNELS says otherwise: on for
-    sgl_kara's server, off for plain SGLang, either way when set."""
+def test_cpu_kernels_follow_serving_on_a_cpu(monkeypatch, cuda, serve, kernels):
+    """The plugin's CPU parts: RoPE's CPU path wherever there is no CUDA; the CPU kernels where
+    KARA_CPU_KERNELS asks for them, else on sgl_kara's server on a machine without CUDA."""
+    from sgl_kara import plugin
+
     for name, value in (("KARA_SERVE", serve), ("KARA_CPU_KERNELS", kernels)):
         if value is not None:
             monkeypatch.setenv(name, value)
+    monkeypatch.setattr(plugin, "cuda_available", lambda: cuda)
+    parts = plugin.wanted_parts()
     assert env.serving() is (serve == "1")
-    assert env.cpu_kernels() is (kernels == "1" if kernels else serve == "1")
+    want_kernels = kernels == "1" if kernels else (serve == "1" and not cuda)
+    assert ("cpu_kernels" in parts) is want_kernels
+    assert ("rope" in parts) is (not cuda)
+    assert ("serving" in parts) is (serve == "1")
     assert (env.SERVE, env.CPU_KERNELS) == ("KARA_SERVE", "KARA_CPU_KERNELS")
 
 
@@ -194,9 +162,8 @@ def test_an_unrecognised_boolean_warns_once_naming_the_variable_and_the_spelling
         assert env.fork_workers() is True
 
 
-def test_sglang_does_not_rewrite_the_new_prefix(monkeypatch):
-    """SGLang renames SGL_* variables to SGLANG_* and warns at import; KARA_* it leaves alone
-    (a user's old SGL_KARA_* name still draws SGLang's warning, then sgl_kara's naming KARA_*)."""
+def test_sglang_does_not_rewrite_the_prefix(monkeypatch):
+    """SGLang renames SGL_* variables to SGLANG_* and warns at import; KARA_* it leaves alone."""
     from sglang.srt import environ
 
     saved = dict(os.environ)
@@ -206,9 +173,7 @@ def test_sglang_does_not_rewrite_the_new_prefix(monkeypatch):
             warnings.simplefilter("always")
             environ._handle_deprecated_envs()
         assert not [w for w in caught if "KARA" in str(w.message)]
-        os.environ["SGL_KARA_TRACE"] = "/tmp/t.jsonl"
-        with pytest.warns(UserWarning, match="SGL_KARA_TRACE is deprecated"):
-            environ._handle_deprecated_envs()
+        assert os.environ["KARA_TRACE"] == "/tmp/t.jsonl"
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -216,7 +181,7 @@ def test_sglang_does_not_rewrite_the_new_prefix(monkeypatch):
 
 def test_refused_sglang_switch_uses_the_same_parser(monkeypatch):
     from sgl_kara.config import KaraConfig
-    from sgl_kara.support import UnsupportedFeature, prepare_server_args
+    from sgl_kara.startup import UnsupportedFeature, prepare_server_args
 
     class Args:
         model_path = "/nonexistent"

@@ -11,7 +11,7 @@ import pytest
 import torch
 from kernel_launches import Allocator, Launches, Pool
 
-from sgl_kara import support
+from sgl_kara import startup as support
 from sgl_kara.config import KaraConfig
 from sgl_kara.kernels.window_score import window_scores_paged, window_scores_paged_ref
 from sgl_kara.policies.base import Region, RowView

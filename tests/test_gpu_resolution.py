@@ -52,7 +52,7 @@ def cuda_assumed(monkeypatch):
     (``is_cuda``), the device ``get_device`` reports and the GPU memory ``nvidia-smi`` would give.
     SGLang's modules are imported first, as on a GPU machine (their import-time probes ran)."""
     import sgl_kara._sglang as kara_sglang
-    from sgl_kara import support
+    from sgl_kara import startup as support
     from sgl_kara.plugin import register
 
     register()
@@ -225,7 +225,7 @@ def test_decode_graphs_asked_for_through_engine_keywords_are_refused(
     cuda_assumed, gpu_model
 ):
     from sgl_kara.engine import build_server_args
-    from sgl_kara.support import UnsupportedFeature
+    from sgl_kara.startup import UnsupportedFeature
 
     base = {**ENGINE_COMMON, "model_path": gpu_model}
     for kw, flag in (
@@ -303,8 +303,8 @@ def _vanilla_fraction(model, argv):
 def test_kara_memory_is_taken_from_the_pool(cuda_assumed, monkeypatch, gpu_model, argv):
     """The resolved fraction is SGLang's own for the same SGLang flags (its heuristic, or the
     user's) less Kara's memory over the GPU's; the ring term is the ring the scheduler allocates."""
-    from sgl_kara import support
-    from sgl_kara.memory import ModelShape, ring_bytes
+    from sgl_kara import startup as support
+    from sgl_kara.model_shape import ModelShape, ring_bytes
 
     plans = []
     real = support.reserve_device_memory
@@ -383,10 +383,10 @@ def test_the_scheduler_allocates_the_ring_within_the_start_up_plan(
     ring is refused before it is allocated."""
     from sgl_kara._sglang import RadixAttention
     from sgl_kara.config import KaraConfig
-    from sgl_kara.memory import ModelShape, ring_bytes
+    from sgl_kara.model_shape import ModelShape, ring_bytes
     from sgl_kara.scheduler import runtime
     from sgl_kara.scheduler.ring import make_ring
-    from sgl_kara.support import UnsupportedFeature
+    from sgl_kara.startup import UnsupportedFeature
 
     shape = ModelShape.from_model_path(gpu_model)
     made = []

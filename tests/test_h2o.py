@@ -184,7 +184,7 @@ def test_observer_reads_no_device_value_on_the_host():
 def test_accumulators_stay_within_the_memory_bound():
     """observer_bytes assumes each request's accumulator holds at most 1.25 x its decoded entries
     + ACC_MIN_SLACK rows, growth included, and at most the pool's decoded entries in all."""
-    from sgl_kara.memory import ModelShape
+    from sgl_kara.model_shape import ModelShape
 
     state = KaraReqState()
     for n in range(

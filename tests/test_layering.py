@@ -1,18 +1,20 @@
-"""The package's structure: imports only point down the layers; only sgl_kara/_sglang.py imports
+"""The package's structure: imports only point down the layers; the core never imports the CPU
+serving kit; only sgl_kara/_sglang.py (the core) and sgl_kara/cpu/_sglang.py (the kit) import
 SGLang; every SGLang touch point named there still exists in the installed SGLang, and every
 SGLang callable sgl_kara hooks or overrides has the signature recorded there, which its hook or
 override follows (a version bump fails here first, fast, instead of deep inside a scheduler
 process).
 
-    wiring      launch_server, engine, plugin, support, memory      may import anything below
-    process     per-process state (process.py)                       nothing of sgl_kara or SGLang
-    scheduler   runtime glue                                         config, mem_cache, policies, kernels
-    cpu         CPU serving hooks (attention, linear, threads)       env, _sglang (no Kara state)
-    models      default and fixture checkpoints                      env (no SGLang, no Kara state)
-    mem_cache   compaction, radix cap, integrity                     config, kernels (not scheduler)
-    config      KaraConfig                                           policies
-    policies    pure algorithms, the policy contract                 kernels only
-    kernels     Triton kernels and torch references                  nothing of sgl_kara
+    wiring      launch_server, engine, plugin, server_setup           may import anything below
+    cpu         the CPU serving kit                                    the core; no wiring
+    --- the core: what a GPU server imports ---
+    startup     start-up refusals and resolution (startup.py)         config, memory_plan, model_shape
+    scheduler   runtime glue                                           config, mem_cache, policies, kernels
+    mem_cache   compaction, radix cap, integrity                       kernels (not scheduler)
+    config      KaraConfig                                             policies
+    policies    pure algorithms, the policy contract                   kernels only
+    kernels     Triton kernels and torch references                    nothing of sgl_kara
+    process     per-process state (process.py)                         nothing of sgl_kara or SGLang
 """
 
 from __future__ import annotations
@@ -29,8 +31,29 @@ import pytest
 import sgl_kara
 
 ROOT = Path(sgl_kara.__file__).parent
-
+ADAPTERS = ("_sglang.py", "cpu/_sglang.py")
+CORE = (
+    "kernels",
+    "policies",
+    "config.py",
+    "mem_cache",
+    "scheduler",
+    "startup.py",
+    "memory_plan.py",
+    "model_shape.py",
+    "_sglang.py",
+    "request_options.py",
+    "env.py",
+    "process.py",
+)
+WIRING = (
+    "sgl_kara.plugin",
+    "sgl_kara.engine",
+    "sgl_kara.launch_server",
+    "sgl_kara.server_setup",
+)
 FORBIDDEN = {
+    **{layer: ("sgl_kara.cpu",) for layer in CORE},
     "kernels": ("sgl_kara", "sglang"),
     "policies": (
         "sgl_kara.config",
@@ -38,43 +61,20 @@ FORBIDDEN = {
         "sgl_kara.scheduler",
         "sgl_kara._sglang",
         "sglang",
-        "sgl_kara.support",
-        "sgl_kara.memory",
+        "sgl_kara.startup",
+        "sgl_kara.cpu",
     ),
     "config.py": (
         "sgl_kara.mem_cache",
         "sgl_kara.scheduler",
         "sgl_kara._sglang",
         "sglang",
-    ),
-    "mem_cache": ("sgl_kara.scheduler",),
-    "process.py": ("sgl_kara", "sglang"),
-    "cpu": (
-        "sgl_kara.scheduler",
-        "sgl_kara.mem_cache",
-        "sgl_kara.policies",
-        "sgl_kara.config",
-        "sgl_kara.kernels",
-        "sgl_kara.support",
-        "sgl_kara.memory",
-        "sgl_kara.plugin",
-        "sgl_kara.engine",
-        "sgl_kara.launch_server",
-    ),
-    "models": (
-        "sglang",
-        "sgl_kara._sglang",
-        "sgl_kara.scheduler",
-        "sgl_kara.mem_cache",
-        "sgl_kara.policies",
-        "sgl_kara.config",
-        "sgl_kara.kernels",
         "sgl_kara.cpu",
-        "sgl_kara.support",
-        "sgl_kara.plugin",
-        "sgl_kara.engine",
-        "sgl_kara.launch_server",
     ),
+    "mem_cache": ("sgl_kara.scheduler", "sgl_kara.cpu"),
+    "model_shape.py": ("sgl_kara", "sglang"),
+    "process.py": ("sgl_kara", "sglang"),
+    "cpu": WIRING,
 }
 
 
@@ -131,9 +131,16 @@ def _has_attribute(owner, name: str) -> bool:
     return False
 
 
-def test_every_sglang_touch_point_exists():
-    from sgl_kara import _sglang as sg
+def _adapters():
+    from sgl_kara import _sglang as core
+    from sgl_kara.cpu import _sglang as kit
 
+    return core, kit
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["core", "cpu"])
+def test_every_sglang_touch_point_exists(which):
+    sg = _adapters()[which]
     missing = []
     for path, names in sg.ATTRIBUTES.items():
         try:
@@ -197,14 +204,17 @@ def _sglang_imports(path: Path) -> list[str]:
     return found
 
 
-def test_only_the_sglang_module_imports_sglang():
+def test_only_the_sglang_modules_import_sglang():
+    adapters = {ROOT / a for a in ADAPTERS}
     bad = {
         str(p.relative_to(ROOT)): hits
         for p in sorted(ROOT.rglob("*.py"))
-        if p != ROOT / "_sglang.py" and (hits := _sglang_imports(p))
+        if p not in adapters and (hits := _sglang_imports(p))
     }
     assert not bad, bad
-    assert _sglang_imports(ROOT / "_sglang.py")  # the check sees imports where they are
+    assert all(
+        _sglang_imports(a) for a in adapters
+    )  # the check sees imports where they are
 
 
 def _raw(path: str):
@@ -235,16 +245,16 @@ def signature_text(fn) -> str:
     )
 
 
-def test_every_hooked_or_overridden_sglang_callable_has_the_recorded_signature():
-    from sgl_kara import _sglang as sg
-
+@pytest.mark.parametrize("which", [0, 1], ids=["core", "cpu"])
+def test_every_hooked_or_overridden_sglang_callable_has_the_recorded_signature(which):
+    sg = _adapters()[which]
     targets = [
         t
         for k, v in vars(sg).items()
         if k.startswith("TARGET_")
         for t in (v if isinstance(v, tuple) else (v,))
     ]
-    assert set(targets) | set(sg.OVERRIDDEN) == set(
+    assert set(targets) | set(getattr(sg, "OVERRIDDEN", ())) == set(
         sg.SIGNATURES
     )  # every target has one
     changed = {
@@ -307,22 +317,31 @@ def _follows(impl, path: str, first: str) -> str | None:
 
 
 def test_every_hook_takes_its_targets_parameters_as_sglang_names_them(monkeypatch):
-    from sgl_kara import _sglang as sg
     from sgl_kara import plugin
+    from sgl_kara.cpu import hooks as cpu_hooks
 
+    core, kit = _adapters()
     monkeypatch.setenv(
         "KARA_PACKED_CPU_LINEAR", "1"
     )  # the linear hooks are in the list
 
-    hooks = [h for part in plugin.PARTS for h in plugin.HOOKS[part]()]
-    hooks.append((sg.TARGET_SET_ENVS, plugin._fork_after_set_envs, sg.HookType.AFTER))
+    hooks = [h for part in plugin.HOOKS for h in plugin.HOOKS[part]()]
+    hooks += cpu_hooks.cpu_kernel_hooks() + cpu_hooks.report_hooks()
+    hooks.append(
+        (kit.TARGET_SET_ENVS, cpu_hooks._fork_after_set_envs, kit.HookType.AFTER)
+    )
     assert {t for t, *_ in hooks} == {
         t
+        for sg in (core, kit)
         for k, v in vars(sg).items()
         if k.startswith("TARGET_") and k != "TARGET_SCHEDULER"
         for t in (v if isinstance(v, tuple) else (v,))
     }
-    first = {sg.HookType.AROUND: "original", sg.HookType.AFTER: "result"}
+    first = {
+        core.HookType.AROUND: "original",
+        core.HookType.AFTER: "result",
+        core.HookType.BEFORE: "",
+    }
     bad = {
         f"{target} <- {hook.__qualname__}": why
         for target, hook, kind in hooks
@@ -371,8 +390,8 @@ def test_every_override_takes_sglangs_parameters():
 
     overrides = _overrides()
     assert (
-        len(overrides) >= 8
-    )  # KaraScheduler 4, output streamer 2, prefill adder 2, radix 1
+        len(overrides) >= 7
+    )  # KaraScheduler 2, output streamer 2, prefill adder 2, radix 1
     missing = [path for path, _ in overrides if path not in sg.SIGNATURES]
     assert not missing, f"record these in sgl_kara/_sglang.py (OVERRIDDEN): {missing}"
     bad = {

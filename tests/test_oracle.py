@@ -174,7 +174,7 @@ def test_kara_matches_masked_reference_rest(
 @pytest.mark.slow
 @pytest.mark.parametrize("page, query_source", [(1, "capture"), (16, "recompute")])
 def test_smollm2_matches_masked_reference(page, query_source, tmp_path):
-    from sgl_kara.models.default import default_model_path
+    from sgl_kara.cpu.smollm2 import default_model_path
 
     run_and_check(
         default_model_path(),

@@ -33,7 +33,7 @@ _EXPORTER = (
 )
 CPU_KERNEL_HOOKS = {  # written out here, not read from sgl_kara: the CPU speed-ups and their report
     f"{_TORCH_NATIVE}._run_sdpa_forward_decode <- sgl_kara.cpu.attention.run_sdpa_forward_decode",
-    f"{_TORCH_NATIVE}._run_sdpa_forward_extend <- sgl_kara.plugin._recompute_extend_hook",
+    f"{_TORCH_NATIVE}._run_sdpa_forward_extend <- sgl_kara.cpu.hooks._recompute_extend_hook",
     f"{_TORCH_NATIVE}.init_forward_metadata <- sgl_kara.cpu.attention.reset_metadata_hook",
     "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head <- sgl_kara.cpu.linear.lm_head_hook",
     f"{_LINEAR}.apply <- sgl_kara.cpu.linear.linear_apply_hook",
@@ -49,9 +49,11 @@ CPU_KERNEL_HOOKS = {  # written out here, not read from sgl_kara: the CPU speed-
             "send_weights_to_remote_instance",
         )
     ),
-    "sglang.srt.managers.scheduler.Scheduler.get_internal_state <- sgl_kara.plugin._internal_state_hook",
+    "sglang.srt.managers.scheduler.Scheduler.get_internal_state <- sgl_kara.cpu.hooks._internal_state_hook",
 }
 SERVING_HOOKS = {
+    "sglang.srt.managers.scheduler.Scheduler.update_running_batch <- sgl_kara.plugin._decode_step_hook",
+    "sglang.srt.managers.scheduler.Scheduler.get_internal_state <- sgl_kara.plugin._kara_state_hook",
     "sglang.srt.layers.radix_attention.RadixAttention.forward <- sgl_kara.plugin._attention_hook",
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new <- sgl_kara.plugin._init_new_hook",
     "sglang.srt.managers.schedule_batch.Req.reset_for_retract <- sgl_kara.plugin._reset_for_retract_hook",
@@ -78,8 +80,7 @@ def probes(tiny_llama, tmp_path_factory):
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("KARA_", "SGL_KARA_", "SGLANG_PLUGINS"))
-        and k != "TRITON_INTERPRET"
+        if not k.startswith(("KARA_", "SGLANG_PLUGINS")) and k != "TRITON_INTERPRET"
     }
     proc = subprocess.run(
         [sys.executable, str(HERE / "plain_sglang_probe.py"), tiny_llama, str(out)],

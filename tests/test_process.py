@@ -102,10 +102,15 @@ class _Registry:
 @pytest.fixture
 def registry(state, monkeypatch):
     from sgl_kara import _sglang as sg
+    from sgl_kara.cpu import _sglang as kit
+    from sgl_kara.cpu import hooks as cpu_hooks
 
     fake = _Registry()
     monkeypatch.setattr(sg, "HookRegistry", fake)
-    monkeypatch.setattr(plugin, "apply_cpu_shim", lambda: fake.hooks.append("rope"))
+    monkeypatch.setattr(kit, "HookRegistry", fake)
+    monkeypatch.setattr(cpu_hooks, "STATE", state)
+    monkeypatch.setattr(plugin, "cuda_available", lambda: False)
+    monkeypatch.setattr(cpu_hooks, "apply_rope_shim", lambda: fake.hooks.append("rope"))
     monkeypatch.setattr(
         sg,
         "register_radix_cache_backend",
@@ -119,7 +124,6 @@ def registry(state, monkeypatch):
         "KARA_PACKED_CPU_LINEAR",
     ):
         monkeypatch.delenv(name, raising=False)
-        monkeypatch.delenv("SGL_" + name, raising=False)
     return fake
 
 
@@ -131,7 +135,17 @@ def test_plain_sglang_gets_the_rope_cpu_path_only(registry):
     """No variable set (plain SGLang with sgl_kara installed): RoPE's CPU path, nothing else."""
     plugin.register()
     plugin.register()
-    assert registry.hooks == ["rope", "rope"] and state_parts(plugin) == set()
+    assert registry.hooks == ["rope"] and state_parts(plugin) == {"rope"}
+
+
+def test_a_gpu_process_registers_nothing_of_the_cpu_kit(registry, monkeypatch):
+    """With CUDA, even a serving process gets no CPU part (unless KARA_CPU_KERNELS=1 asks)."""
+    monkeypatch.setattr(plugin, "cuda_available", lambda: True)
+    monkeypatch.setenv("KARA_SERVE", "1")
+    plugin.register()
+    assert state_parts(plugin) == {"serving"} and "rope" not in registry.hooks
+    want = {t for t, *_ in plugin.HOOKS["serving"]()}
+    assert _targets(registry) == want
 
 
 def state_parts(mod) -> set[str]:
@@ -154,7 +168,8 @@ def state_parts(mod) -> set[str]:
 def test_register_adds_the_parts_the_environment_asks_for_once_each(
     registry, monkeypatch, variables, parts
 ):
-    from sgl_kara import _sglang as sg
+    from sgl_kara.cpu import _sglang as kit
+    from sgl_kara.cpu import hooks as cpu_hooks
     from sgl_kara.cpu import linear
 
     for name, value in variables.items():
@@ -162,30 +177,50 @@ def test_register_adds_the_parts_the_environment_asks_for_once_each(
     plugin.register()
     first = list(registry.hooks)
     plugin.register()  # again (SGLang's loader, then the launcher or Engine): nothing twice
-    assert registry.hooks[len(first) :] == ["rope"]
+    assert registry.hooks == first and first.count("rope") == 1
+    parts = parts | {"rope"}
     assert state_parts(plugin) == (
         parts if linear.available() else parts - {"packed_linear"}
     )
-    want = {t for p in plugin.PARTS if p in parts for t, *_ in plugin.HOOKS[p]()}
-    assert _targets(registry) == want and len(first) - 1 == len(want) + (
-        "serving" in parts
+    kit_hooks = {
+        "cpu_kernels": cpu_hooks.cpu_kernel_hooks,
+        "report": cpu_hooks.report_hooks,
+    }
+    want = {
+        t
+        for p, fn in {**plugin.HOOKS, **kit_hooks}.items()
+        if p in parts
+        for t, *_ in fn()
+    }
+    hooks = [h for h in first if isinstance(h, tuple) and h[0] != "radix"]
+    assert _targets(registry) == want and len(hooks) == len(
+        [
+            h
+            for p, fn in {**plugin.HOOKS, **kit_hooks}.items()
+            if p in parts
+            for h in fn()
+        ]
     )
     assert (("radix", "kara") in first) == ("serving" in parts)
-    assert (sg.TARGET_LINEAR_APPLY in want) == ("packed_linear" in parts)
+    assert (kit.TARGET_LINEAR_APPLY in want) == ("packed_linear" in parts)
 
 
 def test_a_part_asked_for_later_is_added_later(registry, monkeypatch):
     """A process whose plugins loaded plain (a plain sglang.Engine first) and then serves."""
     monkeypatch.setenv("KARA_TRACE", "/dev/null")
     plugin.register()
-    assert state_parts(plugin) == {"trace"}
+    assert state_parts(plugin) == {"trace", "rope"}
     monkeypatch.setenv("KARA_SERVE", "1")
     monkeypatch.setenv("KARA_CPU_KERNELS", "0")
     plugin.register()
-    assert state_parts(plugin) == {"trace", "serving", "report"}
-    assert len(
-        [h for h in registry.hooks if isinstance(h, tuple) and h[0] != "radix"]
-    ) == len(_targets(registry))
+    assert state_parts(plugin) == {"trace", "rope", "serving", "report"}
+    from sgl_kara.cpu import hooks as cpu_hooks
+
+    want = (
+        plugin.HOOKS["trace"]() + plugin.HOOKS["serving"]() + cpu_hooks.report_hooks()
+    )
+    got = [h for h in registry.hooks if isinstance(h, tuple) and h[0] != "radix"]
+    assert sorted(t for t, *_ in got) == sorted(t for t, *_ in want)
 
 
 def test_serving_sets_the_variable_for_the_duration_only(monkeypatch):

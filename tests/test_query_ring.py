@@ -103,15 +103,17 @@ def test_resident_memory_follows_the_rows_written():
 def test_start_up_plan_and_allocated_ring_agree(
     tiny_llama, monkeypatch, running, pool, limit
 ):
-    """The memory plan support.prepare_server_args checks at start-up (rows and bytes of the ring)
+    """The memory plan the CPU kit checks at start-up (rows and bytes of the ring)
     is the ring the scheduler allocates (scheduler/ring.py make_ring over the model's attention layers),
     and both are (rows + 1) x capacity x layers x H_q x D x 4 bytes with rows = the request limit,
     bounded by the pool's requests of ``capacity`` tokens and by --kara-query-ring-rows."""
-    from sgl_kara import support
+    from sgl_kara import startup as support
     from sgl_kara._sglang import RadixAttention
     from sgl_kara.config import KaraConfig
-    from sgl_kara.memory import ModelShape
+    from sgl_kara.cpu import server as cpu_server
+    from sgl_kara.model_shape import ModelShape
     from sgl_kara.scheduler.runtime import KaraRuntime
+    from sgl_kara.server_setup import prepare
 
     shape = ModelShape.from_model_path(tiny_llama)
     cfg = KaraConfig(policy="kara", query_source="capture", query_ring_rows=limit)
@@ -124,6 +126,10 @@ def test_start_up_plan_and_allocated_ring_agree(
         radix_cache_backend=None,
         disable_overlap_schedule=False,
         disable_cuda_graph=False,
+        chunked_prefill_size=None,
+        dp_size=1,
+        tp_size=1,
+        pp_size=1,
     )
     plan = {}
 
@@ -131,10 +137,11 @@ def test_start_up_plan_and_allocated_ring_agree(
         plan["rows"], plan["sizes"] = a[3], real(*a, **kw)
         return plan["sizes"]
 
-    real = support.check_cpu_fit
-    monkeypatch.setattr(support, "check_cpu_fit", spy)
+    real = cpu_server.check_cpu_fit
+    monkeypatch.setattr(cpu_server, "check_cpu_fit", spy)
+    monkeypatch.setattr(cpu_server, "available_ram_bytes", lambda: 1 << 40)
     monkeypatch.setattr(support, "available_ram_bytes", lambda: 1 << 40)
-    resolved = support.prepare_server_args(args, cfg)
+    resolved = prepare(args, cfg)
 
     rt = KaraRuntime.__new__(
         KaraRuntime

@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from sgl_kara import support
+from sgl_kara import startup as support
 from sgl_kara.config import KaraConfig
 
 # CLI arguments that turn each refused feature on.
@@ -97,7 +97,7 @@ def test_mrope_model_is_refused(tmp_path, capsys):
     model = tmp_path / "mrope"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(cfg))
-    from sgl_kara.memory import ModelShape
+    from sgl_kara.model_shape import ModelShape
 
     assert ModelShape.from_model_path(str(model)).mrope
     assert not ModelShape.from_model_path(PROXY_MODEL).mrope
@@ -273,7 +273,7 @@ def test_mla_and_hybrid_models_are_refused_at_start_up(
 def test_models_attending_globally_are_accepted(tmp_path, name, config):
     """A sliding_window SGLang 0.5.23 does not apply (Mistral's Llama model; Qwen2 without
     use_sliding_window) is no reason to refuse."""
-    from sgl_kara.memory import ModelShape
+    from sgl_kara.model_shape import ModelShape
 
     shape = ModelShape.from_model_path(_model_dir(tmp_path, name, **config))
     assert shape.local_layers == 0 and not shape.mla_rank and not shape.other_layers
@@ -346,10 +346,13 @@ def _cuda_args(model, **kw):
 
 def test_cuda_server_keeps_sglang_sizing(monkeypatch, tiny_llama):
     """On CUDA sgl_kara sets no device, backend, page size, dtype or memory sizing: SGLang's apply."""
+    from sgl_kara import server_setup
+
     monkeypatch.setattr(support, "cuda_available", lambda: True)
-    assert support.cpu_defaults() == {}
-    assert support.server_defaults(tiny_llama, {}) == {}
-    assert support.server_defaults(tiny_llama, {"device": "cuda"}) == {}
+    assert server_setup.server_defaults(tiny_llama, {}) == {}
+    assert server_setup.server_defaults(tiny_llama, {"device": "cuda"}) == {}
+    cpu = server_setup.server_defaults(tiny_llama, {"device": "cpu"})
+    assert cpu["attention_backend"] == "torch_native" and cpu["max_total_tokens"] > 0
 
 
 def test_cuda_server_defaults_to_recompute_with_graphs_on(monkeypatch, tiny_llama):
@@ -409,13 +412,10 @@ def test_cuda_auto_captures_only_with_decode_graphs_off(monkeypatch, tiny_llama)
 def test_cpu_pool_is_sized_for_the_given_request_limit(tiny_llama):
     """--max-running-requests sizes the CPU pool like the default 8 does (max(context, running x
     1,024) tokens, within 5% of RAM), from the launcher's flags (strings) and Engine keywords alike."""
-    from sgl_kara.memory import (
-        CPU_KV_SHARE,
-        CPU_TOKENS_PER_REQUEST,
-        MIN_TOKENS,
-        ModelShape,
-        total_ram_bytes,
-    )
+    from sgl_kara.cpu.memory import CPU_KV_SHARE, CPU_TOKENS_PER_REQUEST, MIN_TOKENS
+    from sgl_kara.cpu.server import server_defaults
+    from sgl_kara.memory_plan import total_ram_bytes
+    from sgl_kara.model_shape import ModelShape
 
     shape = ModelShape.from_model_path(tiny_llama)
     by_ram = int(CPU_KV_SHARE * total_ram_bytes()) // shape.kv_bytes_per_token(4)
@@ -429,7 +429,7 @@ def test_cpu_pool_is_sized_for_the_given_request_limit(tiny_llama):
             {"max_running_requests": str(running)},
         ):
             assert (
-                support.server_defaults(tiny_llama, {"device": "cpu", **given})[
+                server_defaults(tiny_llama, {"device": "cpu", **given})[
                     "max_total_tokens"
                 ]
                 == want
@@ -442,42 +442,55 @@ def test_cpu_pool_is_sized_for_the_given_request_limit(tiny_llama):
 def test_cpu_memory_check_counts_karas_event_and_observer_memory(
     monkeypatch, tiny_llama
 ):
-    """The RAM check adds the largest event's scores (32 bytes per region entry, layer and KV
-    head, for every running request's region, at most the pool) and H2O's observer memory; a
-    machine that holds everything but that is refused, naming it."""
-    from sgl_kara.memory import MemoryConfigError, ModelShape, check_cpu_fit
+    """The RAM check adds one event chunk's scores (32 bytes per region entry, layer and KV head,
+    for as many requests as one recompute forward's token budget scores, at most the running
+    ones), the spread jobs' partial scores (4 bytes per entry, for every running request holding
+    a whole region) and H2O's observer memory; a machine that holds everything but that is
+    refused, naming it."""
+    from sgl_kara.cpu import server as cpu_server
+    from sgl_kara.cpu.memory import MemoryConfigError, check_cpu_fit
+    from sgl_kara.model_shape import ModelShape
     from sgl_kara.policies.h2o import H2OPolicy
+    from sgl_kara.server_setup import prepare
 
     shape = ModelShape.from_model_path(tiny_llama)
     seen = {}
-    real = support.check_cpu_fit
+    real = cpu_server.check_cpu_fit
     monkeypatch.setattr(
-        support, "check_cpu_fit", lambda *a, **kw: seen.update(kw) or real(*a, **kw)
+        cpu_server, "check_cpu_fit", lambda *a, **kw: seen.update(kw) or real(*a, **kw)
     )
-    monkeypatch.setattr(support, "available_ram_bytes", lambda: 1 << 40)
-    args = types.SimpleNamespace(
-        model_path=tiny_llama,
-        device="cpu",
-        dtype="float32",
-        max_running_requests=8,
-        max_total_tokens=4096,
-        radix_cache_backend=None,
-        disable_cuda_graph=False,
-        disable_decode_cuda_graph=False,
-    )
-    support.prepare_server_args(args, KaraConfig.build(policy="h2o"))
-    scores = (
-        min(4096, 8 * 1281) * shape.layers * shape.kv_heads * 32
-    )  # C_max + 1 entries per request
+    monkeypatch.setattr(cpu_server, "available_ram_bytes", lambda: 1 << 40)
+
+    def args():
+        return types.SimpleNamespace(
+            model_path=tiny_llama,
+            device="cpu",
+            dtype="float32",
+            max_running_requests=8,
+            max_total_tokens=4096,
+            radix_cache_backend=None,
+            disable_cuda_graph=False,
+            disable_decode_cuda_graph=False,
+            chunked_prefill_size=None,
+            dp_size=1,
+            tp_size=1,
+            pp_size=1,
+        )
+
+    per_entry = shape.layers * shape.kv_heads
+    h2o = KaraConfig.build(policy="h2o")
+    prepare(args(), h2o)
+    region = h2o.options.threshold + 1  # C_max + 1 entries per request
+    chunk = min(8, 8192 // h2o.options.window)  # requests one recompute budget scores
+    scores = chunk * region * per_entry * 32
     observer = H2OPolicy.observer_bytes(shape, 4, 4096, 8)
     assert seen["kara_workspace"] == scores + observer and observer > 0
-    support.prepare_server_args(
-        args, KaraConfig.build(policy="kara", query_source="recompute")
-    )
-    assert (
-        seen["kara_workspace"]
-        == min(4096, 8 * 512) * shape.layers * shape.kv_heads * 32
-    )  # a window W each
+    kara = KaraConfig.build(policy="kara", query_source="recompute")
+    prepare(args(), kara)
+    window = kara.options.window
+    event = min(8, 8192 // window) * window * per_entry * 32
+    spread = min(8, 4096 // window) * window * per_entry * 4  # --kara-spread even
+    assert seen["kara_workspace"] == event + spread
     without = sum(check_cpu_fit(shape, 4, 4096, 0, 0, 1 << 40).values())
     check_cpu_fit(
         shape,
@@ -488,7 +501,7 @@ def test_cpu_memory_check_counts_karas_event_and_observer_memory(
         without + scores + observer,
         kara_workspace=scores + observer,
     )
-    with pytest.raises(MemoryConfigError, match="Kara's event and observer memory"):
+    with pytest.raises(MemoryConfigError, match="Kara's scores and observer memory"):
         check_cpu_fit(
             shape,
             4,

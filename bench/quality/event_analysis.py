@@ -451,7 +451,7 @@ def main(argv=None):
             kept_count(args.window - args.buffer, args.retention)
         )
     if args.model_path is None:
-        from sgl_kara.models.default import default_model_path
+        from sgl_kara.cpu.smollm2 import default_model_path
 
         args.model_path = default_model_path()
     from bench.record import RunRecord

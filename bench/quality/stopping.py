@@ -105,7 +105,7 @@ def main(args, argv):
     from bench.quality import real_lm
 
     if args.model_path is None:
-        from sgl_kara.models.default import default_model_path
+        from sgl_kara.cpu.smollm2 import default_model_path
 
         args.model_path = default_model_path()
     os.makedirs(args.out, exist_ok=True)

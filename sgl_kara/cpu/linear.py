@@ -85,7 +85,7 @@ def _reorder(weight: torch.Tensor) -> torch.Tensor:
 
 def pack_in_place(layer: torch.nn.Module) -> bool:
     """Replace a packable ``layer.weight`` [out, in] by its oneDNN packed form; True if it was."""
-    from sgl_kara._sglang import use_intel_amx_backend
+    from sgl_kara.cpu._sglang import use_intel_amx_backend
 
     weight = getattr(layer, "weight", None)
     if (
@@ -225,7 +225,7 @@ def lm_head_hook(
     **kwargs,
 ):
     """AROUND ``LogitsProcessor._compute_lm_head``: its plain ``hidden @ lm_head.weight.T`` branch."""
-    from sgl_kara._sglang import (
+    from sgl_kara.cpu._sglang import (
         should_apply_lm_head_quant_method,
         use_intel_amx_backend,
     )

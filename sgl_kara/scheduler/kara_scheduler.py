@@ -1,4 +1,8 @@
-"""KaraScheduler: SGLang's Scheduler plus periodic compression events.
+"""KaraScheduler: SGLang's Scheduler with Kara's runtime, prefill adder and output streamer.
+
+Its decode-step work and /server_info entry come through the plugin's hooks on
+``Scheduler.update_running_batch`` and ``get_internal_state`` (plugin.py), so every SGLang method
+is reached by one mechanism: overridden here, or hooked there.
 
 ``run_kara_scheduler_process`` is the module-level process function handed to SGLang's
 Engine / HTTP server (``run_scheduler_process_func``; processes are spawned, so it must be
@@ -18,7 +22,7 @@ from sgl_kara.config import KaraConfig
 from sgl_kara.scheduler import runtime as rt
 from sgl_kara.scheduler.admission import make_prefill_adder
 from sgl_kara.scheduler.output import make_output_streamer
-from sgl_kara.support import check_runtime_supported
+from sgl_kara.startup import check_runtime_supported
 
 logger = logging.getLogger(__name__)
 
@@ -33,24 +37,11 @@ class KaraScheduler(Scheduler):
         rt.activate(self.kara)
         logger.info("sgl_kara: compression active, %s", self.kara_config)
 
-    def update_running_batch(self, batch):
-        # Compress before SGLang's decode memory check so freed slots avoid retractions.
-        if batch is not None and not batch.is_empty():
-            self.kara.on_decode_step(batch)
-        return super().update_running_batch(batch)
-
     def get_output_streamer_class(self):
         return make_output_streamer(super().get_output_streamer_class())
 
     def get_prefill_adder_class(self):
         return make_prefill_adder(super().get_prefill_adder_class(), self.kara)
-
-    def get_internal_state(self, recv_req):
-        # /server_info's internal_states hold one entry per replica (--dp-size): each says which
-        # replica it is and what its compression did.
-        out = super().get_internal_state(recv_req)
-        out.internal_state["kara"] = replica_stats(self)
-        return out
 
 
 def replica_stats(scheduler) -> dict:

@@ -18,8 +18,9 @@ def make_ring(rt, capacity: int) -> QueryRing:
     outgrow that plan; on CPU counted in the RAM check, and it must fit in the memory the KV
     pool left. Refused, naming the flags, otherwise."""
     from sgl_kara._sglang import RadixAttention
-    from sgl_kara.memory import available_ram_bytes, gib, ring_bytes, ring_rows
-    from sgl_kara.support import UnsupportedFeature, planned_ring_rows
+    from sgl_kara.memory_plan import available_ram_bytes, gib
+    from sgl_kara.model_shape import ring_bytes, ring_rows
+    from sgl_kara.startup import UnsupportedFeature, planned_ring_rows
 
     layers = {
         m.layer_id: (m.tp_q_head_num, m.qk_head_dim)

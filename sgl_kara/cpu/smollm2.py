@@ -13,10 +13,8 @@ The conversion runs in a child process (its ~1.6 GB peak stays out of the server
 writes into a temporary directory beside the target and renames it into place, so a killed
 conversion leaves no half checkpoint; a file lock lets two servers started together convert once.
 
-Weights are cached in float32: measured here, SGLang's greedy output on the float32 checkpoint
-equals transformers' token for token (8 prompts x 100 tokens) while a bfloat16 copy diverged on
-5 of 8 within 100 tokens; bfloat16 was only ~1.3x faster at 8 concurrent requests.
-No SGLang import.
+Weights are cached in float32, the dtype SGLang serves on CPU here (``cpu/server.py``): greedy
+output then equals transformers' token for token. No SGLang import.
 """
 
 from __future__ import annotations
@@ -82,6 +80,12 @@ def is_converted(path: Path) -> bool:
     return (path / DONE_MARKER).is_file() and (path / "config.json").is_file()
 
 
+def default_model_path() -> str:
+    """What ``python -m sgl_kara.launch_server`` and ``sgl_kara.Engine`` serve without a model path.
+    Raises DefaultModelMissing (one line: the install command)."""
+    return str(ensure_checkpoint())
+
+
 def ensure_checkpoint() -> Path:
     """The converted checkpoint's directory, converting it first if needed (idempotent)."""
     target = checkpoint_dir()
@@ -118,7 +122,7 @@ def ensure_checkpoint() -> Path:
                 [
                     sys.executable,
                     "-m",
-                    "sgl_kara.models.smollm2",
+                    "sgl_kara.cpu.smollm2",
                     "convert",
                     str(source),
                     str(tmp),
@@ -184,7 +188,7 @@ if __name__ == "__main__":
         convert(Path(sys.argv[2]), Path(sys.argv[3]))
     else:
         print(
-            "usage: python -m sgl_kara.models.smollm2 convert GGUF OUT_DIR",
+            "usage: python -m sgl_kara.cpu.smollm2 convert GGUF OUT_DIR",
             file=sys.stderr,
         )
         raise SystemExit(2)

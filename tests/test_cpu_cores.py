@@ -1,5 +1,5 @@
-"""CPU cores per scheduler rank (sgl_kara/rank_cores.py) and the launcher's / Engine's default
-``SGLANG_CPU_OMP_THREADS_BIND`` for ``--dp-size N``; the memory check per replica. No engine."""
+"""CPU cores per scheduler rank (sgl_kara/cpu/cores.py) and the launcher's / Engine's default
+``SGLANG_CPU_OMP_THREADS_BIND`` for ``--dp-size N``; the memory check per rank. No engine."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ import types
 
 import pytest
 
-from sgl_kara import support
-from sgl_kara.rank_cores import (
+from sgl_kara.cpu import server as cpu_server
+from sgl_kara.cpu.cores import (
     THREADS_BIND_VAR,
     format_cpu_list,
     parse_cpu_list,
     split_cores,
 )
+from sgl_kara.startup import UnsupportedFeature
 
 
 @pytest.mark.parametrize(
@@ -79,7 +80,7 @@ def _args(**kw):
 
 @pytest.fixture
 def two_cores(monkeypatch):
-    from sgl_kara import _sglang
+    from sgl_kara.cpu import _sglang
 
     monkeypatch.delenv(THREADS_BIND_VAR, raising=False)
     monkeypatch.setattr(_sglang, "get_cpu_ids_by_node", lambda: ["0,1"])
@@ -88,7 +89,7 @@ def two_cores(monkeypatch):
 def test_default_threads_bind_sets_the_variable(two_cores):
     import os
 
-    assert support.default_threads_bind(_args()) == "0|1"
+    assert cpu_server.threads_bind(_args()) == "0|1"
     assert os.environ[THREADS_BIND_VAR] == "0|1"
 
 
@@ -96,7 +97,7 @@ def test_default_threads_bind_sets_the_variable(two_cores):
 def test_default_threads_bind_leaves_single_rank_and_gpu_alone(two_cores, kw):
     import os
 
-    assert support.default_threads_bind(_args(**kw)) is None
+    assert cpu_server.threads_bind(_args(**kw)) is None
     assert THREADS_BIND_VAR not in os.environ
 
 
@@ -104,15 +105,15 @@ def test_user_binding_is_kept(two_cores, monkeypatch):
     import os
 
     monkeypatch.setenv(THREADS_BIND_VAR, "1|0")
-    assert support.default_threads_bind(_args()) is None
+    assert cpu_server.threads_bind(_args()) is None
     assert os.environ[THREADS_BIND_VAR] == "1|0"
 
 
 def test_too_many_replicas_for_the_cores_is_refused(two_cores):
     with pytest.raises(
-        support.UnsupportedFeature, match=f"--dp-size 3: .*set {THREADS_BIND_VAR}"
+        UnsupportedFeature, match=f"--dp-size 3 x --tp-size 1: .*set {THREADS_BIND_VAR}"
     ):
-        support.default_threads_bind(_args(dp_size=3))
+        cpu_server.threads_bind(_args(dp_size=3))
 
 
 def test_launcher_and_engine_set_the_binding(two_cores, tiny_llama):
@@ -134,7 +135,8 @@ def test_launcher_and_engine_set_the_binding(two_cores, tiny_llama):
 
 
 def test_memory_check_counts_every_replica():
-    from sgl_kara.memory import MemoryConfigError, ModelShape, check_cpu_fit
+    from sgl_kara.cpu.memory import MemoryConfigError, check_cpu_fit
+    from sgl_kara.model_shape import ModelShape
 
     shape = ModelShape(
         layers=2,
@@ -146,9 +148,11 @@ def test_memory_check_counts_every_replica():
         weight_file_bytes=1 << 20,
     )
     one = check_cpu_fit(shape, 4, 4096, 8, 64, 1 << 40)
-    two = check_cpu_fit(shape, 4, 4096, 8, 64, 1 << 40, replicas=2)
+    two = check_cpu_fit(shape, 4, 4096, 8, 64, 1 << 40, ranks=2)
     for part in ("weights", "kv_pool", "capture_ring"):
         assert two[part] == 2 * one[part]
     assert two["processes"] > one["processes"]  # a scheduler and the DP controller more
-    with pytest.raises(MemoryConfigError, match="--dp-size \\(2 replicas\\)"):
-        check_cpu_fit(shape, 4, 4096, 8, 64, sum(one.values()) + 1, replicas=2)
+    with pytest.raises(
+        MemoryConfigError, match="fewer ranks \\(--dp-size x --tp-size: 2\\)"
+    ):
+        check_cpu_fit(shape, 4, 4096, 8, 64, sum(one.values()) + 1, ranks=2)

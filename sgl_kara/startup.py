@@ -1,39 +1,33 @@
-"""Server arguments before a model loads, in four jobs: unsupported SGLang features and models
-refused with a message naming the flag or the model, never ignored (``_UNSUPPORTED``,
-``check_model``, ``prepare_server_args``); the settings a CPU-only machine needs (``cpu_defaults``,
-``server_defaults``); ``--kara-query-source auto`` resolved to capture or recompute
-(``resolve_query_source``) and decode CUDA graphs kept off where the attention hook must run at
-every decode step (``keep_decode_eager``); Kara's own memory put inside the budget: the RAM check
-on CPU, a share of the KV pool's GPU memory on CUDA (``reserve_device_memory``).
-
-SGLang 0.5.23 names used here and not yet in ``_sglang.py`` (imported where used):
-``sglang.srt.utils.common.get_device_memory_capacity`` and
-``sglang.srt.arg_groups.overrides.resolving_view`` / ``model_config_of``."""
+"""Server arguments of a compressing server, before the model loads: SGLang features and models
+Kara cannot serve refused with a message naming the flag or the model, never ignored
+(``_UNSUPPORTED``, ``check_model``); ``--kara-query-source auto`` resolved to capture or recompute
+(``resolve_query_source``); decode CUDA graphs kept off where the attention hook must run at
+every decode step (``keep_decode_eager``); Kara's memory beside the pool taken from the KV pool's
+share of a GPU (``reserve_device_memory``). The scheduler checks the built model again
+(``check_runtime_supported``). Device-independent: the CPU serving kit adds its own settings and
+RAM check (``sgl_kara/cpu/server.py``) where the server runs on a CPU."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 import logging
-import math
 import os
 
 from sgl_kara import env
 from sgl_kara.config import KaraConfig
-from sgl_kara.memory import (
+from sgl_kara.memory_plan import (
+    CPU_RING_SHARE,
     CUDA_RING_SHARE,
-    MemoryConfigError,
-    ModelShape,
+    DEFAULT_RECOMPUTE_TOKENS,
+    KaraFootprint,
+    NoPoolLeft,
     available_ram_bytes,
-    check_cpu_fit,
-    cpu_memory_defaults,
-    cpu_ring_budget,
-    gib,
-    kara_memory,
+    device_share,
     plan_text,
-    ring_rows,
-    total_ram_bytes,
+    sglang_max_running,
 )
+from sgl_kara.model_shape import ModelShape, ring_rows
 
 logger = logging.getLogger(__name__)
 
@@ -143,45 +137,6 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def cpu_defaults() -> dict:
-    """SGLang settings that make it run on a CPU-only machine (empty on GPU).
-
-    dtype float32: SGLang's "auto" turns a float32 checkpoint into float16, and CPU float16 matmuls
-    fall back to slow reference kernels (a py-spy profile of the quality benchmark spent most of
-    each decode step in ``fp16_dot_with_fp32_arith`` and the generic ``cpublas_gemm_impl``;
-    float32 linear layers were ~5x faster in a microbenchmark on this machine)."""
-    if cuda_available():
-        return {}
-    return {
-        "device": "cpu",
-        "attention_backend": "torch_native",
-        "page_size": 1,
-        "dtype": "float32",
-    }
-
-
-def server_defaults(model_path: str, given: dict) -> dict:
-    """Server args sgl_kara sets when the user did not (``given``: the ServerArgs fields the user
-    set, with their values): the CPU defaults plus, on CPU, a KV pool and request limit sized for
-    the machine (sgl_kara.memory). On CUDA nothing: SGLang's own defaults apply."""
-    out = {k: v for k, v in cpu_defaults().items() if k not in given}
-    device = (
-        given.get("device")
-        or out.get("device")
-        or ("cuda" if cuda_available() else "cpu")
-    )
-    if device != "cpu":
-        return out
-    shape = ModelShape.from_model_path(model_path)
-    itemsize = (
-        shape.itemsize(given.get("dtype") or out.get("dtype"))
-        if shape is not None
-        else 4
-    )
-    out.update(cpu_memory_defaults(shape, itemsize, total_ram_bytes(), given))
-    return out
-
-
 def device_memory_bytes(device: str) -> int | None:
     """The serving device's total memory (None: unknown), as SGLang's own resolution reads it
     (on CUDA ``nvidia-smi``: no CUDA context in this process)."""
@@ -250,14 +205,15 @@ def choose_query_source(
 ) -> str:
     """``--kara-query-source auto`` by memory: capture (no extra forward per event) on CPU, where
     compute is the bottleneck, while its ring needs at most CPU_RING_SHARE of the available RAM
-    (memory.cpu_ring_budget); on CUDA while the
-    ring is known and within CUDA_RING_SHARE of the device memory (it is then taken from the
-    pool). ``resolve_query_source`` asks only where capture would cost no decode CUDA graph."""
+    (the ring sits beside a pool whose size is set, and saves each window's recompute
+    forwards); on CUDA while the ring is known and within CUDA_RING_SHARE of the device memory
+    (it is then taken from the pool). ``resolve_query_source`` asks only where capture would
+    cost no decode CUDA graph."""
     if ring_bytes is None:
         return "recompute"
     if device == "cpu":
         return (
-            "capture" if ring_bytes <= cpu_ring_budget(available_ram) else "recompute"
+            "capture" if ring_bytes <= CPU_RING_SHARE * available_ram else "recompute"
         )
     if device_memory is None:
         return "recompute"
@@ -265,7 +221,7 @@ def choose_query_source(
 
 
 def planned_ring_rows(server_args, cfg: KaraConfig) -> int:
-    """Rows a capture ring would get under these server args (memory.ring_rows, as the scheduler
+    """Rows a capture ring would get under these server args (model_shape.ring_rows, as the scheduler
     allocates it); 0 when the policy keeps no queries or neither the request limit nor
     ``--kara-query-ring-rows`` bounds the rows yet."""
     capacity = cfg.query_ring_capacity
@@ -316,46 +272,26 @@ def resolve_query_source(
     return dataclasses.replace(cfg, query_source=source, query_ring_rows=rows_cap)
 
 
-def default_threads_bind(server_args) -> str | None:
-    """On CPU with several scheduler ranks (``--dp-size``), set SGLang's
-    ``SGLANG_CPU_OMP_THREADS_BIND`` to the physical cores split evenly over the ranks, unless the
-    user set it (rank_cores.py; SGLang refuses more ranks than NUMA nodes without it). Returns the
-    value set, else None."""
-    from sgl_kara.rank_cores import THREADS_BIND_VAR, split_cores
-
-    ranks = 1
-    for field in ("dp_size", "tp_size", "pp_size"):
-        ranks *= getattr(server_args, field, None) or 1
-    device = server_args.device or ("cuda" if cuda_available() else "cpu")
-    if ranks <= 1 or device != "cpu" or os.environ.get(THREADS_BIND_VAR):
-        return None
-    from sgl_kara._sglang import get_cpu_ids_by_node
-
-    try:
-        bind = split_cores(get_cpu_ids_by_node(), ranks)
-    except ValueError as e:
-        raise UnsupportedFeature(
-            f"--dp-size {server_args.dp_size}: {e}; set {THREADS_BIND_VAR} to share cores"
-        ) from None
-    if bind is not None:
-        os.environ[THREADS_BIND_VAR] = bind
-        logger.info(
-            "sgl_kara: %s=%s (%d scheduler ranks)", THREADS_BIND_VAR, bind, ranks
-        )
-    return bind
+def model_shape(server_args) -> ModelShape | None:
+    """The shape one tensor-parallel rank of this server holds (None: no config readable)."""
+    shape = ModelShape.from_model_path(
+        server_args.model_path, getattr(server_args, "revision", None)
+    )
+    tp = int(getattr(server_args, "tp_size", None) or 1)
+    return shape.per_rank(tp) if shape is not None else None
 
 
-def prepare_server_args(server_args, cfg: KaraConfig) -> KaraConfig:
-    """Refuse unsupported features; select Kara's radix backend; resolve ``auto`` options and
-    check, on CPU, that weights + KV pool + capture ring fit in RAM (per replica, times
-    ``--dp-size``); set the CPU thread binding for several ranks. Returns the resolved config."""
+def prepare_server_args(
+    server_args, cfg: KaraConfig, shape: ModelShape | None = None
+) -> KaraConfig:
+    """Refuse unsupported features and models; select Kara's radix backend; resolve ``auto``
+    options; keep decode CUDA graphs off where the attention hook must see every decode step;
+    on a GPU, take Kara's memory from the KV pool's share. ``shape``: the model's, per rank
+    (read here when not given). Returns the resolved config."""
     if not cfg.enabled:
-        default_threads_bind(server_args)
-        return (
-            dataclasses.replace(cfg, query_source="recompute")
-            if cfg.query_source == "auto"
-            else cfg
-        )
+        if cfg.query_source == "auto":
+            return dataclasses.replace(cfg, query_source="recompute")
+        return cfg
     for name, enabled, flag, why in _UNSUPPORTED:
         value = getattr(server_args, name, None)
         if value is not None and enabled(value):
@@ -365,73 +301,64 @@ def prepare_server_args(server_args, cfg: KaraConfig) -> KaraConfig:
     for var, why in _UNSUPPORTED_ENV:
         if env.flag(var, False):
             raise UnsupportedFeature(
-                f"{var}={os.environ[var]} is not supported with --kara-policy {cfg.policy}: {why}"
+                f"{var}={os.environ[var]} is not supported with --kara-policy "
+                f"{cfg.policy}: {why}"
             )
     backend = getattr(server_args, "radix_cache_backend", None)
     if backend not in (None, "", "kara"):
         raise UnsupportedFeature(
-            f"--radix-cache-backend {backend} is not supported with --kara-policy {cfg.policy}: "
-            "Kara needs its own backend ('kara') so compressed KV never enters the tree"
+            f"--radix-cache-backend {backend} is not supported with --kara-policy "
+            f"{cfg.policy}: Kara needs its own backend ('kara') so compressed KV never "
+            "enters the tree"
         )
     server_args.radix_cache_backend = "kara"
     # SGLang's overlap scheduler stays as the user set it (on by default): events are ordered
-    # after the overlapped forward (scheduler/runtime.py _fence) and count a request's tokens
-    # the same way under both schedulers (scheduler/jobs.py decoded_tokens).
-    shape = ModelShape.from_model_path(server_args.model_path)
+    # after the overlapped forward (scheduler/runtime.py) and count a request's tokens the same
+    # way under both schedulers (scheduler/jobs.py decoded_tokens).
+    if shape is None:
+        shape = model_shape(server_args)
     if shape is not None:
         check_model(shape, server_args.model_path, cfg.policy)
     cfg = resolve_query_source(cfg, server_args, shape)
     keep_decode_eager(server_args, cfg)
     device = serving_device(server_args)
-    replicas = getattr(server_args, "dp_size", None) or 1
-    if device == "cpu" and shape is not None and server_args.max_total_tokens:
-        rows = (
-            planned_ring_rows(server_args, cfg) if cfg.query_source == "capture" else 0
-        )
-        itemsize = shape.itemsize(server_args.dtype)
-        extra = kara_memory(
-            shape,
-            itemsize,
-            server_args.max_total_tokens,
-            server_args.max_running_requests,
-            region_tokens(cfg),
-            observer=observer_bytes(cfg),
-        )
-        try:
-            sizes = check_cpu_fit(
-                shape,
-                itemsize,
-                server_args.max_total_tokens,
-                rows,
-                cfg.query_ring_capacity,
-                available_ram_bytes(),
-                packed_linear=env.packed_cpu_linear(),
-                max_running_requests=server_args.max_running_requests,
-                replicas=replicas,
-                kara_workspace=extra["event_scores"] + extra["observer"],
-            )
-        except MemoryConfigError as e:
-            raise UnsupportedFeature(str(e)) from None
-        logger.info(
-            "sgl_kara memory plan: %s",
-            plan_text(
-                sizes, server_args.max_total_tokens, rows, cfg.query_ring_capacity
-            ),
-        )
-    elif device != "cpu":
+    if device != "cpu":
         if (
             cfg.query_source == "capture"
             and cfg.query_ring_capacity
             and not planned_ring_rows(server_args, cfg)
         ):
             raise UnsupportedFeature(
-                f"--kara-query-source capture with --kara-policy {cfg.policy} on {device} needs --max-running-requests "
-                "or --kara-query-ring-rows: the capture ring (one row per running request) is taken from the KV "
-                "pool's share of the GPU at start-up, so its rows must be known; or use --kara-query-source recompute"
+                f"--kara-query-source capture with --kara-policy {cfg.policy} on {device} "
+                "needs --max-running-requests or --kara-query-ring-rows: the capture ring (one "
+                "row per running request) is taken from the KV pool's share of the GPU at "
+                "start-up, so its rows must be known; or use --kara-query-source recompute"
             )
         reserve_device_memory(server_args, cfg, shape)
-    default_threads_bind(server_args)
     return cfg
+
+
+def footprint(
+    server_args, cfg: KaraConfig, shape: ModelShape, pool_tokens: int
+) -> KaraFootprint:
+    """What bounds Kara's memory for a pool of ``pool_tokens``: the request limit (the user's,
+    or the one SGLang sets from the pool), the policy's region and query window, the recompute
+    token budget, the capture ring's rows."""
+    running = server_args.max_running_requests or sglang_max_running(
+        pool_tokens, shape.context_len, int(getattr(server_args, "dp_size", None) or 1)
+    )
+    chunk = getattr(server_args, "chunked_prefill_size", None)
+    rows = planned_ring_rows(server_args, cfg) if cfg.query_source == "capture" else 0
+    return KaraFootprint(
+        pool_tokens=pool_tokens,
+        running=int(running),
+        region_tokens=region_tokens(cfg),
+        query_tokens=query_tokens(cfg),
+        recompute_tokens=chunk if chunk and chunk > 0 else DEFAULT_RECOMPUTE_TOKENS,
+        ring_rows=rows,
+        ring_capacity=cfg.query_ring_capacity,
+        spread=spreads(cfg),
+    )
 
 
 def check_model(shape: ModelShape, model_path: str, policy: str) -> None:
@@ -474,6 +401,18 @@ def region_tokens(cfg: KaraConfig) -> int:
     return threshold + 1 if threshold else options.window
 
 
+def query_tokens(cfg: KaraConfig) -> int:
+    """Queries that score one region: the window (Kara, random) or the observation window of
+    the threshold policies (their own ``window`` option)."""
+    return max(1, int(getattr(cfg.options, "window", 0) or 1))
+
+
+def spreads(cfg: KaraConfig) -> bool:
+    """Does this configuration keep spread scoring jobs (``--kara-spread even``)?"""
+    policy = cfg.policy_class
+    return cfg.spread == "even" and policy.needs_queries and policy.additive
+
+
 def observer_bytes(cfg: KaraConfig):
     """The policy's decode-observer memory bound (``observer_bytes(shape, itemsize, pool_tokens,
     running)``), or None."""
@@ -495,60 +434,56 @@ def sglang_resolution(server_args):
 def reserve_device_memory(
     server_args, cfg: KaraConfig, shape: ModelShape | None
 ) -> dict:
-    """On CUDA, take Kara's memory beside the pool (``memory.kara_memory``: capture ring, the
-    largest event's scores and selection, a decode observer's state and workspace) from the KV
-    pool's share of the GPU: ``--mem-fraction-static`` (the user's, or the one SGLang's own
-    resolution picks) lowered by that memory over the GPU's. SGLang sizes the pool from free
-    memory minus (1 - fraction) x the memory before the model loads, so the pool shrinks by it
-    and the headroom SGLang keeps for activations and CUDA graphs stays whole. Refused, naming
-    the flags, when no pool would be left. Returns the plan (bytes by what holds them)."""
+    """On a GPU, take Kara's memory beside the pool (memory_plan.kara_memory) from the KV
+    pool's share: ``--mem-fraction-static`` (the user's, or the one SGLang's own resolution
+    picks) lowered by that memory over the GPU's. SGLang sizes the pool from free memory minus
+    (1 - fraction) x the memory before the model loads, so the pool shrinks by it and the
+    headroom SGLang keeps for activations and CUDA graphs stays whole. Refused, naming the
+    flags, when no pool would be left. Returns the plan (bytes by what holds them)."""
     from sgl_kara._sglang import model_config_of, resolving_view
 
     device = serving_device(server_args)
     total = device_memory_bytes(device)
     if total is None:
         logger.warning(
-            "sgl_kara: the %s memory is unknown; Kara's memory beside the pool is not reserved",
+            "sgl_kara: the %s memory is unknown; Kara's memory beside the pool is not "
+            "reserved",
             device,
         )
         return {}
     probe = sglang_resolution(server_args)
     resolved = resolving_view(probe)
     if shape is None:
-        shape = ModelShape.from_config(model_config_of(probe).hf_config)
+        tp = int(getattr(server_args, "tp_size", None) or 1)
+        shape = ModelShape.from_config(model_config_of(probe).hf_config).per_rank(tp)
         check_model(shape, server_args.model_path, cfg.policy)
     fraction = float(resolved.mem_fraction_static)
     itemsize = shape.itemsize(server_args.dtype)
-    weights = shape.weight_bytes(itemsize)
-    pool_tokens = max(0, int(fraction * total) - weights) // shape.kv_bytes_per_token(
-        itemsize
-    )
-    if server_args.max_total_tokens:
-        pool_tokens = min(pool_tokens, int(server_args.max_total_tokens))
-    rows = planned_ring_rows(server_args, cfg) if cfg.query_source == "capture" else 0
-    sizes = kara_memory(
-        shape,
-        itemsize,
-        pool_tokens,
-        server_args.max_running_requests,
-        region_tokens(cfg),
-        rows,
-        cfg.query_ring_capacity,
-        observer_bytes(cfg),
-    )
-    share = math.ceil(1000 * sum(sizes.values()) / total) / 1000
-    lowered = round(fraction - share, 3)
-    plan = ", ".join(f"{k.replace('_', ' ')} {gib(v)}" for k, v in sizes.items() if v)
-    if lowered * total <= weights or lowered <= share:
-        raise UnsupportedFeature(
-            f"Kara's memory beside the KV pool ({plan}) is {share:.3f} of the {gib(total)} GPU, which leaves no KV pool "
-            f"under --mem-fraction-static {fraction}: lower --max-running-requests, --kara-query-ring-rows or "
-            "--kara-window, use --kara-query-source recompute, or raise --mem-fraction-static"
+    args = server_args
+    if getattr(resolved, "chunked_prefill_size", None):
+        args = copy.copy(server_args)
+        args.chunked_prefill_size = resolved.chunked_prefill_size
+
+    def plan_for(pool_tokens: int) -> KaraFootprint:
+        if server_args.max_total_tokens:
+            pool_tokens = min(pool_tokens, int(server_args.max_total_tokens))
+        return footprint(args, cfg, shape, pool_tokens)
+
+    try:
+        sizes, share, _ = device_share(
+            shape, itemsize, total, fraction, plan_for, observer_bytes(cfg)
         )
+    except NoPoolLeft as e:
+        raise UnsupportedFeature(
+            f"{e}: lower --max-running-requests, --kara-query-ring-rows or --kara-window, "
+            "use --kara-query-source recompute, raise --mem-fraction-static, or serve with "
+            "a larger --tp-size"
+        ) from None
+    lowered = round(fraction - share, 3)
     server_args.mem_fraction_static = lowered
     logger.info(
         "sgl_kara memory plan: %s beside the KV pool: --mem-fraction-static %s -> %s",
-        plan,
+        plan_text(sizes),
         fraction,
         lowered,
     )
