@@ -37,12 +37,10 @@ class RunResult:
     repeat: int = 0
     cpu_seconds: float = 0.0  # engine processes' CPU time during the run
     scheduler_cpu_seconds: float = 0.0  # of which the scheduler's (the model's compute)
-    ring_bytes: int = (
-        0  # capture query ring (memory beyond the KV pool; 0 with recompute)
-    )
-    fallbacks: int = (
-        0  # windows scored by recompute although capture was on (no ring row)
-    )
+    # capture query ring (memory beyond the KV pool; 0 with recompute)
+    ring_bytes: int = 0
+    # windows scored by recompute although capture was on (no ring row)
+    fallbacks: int = 0
     mean_kv: float = 0.0  # KV rows a request held per decode step, mean over requests (what attention reads)
     skipped: int = 0  # due requests an event could not compact (no fresh slots), mostly skipped unscored
 

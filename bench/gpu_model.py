@@ -111,14 +111,12 @@ GPUS = {
 class Cost:
     compute_eff: float = 0.5  # achieved / peak tensor FLOPs
     bw_eff: float = 0.8  # achieved / peak HBM bandwidth
-    step_overhead_s: float = (
-        0.0  # fixed per decode step: launches, scheduler, sampling (fitted)
-    )
+    # fixed per decode step: launches, scheduler, sampling (fitted)
+    step_overhead_s: float = 0.0
     event_overhead_s: float = 0.0  # fixed per compression event (launches, bookkeeping)
     cpu_event_ms: float = 0.0  # optional measured CPU cost per compressed sequence (scoring+select+compact)
-    cpu_gpu_factor: float = (
-        100.0  # CPU->GPU speed-up applied to cpu_event_ms (bandwidth ratio, assumed)
-    )
+    # CPU->GPU speed-up applied to cpu_event_ms (bandwidth ratio, assumed)
+    cpu_gpu_factor: float = 100.0
 
 
 def eq10_tpot(L, D, B, S, rho, beta):

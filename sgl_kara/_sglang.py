@@ -1,47 +1,59 @@
-"""Every SGLang 0.5.23 internal sgl_kara touches, imported or named in one place.
+"""The core's one adapter to SGLang 0.5.23: every SGLang internal the compression core imports,
+hooks, overrides, reads or writes is here, so a version bump is one file to review.
 
-A version bump is one file to review: no other file of the package imports ``sglang``; each name
-below is listed in patches/ with why it is used; ``SIGNATURES`` records the signature of every
-SGLang callable that sgl_kara hooks or overrides, and ``ATTRIBUTES`` every attribute of SGLang
-objects that sgl_kara (and its tests) read or write; tests/test_layering.py checks all of it
-against the installed SGLang. Import this module only from runtime glue (plugin, engine,
-launcher, scheduler, mem_cache, cpu), never from sgl_kara.policies / sgl_kara.kernels /
-sgl_kara.config.
+No other module of the core imports ``sglang`` or reads an attribute of an SGLang object: they
+call the functions below (requests, batches, forwards, the scheduler's pools and model). The
+CPU serving kit has its own adapter (``sgl_kara/cpu/_sglang.py``). Declared here and checked by
+tests/test_layering.py against the installed SGLang and against this file's code:
+
+    SIGNATURES   every SGLang callable sgl_kara hooks or overrides, with its signature
+    ATTRIBUTES   every attribute of an SGLang runtime object read or written here, by owner
+    SERVER_ARGS  every ServerArgs field (a public CLI flag) the start-up reads or sets
+
+Every hook and override is listed in patches/ with the upstream change it stands in for.
 """
 
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
 from sglang.srt.arg_groups.overrides import model_config_of, resolving_view  # noqa: F401
 from sglang.srt.entrypoints.engine import Engine as SGLangEngine  # noqa: F401
-from sglang.srt.entrypoints.http_server import launch_server as sglang_launch_server  # noqa: F401
-from sglang.srt.layers.radix_attention import RadixAttention  # noqa: F401
-from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch  # noqa: F401
+from sglang.srt.entrypoints.http_server import (  # noqa: F401
+    launch_server as sglang_launch_server,
+)
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.managers.schedule_batch import FINISH_ABORT, ScheduleBatch
 from sglang.srt.managers.scheduler import Scheduler, run_scheduler_process  # noqa: F401
 from sglang.srt.managers.scheduler_components.output_streamer import (  # noqa: F401
     SchedulerOutputStreamer,
 )
-from sglang.srt.mem_cache.common import evict_from_tree_cache  # noqa: F401
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: F401
+from sglang.srt.mem_cache.common import evict_from_tree_cache
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.registry import (  # noqa: F401
-    TreeCacheBuildContext,
     create_unified_radix_cache,
     register_radix_cache_backend,
     registered_radix_cache_backends,
 )
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: F401
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: F401
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.plugins import load_plugins  # noqa: F401
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: F401
-from sglang.srt.runtime_context import get_parallel  # noqa: F401
+from sglang.srt.runtime_context import get_parallel
+from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.server_args import ServerArgs, prepare_server_args  # noqa: F401
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.utils import kill_process_tree  # noqa: F401
 from sglang.srt.utils.common import get_device_memory_capacity  # noqa: F401
 
-# Hook targets (dotted paths), one per touch point (see patches/*.md), each with its signature in
-# SGLang 0.5.23: parameter names, order, kinds and defaults, as ``str(inspect.signature)`` prints
-# them without annotations (a class: its ``__init__``). ``SIGNATURES`` also holds the SGLang
-# methods that sgl_kara's subclasses override. tests/test_layering.py checks every one against the
-# installed SGLang, and that each hook and override takes the same parameters under the same
-# names (so SGLang may pass any of them by position or by keyword); hooks call the original with
-# keywords wherever SGLang's parameters allow it.
+# ------------------------------------------------------------------------------- touch points
+# Hook targets (dotted paths), one per touch point (patches/*.md), each with its signature in
+# SGLang 0.5.23: parameter names, order, kinds and defaults, as ``str(inspect.signature)``
+# prints them without annotations (a class: its ``__init__``). ``SIGNATURES`` also holds the
+# SGLang methods sgl_kara's subclasses override. Hooks call the original with keywords wherever
+# SGLang's parameters allow it.
 SIGNATURES: dict[str, str] = {}
 
 
@@ -53,15 +65,21 @@ def _target(path: str, signature: str) -> str:
 _FB = "sglang.srt.model_executor.forward_batch_info.ForwardBatch"
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 _TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
+_STREAMER = (
+    "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
+)
+_ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
 
 TARGET_INIT_NEW = _target(
     f"{_FB}.init_new",
-    "(cls, batch, model_runner, *, capture_hidden_mode=None, return_hidden_states_before_norm, "
-    "extend_position_info=None, spec_mrope_positions=None, kv_loc_plan=None, write_cols=None)",
+    "(cls, batch, model_runner, *, capture_hidden_mode=None, "
+    "return_hidden_states_before_norm, extend_position_info=None, "
+    "spec_mrope_positions=None, kv_loc_plan=None, write_cols=None)",
 )
 TARGET_ATTENTION = _target(
     "sglang.srt.layers.radix_attention.RadixAttention.forward",
-    "(self, q, k, v, forward_batch, save_kv_cache=True, key_value_num_tokens=None, **kwargs)",
+    "(self, q, k, v, forward_batch, save_kv_cache=True, key_value_num_tokens=None, "
+    "**kwargs)",
 )
 TARGET_RESET_FOR_RETRACT = _target(
     "sglang.srt.managers.schedule_batch.Req.reset_for_retract", "(self)"
@@ -95,23 +113,11 @@ TARGET_SCHEDULER = _target(_SCHEDULER, "(self, server_args, port_args)")
 OVERRIDDEN = (
     _target(f"{_SCHEDULER}.get_output_streamer_class", "(self)"),
     _target(f"{_SCHEDULER}.get_prefill_adder_class", "(self)"),
+    _target(f"{_STREAMER}.build_additional_customized_info", "(self, reqs)"),
+    _target(f"{_STREAMER}.is_request_level_customized_info_key", "(self, key)"),
+    _target(f"{_ADDER}._get_running_request_total_token_offset", "(self, req)"),
     _target(
-        "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
-        ".build_additional_customized_info",
-        "(self, reqs)",
-    ),
-    _target(
-        "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
-        ".is_request_level_customized_info_key",
-        "(self, key)",
-    ),
-    _target(
-        "sglang.srt.managers.schedule_policy.PrefillAdder._get_running_request_total_token_offset",
-        "(self, req)",
-    ),
-    _target(
-        "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
-        "(self, req, has_chunked_req, truncation_align_size)",
+        f"{_ADDER}.add_one_req", "(self, req, has_chunked_req, truncation_align_size)"
     ),
     _target(
         "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.checkpoint",
@@ -119,15 +125,15 @@ OVERRIDDEN = (
     ),
     _target(
         "sglang.srt.managers.scheduler.run_scheduler_process",
-        "(server_args, port_args, gpu_id, tp_rank, pp_rank, dp_rank, pipe_writer, display_tp_rank=None, "
-        "display_dp_rank=None, display_moe_ep_rank=None)",
+        "(server_args, port_args, gpu_id, tp_rank, pp_rank, dp_rank, pipe_writer, "
+        "display_tp_rank=None, display_dp_rank=None, display_moe_ep_rank=None)",
     ),
 )
 
-# Attributes of SGLang objects read or written by sgl_kara (and by its tests), by owner, with
-# where: checked to exist (class attribute, dataclass field, or ``self.<name>`` in the class source).
+# Attributes of SGLang runtime objects read or written in this file, by owner: each checked to
+# exist (class attribute, dataclass field, or ``self.<name>`` in the class source), and this
+# list checked against the attributes this file's code touches.
 ATTRIBUTES = {
-    # request KV bookkeeping: scheduler/jobs.py, events.py, runtime.py; mem_cache/radix.py
     "sglang.srt.managers.schedule_batch.Req": [
         "kv",
         "rid",
@@ -136,8 +142,6 @@ ATTRIBUTES = {
         "sampling_params",
         "finished",
         "to_finish",
-        "reset_for_retract",
-        "retraction_count",
     ],
     "sglang.srt.managers.schedule_batch.ReqKvInfo": [
         "kv_committed_len",
@@ -145,101 +149,79 @@ ATTRIBUTES = {
         "cache_protected_len",
         "req_pool_idx",
     ],
-    # events.py shrinks lengths in the running batch; queries.py builds a recompute EXTEND batch
+    "sglang.srt.sampling.sampling_params.SamplingParams": [
+        "max_new_tokens",
+        "custom_params",
+    ],
+    # the running batch's lengths after a compaction; the recompute pass's EXTEND batch, built
+    # by ScheduleBatch.init_new and given the fields prepare_for_extend would set
     "sglang.srt.managers.schedule_batch.ScheduleBatch": [
+        "init_new",
         "reqs",
-        "is_empty",
         "seq_lens",
-        "orig_seq_lens",
         "seq_lens_cpu",
+        "orig_seq_lens",
         "seq_lens_sum",
+        "batch_is_full",
         "forward_mode",
         "input_ids",
         "req_pool_indices",
-        "req_pool_indices_cpu",
         "out_cache_loc",
         "prefix_lens",
         "extend_lens",
         "extend_num_tokens",
         "extend_logprob_start_lens",
-        "return_logprob",
-        "top_logprobs_nums",
-        "token_ids_logprobs",
-        "decoding_reqs",
-        "multimodal_inputs",
         "sampling_info",
-        "spec_info",
-        "input_embeds",
-        "extend_input_logprob_token_ids",
-        "_get_decode_retraction_order",
-        # runtime.py: freed slots reopen admission
-        "batch_is_full",
     ],
-    # queries.py: a recompute batch's sampling info carries no grammars or watermark candidates
     "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo": [
-        "grammars",
+        "from_schedule_batch",
         "has_watermark_candidates",
     ],
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch": [
         "init_new",
         "positions",
-        "forward_mode",
-        "batch_size",
-        "req_pool_indices",
-        "seq_lens",
-        "seq_lens_cpu",
         "out_cache_loc",
     ],
+    "sglang.srt.model_executor.forward_batch_info.ForwardMode": [
+        "EXTEND",
+        "is_decode",
+        "is_idle",
+    ],
     "sglang.srt.layers.radix_attention.RadixAttention": [
-        "forward",
         "layer_id",
         "tp_q_head_num",
         "qk_head_dim",
+        "sliding_window_size",
     ],
-    # events.py: the recompute forward runs eagerly (prefill CUDA graph runner set aside)
-    "sglang.srt.model_executor.model_runner.ModelRunner": [
-        "forward",
-        "prefill_cuda_graph_runner",
-        "model",
-        "dtype",
-        "forward_stream",
-    ],
-    # scheduler/kara_scheduler.py, runtime.py; plugin trace hook
     "sglang.srt.managers.scheduler.Scheduler": [
-        "update_running_batch",
-        "get_prefill_adder_class",
-        "get_output_streamer_class",
         "token_to_kv_pool_allocator",
         "req_to_token_pool",
-        "tp_worker",
         "tree_cache",
-        "max_running_requests",
+        "tp_worker",
+        "model_config",
         "server_args",
-        "metrics_reporter",
-        "waiting_queue",
-        "get_internal_state",
+        "max_running_requests",
         "max_total_num_tokens",
-        # runtime.py: events ordered after the overlapped forward (its stream), checks.py
+        "waiting_queue",
         "enable_overlap",
         "forward_stream",
+        "metrics_reporter",
     ],
     "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter": [
         "num_retracted_reqs"
     ],
-    "sglang.srt.managers.schedule_policy.PrefillAdder": [
-        "add_one_req",
-        "_get_running_request_total_token_offset",
+    "sglang.srt.managers.tp_worker.TpModelWorker": ["model_runner"],
+    "sglang.srt.model_executor.model_runner.ModelRunner": [
+        "model",
+        "dtype",
+        "forward",
+        "prefill_cuda_graph_runner",
+        "decode_cuda_graph_runner",
     ],
-    "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer": [
-        "build_additional_customized_info",
-        "is_request_level_customized_info_key",
-    ],
+    "sglang.srt.mem_cache.memory_pool.ReqToTokenPool": ["req_to_token"],
     "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool": [
         "get_key_buffer",
         "get_value_buffer",
-        "start_layer",
-        "layer_num",
-        "head_num",
     ],
     "sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator": [
         "alloc",
@@ -249,38 +231,488 @@ ATTRIBUTES = {
         "get_kvcache",
         "page_size",
     ],
-    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache": [
-        "checkpoint",
-        "evictable_size",
-    ],
-    "sglang.srt.sampling.sampling_params.SamplingParams": [
-        "verify",
-        "max_new_tokens",
-        "custom_params",
-    ],
-    # engine.py (shutdown): the engine's event-loop tasks
-    "sglang.srt.entrypoints.engine.Engine": [
-        "shutdown",
-        "run_scheduler_process_func",
-        "tokenizer_manager",
-    ],
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache": ["evictable_size"],
+    "sglang.srt.managers.io_struct.GetInternalStateReqOutput": ["internal_state"],
+    "sglang.srt.configs.model_config.ModelConfig": ["vocab_size", "hf_config"],
+    # engine.py: the shut-down engine's event-loop tasks
+    "sglang.srt.entrypoints.engine.Engine": ["tokenizer_manager", "loop"],
     "sglang.srt.managers.tokenizer_manager.TokenizerManager": [
-        "update_request_meta_info",
-        "_validate_one_request",
         "asyncio_tasks",
         "event_loop",
-        "model_config",
     ],
-    # kara_scheduler.py: the replica's Kara stats in /server_info
-    "sglang.srt.managers.io_struct.GetInternalStateReqOutput": ["internal_state"],
-    # plugin.py registers and applies hooks; tests/test_plain_sglang.py reads what is registered
-    "sglang.srt.plugins.hook_registry.HookRegistry": [
-        "register",
-        "apply_hooks",
-        "_hooks",
-        "_patched",
-    ],
-    # module attributes: the tests' kill_process_tree guard
-    "sglang.srt.entrypoints.engine": ["kill_process_tree"],
-    "sglang.srt.managers.tokenizer_manager": ["kill_process_tree"],
+    "sglang.srt.plugins.hook_registry.HookRegistry": ["register", "apply_hooks"],
 }
+
+# ServerArgs fields (each a public CLI flag) the start-up reads, or sets where noted.
+SERVER_ARGS = (
+    # what the server is
+    "model_path",
+    "revision",
+    "device",
+    "dtype",
+    "tp_size",
+    "dp_size",
+    "pp_size",
+    "kv_cache_dtype",
+    # memory and scheduling (mem_fraction_static and max_total_tokens may be set: the plan)
+    "max_running_requests",
+    "max_total_tokens",
+    "mem_fraction_static",
+    "chunked_prefill_size",
+    "enable_metrics",
+    # decode CUDA graphs (disable_decode_cuda_graph set where the hook must see every step)
+    "cuda_graph_config",
+    "cuda_graph_backend_decode",
+    "disable_decode_cuda_graph",
+    "disable_cuda_graph",
+    # the radix backend (set to "kara")
+    "radix_cache_backend",
+    # features refused with compression (startup._UNSUPPORTED)
+    "speculative_algorithm",
+    "enable_dp_attention",
+    "disaggregation_mode",
+    "enable_hierarchical_cache",
+    "enable_mixed_chunk",
+    "enable_lmcache",
+    "enable_flexkv",
+    "enable_streaming_session",
+    "enable_session_radix_cache",
+    "enable_two_batch_overlap",
+    "enable_unified_memory",
+    "num_continuous_decode_steps",
+    "enable_hisparse",
+)
+
+
+def register_hook(target: str, hook, hook_type) -> None:
+    """SGLang's plugin hook registry: ``hook`` on ``target`` (applied by ``apply_hooks``)."""
+    HookRegistry.register(target, hook, hook_type)
+
+
+def apply_hooks() -> None:
+    HookRegistry.apply_hooks()
+
+
+def hf_config(server_args):
+    """The transformers config SGLang resolved for these (resolved) server args."""
+    return model_config_of(server_args).hf_config
+
+
+def server_arg(server_args, name: str, default=None):
+    """A ServerArgs field (declared in SERVER_ARGS)."""
+    assert name in SERVER_ARGS, f"ServerArgs.{name} is not declared in SERVER_ARGS"
+    return getattr(server_args, name, default)
+
+
+def set_server_arg(server_args, name: str, value) -> None:
+    assert name in SERVER_ARGS, f"ServerArgs.{name} is not declared in SERVER_ARGS"
+    setattr(server_args, name, value)
+
+
+# ------------------------------------------------------------------------------- requests
+def rid(req) -> str:
+    return req.rid
+
+
+def row_index(req) -> int:
+    """The request's row in ``req_to_token``."""
+    return int(req.kv.req_pool_idx)
+
+
+def kv_length(req) -> int:
+    """Rows of KV the request's row holds (committed: written by a finished forward)."""
+    return int(req.kv.kv_committed_len)
+
+
+def kv_settled(req) -> bool:
+    """Is every allocated row of the request committed (no forward in flight writes it)?"""
+    return int(req.kv.kv_committed_len) == int(req.kv.kv_allocated_len)
+
+
+def tree_prefix_length(req) -> int:
+    """Rows at the start of the request's row that the radix tree owns (shared, protected)."""
+    return int(req.kv.cache_protected_len)
+
+
+def prompt_ids(req) -> list[int]:
+    return req.origin_input_ids
+
+
+def output_length(req) -> int:
+    return len(req.output_ids)
+
+
+def token_ids(req, lo: int, hi: int) -> list[int]:
+    """The request's tokens [lo, hi) (prompt, then output)."""
+    prompt = req.origin_input_ids
+    return (list(prompt) + list(req.output_ids))[lo:hi]
+
+
+def known_tokens(req) -> int:
+    return len(req.origin_input_ids) + len(req.output_ids)
+
+
+def max_new_tokens(req) -> int:
+    return int(req.sampling_params.max_new_tokens)
+
+
+def custom_params(sampling_params_or_req):
+    """``custom_params`` of a request's (or a SamplingParams') sampling params."""
+    params = getattr(sampling_params_or_req, "sampling_params", sampling_params_or_req)
+    return getattr(params, "custom_params", None)
+
+
+def sampling_params(req):
+    return req.sampling_params
+
+
+def finishing(req) -> bool:
+    """Has the request finished, or is it set to finish at this step?"""
+    return bool(req.finished()) or req.to_finish is not None
+
+
+def finished(req) -> bool:
+    return bool(req.finished())
+
+
+def abort(req, message: str, status_code: int) -> None:
+    """Finish the request with an error at this step (SGLang frees its row as usual)."""
+    req.to_finish = FINISH_ABORT(message, status_code=status_code)
+
+
+def drop_rows(req, dropped: int) -> None:
+    """The request's row is ``dropped`` rows shorter (a compaction moved its tail down)."""
+    req.kv.kv_committed_len -= dropped
+    req.kv.kv_allocated_len -= dropped
+
+
+@contextlib.contextmanager
+def max_new_tokens_as(req, value: int):
+    """Present ``value`` as the request's ``max_new_tokens`` for the duration (admission
+    charges the compressed footprint through SGLang's own accounting)."""
+    params = req.sampling_params
+    saved = params.max_new_tokens
+    params.max_new_tokens = value
+    try:
+        yield
+    finally:
+        params.max_new_tokens = saved
+
+
+def vocab_size(tokenizer_manager) -> int:
+    return int(tokenizer_manager.model_config.vocab_size)
+
+
+# ------------------------------------------------------------------------------- batches
+def running_requests(batch) -> list:
+    return [] if batch is None or not batch.reqs else list(batch.reqs)
+
+
+def batch_requests(batch) -> list | None:
+    """A ScheduleBatch's requests (None: not a batch of requests)."""
+    return getattr(batch, "reqs", None)
+
+
+def host_lengths(batch) -> torch.Tensor | None:
+    """[B] the batch's row lengths on the host (None: SGLang keeps none)."""
+    return batch.seq_lens_cpu
+
+
+def shrink_lengths(batch, index: list[int], dropped: int, device_index) -> None:
+    """The batch's requests at ``index`` hold ``dropped`` rows fewer: SGLang's device and host
+    lengths follow (``device_index``: ``index`` on the batch's device)."""
+    batch.seq_lens = batch.seq_lens.clone()
+    batch.seq_lens[device_index] -= dropped
+    batch.orig_seq_lens = batch.orig_seq_lens.clone()
+    batch.orig_seq_lens[device_index] -= dropped
+    if batch.seq_lens_cpu is not None:
+        batch.seq_lens_cpu = batch.seq_lens_cpu.clone()
+        batch.seq_lens_cpu[torch.tensor(index, dtype=torch.int64)] -= dropped
+    batch.seq_lens_sum = None
+
+
+def batch_device_tensors(batch) -> list:
+    """The running batch's device tensors (the sync check's: what a GPU would hold)."""
+    return [
+        t
+        for t in (batch.seq_lens, batch.orig_seq_lens, batch.req_pool_indices)
+        if isinstance(t, torch.Tensor)
+    ]
+
+
+def reopen_admission(batch) -> None:
+    """Freed slots admit waiting requests at once: SGLang's prefill otherwise skips admission
+    while the running batch is marked full, until a request ends."""
+    batch.batch_is_full = False
+
+
+@dataclass
+class ExtendRows:
+    """An EXTEND forward over rows whose K/V are already cached: per request its row, the
+    ``prefix`` rows before the extended ones and their token ids; ``positions`` [sum] logical."""
+
+    reqs: list
+    rows: torch.Tensor  # [B] device
+    prefix: list[int]
+    input_ids: torch.Tensor  # [B * n] device
+    seq_lens: list[int]
+    device_seq_lens: torch.Tensor  # [B] device
+    positions: torch.Tensor  # [B * n] device
+    out_cache_loc: torch.Tensor  # [B * n] device: where the forward may write K/V
+
+
+def recompute_batch(scheduler, extend: ExtendRows):
+    """A ScheduleBatch for Kara's recompute pass: built by SGLang's own constructor
+    (``ScheduleBatch.init_new``, every field at its default), given the fields
+    ``prepare_for_extend`` would set for an extend of these rows (nothing allocated)."""
+    batch = ScheduleBatch.init_new(
+        extend.reqs,
+        scheduler.req_to_token_pool,
+        scheduler.token_to_kv_pool_allocator,
+        scheduler.tree_cache,
+        scheduler.model_config,
+        False,  # enable_overlap: the pass runs synchronously on the schedule stream
+        SpeculativeAlgorithm.NONE,  # refused with compression (startup._UNSUPPORTED)
+    )
+    n = extend.input_ids.numel() // max(1, len(extend.reqs))
+    batch.forward_mode = ForwardMode.EXTEND
+    batch.input_ids = extend.input_ids
+    batch.req_pool_indices = extend.rows
+    batch.seq_lens = extend.device_seq_lens
+    batch.seq_lens_cpu = torch.tensor(extend.seq_lens, dtype=torch.int64)
+    batch.orig_seq_lens = batch.seq_lens.to(torch.int32)
+    batch.seq_lens_sum = int(sum(extend.seq_lens))
+    batch.out_cache_loc = extend.out_cache_loc
+    batch.prefix_lens = list(extend.prefix)
+    batch.extend_lens = [n] * len(extend.reqs)
+    batch.extend_num_tokens = n * len(extend.reqs)
+    batch.extend_logprob_start_lens = [n] * len(extend.reqs)
+    # Nothing is sampled (the pass stops at the last layer's queries), but SGLang reads the
+    # batch's sampling info while it prepares a forward: its own, with no watermark state.
+    batch.sampling_info = SamplingBatchInfo.from_schedule_batch(
+        batch, scheduler.model_config.vocab_size
+    )
+    batch.sampling_info.has_watermark_candidates = False
+    return batch
+
+
+# ------------------------------------------------------------------------------- forwards
+def batch_kind(batch) -> str:
+    """ "decode", "extend" or "idle": the kind of forward a ScheduleBatch runs (its ForwardBatch
+    aliases the batch's mode, rows and host lengths: ``ForwardBatch.init_new``)."""
+    mode = batch.forward_mode
+    if mode.is_idle():
+        return "idle"
+    return "decode" if mode.is_decode() else "extend"
+
+
+def batch_rows(batch) -> torch.Tensor:
+    """[B] the batch's req_to_token rows (device)."""
+    return batch.req_pool_indices
+
+
+def positions(forward_batch) -> torch.Tensor:
+    return forward_batch.positions
+
+
+def set_positions(forward_batch, value: torch.Tensor) -> None:
+    forward_batch.positions = value
+
+
+@contextlib.contextmanager
+def kv_writes_to(forward_batch, slots: torch.Tensor):
+    """The forward's ``out_cache_loc`` is ``slots`` for the duration (the recompute pass's
+    attention call sees the window's real slots)."""
+    saved, forward_batch.out_cache_loc = forward_batch.out_cache_loc, slots
+    try:
+        yield
+    finally:
+        forward_batch.out_cache_loc = saved
+
+
+def attention_layer(layer) -> tuple[int, int, int]:
+    """(layer_id, query heads on this rank, head dim) of a RadixAttention layer."""
+    return layer.layer_id, layer.tp_q_head_num, layer.qk_head_dim
+
+
+def attention_layers(model) -> dict[int, tuple[int, int]]:
+    """layer_id -> (query heads on this rank, head dim) of the model's attention layers."""
+    return {
+        m.layer_id: (m.tp_q_head_num, m.qk_head_dim)
+        for m in model.modules()
+        if isinstance(m, RadixAttention)
+    }
+
+
+def sliding_windows(model) -> list[int]:
+    """Sliding windows the model's attention layers apply (empty: global attention)."""
+    return sorted(
+        {
+            m.sliding_window_size
+            for m in model.modules()
+            if isinstance(m, RadixAttention) and (m.sliding_window_size or -1) >= 0
+        }
+    )
+
+
+# ------------------------------------------------------------------------------- the scheduler
+def built_model(scheduler) -> tuple[object, object, object]:
+    """(KV pool, model runner, model) of a scheduler whose model has loaded."""
+    pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
+    runner = scheduler.tp_worker.model_runner
+    return pool, runner, runner.model
+
+
+def standard_kv_pool(pool) -> bool:
+    """SGLang's multi-head / GQA pool (not MLA, hybrid, sliding-window or quantized)?"""
+    return type(pool) is MHATokenToKVPool
+
+
+def decode_graphs_captured(model_runner) -> bool:
+    return getattr(model_runner, "decode_cuda_graph_runner", None) is not None
+
+
+@dataclass
+class SchedulerParts:
+    """What Kara's runtime uses of an SGLang scheduler, read once at start-up."""
+
+    scheduler: object
+    allocator: object
+    kv_pool: object
+    req_to_token: torch.Tensor  # [rows, max context] int32 (device)
+    page_size: int
+    layer_ids: list[int]
+    model_runner: object
+    model: object
+    dtype: torch.dtype
+    forward_stream: object | None  # the overlapped forward's stream (CUDA, overlap on)
+    overlap: bool
+    max_running: int
+    pool_tokens: int
+    recompute_tokens: (
+        int  # tokens per recompute forward (SGLang's chunked-prefill budget)
+    )
+    metrics: bool
+    server_args: object
+
+    @classmethod
+    def of(cls, scheduler, default_recompute_tokens: int) -> SchedulerParts:
+        allocator = scheduler.token_to_kv_pool_allocator
+        kv_pool = allocator.get_kvcache()
+        runner = scheduler.tp_worker.model_runner
+        req_to_token = scheduler.req_to_token_pool.req_to_token
+        args = scheduler.server_args
+        overlap = bool(getattr(scheduler, "enable_overlap", False))
+        stream = None
+        if overlap and req_to_token.device.type == "cuda":
+            stream = scheduler.forward_stream
+        chunk = server_arg(args, "chunked_prefill_size")
+        return cls(
+            scheduler=scheduler,
+            allocator=allocator,
+            kv_pool=kv_pool,
+            req_to_token=req_to_token,
+            page_size=int(allocator.page_size),
+            layer_ids=sorted(attention_layers(runner.model)),
+            model_runner=runner,
+            model=runner.model,
+            dtype=runner.dtype,
+            forward_stream=stream,
+            overlap=overlap,
+            max_running=int(scheduler.max_running_requests),
+            pool_tokens=int(scheduler.max_total_num_tokens),
+            recompute_tokens=chunk if chunk and chunk > 0 else default_recompute_tokens,
+            metrics=bool(server_arg(args, "enable_metrics", False)),
+            server_args=args,
+        )
+
+    # -- the pool
+    def keys(self, layer_id: int) -> torch.Tensor:
+        return self.kv_pool.get_key_buffer(layer_id)
+
+    def values(self, layer_id: int) -> torch.Tensor:
+        return self.kv_pool.get_value_buffer(layer_id)
+
+    def available(self) -> int:
+        return int(self.allocator.available_size())
+
+    def evictable(self) -> int:
+        return int(self.scheduler.tree_cache.evictable_size())
+
+    def alloc(self, n: int):
+        """``n`` slots from the allocator, evicting from the radix tree once when short (None:
+        not available)."""
+        slots = self.allocator.alloc(n)
+        if slots is None:
+            evict_from_tree_cache(self.scheduler.tree_cache, n)
+            slots = self.allocator.alloc(n)
+        return slots
+
+    def free(self, slots: torch.Tensor) -> None:
+        self.allocator.free(slots)
+
+    def free_pages(self) -> torch.Tensor:
+        return self.allocator.get_all_free_pages()
+
+    def waiting(self) -> int:
+        return len(self.scheduler.waiting_queue)
+
+    def run_eager(self, batch, stop) -> None:
+        """One forward of ``batch`` outside any CUDA graph (a replayed prefill graph would never
+        call the attention hook, and was recorded with K/V writes on), ended early by ``stop``
+        (an exception the attention hook raises once the pass has what it needs)."""
+        runner = self.model_runner
+        graphs, runner.prefill_cuda_graph_runner = (
+            runner.prefill_cuda_graph_runner,
+            None,
+        )
+        try:
+            forward_batch = ForwardBatch.init_new(
+                batch, runner, return_hidden_states_before_norm=False
+            )
+            with torch.inference_mode():
+                runner.forward(forward_batch)
+        except stop:
+            pass
+        finally:
+            runner.prefill_cuda_graph_runner = graphs
+
+
+def release_loop_tasks(engine) -> None:
+    """Cancel a shut-down Engine's TokenizerManager tasks left on the process's event loop."""
+    manager = getattr(engine, "tokenizer_manager", None)
+    tasks = [t for t in getattr(manager, "asyncio_tasks", ()) if not t.done()]
+    for task in tasks:
+        task.cancel()
+    loop = getattr(engine, "loop", None)
+    if tasks and loop is not None and not loop.is_running() and not loop.is_closed():
+        import asyncio
+
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+    if manager is not None:
+        manager.asyncio_tasks.clear()
+        manager.event_loop = None
+
+
+def dp_rank() -> int | None:
+    """This scheduler's data-parallel rank (None: one replica)."""
+    return get_parallel().dp_rank
+
+
+def add_internal_state(result, key: str, value) -> None:
+    """An entry of this scheduler's /server_info internal state."""
+    result.internal_state[key] = value
+
+
+def scheduler_trace(scheduler, batch) -> dict:
+    """What a decode step's trace line reads of SGLang's scheduler."""
+    reqs = running_requests(batch)
+    lens = batch.seq_lens_cpu if reqs else None
+    reporter = getattr(scheduler, "metrics_reporter", None)
+    return {
+        "rows": 0 if lens is None else int(lens.sum()),
+        "running": len(reqs),
+        "waiting": len(scheduler.waiting_queue),
+        "free": int(scheduler.token_to_kv_pool_allocator.available_size()),
+        "retracted": int(getattr(reporter, "num_retracted_reqs", 0) or 0),
+    }

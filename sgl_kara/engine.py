@@ -31,7 +31,7 @@ def build_server_args(kwargs: dict):
     cfg, rest = KaraConfig.from_prefixed(kwargs)
     if rest.get("model_path") is None:
         rest["model_path"] = default_model_path()
-    for key, value in server_defaults(rest["model_path"], rest).items():
+    for key, value in server_defaults(rest["model_path"], rest, cfg.enabled).items():
         rest.setdefault(key, value)
     rest.setdefault("log_level", "error")
     server_args = ServerArgs(**rest)
@@ -47,18 +47,9 @@ def release_loop_tasks(engine) -> None:
     the same process runs them; one that raised would reach ``print_exception_wrapper``, which
     kills the whole process tree.
     """
-    manager = getattr(engine, "tokenizer_manager", None)
-    tasks = [t for t in getattr(manager, "asyncio_tasks", ()) if not t.done()]
-    for task in tasks:
-        task.cancel()
-    loop = getattr(engine, "loop", None)
-    if tasks and loop is not None and not loop.is_running() and not loop.is_closed():
-        import asyncio
+    from sgl_kara import _sglang as adapter
 
-        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-    if manager is not None:
-        manager.asyncio_tasks.clear()
-        manager.event_loop = None
+    adapter.release_loop_tasks(engine)
 
 
 def shutdown_cleanly(engine, shutdown=None) -> None:

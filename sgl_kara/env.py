@@ -8,6 +8,7 @@ variables (read at call time, so a test or a spawned process sees the value its 
 | KARA_CACHE | path | $XDG_CACHE_HOME/sgl_kara or ~/.cache/sgl_kara | converted default model |
 | KARA_FORK | bool | 1 | launcher on CPU: fork SGLang's workers instead of spawn |
 | KARA_CHECK_INTEGRITY | bool | 0 | check prefixes, slot ownership, ring, offsets at every event |
+| KARA_CHECK_SYNC | bool | 0 | count what would make the host wait for a GPU in every Kara step (scheduler/sync_check.py; `sync_violations` in /server_info) |
 | KARA_CROSSCHECK_QUERIES | bool | 0 | compare capture and recompute scores on first windows |
 | KARA_RECORD_EVICTIONS | path | - | JSON lines: evicted logical positions per event (oracle) |
 | KARA_TRACE | path | - | JSON lines: running and waiting requests and free slots per decode step |
@@ -103,6 +104,10 @@ def fork_workers() -> bool:
 
 def check_integrity() -> bool:
     return _bool("CHECK_INTEGRITY", False)
+
+
+def check_sync() -> bool:
+    return _bool("CHECK_SYNC", False)
 
 
 def crosscheck_queries() -> bool:

@@ -100,7 +100,7 @@ def _resolve(cfg, rest: list[str]):
         for field in USER_SIZING_FIELDS
         if _has_flag(rest, _flag(field))
     }
-    for key, value in server_defaults(model_path, given).items():
+    for key, value in server_defaults(model_path, given, cfg.enabled).items():
         rest += [_flag(key), str(value)]
     from sgl_kara._sglang import prepare_server_args as sglang_prepare
 
@@ -116,9 +116,8 @@ def _resolve(cfg, rest: list[str]):
 def main(argv: list[str] | None = None) -> None:
     from sgl_kara import env
 
-    os.environ[env.SERVE] = (
-        "1"  # this process and every SGLang process it starts serve with sgl_kara
-    )
+    # this process and every SGLang process it starts serve with sgl_kara
+    os.environ[env.SERVE] = "1"
     cfg, server_args = parse(
         sys.argv[1:] if argv is None else argv
     )  # registers and applies the hooks

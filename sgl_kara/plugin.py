@@ -66,7 +66,7 @@ def wanted_parts() -> list[str]:
 def register() -> None:
     """SGLang's entry point: the hooks of every part asked for and not yet registered in this
     process (SGLang applies them after its plugins ran; ``serve`` otherwise)."""
-    from sgl_kara import _sglang as sg
+    from sgl_kara import _sglang as adapter
 
     for part in wanted_parts():
         if part in STATE.parts:
@@ -80,10 +80,12 @@ def register() -> None:
         if part == "serving":
             from sgl_kara.mem_cache.radix import BACKEND_NAME, kara_radix_cache_factory
 
-            if BACKEND_NAME not in sg.registered_radix_cache_backends():
-                sg.register_radix_cache_backend(BACKEND_NAME, kara_radix_cache_factory)
+            if BACKEND_NAME not in adapter.registered_radix_cache_backends():
+                adapter.register_radix_cache_backend(
+                    BACKEND_NAME, kara_radix_cache_factory
+                )
         for target, hook, hook_type in HOOKS[part]():
-            sg.HookRegistry.register(target, hook, hook_type)
+            adapter.register_hook(target, hook, hook_type)
 
 
 def serve() -> None:
@@ -92,11 +94,11 @@ def serve() -> None:
     loader (idempotent; it calls ``register``), or, where SGLang loaded its plugins in this
     process before, by ``register`` for the parts now asked for and SGLang's ``apply_hooks``."""
     os.environ[env.SERVE] = "1"
-    from sgl_kara import _sglang as sg
+    from sgl_kara import _sglang as adapter
 
-    sg.load_plugins()
+    adapter.load_plugins()
     register()
-    sg.HookRegistry.apply_hooks()
+    adapter.apply_hooks()
 
 
 @contextlib.contextmanager
@@ -117,26 +119,42 @@ def serving():
 
 
 def serving_hooks() -> list:
-    from sgl_kara import _sglang as sg
+    from sgl_kara import _sglang as adapter
     from sgl_kara.scheduler.output import unwrap_meta_hook
 
     return [
-        (sg.TARGET_UPDATE_RUNNING_BATCH, _decode_step_hook, sg.HookType.BEFORE),
-        (sg.TARGET_GET_INTERNAL_STATE, _kara_state_hook, sg.HookType.AFTER),
-        (sg.TARGET_INIT_NEW, _init_new_hook, sg.HookType.AROUND),
-        (sg.TARGET_ATTENTION, _attention_hook, sg.HookType.AROUND),
-        (sg.TARGET_RESET_FOR_RETRACT, _reset_for_retract_hook, sg.HookType.AFTER),
-        (sg.TARGET_RETRACTION_ORDER, _retraction_order_hook, sg.HookType.AROUND),
-        (sg.TARGET_META_INFO, unwrap_meta_hook, sg.HookType.AROUND),
-        (sg.TARGET_SAMPLING_VERIFY, _verify_hook, sg.HookType.AFTER),
-        (sg.TARGET_VALIDATE_REQUEST, _validate_input_ids_hook, sg.HookType.AFTER),
+        (
+            adapter.TARGET_UPDATE_RUNNING_BATCH,
+            _decode_step_hook,
+            adapter.HookType.BEFORE,
+        ),
+        (adapter.TARGET_GET_INTERNAL_STATE, _kara_state_hook, adapter.HookType.AFTER),
+        (adapter.TARGET_INIT_NEW, _init_new_hook, adapter.HookType.AROUND),
+        (adapter.TARGET_ATTENTION, _attention_hook, adapter.HookType.AROUND),
+        (
+            adapter.TARGET_RESET_FOR_RETRACT,
+            _reset_for_retract_hook,
+            adapter.HookType.AFTER,
+        ),
+        (
+            adapter.TARGET_RETRACTION_ORDER,
+            _retraction_order_hook,
+            adapter.HookType.AROUND,
+        ),
+        (adapter.TARGET_META_INFO, unwrap_meta_hook, adapter.HookType.AROUND),
+        (adapter.TARGET_SAMPLING_VERIFY, _verify_hook, adapter.HookType.AFTER),
+        (
+            adapter.TARGET_VALIDATE_REQUEST,
+            _validate_input_ids_hook,
+            adapter.HookType.AFTER,
+        ),
     ]
 
 
 def trace_hooks() -> list:
-    from sgl_kara import _sglang as sg
+    from sgl_kara import _sglang as adapter
 
-    return [(sg.TARGET_UPDATE_RUNNING_BATCH, _trace_hook, sg.HookType.AFTER)]
+    return [(adapter.TARGET_UPDATE_RUNNING_BATCH, _trace_hook, adapter.HookType.AFTER)]
 
 
 HOOKS = {"serving": serving_hooks, "trace": trace_hooks}
@@ -152,7 +170,7 @@ def _decode_step_hook(scheduler, batch, *args, **kwargs):
     """BEFORE ``Scheduler.update_running_batch``: this step's compression work, before SGLang's
     decode memory check, so freed slots avoid retractions."""
     rt = _active()
-    if rt is not None and batch is not None and not batch.is_empty():
+    if rt is not None:
         rt.on_decode_step(batch)
 
 
@@ -161,18 +179,19 @@ def _kara_state_hook(result, scheduler, recv_req):
     (one entry per --dp-size replica)."""
     rt = _active()
     if rt is not None:
+        from sgl_kara import _sglang as adapter
         from sgl_kara.scheduler.kara_scheduler import replica_stats
 
-        result.internal_state["kara"] = replica_stats(scheduler)
+        adapter.add_internal_state(result, "kara", replica_stats(rt))
     return result
 
 
 def _init_new_hook(original, cls, batch, model_runner, **kwargs):
-    fb = original(cls, batch=batch, model_runner=model_runner, **kwargs)
+    forward_batch = original(cls, batch=batch, model_runner=model_runner, **kwargs)
     rt = _active()
-    if rt is not None and batch is not None and hasattr(batch, "reqs"):
-        rt.forward.on_forward_batch(batch, fb)
-    return fb
+    if rt is not None and batch is not None:
+        rt.forward.on_forward_batch(batch, forward_batch)
+    return forward_batch
 
 
 def _attention_hook(
@@ -221,19 +240,13 @@ def _trace_hook(result, scheduler, batch, *args, **kwargs):
     packed_weights, cpu_kernels} per decode step (JSON lines). ``cpu``: this (scheduler) process's
     CPU clock; ``rows``: KV rows the running requests hold (physical, what decode attention reads);
     bench/step_costs.py reads both. ``cpu_kernels``: ``cpu_kernels_in_use()`` but the count."""
-    running = 0 if result is None or result.is_empty() else len(result.reqs)
-    lens = None if running == 0 else result.seq_lens_cpu
+    from sgl_kara import _sglang as adapter
+
     rt = _active()
     record = {
         "t": time.perf_counter(),
         "cpu": time.process_time(),
-        "rows": 0 if lens is None else int(lens.sum()),
-        "running": running,
-        "waiting": len(scheduler.waiting_queue),
-        "free": int(scheduler.token_to_kv_pool_allocator.available_size()),
-        "retracted": int(
-            getattr(scheduler.metrics_reporter, "num_retracted_reqs", 0) or 0
-        ),
+        **adapter.scheduler_trace(scheduler, result),
         "kara_seconds": rt.stats.compression_seconds if rt is not None else 0.0,
         "kara_events": rt.stats.events if rt is not None else 0,
         "kara_deferred": rt.stats.deferred_events if rt is not None else 0,
@@ -271,9 +284,10 @@ def set_serving_policy(policy: str) -> None:
 def _verify_hook(result, sampling_params, *args, **kwargs):
     """SamplingParams.verify: reject invalid ``custom_params["kara"]``, and beam search under a
     compression policy, with a 400 naming the field."""
+    from sgl_kara import _sglang as adapter
     from sgl_kara.request_options import check_supported, validate
 
-    validate(getattr(sampling_params, "custom_params", None))
+    validate(adapter.custom_params(sampling_params))
     if STATE.serving_policy not in (None, "none"):
         check_supported(sampling_params, STATE.serving_policy)
     return result
@@ -282,7 +296,9 @@ def _verify_hook(result, sampling_params, *args, **kwargs):
 def _validate_input_ids_hook(result, manager, obj, input_ids, *args, **kwargs):
     """TokenizerManager._validate_one_request: out-of-vocabulary ids would crash the scheduler
     (embedding IndexError, whole server down); reject them with a 400 instead."""
-    vocab = manager.model_config.vocab_size
+    from sgl_kara import _sglang as adapter
+
+    vocab = adapter.vocab_size(manager)
     if input_ids and not all(isinstance(t, int) and 0 <= t < vocab for t in input_ids):
         bad = next(t for t in input_ids if not (isinstance(t, int) and 0 <= t < vocab))
         raise ValueError(
@@ -305,16 +321,12 @@ def _retraction_order_hook(original, reqs, **kwargs):
     that was just re-prefilled is uncompressed again until its catch-up compression, and would
     otherwise be retracted again and again while the others never are."""
     order = original(reqs=reqs, **kwargs)
-    if _active() is None:
+    rt = _active()
+    if rt is None:
         return order
-    compressed = [
-        i
-        for i in order
-        if getattr(getattr(reqs[i], "kara", None), "compressions", 0) > 0
-    ]
+    states = [rt.table.get(r) for r in reqs]
+    compressed = [i for i in order if states[i] is not None and states[i].compressions]
     done = set(compressed)
     plain = [i for i in order if i not in done]
-    plain.sort(
-        key=lambda i: -int(getattr(reqs[i], "retraction_count", 0) or 0)
-    )  # stable
+    plain.sort(key=lambda i: -(states[i].retractions if states[i] else 0))  # stable
     return compressed + plain

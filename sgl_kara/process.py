@@ -14,9 +14,8 @@ class ProcessState:
         # The plugin's parts whose hooks are in SGLang's registry (plugin.PARTS), and
         # "packed_linear" when the cpu_kernels part included the linear hooks.
         self.parts: set[str] = set()
-        self.serving_policy: str | None = (
-            None  # set in the process that validates requests (launcher / Engine)
-        )
+        # set in the process that validates requests (launcher / Engine)
+        self.serving_policy: str | None = None
         self.runtime: Any = None  # the KaraRuntime of this scheduler process (None: the hooks stay inert)
         self._trace: IO[str] | None = None
         self._exit_hook = False

@@ -17,16 +17,16 @@ def default_model_path() -> str:
     return smollm2()
 
 
-def server_defaults(model_path: str, given: dict) -> dict:
+def server_defaults(model_path: str, given: dict, compressing: bool = False) -> dict:
     """Server args sgl_kara sets when the user did not (``given``: the ServerArgs fields the
-    user set, with their values): on a CPU the kit's (cpu/server.py); on a GPU none, SGLang's
-    own defaults apply."""
+    user set, with their values): on a CPU the kit's (cpu/server.py; ``compressing``: a
+    compressing server); on a GPU none, SGLang's own defaults apply."""
     device = given.get("device") or ("cuda" if startup.cuda_available() else "cpu")
     if device != "cpu":
         return {}
     from sgl_kara.cpu.server import server_defaults as cpu_server_defaults
 
-    return cpu_server_defaults(model_path, given)
+    return cpu_server_defaults(model_path, given, compressing)
 
 
 def prepare(server_args, cfg: KaraConfig) -> KaraConfig:

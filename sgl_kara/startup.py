@@ -440,7 +440,7 @@ def reserve_device_memory(
     (1 - fraction) x the memory before the model loads, so the pool shrinks by it and the
     headroom SGLang keeps for activations and CUDA graphs stays whole. Refused, naming the
     flags, when no pool would be left. Returns the plan (bytes by what holds them)."""
-    from sgl_kara._sglang import model_config_of, resolving_view
+    from sgl_kara import _sglang as adapter
 
     device = serving_device(server_args)
     total = device_memory_bytes(device)
@@ -452,10 +452,10 @@ def reserve_device_memory(
         )
         return {}
     probe = sglang_resolution(server_args)
-    resolved = resolving_view(probe)
+    resolved = adapter.resolving_view(probe)
     if shape is None:
         tp = int(getattr(server_args, "tp_size", None) or 1)
-        shape = ModelShape.from_config(model_config_of(probe).hf_config).per_rank(tp)
+        shape = ModelShape.from_config(adapter.hf_config(probe)).per_rank(tp)
         check_model(shape, server_args.model_path, cfg.policy)
     fraction = float(resolved.mem_fraction_static)
     itemsize = shape.itemsize(server_args.dtype)
@@ -490,37 +490,28 @@ def reserve_device_memory(
     return sizes
 
 
-def check_runtime_supported(scheduler) -> None:
+def check_runtime_supported(scheduler, cfg: KaraConfig) -> None:
     """Checks of the built model, pool and CUDA graphs (run in the scheduler process, after the
     model loads): the second line behind ``check_model`` and ``keep_decode_eager``."""
-    from sgl_kara._sglang import MHATokenToKVPool, RadixAttention
+    from sgl_kara import _sglang as adapter
 
-    pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
-    if type(pool) is not MHATokenToKVPool:
+    pool, runner, model = adapter.built_model(scheduler)
+    if not adapter.standard_kv_pool(pool):
         raise UnsupportedFeature(
-            f"Kara supports standard multi-head/GQA attention KV pools only; this model uses "
-            f"{type(pool).__name__} (MLA, hybrid, sliding-window or quantized pools are not supported yet)"
+            "Kara supports standard multi-head/GQA attention KV pools only; this model "
+            f"uses {type(pool).__name__} (MLA, hybrid, sliding-window or quantized pools "
+            "are not supported yet)"
         )
-    runner = scheduler.tp_worker.model_runner
-    windows = sorted(
-        {
-            m.sliding_window_size
-            for m in runner.model.modules()
-            if isinstance(m, RadixAttention) and (m.sliding_window_size or -1) >= 0
-        }
-    )
+    windows = adapter.sliding_windows(model)
     if windows:
         raise UnsupportedFeature(
-            f"{type(runner.model).__name__} applies a sliding window ({', '.join(map(str, windows))} tokens) on some "
-            "attention layers, which Kara does not support: compaction moves kept entries to lower rows and the "
-            "window applies to row positions"
+            f"{type(model).__name__} applies a sliding window "
+            f"({', '.join(map(str, windows))} tokens) on some attention layers, which Kara "
+            "does not support: compaction moves kept entries to lower rows and the window "
+            "applies to row positions"
         )
-    cfg = getattr(scheduler, "kara_config", None)
-    why = hooks_every_decode_step(cfg) if cfg is not None and cfg.enabled else None
-    if (
-        why is not None
-        and getattr(runner, "decode_cuda_graph_runner", None) is not None
-    ):
+    why = hooks_every_decode_step(cfg) if cfg.enabled else None
+    if why is not None and adapter.decode_graphs_captured(runner):
         raise UnsupportedFeature(
             f"decode CUDA graphs were captured, but {why} needs the attention hook at every "
             "decode step: run with --disable-decode-cuda-graph"

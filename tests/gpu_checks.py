@@ -285,9 +285,8 @@ def kernels(model_name: str | None = None) -> dict:
 START_S = 20.0  # one engine start on one H100: imports, a 2-layer model, 6 decode + 10 prefill graphs
 STEP_S = 0.02  # one decode step of a few requests (pessimistic: 50 steps/s)
 REFERENCE_S = 10.0  # the HF reference of one oracle check
-KERNELS_S = (
-    90.0  # bench/gpu_kernels.py for one model (gpu_kernels.estimate_seconds per model)
-)
+# bench/gpu_kernels.py for one model (gpu_kernels.estimate_seconds per model)
+KERNELS_S = 90.0
 GPU_BACKENDS = ("fa3", "flashinfer", "triton")
 
 

@@ -43,7 +43,7 @@ def hook_state() -> dict:
     from sglang.srt.mem_cache.registry import registered_radix_cache_backends
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from sgl_kara import _sglang as sg
+    from sgl_kara import _sglang as adapter
     from sgl_kara.cpu import _sglang as kit
 
     hooks = sorted(
@@ -54,7 +54,7 @@ def hook_state() -> dict:
         if getattr(hook, "__module__", "").startswith("sgl_kara")
     )
     wrapped = []
-    for path in {**sg.SIGNATURES, **kit.SIGNATURES}:
+    for path in {**adapter.SIGNATURES, **kit.SIGNATURES}:
         owner_path, _, name = path.rpartition(".")
         owner = pkgutil.resolve_name(owner_path)
         obj = (

@@ -15,6 +15,9 @@ from support import PROXY_MODEL
 
 from bench import record
 
+# Benchmarks and docs, not the product: the integration tier (docs/TESTING.md, tiers).
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+# Benchmarks and docs, not the product: the integration tier (docs/TESTING.md, tiers).
+pytestmark = pytest.mark.integration
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 FILES = sorted(
     p for p in BENCH.rglob("*.py") if "results" not in p.relative_to(BENCH).parts

@@ -183,9 +183,8 @@ class Req:
     frontier: int = 0  # f
     pos_offset: int = 0
     length: int = 0  # physical
-    exp: torch.Tensor | None = (
-        None  # [L, cap, H] expected token id of each row per (layer, head)
-    )
+    # [L, cap, H] expected token id of each row per (layer, head)
+    exp: torch.Tensor | None = None
     prefix_slots: list = field(
         default_factory=list
     )  # slots of rows [0, min(length, P))
@@ -303,9 +302,8 @@ class World:
         """Prefill all of r.uids into a fresh row, sharing tree entry's first n_shared slots."""
         own = len(r.uids) - n_shared
         if entry is not None:
-            entry.refs += (
-                1  # lock the prefix before allocating (allocation may evict the tree)
-            )
+            # lock the prefix before allocating (allocation may evict the tree)
+            entry.refs += 1
         slots = self.alloc_rows(r, n_shared, own)
         if slots is None:
             if entry is not None:
@@ -375,9 +373,8 @@ class World:
                 refs=1,
             )
             self.next_eid += 1
-            self.tree[child.eid] = (
-                child  # the request's ref on `entry` becomes the child's
-            )
+            # the request's ref on `entry` becomes the child's
+            self.tree[child.eid] = child
             r.entry, r.n_shared = child, end
             self.counts["tree_insert"] += 1
             msg += f" -> tree entry {child.eid} rows [{n_shared},{end})"

@@ -17,8 +17,9 @@ import torch
 from oracle import check_policy_through_engine
 
 from sgl_kara.policies.base import Region
-from sgl_kara.scheduler.jobs import Job
+from sgl_kara.scheduler.plan import Job
 from sgl_kara.scheduler.scoring import Scorer
+from sgl_kara.scheduler.staging import DeviceStaging
 
 BASELINES = ["snapkv", "streaming", "h2o", "rkv"]
 
@@ -36,23 +37,24 @@ def test_recompute_pass_is_split_by_chunked_prefill_size(tokens, jobs, forwards)
     """Window queries of 40 tokens per request: a forward takes max(1, tokens // 40) requests,
     each sub-pass scores exactly its own requests' rows and slots, results in the jobs' order."""
     calls = []
-    rt = SimpleNamespace(recompute_tokens=tokens)
-    runner = Scorer(rt)
+    parts = SimpleNamespace(recompute_tokens=tokens)
+    runner = Scorer(None, parts, None, None, DeviceStaging("cpu"))
 
     def scoring_pass(sub, slots):
         return SimpleNamespace(
             jobs=sub, slots=slots, result=lambda: slots[:, None, None, :].float()
         )
 
-    def recompute(batch, sub, rows, scoring, q_lo, n):
+    def recompute(sub, rows, scoring, q_lo, n):
         assert [j.index for j in sub] == rows.tolist() and scoring.jobs is sub
+        assert n == 40 and q_lo == [0] * len(sub)
         calls.append(len(sub))
 
     runner.scoring_pass, runner._recompute = scoring_pass, recompute
     js = [Job(i, None, None, Region(10, 32, 8, 0, 40)) for i in range(jobs)]
     rows = torch.arange(jobs)
     slots = torch.arange(jobs * 32).view(jobs, 32)
-    scores = runner._recompute_scores(None, js, rows, slots)
+    scores = runner._recompute_scores(js, rows, slots, [0] * jobs, 40)
     assert len(calls) == forwards and sum(calls) == jobs
     assert max(calls) * 40 <= max(tokens, 40)
     assert torch.equal(scores, slots[:, None, None, :].float())

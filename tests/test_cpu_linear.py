@@ -113,9 +113,9 @@ def _original(
     signature, every argument but self by keyword)."""
     from sglang_original import sglang_original
 
-    from sgl_kara.cpu import _sglang as sg
+    from sgl_kara.cpu import _sglang as adapter
 
-    return sglang_original(getattr(sg, target), calls, value, side_effect)
+    return sglang_original(getattr(adapter, target), calls, value, side_effect)
 
 
 def test_weight_hooks_pack_after_sglang_and_unpack_before_it():

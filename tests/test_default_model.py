@@ -146,6 +146,9 @@ def test_cpu_memory_defaults_for_smollm2_on_this_machine_size():
     assert cpu_memory_defaults(None, 4, 24 * GIB, given=set()) == {
         "max_running_requests": 8
     }
+    # A compressing server: twice the requests in the same pool (admission by footprint).
+    compressing = cpu_memory_defaults(SMOLLM2, 4, 24 * GIB, set(), compressing=True)
+    assert compressing == {"max_running_requests": 16, "max_total_tokens": 8_192}
 
 
 def test_memory_that_does_not_fit_is_refused_naming_the_flags():
@@ -216,7 +219,7 @@ def test_launcher_applies_cpu_memory_defaults():
     cfg, sa = parse(["--model-path", PROXY_MODEL])
     assert (
         sa.device == "cpu"
-        and sa.max_running_requests == CPU_RUNNING_REQUESTS
+        and sa.max_running_requests == 2 * CPU_RUNNING_REQUESTS  # compressing
         and sa.max_total_tokens > 0
     )
     assert (

@@ -30,6 +30,9 @@ from pathlib import Path
 
 import pytest
 
+# Benchmarks and docs, not the product: the integration tier (docs/TESTING.md, tiers).
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 
@@ -444,3 +447,26 @@ if (
     __name__ == "__main__"
 ):  # python tests/test_docs.py: the flag table to paste into docs/CONFIGURATION.md
     print(flag_table((ROOT / "docs" / "CONFIGURATION.md").read_text()))
+
+
+def test_the_architecture_module_map_is_the_tree():
+    """docs/ARCHITECTURE.md's module map names every module of the package, and only those."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    section = text[text.index("## Module map") : text.index("## Row layout")]
+    block = section[section.index("```") : section.rindex("```")]
+    named = set()
+    for line in block.splitlines():
+        first = line.split("  ")[0].strip()
+        if not first.startswith("sgl_kara/"):
+            continue
+        paths = [p.strip() for p in first.split(",")]
+        folder = paths[0].rsplit("/", 1)[0]
+        named.add(paths[0])
+        named |= {f"{folder}/{p}" for p in paths[1:]}
+    package = ROOT / "sgl_kara"
+    tree = {
+        str(p.relative_to(ROOT))
+        for p in package.rglob("*.py")
+        if p.name != "__init__.py" and "__pycache__" not in p.parts
+    }
+    assert named == tree, (sorted(tree - named), sorted(named - tree))

@@ -23,6 +23,7 @@ VARIABLES = [
     ),
     ("FORK", env.fork_workers, "0", lambda v: v is False, True),
     ("CHECK_INTEGRITY", env.check_integrity, "1", lambda v: v is True, False),
+    ("CHECK_SYNC", env.check_sync, "1", lambda v: v is True, False),
     ("CROSSCHECK_QUERIES", env.crosscheck_queries, "1", lambda v: v is True, False),
     (
         "RECORD_EVICTIONS",

@@ -1,7 +1,7 @@
 """Event accounting (scheduler/events.py): an attempt whose compaction finds no fresh slots
 (OutOfSlots) changes nothing and is not an event, but the time it spent scoring is compression
-time all the same (the throughput grid's compress share once undercounted it); and a
-job whose fresh slots the pool cannot give is skipped before it is scored."""
+time all the same; a job whose fresh slots the pool cannot give is skipped before it is scored;
+an event is taken a chunk of requests at a time (one recompute forward's query windows)."""
 
 from __future__ import annotations
 
@@ -13,23 +13,22 @@ from sgl_kara.mem_cache.compaction import OutOfSlots
 from sgl_kara.policies.base import Region
 from sgl_kara.scheduler import events
 from sgl_kara.scheduler.events import EventRunner
-from sgl_kara.scheduler.jobs import Job
+from sgl_kara.scheduler.plan import Job
 from sgl_kara.scheduler.runtime import KaraStats
+from sgl_kara.scheduler.staging import DeviceStaging
 
 
-def _runner(compress, free=1000):
-    rt = SimpleNamespace(
-        stats=KaraStats(),
-        metrics=None,
+def _runner(compress, free=1000, recompute_tokens=8192):
+    parts = SimpleNamespace(
         page_size=1,
-        free_slots=lambda: free,
-        req_to_token_pool=SimpleNamespace(
-            req_to_token=torch.zeros(2, 8, dtype=torch.int32)
-        ),
-        allocator=SimpleNamespace(available_size=lambda: free),
+        available=lambda: free,
+        evictable=lambda: 0,
+        recompute_tokens=recompute_tokens,
+        req_to_token=torch.zeros(2, 8, dtype=torch.int32),
     )
-    runner = EventRunner(rt)
-    runner._compress_group = compress
+    rt = SimpleNamespace(stats=KaraStats(), parts=parts)
+    runner = EventRunner(None, parts, None, None, DeviceStaging("cpu"), rt.stats)
+    runner._compress = compress
     return rt, runner
 
 
@@ -89,7 +88,7 @@ def test_a_compressed_group_is_one_event_with_its_time(monkeypatch):
 def test_jobs_the_pool_cannot_take_are_skipped_unscored():
     """Page size 1: compacting to K = 2 allocates 2 fresh slots per request. With 5 free slots,
     two of three requests fit; the third is skipped before any scoring (only the fitting jobs
-    reach _compress_group), and with no free slot nothing is scored at all."""
+    reach _compress), and with no free slot nothing is scored at all."""
     seen = []
 
     def ok(batch, group):
@@ -119,6 +118,19 @@ def test_paged_jobs_are_fitted_in_whole_pages():
     assert fresh_slots_needed(16, 60, 32, 8, 16) == 32
     seen = []
     rt, runner = _runner(lambda b, g: (seen.append(len(g)), (len(g), 24))[1], free=63)
-    rt.page_size = 16
+    rt.parts.page_size = 16
     runner.run(None, _jobs(2, start=16, length=32, keep=8, row=60))
     assert seen == [1] and rt.stats.skipped_no_memory == 1
+
+
+def test_an_event_is_taken_one_recompute_budget_of_windows_at_a_time():
+    """Windows of 8 query tokens and a 24-token forward budget: chunks of 3 requests, in order;
+    the event's scores never hold more than a chunk."""
+    seen = []
+    rt, runner = _runner(
+        lambda b, g: (seen.append([j.index for j in g]), (len(g), 6))[1],
+        recompute_tokens=24,
+    )
+    runner.run(None, _jobs(7))
+    assert seen == [[0, 1, 2], [3, 4, 5], [6]]
+    assert rt.stats.events == 1 and rt.stats.requests_compressed == 0

@@ -2,7 +2,7 @@
 would outgrow what admission charged it (``policy.tail_charge``) before the next due step is in
 the event, beyond ``--kara-max-seqs``; the paper's 30 stays the limit where it suffices.
 
-The rule (jobs.choose), a step-by-step simulation of the schedule over plan_jobs, and an engine run
+The rule (plan.choose), a step-by-step simulation of the schedule over plan_jobs, and an engine run
 with the tiny model: every request's largest tail within the charge, no retraction with a pool
 sized to the compressed footprint, a bounded number of events per step."""
 
@@ -19,7 +19,7 @@ from support import FakeReq, flush_when_idle, start_engine
 from sgl_kara.policies.base import RowView
 from sgl_kara.policies.kara import KaraOptions, KaraPolicy
 from sgl_kara.policies.snapkv import SnapKVOptions, SnapKVPolicy
-from sgl_kara.scheduler.jobs import choose, decoded_tokens, due_at, overdue, plan_jobs
+from sgl_kara.scheduler.plan import choose, decoded_tokens, due_at, overdue, plan_jobs
 from sgl_kara.scheduler.state import KaraReqState
 
 
@@ -100,7 +100,7 @@ def simulate(
                 lambda r: r.kara,
                 1,
                 max_seqs,
-                due=lambda r, step=step: due_at(policy, phase, step, r),
+                due=lambda r, s, step=step: due_at(policy, phase, step, r, s),
             )
             if jobs:
                 per_event.append(len(jobs))

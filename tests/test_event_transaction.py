@@ -23,8 +23,10 @@ from support import FakeReq
 from sgl_kara.policies.threshold import ThresholdOptions, ThresholdPolicy
 from sgl_kara.scheduler.events import EventRunner
 from sgl_kara.scheduler.evictions import EvictionRecorder
-from sgl_kara.scheduler.jobs import plan_jobs
+from sgl_kara.scheduler.plan import plan_jobs
 from sgl_kara.scheduler.runtime import KaraStats
+from sgl_kara.scheduler.scoring import Scorer
+from sgl_kara.scheduler.staging import DeviceStaging
 from sgl_kara.scheduler.state import KaraReqState
 
 LAYERS, HKV, D, SLOTS, WIDTH = 2, 2, 4, 256, 64
@@ -131,21 +133,26 @@ def world(lengths, budget=12, recorder=None):
             )
         )
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-    rt = types.SimpleNamespace(
-        req_to_token_pool=types.SimpleNamespace(req_to_token=req_to_token),
-        kv_pool=pool,
+    parts = types.SimpleNamespace(
+        req_to_token=req_to_token,
+        keys=pool.get_key_buffer,
+        values=pool.get_value_buffer,
         layer_ids=list(range(LAYERS)),
+        alloc=alloc.alloc,
+        free=alloc.free,
+        available=alloc.available_size,
+        evictable=lambda: 0,
+        page_size=1,
+        recompute_tokens=8192,
+    )
+    rt = types.SimpleNamespace(
+        parts=parts,
+        req_to_token=req_to_token,
+        kv_pool=pool,
         policy=policy,
         allocator=alloc,
-        alloc_slots=alloc.alloc,
-        page_size=1,
         recorder=recorder,
-        ring=None,
-        check=False,
         stats=KaraStats(),
-        metrics=None,
-        recompute_tokens=8192,
-        free_slots=alloc.available_size,
         forward=types.SimpleNamespace(
             add_offset=lambda rows, d: offsets.index_add_(
                 0, rows, torch.full_like(rows, d)
@@ -163,10 +170,19 @@ def world(lengths, budget=12, recorder=None):
     return rt, batch, reqs
 
 
+def events(rt) -> EventRunner:
+    """The event runner over the world's pools (the policy scores without queries)."""
+    staging = DeviceStaging("cpu")
+    scorer = Scorer(rt.policy, rt.parts, rt.forward, None, staging)
+    return EventRunner(
+        rt.policy, rt.parts, scorer, rt.forward, staging, rt.stats, None, rt.recorder
+    )
+
+
 def snapshot(rt, req):
     row = int(req.kv.req_pool_idx)
     n = int(req.kv.kv_committed_len)
-    slots = rt.req_to_token_pool.req_to_token[row, :n].to(torch.int64).clone()
+    slots = rt.req_to_token[row, :n].to(torch.int64).clone()
     return dict(
         slots=slots,
         k=[b[slots].clone() for b in rt.kv_pool.k],
@@ -180,7 +196,7 @@ def snapshot(rt, req):
 def check_ownership(rt, reqs):
     named = []
     for r in reqs:
-        named += rt.req_to_token_pool.req_to_token[
+        named += rt.req_to_token[
             int(r.kv.req_pool_idx), : int(r.kv.kv_committed_len)
         ].tolist()
     assert len(named) == len(set(named)), "a slot is named by two rows"
@@ -213,10 +229,10 @@ def test_a_failure_after_the_kv_copy_leaves_that_request_as_it_was(
     elif stage == "record":
         prepare = recorder.prepare
 
-        def failing(req, *a, **kw):
-            if req is victim:
+        def failing(rid, *a, **kw):
+            if rid == victim.rid:
                 raise OSError("simulated: the eviction record cannot be written")
-            return prepare(req, *a, **kw)
+            return prepare(rid, *a, **kw)
 
         monkeypatch.setattr(recorder, "prepare", failing)
     else:
@@ -225,7 +241,7 @@ def test_a_failure_after_the_kv_copy_leaves_that_request_as_it_was(
     jobs = plan(rt, reqs)  # fixes P and the frontier
     before = {r.rid: snapshot(rt, r) for r in reqs}
     assert len({j.region.shape for j in jobs}) == 3  # per-request budgets: a group each
-    EventRunner(rt).run(batch, jobs)
+    events(rt).run(batch, jobs)
     check_ownership(rt, reqs)
     after = snapshot(rt, victim)
     b = before[victim.rid]
@@ -274,7 +290,7 @@ def test_a_failing_group_is_undone_and_retried_one_by_one():
         jobs = plan(rt, reqs)
         before = {r.rid: snapshot(rt, r) for r in reqs}
         assert len({j.region.shape for j in jobs}) == 1
-        EventRunner(rt).run(batch, jobs)
+        events(rt).run(batch, jobs)
     finally:
         Tally.on_compacted = orig
     check_ownership(rt, reqs)
@@ -288,7 +304,7 @@ def test_a_committed_event_keeps_exactly_the_kept_entries():
     rt.policy.fail_for = set()
     jobs = plan(rt, reqs)
     before = {r.rid: snapshot(rt, r) for r in reqs}
-    EventRunner(rt).run(batch, jobs)
+    events(rt).run(batch, jobs)
     check_ownership(rt, reqs)
     for j in jobs:
         r, b = j.req, before[j.req.rid]

@@ -7,6 +7,9 @@ import pytest
 
 from bench import gpu_model as gm
 
+# Benchmarks and docs, not the product: the integration tier (docs/TESTING.md, tiers).
+pytestmark = pytest.mark.integration
+
 LLAMA8B, GPU = gm.MODELS["R1-Llama-8B"], gm.GPUS["rtx5090"]
 
 

@@ -17,8 +17,9 @@ from sgl_kara.kernels.window_score import window_scores_paged, window_scores_pag
 from sgl_kara.policies.base import Region, RowView
 from sgl_kara.policies.kara import KaraOptions, KaraPolicy
 from sgl_kara.scheduler.forward import ForwardContext
-from sgl_kara.scheduler.jobs import Job
-from sgl_kara.scheduler.state import KaraReqState
+from sgl_kara.scheduler.plan import Job
+from sgl_kara.scheduler.staging import DeviceStaging
+from sgl_kara.scheduler.state import KaraReqState, RequestTable
 
 D, HQ, HKV, LAYERS = 16, 4, 2, 2  # tests/kernel_launches.Pool's defaults
 
@@ -28,12 +29,14 @@ def _request(pool_idx: int, length: int, prompt: int = 8):
     kv = types.SimpleNamespace(
         req_pool_idx=pool_idx, kv_committed_len=length, kv_allocated_len=length
     )
-    return types.SimpleNamespace(
-        origin_input_ids=tokens[:prompt],
-        output_ids=tokens[prompt:],
-        kv=kv,
-        rid=str(pool_idx),
-    )
+    req = _Req()
+    req.origin_input_ids, req.output_ids = tokens[:prompt], tokens[prompt:]
+    req.kv, req.rid = kv, str(pool_idx)
+    return req
+
+
+class _Req:
+    """What the scheduler reads of an SGLang request (a class: Kara's table holds it weakly)."""
 
 
 # ------------------------------------------------------------------ recompute pass: no K/V write
@@ -49,8 +52,18 @@ class FusedRopeModel:
         self.attention_saw: list[torch.Tensor] = []
         self.fused_wrote: list[torch.Tensor] = []
 
-    def forward(self, fb):
-        self.ctx.on_forward_batch(fb.batch, fb)
+    def run_eager(self, batch, stop):
+        fb = types.SimpleNamespace(
+            out_cache_loc=batch.out_cache_loc,
+            positions=torch.zeros(batch.out_cache_loc.shape[0], dtype=torch.int64),
+        )
+        try:
+            self.forward(batch, fb)
+        except stop:
+            pass
+
+    def forward(self, batch, fb):
+        self.ctx.on_forward_batch(batch, fb)
         n = fb.out_cache_loc.shape[0]
         g = torch.Generator().manual_seed(1)
         for lid in range(LAYERS):
@@ -76,34 +89,37 @@ def test_recompute_pass_writes_no_kv_with_fused_rope_write(monkeypatch):
     """Each layer's fused write lands in the padding slot; the window's K/V bytes (and every other
     real slot's) are unchanged; the attention itself still sees the window's real slots."""
     from sgl_kara import _sglang
+    from sgl_kara.scheduler import scoring
     from sgl_kara.scheduler.scoring import Scorer
 
-    monkeypatch.setattr(
-        _sglang,
-        "ForwardBatch",
-        types.SimpleNamespace(
-            init_new=lambda sb, mr, **kw: types.SimpleNamespace(
-                batch=sb,
-                out_cache_loc=sb.out_cache_loc,
-                forward_mode=sb.forward_mode,
-                positions=torch.zeros(sb.out_cache_loc.shape[0], dtype=torch.int64),
-            )
-        ),
-    )
+    def recompute_batch(
+        scheduler, extend
+    ):  # SGLang's ScheduleBatch needs real requests
+        return types.SimpleNamespace(
+            reqs=extend.reqs,
+            out_cache_loc=extend.out_cache_loc,
+            forward_mode=types.SimpleNamespace(
+                is_idle=lambda: False, is_decode=lambda: False
+            ),
+        )
+
+    monkeypatch.setattr(_sglang, "recompute_batch", recompute_batch)
+    assert scoring.sg is _sglang
     pool = Pool()
     req_to_token = torch.zeros(4, 64, dtype=torch.int32)
     req_to_token[1] = torch.arange(1, 65)  # row 1: slots 1..64
     req_to_token[2] = torch.arange(101, 165)  # row 2: slots 101..164
     policy = KaraPolicy(KaraOptions(window=16, buffer=4, period=4))
-    ctx = ForwardContext(policy, None, req_to_token, pool)
+    ctx = ForwardContext(
+        policy, None, req_to_token, pool.get_key_buffer, 0, RequestTable()
+    )
     mr = FusedRopeModel(ctx, pool)
-    rt = types.SimpleNamespace(
-        model_runner=mr,
-        req_to_token_pool=types.SimpleNamespace(req_to_token=req_to_token),
-        forward=ctx,
-        kv_pool=pool,
+    parts = types.SimpleNamespace(
+        scheduler=None,
+        run_eager=mr.run_eager,
+        req_to_token=req_to_token,
+        keys=pool.get_key_buffer,
         layer_ids=list(range(LAYERS)),
-        policy=policy,
         recompute_tokens=8192,
     )
     jobs = []
@@ -113,8 +129,8 @@ def test_recompute_pass_writes_no_kv_with_fused_rope_write(monkeypatch):
     rows = torch.tensor([1, 2])
     region = req_to_token[rows[:, None], 8 + torch.arange(12)].to(torch.int64)
     before = [t.clone() for t in pool.k + pool.v]
-    batch = types.SimpleNamespace(reqs=[j.req for j in jobs])
-    scores = Scorer(rt)._recompute_scores(batch, jobs, rows, region)
+    scorer = Scorer(policy, parts, ctx, None, DeviceStaging("cpu"))
+    scores = scorer._recompute_scores(jobs, rows, region, [8, 8], 16)
     assert scores.shape == (2, LAYERS, HKV, 12) and bool(torch.isfinite(scores).all())
     assert (
         len(mr.fused_wrote) == LAYERS
@@ -174,29 +190,31 @@ def test_decode_observer_reads_rows_from_the_host():
     from sgl_kara.policies.h2o import H2OOptions, H2OPolicy
 
     req_to_token = torch.empty(8, 64, dtype=torch.int32, device="meta")
+    table = RequestTable()
     ctx = ForwardContext(
         H2OPolicy(H2OOptions(threshold=40, budget=20)),
         None,
         req_to_token,
-        types.SimpleNamespace(start_layer=0),
+        None,
+        0,
+        table,
     )
     reqs = [_request(3, 20), _request(5, 30)]
-    for r in reqs:
-        r.kara = KaraReqState()
-    batch = types.SimpleNamespace(reqs=reqs, seq_lens_cpu=torch.tensor([21, 31]))
-    fb = types.SimpleNamespace(
+    states = [table.add(r, KaraReqState()) for r in reqs]
+    batch = types.SimpleNamespace(
+        reqs=reqs,
+        seq_lens_cpu=torch.tensor([21, 31]),
         forward_mode=types.SimpleNamespace(
             is_idle=lambda: False, is_decode=lambda: True
         ),
-        batch_size=2,
         req_pool_indices=torch.empty(2, dtype=torch.int64, device="meta"),
+    )
+    fb = types.SimpleNamespace(
         positions=torch.empty(2, dtype=torch.int64, device="meta"),
-        seq_lens=torch.empty(2, dtype=torch.int64, device="meta"),
-        seq_lens_cpu=None,
     )
     ctx.on_forward_batch(batch, fb)
-    slots, states = ctx.observed
-    assert [s.shape[0] for s in slots] == [21, 31] and states == [r.kara for r in reqs]
+    slots, seen = ctx.observed
+    assert [s.shape[0] for s in slots] == [21, 31] and seen == states
 
 
 # ------------------------------------------------------------------ KV cache dtype != model dtype
@@ -269,8 +287,8 @@ def _event_launches(policy, pool, q_dtype, page: int, tails: list[int], prompt: 
     """What one event launches for rows of these lengths: queries read from a capture ring, scores
     per layer (all rows at once, and one by one as a recompute split would), one compaction."""
     from sgl_kara.mem_cache.compaction import CompactionPlan, compact_rows
-    from sgl_kara.scheduler.queries import ScoringPass
     from sgl_kara.scheduler.ring import QueryRing
+    from sgl_kara.scheduler.scoring import ScoringPass
 
     protected = -(-prompt // page) * page
     lengths = [protected + t for t in tails]
@@ -304,7 +322,7 @@ def _event_launches(policy, pool, q_dtype, page: int, tails: list[int], prompt: 
         for part in [list(range(len(idx)))] + [[b] for b in range(len(idx))]:
             sp = ScoringPass(
                 policy,
-                pool,
+                pool.get_key_buffer,
                 list(range(LAYERS)),
                 slots[part],
                 [None] * len(part),
@@ -353,7 +371,9 @@ def test_warm_up_compiles_every_specialisation_an_event_launches(
         tails = [41 + i for i in (0, 1, 6, 7, 13, 20)]  # region lengths of both classes
     log = Launches(monkeypatch)
     pool = Pool(kv_dtype, slots=1024)
-    warm_up_kernels(pool, list(range(LAYERS)), policy, [HQ], q_dtype, page)
+    warm_up_kernels(
+        pool.get_key_buffer, list(range(LAYERS)), policy, [HQ], q_dtype, page
+    )
     warm = log.take()
     _event_launches(policy, pool, q_dtype, page, tails, prompt=8)
     event = log.take()
@@ -379,21 +399,17 @@ def test_captured_scores_are_read_in_bounded_chunks():
     read = ring.read
     ring.read = lambda lid, rr, st, n: reads.append(rr.numel()) or read(lid, rr, st, n)
     reqs = [_request(i + 1, 40) for i in range(5)]
+    states = [KaraReqState(protected=8, frontier=8, capture_from=0) for _ in reqs]
     for r in reqs:
-        r.kara = KaraReqState(protected=8, frontier=8, capture_from=0)
-        ring.assign(r)
-    jobs = [Job(i, r, r.kara, Region(8, 12, 3, 8, 16)) for i, r in enumerate(reqs)]
+        ring.assign(r, r.kv.req_pool_idx)
+    jobs = [Job(i, r, states[i], Region(8, 12, 3, 8, 16)) for i, r in enumerate(reqs)]
     rows = torch.tensor([r.kv.req_pool_idx for r in reqs])
     region = torch.stack([torch.arange(12) + 20 * i for i in range(5)])
-    rt = types.SimpleNamespace(
-        ring=ring,
-        policy=policy,
-        kv_pool=pool,
-        layer_ids=list(range(LAYERS)),
-        check=False,
-        recompute_tokens=32,
+    parts = types.SimpleNamespace(
+        keys=pool.get_key_buffer, layer_ids=list(range(LAYERS)), recompute_tokens=32
     )
-    got = Scorer(rt)._captured_scores(None, jobs, rows, region, [8] * 5)
+    scorer = Scorer(policy, parts, None, ring, DeviceStaging("cpu"))
+    got = scorer._captured_scores(jobs, rows, region, [8] * 5, 16)
     assert reads and max(reads) <= 2, reads  # 32 tokens / 16 per window
     for lid in range(LAYERS):
         q = ring.read(lid, ring.rows_for(rows), torch.full((5,), 8), 16)

@@ -384,7 +384,6 @@ def test_the_scheduler_allocates_the_ring_within_the_start_up_plan(
     from sgl_kara._sglang import RadixAttention
     from sgl_kara.config import KaraConfig
     from sgl_kara.model_shape import ModelShape, ring_bytes
-    from sgl_kara.scheduler import runtime
     from sgl_kara.scheduler.ring import make_ring
     from sgl_kara.startup import UnsupportedFeature
 
@@ -406,20 +405,19 @@ def test_the_scheduler_allocates_the_ring_within_the_start_up_plan(
     )
 
     def ring(planned_running, running, pool, cap=0):
-        rt = runtime.KaraRuntime.__new__(runtime.KaraRuntime)
-        rt.cfg = KaraConfig.build(
+        cfg = KaraConfig.build(
             query_source="capture", query_ring_rows=cap, window=64, buffer=8, period=16
         )
-        rt.check, rt.policy = False, rt.cfg.make_policy()
         server_args = types.SimpleNamespace(
             max_running_requests=planned_running, max_total_tokens=None
         )
-        rt.scheduler = types.SimpleNamespace(
-            max_running_requests=running,
-            max_total_num_tokens=pool,
-            server_args=server_args,
+        cuda_table = types.SimpleNamespace(
+            device=torch.device("cuda"), shape=(running + 1, 64)
         )
-        rt.model_runner = types.SimpleNamespace(
+        parts = types.SimpleNamespace(
+            max_running=running,
+            pool_tokens=pool,
+            server_args=server_args,
             dtype=torch.bfloat16,
             model=torch.nn.ModuleList(
                 RadixAttention(
@@ -427,12 +425,9 @@ def test_the_scheduler_allocates_the_ring_within_the_start_up_plan(
                 )
                 for i in range(shape.layers)
             ),
+            req_to_token=cuda_table,
         )
-        cuda_table = types.SimpleNamespace(
-            device=torch.device("cuda"), shape=(running + 1, 64)
-        )
-        rt.req_to_token_pool = types.SimpleNamespace(req_to_token=cuda_table)
-        return make_ring(rt, rt.policy.query_capacity())
+        return make_ring(parts, cfg, cfg.make_policy().query_capacity())
 
     assert ring(16, 16, 1 << 20).rows == 16
     assert (

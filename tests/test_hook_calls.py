@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from sglang_original import sglang_original
 
-from sgl_kara import _sglang as sg
+from sgl_kara import _sglang as adapter
 from sgl_kara import plugin
 from sgl_kara.scheduler.output import unwrap_meta_hook
 
@@ -23,7 +23,7 @@ def no_runtime(monkeypatch):
 def test_init_new(no_runtime):
     calls, batch, runner = [], object(), object()
     fb = plugin._init_new_hook(
-        sglang_original(sg.TARGET_INIT_NEW, calls, "fb"),
+        sglang_original(adapter.TARGET_INIT_NEW, calls, "fb"),
         "cls",
         batch,
         runner,
@@ -51,7 +51,7 @@ def test_attention(monkeypatch, kara):
     )
     calls = []
     out = plugin._attention_hook(
-        sglang_original(sg.TARGET_ATTENTION, calls, "out"),
+        sglang_original(adapter.TARGET_ATTENTION, calls, "out"),
         "layer",
         "q",
         "k",
@@ -79,7 +79,7 @@ def test_attention(monkeypatch, kara):
 def test_retraction_order(no_runtime):
     calls, reqs = [], ["a", "b"]
     assert plugin._retraction_order_hook(
-        sglang_original(sg.TARGET_RETRACTION_ORDER, calls, [1, 0]), reqs
+        sglang_original(adapter.TARGET_RETRACTION_ORDER, calls, [1, 0]), reqs
     ) == [1, 0]
     assert calls == [{"reqs": reqs}]
 
@@ -87,7 +87,7 @@ def test_retraction_order(no_runtime):
 def test_meta_info():
     calls, meta = [], {"kara": [{"compressions": 1}]}
     unwrap_meta_hook(
-        sglang_original(sg.TARGET_META_INFO, calls, None),
+        sglang_original(adapter.TARGET_META_INFO, calls, None),
         "manager",
         meta,
         "state",

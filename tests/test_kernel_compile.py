@@ -102,7 +102,7 @@ def _launch_matrix(case: list) -> list[dict]:
                 run(
                     f"{tag} warm-up {policy.name}",
                     warm_up_kernels,
-                    pool,
+                    pool.get_key_buffer,
                     list(range(L)),
                     policy,
                     [hq],

@@ -140,16 +140,16 @@ def _adapters():
 
 @pytest.mark.parametrize("which", [0, 1], ids=["core", "cpu"])
 def test_every_sglang_touch_point_exists(which):
-    sg = _adapters()[which]
+    adapter = _adapters()[which]
     missing = []
-    for path, names in sg.ATTRIBUTES.items():
+    for path, names in adapter.ATTRIBUTES.items():
         try:
             owner = importlib.import_module(path)
         except ImportError:
             mod, _, cls = path.rpartition(".")
             owner = getattr(importlib.import_module(mod), cls)
         missing += [f"{path}.{n}" for n in names if not _has_attribute(owner, n)]
-    targets = [v for k, v in vars(sg).items() if k.startswith("TARGET_")]
+    targets = [v for k, v in vars(adapter).items() if k.startswith("TARGET_")]
     for target in [t for v in targets for t in (v if isinstance(v, tuple) else (v,))]:
         mod, _, attr = target.rpartition(".")
         try:
@@ -247,19 +247,19 @@ def signature_text(fn) -> str:
 
 @pytest.mark.parametrize("which", [0, 1], ids=["core", "cpu"])
 def test_every_hooked_or_overridden_sglang_callable_has_the_recorded_signature(which):
-    sg = _adapters()[which]
+    adapter = _adapters()[which]
     targets = [
         t
-        for k, v in vars(sg).items()
+        for k, v in vars(adapter).items()
         if k.startswith("TARGET_")
         for t in (v if isinstance(v, tuple) else (v,))
     ]
-    assert set(targets) | set(getattr(sg, "OVERRIDDEN", ())) == set(
-        sg.SIGNATURES
+    assert set(targets) | set(getattr(adapter, "OVERRIDDEN", ())) == set(
+        adapter.SIGNATURES
     )  # every target has one
     changed = {
         path: (signature_text(_raw(path)), want)
-        for path, want in sg.SIGNATURES.items()
+        for path, want in adapter.SIGNATURES.items()
         if signature_text(_raw(path)) != want
     }
     assert not changed, (
@@ -332,8 +332,8 @@ def test_every_hook_takes_its_targets_parameters_as_sglang_names_them(monkeypatc
     )
     assert {t for t, *_ in hooks} == {
         t
-        for sg in (core, kit)
-        for k, v in vars(sg).items()
+        for adapter in (core, kit)
+        for k, v in vars(adapter).items()
         if k.startswith("TARGET_") and k != "TARGET_SCHEDULER"
         for t in (v if isinstance(v, tuple) else (v,))
     }
@@ -355,7 +355,7 @@ def _overrides():
     one of their SGLang bases."""
     from sglang.srt.managers.schedule_policy import PrefillAdder
 
-    from sgl_kara import _sglang as sg
+    from sgl_kara import _sglang as adapter
     from sgl_kara.mem_cache.radix import KaraRadixCache
     from sgl_kara.scheduler.admission import make_prefill_adder
     from sgl_kara.scheduler.kara_scheduler import KaraScheduler
@@ -364,8 +364,8 @@ def _overrides():
     classes = [
         KaraScheduler,
         KaraRadixCache,
-        make_output_streamer(sg.SchedulerOutputStreamer),
-        make_prefill_adder(PrefillAdder, runtime=None),
+        make_output_streamer(adapter.SchedulerOutputStreamer),
+        make_prefill_adder(PrefillAdder, charge=None),
     ]
     out = []
     for cls in classes:
@@ -386,13 +386,13 @@ def _overrides():
 
 
 def test_every_override_takes_sglangs_parameters():
-    from sgl_kara import _sglang as sg
+    from sgl_kara import _sglang as adapter
 
     overrides = _overrides()
     assert (
         len(overrides) >= 7
     )  # KaraScheduler 2, output streamer 2, prefill adder 2, radix 1
-    missing = [path for path, _ in overrides if path not in sg.SIGNATURES]
+    missing = [path for path, _ in overrides if path not in adapter.SIGNATURES]
     assert not missing, f"record these in sgl_kara/_sglang.py (OVERRIDDEN): {missing}"
     bad = {
         f"{path} <- {fn.__qualname__}": why
@@ -400,3 +400,88 @@ def test_every_override_takes_sglangs_parameters():
         if (why := _follows(fn, path, ""))
     }
     assert not bad, bad
+
+
+GPU_PROCESS = """
+import json, os, sys
+import torch
+import sgl_kara
+import sgl_kara._sglang  # SGLang's modules first, as on a GPU machine (their CUDA probes ran)
+torch.cuda.is_available = lambda: True  # a machine with CUDA, as far as sgl_kara can tell
+os.environ["KARA_SERVE"] = "1"
+from sgl_kara import plugin, server_setup
+plugin.register()  # what SGLang's plugin loader does in every process
+import sgl_kara.engine, sgl_kara.scheduler.kara_scheduler, sgl_kara.scheduler.runtime
+from sgl_kara._sglang import HookRegistry
+defaults = server_setup.server_defaults(sys.argv[1], {})
+print(json.dumps({
+    "kit": sorted(m for m in sys.modules if m.startswith("sgl_kara.cpu")),
+    "hooks": sorted(t for t, hooks in HookRegistry._hooks.items()
+                    for _, h, _ in hooks if h.__module__.startswith("sgl_kara")),
+    "parts": sorted(plugin.STATE.parts),
+    "defaults": defaults,
+}))
+"""
+
+
+def test_a_gpu_serving_process_imports_and_registers_nothing_of_the_cpu_kit(
+    tiny_llama,
+):
+    """``import sgl_kara`` and what a serving process on a CUDA machine runs (the plugin's
+    registration with KARA_SERVE=1, the Engine, the scheduler and its runtime, the server
+    defaults): no module of sgl_kara/cpu is imported, no hook of it registered."""
+    import json
+    import subprocess
+    import sys
+
+    env = {
+        k: v for k, v in __import__("os").environ.items() if not k.startswith("KARA_")
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", GPU_PROCESS, tiny_llama],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["kit"] == [], got["kit"]
+    assert got["parts"] == ["serving"]
+    assert got["hooks"] and not any("cpu" in h for h in got["hooks"]), got["hooks"]
+    assert got["defaults"] == {}  # SGLang's own defaults on a GPU
+
+
+@pytest.mark.integration  # builds the wheel (pip): the integration tier
+def test_the_wheel_holds_the_product_only(tmp_path):
+    """``pip wheel --no-deps .`` is under 1 MB and holds no code that downloads a model."""
+    import subprocess
+    import sys
+    import zipfile
+
+    root = ROOT.parent
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(root),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    (wheel,) = tmp_path.glob("sgl_kara-*.whl")
+    assert wheel.stat().st_size < 1 << 20, wheel.stat().st_size
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        assert all(n.startswith("sgl_kara") for n in names), names
+        assert not any("assets" in n or n.endswith(".safetensors") for n in names)
+        code = "\n".join(z.read(n).decode() for n in names if n.endswith(".py"))
+    for marker in ("pip download", "urlopen", "hf_hub_download", "snapshot_download"):
+        assert marker not in code, marker

@@ -360,3 +360,72 @@ def test_snapkv_scores_match_pooled_window_scores():
 def test_per_request_option_of_another_policy_is_listed_in_the_error():
     with pytest.raises(KaraConfigError, match="applies to --kara-policy snapkv"):
         KaraConfig.build(policy="kara", snapkv_budget=100)
+
+
+def _trajectory(p, gen, prompt=10):
+    """(remaining, row before the step, KV length before the step) at every decode step of one
+    request through Kara's schedule (as ``_simulate``), and the length after each step."""
+    state = KaraReqState(protected=prompt, frontier=prompt)
+    frontier, length, out = prompt, prompt, []
+    for step in range(1, gen):
+        remaining = gen - step
+        state.frontier = frontier
+        out.append((remaining, RowView(prompt, frontier, length, 0, state), length))
+        if p.due(step):
+            row = RowView(prompt, frontier, length, 0, state)
+            region = p.region(row)
+            if (
+                region is not None
+                and remaining > 1
+                and p.worth_compressing(row, remaining)
+            ):
+                length -= region.length - region.keep
+                frontier = region.start + region.keep
+        length += 1
+    return out, length
+
+
+@pytest.mark.parametrize(
+    "name,opts",
+    [
+        ("kara", dict(window=64, buffer=16, period=8, retention=0.25)),
+        ("kara", dict(window=128, buffer=8, period=32, retention=0.5)),
+        ("kara", dict(window=64, buffer=16, period=8, retention=0.25, recent=40)),
+        ("snapkv", dict(threshold=40, budget=20, window=4)),
+        ("streaming", dict(threshold=60, budget=30, window=8)),
+    ],
+)
+def test_a_running_request_never_grows_past_its_charge(name, opts):
+    """Admission charges a running request ``growth(remaining, row)``: at every step of its
+    life, its KV never grows beyond what it holds then plus that charge, and the charge is never
+    more than its footprint (what it was charged when admitted). A threshold policy's request
+    may write one entry past C_max + 1 with its last token (no event runs for a request about
+    to finish), as its footprint allows too."""
+    p = _policy(name, **opts)
+    last = 0 if name == "kara" else 1
+    for gen in (50, 137, 400):
+        if name == "kara":
+            steps, final = _trajectory(p, gen)
+        else:
+            steps, final = _threshold_trajectory(p, gen)
+        lengths = [length for _, _, length in steps] + [final]
+        for i, (remaining, row, length) in enumerate(steps):
+            grow = p.growth(remaining, row)
+            future = max(lengths[i:])
+            assert future - length <= grow + last, (gen, i, future - length, grow)
+            assert grow <= p.footprint(remaining, row.state)
+
+
+def _threshold_trajectory(p, gen, prompt=10):
+    state = KaraReqState(protected=prompt, frontier=prompt)
+    frontier, length, out = prompt, prompt, []
+    for step in range(1, gen):
+        remaining = gen - step
+        row = RowView(prompt, frontier, length, 0, state)
+        out.append((remaining, row, length))
+        region = p.region(row)
+        if region is not None and remaining > 1:
+            length -= region.length - region.keep
+            frontier = region.start + region.keep
+        length += 1
+    return out, length

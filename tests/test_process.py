@@ -101,22 +101,22 @@ class _Registry:
 
 @pytest.fixture
 def registry(state, monkeypatch):
-    from sgl_kara import _sglang as sg
+    from sgl_kara import _sglang as adapter
     from sgl_kara.cpu import _sglang as kit
     from sgl_kara.cpu import hooks as cpu_hooks
 
     fake = _Registry()
-    monkeypatch.setattr(sg, "HookRegistry", fake)
+    monkeypatch.setattr(adapter, "HookRegistry", fake)
     monkeypatch.setattr(kit, "HookRegistry", fake)
     monkeypatch.setattr(cpu_hooks, "STATE", state)
     monkeypatch.setattr(plugin, "cuda_available", lambda: False)
     monkeypatch.setattr(cpu_hooks, "apply_rope_shim", lambda: fake.hooks.append("rope"))
     monkeypatch.setattr(
-        sg,
+        adapter,
         "register_radix_cache_backend",
         lambda name, factory: fake.hooks.append(("radix", name)),
     )
-    monkeypatch.setattr(sg, "registered_radix_cache_backends", lambda: [])
+    monkeypatch.setattr(adapter, "registered_radix_cache_backends", lambda: [])
     for name in (
         "KARA_SERVE",
         "KARA_CPU_KERNELS",
@@ -224,17 +224,19 @@ def test_a_part_asked_for_later_is_added_later(registry, monkeypatch):
 
 
 def test_serving_sets_the_variable_for_the_duration_only(monkeypatch):
-    from sgl_kara import _sglang as sg
+    from sgl_kara import _sglang as adapter
 
     calls = []
-    monkeypatch.setattr(sg, "load_plugins", lambda: calls.append("load"))
+    monkeypatch.setattr(adapter, "load_plugins", lambda: calls.append("load"))
     monkeypatch.setattr(
         plugin,
         "register",
         lambda: calls.append(("register", os.environ.get("KARA_SERVE"))),
     )
     monkeypatch.setattr(
-        sg.HookRegistry, "apply_hooks", classmethod(lambda cls: calls.append("apply"))
+        adapter.HookRegistry,
+        "apply_hooks",
+        classmethod(lambda cls: calls.append("apply")),
     )
     monkeypatch.delenv("KARA_SERVE", raising=False)
     with plugin.serving():

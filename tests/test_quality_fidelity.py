@@ -10,6 +10,9 @@ import torch
 
 from bench.quality import fidelity
 
+# Benchmarks and docs, not the product: the integration tier (docs/TESTING.md, tiers).
+pytestmark = pytest.mark.integration
+
 
 def test_step_stats_matches_direct_kl():
     g = torch.Generator().manual_seed(0)

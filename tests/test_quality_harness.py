@@ -10,6 +10,9 @@ from support import run_bench
 
 from bench.quality import fidelity
 
+# Benchmarks and docs, not the product: the integration tier (docs/TESTING.md, tiers).
+pytestmark = pytest.mark.integration
+
 
 def _from_steps(ref_dir, tag: str, n: int) -> dict:
     """Token-weighted agreement, KL, PPL and hit rate of a row, recomputed from its per-step files."""

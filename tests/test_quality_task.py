@@ -9,6 +9,9 @@ import pytest
 
 from bench.quality import task
 
+# Benchmarks and docs, not the product: the integration tier (docs/TESTING.md, tiers).
+pytestmark = pytest.mark.integration
+
 
 def _reevaluate(prompt: str) -> tuple[dict[int, int], dict[str, int], list[int]]:
     """Values from the prompt alone, written independently of task.py.

@@ -1,4 +1,4 @@
-"""QueryRing (sgl_kara/scheduler/queries.py) on its own: rows handed out last-in first-out, the
+"""QueryRing (sgl_kara/scheduler/ring.py) on its own: rows handed out last-in first-out, the
 integrity check, poisoned buffers in integrity mode, and -- on Linux CPU -- resident memory that
 follows the rows written rather than the rows allocated (a 32-row ring where at most 11
 requests ran). The engine-level guarantee that no unwritten query is ever read is the oracle
@@ -22,8 +22,12 @@ def test_rows_are_reused_last_in_first_out():
         {0: (2, 4)}, rows=3, capacity=8, req_slots=6, dtype=torch.float32, device="cpu"
     )
     a, b, c, d = (FakeReq(i) for i in range(4))
-    assert ring.assign(a) and ring.assign(b) and ring.assign(c)
-    assert not ring.assign(d)  # every row held
+    assert (
+        ring.assign(a, a.kv.req_pool_idx)
+        and ring.assign(b, b.kv.req_pool_idx)
+        and ring.assign(c, c.kv.req_pool_idx)
+    )
+    assert not ring.assign(d, d.kv.req_pool_idx)  # every row held
     ring.check()
     rows = {
         r.kv.req_pool_idx: int(ring.rows_for(torch.tensor([r.kv.req_pool_idx])))
@@ -31,7 +35,10 @@ def test_rows_are_reused_last_in_first_out():
     }
     assert sorted(rows.values()) == [0, 1, 2] and rows[0] == 0
     ring.sweep({0, 2})  # b left the batch: its row is the next one handed out
-    assert ring.assign(d) and int(ring.rows_for(torch.tensor([3]))) == rows[1]
+    assert (
+        ring.assign(d, d.kv.req_pool_idx)
+        and int(ring.rows_for(torch.tensor([3]))) == rows[1]
+    )
     ring.check()
     assert (
         int(ring.rows_for(torch.tensor([1]))) == 3
@@ -49,7 +56,7 @@ def test_poisoned_ring_is_nan_until_written():
         poison=True,
     )
     assert all(torch.isnan(b).all() for b in ring.buffers.values())
-    ring.assign(FakeReq(0))
+    ring.assign(FakeReq(0), 0)
     q = torch.randn(3, 2, 4)
     rows = ring.rows_for(torch.tensor([0, 0, 0]))
     ring.write(0, q, rows, torch.tensor([5, 6, 7]))
@@ -89,7 +96,7 @@ def test_resident_memory_follows_the_rows_written():
     assert allocated < row_bytes / 4, (allocated, row_bytes)
     q = torch.ones(256, hq, d)
     for slot in (0, 1):
-        ring.assign(FakeReq(slot))
+        ring.assign(FakeReq(slot), slot)
         rows = ring.rows_for(torch.full((256,), slot))
         for start in range(0, capacity, 256):
             ring.write(0, q, rows, torch.arange(start, start + 256))
@@ -112,7 +119,6 @@ def test_start_up_plan_and_allocated_ring_agree(
     from sgl_kara.config import KaraConfig
     from sgl_kara.cpu import server as cpu_server
     from sgl_kara.model_shape import ModelShape
-    from sgl_kara.scheduler.runtime import KaraRuntime
     from sgl_kara.server_setup import prepare
 
     shape = ModelShape.from_model_path(tiny_llama)
@@ -143,27 +149,22 @@ def test_start_up_plan_and_allocated_ring_agree(
     monkeypatch.setattr(support, "available_ram_bytes", lambda: 1 << 40)
     resolved = prepare(args, cfg)
 
-    rt = KaraRuntime.__new__(
-        KaraRuntime
-    )  # the scheduler side, on a model of the same shape
-    rt.cfg, rt.check, rt.policy = resolved, False, resolved.make_policy()
-    rt.scheduler = types.SimpleNamespace(
-        max_running_requests=running, max_total_num_tokens=pool
-    )
-    rt.model_runner = types.SimpleNamespace(
+    # the scheduler side, on a model of the same shape (SGLang's own attention layers)
+    parts = types.SimpleNamespace(
+        max_running=running,
+        pool_tokens=pool,
         dtype=torch.float32,
+        server_args=args,
         model=torch.nn.ModuleList(
             RadixAttention(
                 shape.q_heads, shape.head_dim, 1.0, shape.kv_heads, layer_id=i
             )
             for i in range(shape.layers)
         ),
+        req_to_token=torch.zeros(running + 1, 8, dtype=torch.int32),
     )
-    rt.req_to_token_pool = types.SimpleNamespace(
-        req_to_token=torch.zeros(running + 1, 8, dtype=torch.int32)
-    )
-    capacity = rt.policy.query_capacity()
-    ring = make_ring(rt, capacity)
+    capacity = resolved.make_policy().query_capacity()
+    ring = make_ring(parts, resolved, capacity)
 
     rows = min(running, -(-pool // capacity))
     rows = min(rows, limit) if limit else rows

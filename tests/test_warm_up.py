@@ -88,7 +88,9 @@ def test_kara_events_with_any_retention_and_spread_chunk_compile_nothing_new(
     policy = KaraPolicy(KaraOptions(window=32, buffer=4, period=8))
     log = Launches(monkeypatch)
     pool = Pool(kv_dtype, slots=2048, layers=LAYERS, kv_heads=HKV, head_dim=D)
-    warm_up_kernels(pool, list(range(LAYERS)), policy, [HQ], q_dtype, page)
+    warm_up_kernels(
+        pool.get_key_buffer, list(range(LAYERS)), policy, [HQ], q_dtype, page
+    )
     warm = log.take()
     p = 16
     rows = [
@@ -105,7 +107,9 @@ def test_threshold_events_with_any_budget_compile_nothing_new(monkeypatch, page)
     policy = SnapKVPolicy(SnapKVOptions(threshold=40, budget=20, window=4))
     log = Launches(monkeypatch)
     pool = Pool(torch.float32, slots=2048, layers=LAYERS, kv_heads=HKV, head_dim=D)
-    warm_up_kernels(pool, list(range(LAYERS)), policy, [HQ], torch.float32, page)
+    warm_up_kernels(
+        pool.get_key_buffer, list(range(LAYERS)), policy, [HQ], torch.float32, page
+    )
     warm = log.take()
     p = 16
     rows = [

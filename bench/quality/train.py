@@ -58,9 +58,8 @@ from bench.quality.task import (  # noqa: E402
 from bench.quality.tokenizer import build_tokenizer  # noqa: E402
 
 DECIDE = ROLES.index("decide")
-EVAL_SEED = (
-    10_000_019  # held-out problems (train.py's periodic eval); eval_hf.py uses its own
-)
+# held-out problems (train.py's periodic eval); eval_hf.py uses its own
+EVAL_SEED = 10_000_019
 
 
 def parse_args(argv=None):

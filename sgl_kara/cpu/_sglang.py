@@ -107,4 +107,14 @@ ATTRIBUTES = {
     # rope.py: RoPE's CPU path (a module flag, patches/cpu.md); launcher.py: fork
     ROTARY_BASE_MODULE: ["_is_cpu"],
     "sglang.srt.entrypoints.engine": ["_set_envs_and_config"],
+    "sglang.srt.plugins.hook_registry.HookRegistry": ["register", "apply_hooks"],
 }
+
+
+def register_hook(target: str, hook, hook_type) -> None:
+    """SGLang's plugin hook registry: ``hook`` on ``target`` (applied by ``apply_hooks``)."""
+    HookRegistry.register(target, hook, hook_type)
+
+
+def apply_hooks() -> None:
+    HookRegistry.apply_hooks()

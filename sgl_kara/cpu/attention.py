@@ -2,14 +2,14 @@
 CPU kernels (``KARA_CPU_KERNELS``: on for sgl_kara's server, and for plain SGLang that opts in, so
 a benchmark comparison can run the same attention on both sides; cross-attention, sliding
 windows, CUDA tensors and ``KARA_FAST_CPU_DECODE=0`` take SGLang's path). SGLang 0.5.23
-gathers each request's K/V per layer by advanced indexing (52% of the scheduler's time at 48
-requests x ~1,000 tokens); here the rows are read once per forward and shared by every layer, and
+gathers each request's K/V per layer by advanced indexing; here the rows are read once per
+forward and shared by every layer, and
 one padded SDPA call per layer serves the whole batch, the GQA group folded into the query axis,
 while the cost rule (PAD_RATIO, CALL_UNITS; bench/cpu_decode_batched.py) says it beats the
 per-request loop (``KARA_BATCHED_CPU_DECODE=0``: always the loop, bit-identical to SGLang's; the
-padded call differs in float summation order, ~1e-7). Kara's recompute pass (``run_window_extend``)
+padded call differs in float summation order). Kara's recompute pass (``run_window_extend``)
 attends each request's E window queries to its L keys directly instead of SGLang's padded L x L
-extend (~9x the work for 64 queries over a 600-entry row).
+extend, whose work grows with L / E.
 
     slots   [sum(L_i)] int64: row i's slots req_to_token[r_i, :L_i], rows back to back
     bounds  [(start_i, end_i)]: request i's slice of slots (host ints, one read per forward)

@@ -33,7 +33,7 @@ def apply_rope_shim() -> None:
 def register(part: str) -> None:
     """Register the hooks of one of the plugin's CPU parts (``rope`` is applied at once: a module
     flag, not a hook)."""
-    from sgl_kara.cpu import _sglang as sg
+    from sgl_kara.cpu import _sglang as adapter
 
     if part == "rope":
         apply_rope_shim()
@@ -42,8 +42,8 @@ def register(part: str) -> None:
         "cpu_kernels": cpu_kernel_hooks,
         "report": report_hooks,
     }[part]():
-        sg.HookRegistry.register(target, hook, hook_type)
-        if target == sg.TARGET_LINEAR_APPLY:
+        adapter.register_hook(target, hook, hook_type)
+        if target == adapter.TARGET_LINEAR_APPLY:
             STATE.parts.add("packed_linear")
     if part == "cpu_kernels":
         logger.info("sgl_kara: CPU kernels in this process: %s", cpu_kernels_in_use())
@@ -61,13 +61,25 @@ def cpu_kernel_hooks() -> list:
     """sgl_kara/cpu as one part; ``KARA_FAST_CPU_DECODE`` / ``KARA_BATCHED_CPU_DECODE`` choose
     within the attention hooks at each call, ``KARA_PACKED_CPU_LINEAR`` whether the linear hooks
     are registered at all (the weights are packed when the model loads)."""
-    from sgl_kara.cpu import _sglang as sg
+    from sgl_kara.cpu import _sglang as adapter
     from sgl_kara.cpu.attention import reset_metadata_hook, run_sdpa_forward_decode
 
     hooks = [
-        (sg.TARGET_TORCH_NATIVE_METADATA, reset_metadata_hook, sg.HookType.AFTER),
-        (sg.TARGET_TORCH_NATIVE_DECODE, run_sdpa_forward_decode, sg.HookType.AROUND),
-        (sg.TARGET_TORCH_NATIVE_EXTEND, _recompute_extend_hook, sg.HookType.AROUND),
+        (
+            adapter.TARGET_TORCH_NATIVE_METADATA,
+            reset_metadata_hook,
+            adapter.HookType.AFTER,
+        ),
+        (
+            adapter.TARGET_TORCH_NATIVE_DECODE,
+            run_sdpa_forward_decode,
+            adapter.HookType.AROUND,
+        ),
+        (
+            adapter.TARGET_TORCH_NATIVE_EXTEND,
+            _recompute_extend_hook,
+            adapter.HookType.AROUND,
+        ),
     ]
     if not env.packed_cpu_linear():
         return hooks
@@ -80,33 +92,43 @@ def cpu_kernel_hooks() -> list:
         return hooks
     return hooks + [
         (
-            sg.TARGET_LINEAR_PROCESS_WEIGHTS,
+            adapter.TARGET_LINEAR_PROCESS_WEIGHTS,
             cpu_linear.process_weights_hook,
-            sg.HookType.AROUND,
+            adapter.HookType.AROUND,
         ),
         (
-            sg.TARGET_LINEAR_RESTORE_WEIGHTS,
+            adapter.TARGET_LINEAR_RESTORE_WEIGHTS,
             cpu_linear.restore_weights_hook,
-            sg.HookType.AROUND,
+            adapter.HookType.AROUND,
         ),
-        (sg.TARGET_LINEAR_APPLY, cpu_linear.linear_apply_hook, sg.HookType.AROUND),
         (
-            sg.TARGET_LINEAR_APPLY_INTO,
-            cpu_linear.linear_apply_into_hook,
-            sg.HookType.AROUND,
+            adapter.TARGET_LINEAR_APPLY,
+            cpu_linear.linear_apply_hook,
+            adapter.HookType.AROUND,
         ),
-        (sg.TARGET_LM_HEAD, cpu_linear.lm_head_hook, sg.HookType.AROUND),
+        (
+            adapter.TARGET_LINEAR_APPLY_INTO,
+            cpu_linear.linear_apply_into_hook,
+            adapter.HookType.AROUND,
+        ),
+        (adapter.TARGET_LM_HEAD, cpu_linear.lm_head_hook, adapter.HookType.AROUND),
         *[
-            (target, cpu_linear.weight_export_hook, sg.HookType.AROUND)
-            for target in sg.TARGET_WEIGHT_EXPORTS
+            (target, cpu_linear.weight_export_hook, adapter.HookType.AROUND)
+            for target in adapter.TARGET_WEIGHT_EXPORTS
         ],
     ]
 
 
 def report_hooks() -> list:
-    from sgl_kara.cpu import _sglang as sg
+    from sgl_kara.cpu import _sglang as adapter
 
-    return [(sg.TARGET_GET_INTERNAL_STATE, _internal_state_hook, sg.HookType.AFTER)]
+    return [
+        (
+            adapter.TARGET_GET_INTERNAL_STATE,
+            _internal_state_hook,
+            adapter.HookType.AFTER,
+        )
+    ]
 
 
 def cpu_kernels_in_use() -> dict:
@@ -150,12 +172,12 @@ def fork_server_processes() -> None:
     region before the fork (GNU OpenMP is not fork-safe after one) and holds no CUDA context.
     ``KARA_FORK=0`` keeps spawn.
     """
-    from sgl_kara.cpu import _sglang as sg
+    from sgl_kara.cpu import _sglang as adapter
 
-    sg.HookRegistry.register(
-        sg.TARGET_SET_ENVS, _fork_after_set_envs, sg.HookType.AFTER
+    adapter.register_hook(
+        adapter.TARGET_SET_ENVS, _fork_after_set_envs, adapter.HookType.AFTER
     )
-    sg.HookRegistry.apply_hooks()  # plugins were applied at start-up; this adds the target
+    adapter.apply_hooks()  # plugins were applied at start-up; this adds the target
 
 
 def _fork_after_set_envs(result, server_args):

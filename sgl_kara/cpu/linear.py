@@ -1,10 +1,9 @@
 """CPU serving (one of the CPU kernels, ``KARA_CPU_KERNELS``; ``KARA_PACKED_CPU_LINEAR=0`` leaves it
 out): float32 weight matmuls through oneDNN on weights reordered once, after loading, to its
 blocked layout -- in place, as SGLang's AMX path does for bfloat16 -- instead of ``F.linear``
-(MKL sgemm), which streams the weights once for 1-2 rows but not for 4-12, so each running
-request added ~10-19 ms to a decode step (bench/cpu_linear.py, SmolLM2-135M, one thread: MKL
-72-127 ms at 4-12 rows, packed 50-64 ms; ~11% slower at 1 row). Not bit-identical (float
-summation order; ~1e-6 on the logits).
+(MKL sgemm), which streams the weights once for 1-2 rows but not for the few rows of a decode
+batch, so each running request would add a weight read to a decode step (bench/cpu_linear.py
+measures both). Not bit-identical (float summation order).
 
     linear layers (UnquantizedLinearMethod)  layer.weight replaced after loading by a Parameter
         holding oneDNN's opaque packed tensor (``is_mkldnn``; same shape and dtype, the
@@ -31,9 +30,8 @@ import torch
 # two rows stream the weights once in MKL already; prefill computes logits of a few rows only.
 LM_HEAD_ROWS = (3, 64)
 
-# oneDNN picks the packed layout for a batch-size hint. 16 was within 1% of the best hint tried
-# (none, 4, 8, 16, 32) at every row count from 1 to 256 and 4-14% faster than no hint from 1 to 8
-# rows (bench/cpu_linear.py).
+# oneDNN picks the packed layout for a batch-size hint; 16 is the hint bench/cpu_linear.py finds
+# best across decode row counts.
 PACK_HINT_ROWS = 16
 
 # id(weight) -> (weak reference to the weight, packed copy, the weight's version); an entry leaves with its

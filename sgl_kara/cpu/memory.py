@@ -5,7 +5,9 @@ start-up. SGLang sizes its KV pool from free memory (~11 GB of float32 KV for a 
 KV pool + Kara's memory + PROCESS_FLOOR_BYTES that do not fit in the available memory
 (docs/CONFIGURATION.md, "CPU defaults and memory sizing"). No SGLang import.
 
-    --max-running-requests  CPU_RUNNING_REQUESTS unless the user sets it
+    --max-running-requests  CPU_RUNNING_REQUESTS unless the user sets it; a compressing server
+                            may run COMPRESSED_RUNNING_FACTOR times as many in the same pool:
+                            admission by compressed footprint decides how many fit
     --max-total-tokens      min(CPU_KV_SHARE of physical RAM / KV bytes per token,
                                 max(context length, max_running_requests * CPU_TOKENS_PER_REQUEST))
 """
@@ -16,6 +18,7 @@ from sgl_kara.memory_plan import gib
 from sgl_kara.model_shape import ModelShape
 
 CPU_RUNNING_REQUESTS = 8
+COMPRESSED_RUNNING_FACTOR = 2
 CPU_KV_SHARE = 0.05
 CPU_TOKENS_PER_REQUEST = 1024
 MIN_TOKENS = 4096
@@ -29,24 +32,27 @@ class MemoryConfigError(ValueError):
 
 
 def cpu_memory_defaults(
-    shape: ModelShape | None, itemsize: int, total_ram: int, given
+    shape: ModelShape | None,
+    itemsize: int,
+    total_ram: int,
+    given,
+    compressing: bool = False,
 ) -> dict:
     """SGLang server args for a CPU server that the user did not set (names as ServerArgs fields).
     ``given``: the ServerArgs fields the user set, with their values (a mapping; a set of names
-    means values unknown); a given ``max_running_requests`` sizes the pool like the default does."""
+    means values unknown); a given ``max_running_requests`` sizes the pool like the default does.
+    ``compressing``: the pool is sized for CPU_RUNNING_REQUESTS uncompressed requests and the
+    request limit is COMPRESSED_RUNNING_FACTOR times that (each holds less)."""
     given = given if isinstance(given, dict) else dict.fromkeys(given)
     out = {}
     if "max_running_requests" not in given:
-        out["max_running_requests"] = CPU_RUNNING_REQUESTS
+        factor = COMPRESSED_RUNNING_FACTOR if compressing else 1
+        out["max_running_requests"] = CPU_RUNNING_REQUESTS * factor
     if shape is not None and not given.keys() & {
         "max_total_tokens",
         "mem_fraction_static",
     }:
-        running = int(
-            given.get("max_running_requests")
-            or out.get("max_running_requests")
-            or CPU_RUNNING_REQUESTS
-        )
+        running = int(given.get("max_running_requests") or CPU_RUNNING_REQUESTS)
         by_ram = int(CPU_KV_SHARE * total_ram) // shape.kv_bytes_per_token(itemsize)
         by_work = max(shape.context_len, running * CPU_TOKENS_PER_REQUEST)
         out["max_total_tokens"] = max(MIN_TOKENS, min(by_ram, by_work))

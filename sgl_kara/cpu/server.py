@@ -43,14 +43,16 @@ def cpu_defaults() -> dict:
     }
 
 
-def server_defaults(model_path: str, given: dict) -> dict:
+def server_defaults(model_path: str, given: dict, compressing: bool = False) -> dict:
     """Server args the kit sets when the user did not (``given``: the ServerArgs fields the user
     set, with their values): the CPU defaults plus a KV pool and request limit sized for the
-    machine."""
+    machine (``compressing``: a compressing server, memory.py)."""
     out = {k: v for k, v in cpu_defaults().items() if k not in given}
     shape = ModelShape.from_model_path(model_path)
     itemsize = shape.itemsize(given.get("dtype") or out.get("dtype")) if shape else 4
-    out.update(cpu_memory_defaults(shape, itemsize, total_ram_bytes(), given))
+    out.update(
+        cpu_memory_defaults(shape, itemsize, total_ram_bytes(), given, compressing)
+    )
     return out
 
 

@@ -2,9 +2,8 @@
 
 GNU OpenMP reads ``OMP_WAIT_POLICY`` once, when torch loads it; its default spins idle threads
 between parallel regions, so when anything else runs on the cores each of the hundreds of parallel
-regions in a decode step waits for a descheduled spinner: with one other single-threaded engine on
-2 cores, the default server decoded 1.3 tok/s for one request and 1.5 for eight, with ``PASSIVE``
-7.0 and 21.8 (docs/CONFIGURATION.md, "CPU defaults and memory sizing"). A user's own value stays.
+regions in a decode step waits for a descheduled spinner (docs/CONFIGURATION.md, "CPU defaults
+and memory sizing", has the measurement). A user's own value stays.
 """
 
 from __future__ import annotations

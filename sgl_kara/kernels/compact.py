@@ -214,19 +214,39 @@ def _check_buffers(k_buffers, v_buffers):
     return ref
 
 
-def _ptr_table(bufs):
-    return torch.tensor(
-        [t.data_ptr() for t in bufs], dtype=torch.int64, device=bufs[0].device
-    )
+# Pointer tables of the buffer lists kernels were launched on, by their addresses: a KV pool's
+# buffers never move, so its table is built once (``pointer_table`` at start-up) and an event
+# copies nothing from the host for it.
+_TABLES: dict[tuple, torch.Tensor] = {}
+MAX_TABLES = 64
 
 
-def _check_slots(name, t, device, size):
+def pointer_table(bufs) -> torch.Tensor:
+    """[L] int64 on the buffers' device: each buffer's address (built once per buffer list)."""
+    key = (str(bufs[0].device), *(t.data_ptr() for t in bufs))
+    table = _TABLES.get(key)
+    if table is None:
+        if len(_TABLES) >= MAX_TABLES:  # scratch buffers of tests and warm-ups
+            _TABLES.pop(next(iter(_TABLES)))
+        table = torch.tensor(
+            [t.data_ptr() for t in bufs], dtype=torch.int64, device=bufs[0].device
+        )
+        _TABLES[key] = table
+    return table
+
+
+def _validate(check, device) -> bool:
+    """Check values too (reads them on the host: on a GPU that waits for the stream)? ``check``
+    None: on a CPU only."""
+    return bool(check) if check is not None else device.type == "cpu"
+
+
+def _check_slots(name, t, device, size, values: bool):
     if t.dtype != torch.int64:
         raise ValueError(f"{name} must be int64, got {t.dtype}")
     if t.device != device:
         raise ValueError(f"{name} must be on {device}, got {t.device}")
-    on_cpu = t.device.type == "cpu"  # range check would sync on GPU
-    if on_cpu and t.numel() and (t.min() < 0 or t.max() >= size):
+    if values and t.numel() and (t.min() < 0 or t.max() >= size):
         raise ValueError(f"{name} has slots outside [0, {size})")
 
 
@@ -234,7 +254,8 @@ def compact_kv(k_buffers, v_buffers, src_slots, dst_slots, use_triton=None, chec
     """K_l[dst[b, t], h] = K_l[src[b, l, h, t], h] (and V) for all b, l, h, t, in place.
 
     k_buffers, v_buffers: lists of L tensors [S, H_kv, D]; src_slots [B, L, H_kv, K]
-    int64; dst_slots [B, K] int64. check None: verify preconditions on CPU only.
+    int64; dst_slots [B, K] int64. check: verify the slots' values (in range, destinations
+    unique and apart from the sources); None: on a CPU only (reading them waits on a GPU).
     """
     ref = _check_buffers(k_buffers, v_buffers)
     s, h, d = ref.shape
@@ -248,9 +269,10 @@ def compact_kv(k_buffers, v_buffers, src_slots, dst_slots, use_triton=None, chec
         raise ValueError(
             f"dst_slots must be [B={b}, K={k}], got {tuple(dst_slots.shape)}"
         )
-    _check_slots("src_slots", src_slots, ref.device, s)
-    _check_slots("dst_slots", dst_slots, ref.device, s)
-    if check or (check is None and ref.device.type == "cpu"):
+    values = _validate(check, ref.device)
+    _check_slots("src_slots", src_slots, ref.device, s, values)
+    _check_slots("dst_slots", dst_slots, ref.device, s, values)
+    if values:
         if dst_slots.unique().numel() != dst_slots.numel():
             raise ValueError("dst_slots must be unique")
         if torch.isin(dst_slots, src_slots).any():
@@ -267,8 +289,8 @@ def compact_kv(k_buffers, v_buffers, src_slots, dst_slots, use_triton=None, chec
     block_t = BLOCK_T
     grid = (b * len(k_buffers) * h, triton.cdiv(k, block_t))
     _compact_kernel[grid](
-        _ptr_table(k_views),
-        _ptr_table(v_views),
+        pointer_table(k_views),
+        pointer_table(v_views),
         aligned(src_slots),
         aligned(dst_slots),
         len(k_buffers),
@@ -282,7 +304,9 @@ def compact_kv(k_buffers, v_buffers, src_slots, dst_slots, use_triton=None, chec
     )
 
 
-def copy_slots(k_buffers, v_buffers, src, dst, use_triton=None, disjoint=False):
+def copy_slots(
+    k_buffers, v_buffers, src, dst, use_triton=None, disjoint=False, check=None
+):
     """K_l[dst[i]] = K_l[src[i]] (all heads, and V) for every layer; src, dst [N] int64.
 
     src and dst may overlap (sources are staged in a workspace); dst must be unique. With
@@ -295,9 +319,10 @@ def copy_slots(k_buffers, v_buffers, src, dst, use_triton=None, disjoint=False):
         raise ValueError(
             f"src and dst must be [N], got {tuple(src.shape)}, {tuple(dst.shape)}"
         )
-    _check_slots("src", src, ref.device, s)
-    _check_slots("dst", dst, ref.device, s)
-    if disjoint and ref.device.type == "cpu" and torch.isin(dst, src).any():
+    values = _validate(check, ref.device)
+    _check_slots("src", src, ref.device, s, values)
+    _check_slots("dst", dst, ref.device, s, values)
+    if disjoint and values and torch.isin(dst, src).any():
         raise ValueError("copy_slots(disjoint=True): dst overlaps src")
     if src.numel() == 0:
         return
@@ -305,8 +330,8 @@ def copy_slots(k_buffers, v_buffers, src, dst, use_triton=None, disjoint=False):
         return copy_slots_ref(k_buffers, v_buffers, src, dst)
     n_layers, n, row = len(k_buffers), src.numel(), h * d
     es = ref.element_size()
-    k_tab = _ptr_table([t.view(_INT_VIEW[es]) for t in k_buffers])
-    v_tab = _ptr_table([t.view(_INT_VIEW[es]) for t in v_buffers])
+    k_tab = pointer_table([t.view(_INT_VIEW[es]) for t in k_buffers])
+    v_tab = pointer_table([t.view(_INT_VIEW[es]) for t in v_buffers])
     block = min(1024, triton.next_power_of_2(row))
     grid = (n_layers * n, triton.cdiv(row, block))
     args = (n, row, ref.stride(0))

@@ -1,4 +1,5 @@
-"""Compact one region of several requests' rows into fresh slots (page size 1).
+"""Compact one region of several requests' rows into fresh slots (page size 1 here; pages in
+``_prepare_paged``).
 
 For request b with row ``row_b`` (its ``req_to_token`` entries), physical length ``L_b``, and
 region rows ``[a_b, a_b + M)``:
@@ -34,12 +35,12 @@ class CompactionPlan:
     starts: list[int]  # a_b: first row position of the region
     lengths: list[int]  # L_b: physical length of each row before compaction
     region: int  # M: rows in the region
-    kept: (
-        torch.Tensor
-    )  # [B, L_layers, H_kv, K] int64 indices in [0, M), sorted per head
-    row_ids: list[int] | None = (
-        None  # ``rows`` on the host (None: read from ``rows``, a device sync)
-    )
+    # [B, L_layers, H_kv, K] int64 indices in [0, M), sorted per head
+    kept: torch.Tensor
+    row_ids: list[int] | None = None  # ``rows`` on the host (None: read from ``rows``)
+    device_starts: torch.Tensor | None = None  # ``starts`` on the device (None: copied)
+    # [B, M] the regions' slots (None: gathered)
+    region_slots: torch.Tensor | None = None
 
     @property
     def keep(self) -> int:
@@ -51,6 +52,20 @@ class CompactionPlan:
 
     def host_rows(self) -> list[int]:
         return list(self.row_ids) if self.row_ids is not None else self.rows.tolist()
+
+    def slots_of_regions(self, req_to_token: torch.Tensor) -> torch.Tensor:
+        """[B, M] int64 pool slots of the regions (the caller's, else gathered here)."""
+        if self.region_slots is not None:
+            return self.region_slots
+        device = req_to_token.device
+        starts = self.device_starts
+        if starts is None:
+            starts = torch.tensor(self.starts, device=device, dtype=torch.int64)
+        rows = self.rows.to(device=device, dtype=torch.int64)
+        offs = torch.arange(self.region, device=device)
+        return req_to_token[rows[:, None], starts[:, None] + offs[None, :]].to(
+            torch.int64
+        )
 
 
 class OutOfSlots(RuntimeError):
@@ -112,12 +127,21 @@ def compact_rows(
     free,
     page_size: int = 1,
     use_triton: bool | None = None,
+    check: bool | None = None,
 ):
     """Apply ``plan`` at once (``prepare_compaction`` then ``commit``); returns the per-request
     drop count d (same for every request). Raises OutOfSlots (nothing changed) when the fresh
     slots cannot be allocated."""
     return prepare_compaction(
-        plan, req_to_token, k_buffers, v_buffers, alloc, free, page_size, use_triton
+        plan,
+        req_to_token,
+        k_buffers,
+        v_buffers,
+        alloc,
+        free,
+        page_size,
+        use_triton,
+        check,
     ).commit(req_to_token, free)
 
 
@@ -130,14 +154,24 @@ def prepare_compaction(
     free,
     page_size: int = 1,
     use_triton: bool | None = None,
+    check: bool | None = None,
 ) -> PreparedCompaction:
     """Allocate fresh slots and copy the kept K/V (and, with pages, the shifted tail) into them;
     the rows are not touched. ``alloc(n) -> LongTensor[n] | None`` and ``free(slots)`` are the
     token allocator's. Raises OutOfSlots when the fresh slots cannot be allocated; on any failure
-    the fresh slots are given back first (nothing changed)."""
+    the fresh slots are given back first (nothing changed). ``check``: the kernels verify slot
+    values (kernels.compact; None: on a CPU only). Reads nothing back from the device."""
     if page_size > 1:
         return _prepare_paged(
-            plan, req_to_token, k_buffers, v_buffers, alloc, free, page_size, use_triton
+            plan,
+            req_to_token,
+            k_buffers,
+            v_buffers,
+            alloc,
+            free,
+            page_size,
+            use_triton,
+            check,
         )
     B, K, M = len(plan.starts), plan.keep, plan.region
     device = req_to_token.device
@@ -149,18 +183,13 @@ def prepare_compaction(
         raise OutOfSlots(f"need {B * K} free KV slots for compaction")
     try:  # any failure before the commit gives the fresh slots back
         dst = dst.to(device=device, dtype=torch.int64).view(B, K)
-        offs = torch.arange(M, device=device)
-        starts = torch.tensor(plan.starts, device=device, dtype=torch.int64)
-        rows = plan.rows.to(device=device, dtype=torch.int64)
-        region_slots = req_to_token[rows[:, None], starts[:, None] + offs[None, :]].to(
-            torch.int64
-        )  # [B, M]
+        region_slots = plan.slots_of_regions(req_to_token)  # [B, M]
         # src[b, l, h, t] = region_slots[b, kept[b, l, h, t]]
         Bk, L, H, _ = plan.kept.shape
         src = torch.gather(
             region_slots[:, None, None, :].expand(B, L, H, M), 3, plan.kept.to(device)
         )
-        compact_kv(k_buffers, v_buffers, src, dst, use_triton=use_triton)
+        compact_kv(k_buffers, v_buffers, src, dst, use_triton=use_triton, check=check)
         writes = []
         for b, (row, a, length) in enumerate(
             zip(plan.host_rows(), plan.starts, plan.lengths)
@@ -182,7 +211,15 @@ def prepare_compaction(
 
 
 def _prepare_paged(
-    plan, req_to_token, k_buffers, v_buffers, alloc, free, page: int, use_triton=None
+    plan,
+    req_to_token,
+    k_buffers,
+    v_buffers,
+    alloc,
+    free,
+    page: int,
+    use_triton=None,
+    check=None,
 ):
     """Page size > 1: a slot's offset in its page must equal its row position mod page, so the
     rewritten part of each row goes to fresh, page-aligned pages:
@@ -200,7 +237,6 @@ def _prepare_paged(
     if B == 0:
         return PreparedCompaction(0, [], empty, empty)
     d = M - K
-    rows = plan.rows.to(device=device, dtype=torch.int64)
     spans = []  # (s, a, L, n_new, n_pages)
     for a, length in zip(plan.starts, plan.lengths):
         s = a - a % page
@@ -226,9 +262,9 @@ def _prepare_paged(
             v_buffers,
             fresh,
             spans,
-            rows,
             page,
             use_triton,
+            check,
         )
     except BaseException:
         free(fresh)
@@ -240,17 +276,13 @@ def _prepare_paged(
 
 
 def _paged_copy(
-    plan, req_to_token, k_buffers, v_buffers, fresh, spans, rows, page, use_triton
+    plan, req_to_token, k_buffers, v_buffers, fresh, spans, page, use_triton, check
 ):
     """Fill the fresh pages (kept entries gathered, rows [s, a) and the tail copied); returns
     (row, s, new slots, old slots) per request. Reads the rows, writes only fresh slots."""
     B, K, M = len(plan.starts), plan.keep, plan.region
     device = req_to_token.device
-    offs = torch.arange(M, device=device)
-    starts = torch.tensor(plan.starts, device=device, dtype=torch.int64)
-    region_slots = req_to_token[rows[:, None], starts[:, None] + offs[None, :]].to(
-        torch.int64
-    )
+    region_slots = plan.slots_of_regions(req_to_token)
     Bk, L, H, _ = plan.kept.shape
     src = torch.gather(
         region_slots[:, None, None, :].expand(B, L, H, M), 3, plan.kept.to(device)
@@ -269,7 +301,14 @@ def _paged_copy(
         copy_src += [old_row[:head], old_row[head + M :]]
         copy_dst += [new[:head], new[head + K :]]
         new_rows.append((row, s, new, old_row))
-    compact_kv(k_buffers, v_buffers, src, torch.stack(kept_dst), use_triton=use_triton)
+    compact_kv(
+        k_buffers,
+        v_buffers,
+        src,
+        torch.stack(kept_dst),
+        use_triton=use_triton,
+        check=check,
+    )
     # Old pages -> fresh pages: disjoint, so no staging workspace (it would hold the whole tail).
     copy_slots(
         k_buffers,
@@ -278,5 +317,6 @@ def _paged_copy(
         torch.cat(copy_dst),
         use_triton=use_triton,
         disjoint=True,
+        check=check,
     )
     return new_rows

@@ -5,17 +5,19 @@ the token ids 1:1. Inserting them under the original token ids would give later 
 stale KV (and the tree would free slots that the row still names). Every checkpoint is
 therefore capped at the request's exact (uncompressed) length (``insert_cap``); the rest of the
 row is freed by SGLang's own release path. Registered as ``--radix-cache-backend kara``.
-Reads the request's state (``req.kara``) only: nothing from the scheduler.
+Reads the request's Kara state (``state_of``: the scheduler runtime's table) and lengths only.
 """
 
 from __future__ import annotations
 
+from sgl_kara import _sglang as adapter
 from sgl_kara._sglang import UnifiedRadixCache, create_unified_radix_cache
+from sgl_kara.process import STATE
 
 BACKEND_NAME = "kara"
 
 
-def insert_cap(req) -> int | None:
+def insert_cap(req, state) -> int | None:
     """How much of the row the radix tree may take (None = all of it).
 
     A compressed row is exact only up to its protected prefix. A row re-prefilled after a
@@ -24,21 +26,23 @@ def insert_cap(req) -> int | None:
     the request would hold its full length until it finishes. A finished uncompressed request
     inserts everything (later requests with the same history hit it).
     """
-    state = getattr(req, "kara", None)
     if state is None:
         return None
     if state.compressions > 0:
         return state.protected
-    if state.enabled and req.output_ids and not req.finished():
-        return len(req.origin_input_ids)
+    if state.enabled and adapter.output_length(req) and not adapter.finished(req):
+        return len(adapter.prompt_ids(req))
     return None
 
 
 class KaraRadixCache(UnifiedRadixCache):
     def checkpoint(self, req, *, up_to: int, **kwargs) -> None:
-        cap = insert_cap(req)
+        runtime = (
+            STATE.runtime
+        )  # this scheduler's Kara runtime: its table holds the state
+        cap = insert_cap(req, None if runtime is None else runtime.table.get(req))
         if cap is not None:
-            up_to = min(up_to, max(cap, int(req.kv.cache_protected_len)))
+            up_to = min(up_to, max(cap, adapter.tree_prefix_length(req)))
         return super().checkpoint(req, up_to=up_to, **kwargs)
 
 

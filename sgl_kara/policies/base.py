@@ -11,8 +11,10 @@ no policy by name:
                                        many entries to keep, which queries score them (or None)
     what      ``score(inp)``           importance of each region key, per layer and KV head
               ``select(scores, keep)`` kept indices (default: the top ``keep`` by score)
-    how much  ``footprint(remaining, row)`` tokens a request will hold for ``remaining`` more
-                                       (admission by compressed footprint)
+    how much  ``footprint(remaining, state)`` tokens a request will hold of ``remaining`` more
+                                       (admission of a new request by compressed footprint)
+              ``growth(remaining, row)``  tokens a running request's KV may still grow by
+                                       (admission's charge of a running request)
 
 Queries: a policy that scores with attention sets ``needs_queries``; its region names a query
 window of logical positions and the runtime hands ``score`` that window's post-RoPE queries
@@ -136,9 +138,8 @@ class Policy(ABC):
     request_options: ClassVar[tuple[str, ...]] = ()
     needs_queries: ClassVar[bool] = True
     observes_decode: ClassVar[bool] = False
-    additive: ClassVar[bool] = (
-        False  # score(q[:a]) + score(q[a:]) == score(q) over the query axis
-    )
+    # score(q[:a]) + score(q[a:]) == score(q) over the query axis
+    additive: ClassVar[bool] = False
 
     def __init__(self, options):
         self.options = options
@@ -203,6 +204,12 @@ class Policy(ABC):
     def footprint(self, remaining: int, state) -> int:
         """Tokens of ``remaining`` future ones a request will hold (admission)."""
         return remaining
+
+    def growth(self, remaining: int, row: RowView) -> int:
+        """Most tokens by which a running request's KV (``row``) may still grow while it
+        generates ``remaining`` more: its footprint less what it already holds toward it.
+        Default: the footprint (nothing held counts)."""
+        return self.footprint(remaining, row.state)
 
     # -- per-step observation (observes_decode) ------------------------------------------------
     def observe(self, inp: ObserveInput) -> None:

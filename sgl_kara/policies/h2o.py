@@ -87,9 +87,8 @@ class H2OPolicy(ThresholdPolicy):
 
     def __init__(self, options):
         super().__init__(options)
-        self._batch = (
-            None  # (the forward's row_slots list, its chunks): built at its first layer
-        )
+        # (the forward's row_slots list, its chunks): built at its first layer
+        self._batch = None
 
     def observe(self, inp: ObserveInput) -> None:
         """Add each decode query's attention (softmax over its row's keys, itself included) to

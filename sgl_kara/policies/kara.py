@@ -351,8 +351,7 @@ class KaraPolicy(Policy):
     def worth_compressing(self, row: RowView, remaining: int) -> bool:
         """A request whose uncompressed tail stays within W + period until it finishes is left
         alone: admission (``footprint``) charged it that tail, and the event would score a whole
-        window to free slots for fewer than ``period`` more steps (measured: the last event of
-        each 256-token request at W = 128 came 5 steps before it finished)."""
+        window to free slots for fewer than ``period`` more steps."""
         o = self.options
         return (
             remaining > 1
@@ -389,3 +388,22 @@ class KaraPolicy(Policy):
         return min(
             remaining, math.ceil(remaining * rate) + o.window + o.recent + o.period
         )
+
+    def growth(self, remaining: int, row: RowView) -> int:
+        """A running request already holds its uncompressed tail t (at most W + R + period): by
+        the time it has generated G more, at least t + G - (W + R + period) of its tail rows were
+        compressed to ``rate`` of themselves, so its KV grew by at most
+        G rate + (W + R + period - t)(1 - rate), and by at most G."""
+        if remaining <= 0:
+            return remaining
+        o = self.options
+        retention = (
+            row.state.retention
+            if row.state is not None and row.state.retention is not None
+            else o.retention
+        )
+        rate = kept_count(o.compressible, retention) / o.compressible
+        start = row.frontier if row.protected >= 0 else row.length
+        tail = max(0, row.length - start)
+        allowance = max(0, o.window + o.recent + o.period - tail)
+        return min(remaining, math.ceil(remaining * rate + allowance * (1 - rate)))

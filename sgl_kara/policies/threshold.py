@@ -90,3 +90,12 @@ class ThresholdPolicy(Policy):
             return remaining
         _, threshold = self._budget(state)
         return min(remaining, threshold + 1)
+
+    def growth(self, remaining: int, row: RowView) -> int:
+        """A running request holds at most C_max + 1 generated entries; those it holds already
+        (rows [P, L)) count toward them."""
+        if remaining <= 0:
+            return remaining
+        _, threshold = self._budget(row.state)
+        held = row.length - row.protected if row.protected >= 0 else 0
+        return min(remaining, max(0, threshold + 1 - held))

@@ -1,58 +1,47 @@
 """Admission by compressed footprint.
 
 SGLang's PrefillAdder reserves, for every running and new request, the tokens it may still
-generate (``max_new_tokens - len(output_ids)``, times a ratio). Under compression a request
-that generates G more tokens holds only ``policy.footprint(G)`` of them (Kara: about
-``G * K / (W - U) + W + period``; threshold policies: at most C_max + 1), under its own
-``custom_params.kara`` overrides. Without this discount the freed memory would never admit more
-requests and compression would buy no throughput.
+generate (``max_new_tokens - len(output_ids)``, times a ratio), on top of what the running ones
+already hold. Under compression a request that generates G more tokens holds only
+``policy.footprint(G)`` of them (Kara: about ``G * K / (W - U) + W + period``; threshold
+policies: at most C_max + 1), under its own ``custom_params.kara`` overrides; a running request
+already holds part of that footprint (Kara: its uncompressed tail), so its KV grows by less
+(``policy.growth``). Without this discount the freed memory would never admit more requests and
+compression would buy no throughput.
+
+``charge(req, running)`` (the runtime's) is the ``max_new_tokens`` to present for a request: its
+output so far plus what its KV may still grow by (None: compression off for it, SGLang's own
+count applies). It is presented for the duration of SGLang's own accounting only.
 """
 
 from __future__ import annotations
 
+import contextlib
 
-def compressed_future_tokens(remaining: int, runtime, state=None) -> int:
-    """Tokens a request that may still generate ``remaining`` will hold (the runtime's
-    ``footprint``: the policy's, plus what a capped spread may leave uncompressed)."""
-    return runtime.footprint(remaining, state)
+from sgl_kara import _sglang as adapter
 
 
-def make_prefill_adder(base, runtime):
+def make_prefill_adder(base, charge):
     class KaraPrefillAdder(base):
         def _get_running_request_total_token_offset(self, req):
-            state = runtime.state_of(req)
-            if not state.enabled:
-                return super()._get_running_request_total_token_offset(req)
-            with _discounted(req, runtime):
+            with presented(req, charge, running=True):
                 return super()._get_running_request_total_token_offset(req)
 
         def add_one_req(self, req, *args, **kwargs):
-            if not runtime.state_of(req).enabled:
-                return super().add_one_req(req, *args, **kwargs)
-            with _discounted(req, runtime):
+            with presented(req, charge, running=False):
                 return super().add_one_req(req, *args, **kwargs)
 
     KaraPrefillAdder.__name__ = f"Kara{base.__name__}"
     return KaraPrefillAdder
 
 
-class _discounted:
-    """Temporarily present max_new_tokens as the compressed footprint of what remains."""
-
-    def __init__(self, req, runtime):
-        self.req = req
-        self.params = req.sampling_params
-        self.done = len(req.output_ids)
-        self.runtime = runtime
-
-    def __enter__(self):
-        self.orig = self.params.max_new_tokens
-        remaining = max(0, self.orig - self.done)
-        state = self.runtime.state_of(self.req)
-        self.params.max_new_tokens = self.done + compressed_future_tokens(
-            remaining, self.runtime, state
-        )
-
-    def __exit__(self, *exc):
-        self.params.max_new_tokens = self.orig
-        return False
+@contextlib.contextmanager
+def presented(req, charge, running: bool):
+    """``req``'s max_new_tokens is ``charge(req, running)`` for the duration (unchanged when
+    None)."""
+    value = charge(req, running)
+    if value is None:
+        yield
+        return
+    with adapter.max_new_tokens_as(req, value):
+        yield

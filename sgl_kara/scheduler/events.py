@@ -1,30 +1,29 @@
-"""Running one compression event over planned jobs: score, select, compact, shrink -- and the
-spread scoring of upcoming windows between events (spread.py).
+"""Running one compression event over planned jobs -- and a spread step's scoring parts.
 
-Scoring itself (captured or recomputed queries) is scoring.py's. Jobs are grouped by region shape (one batched score / select / compaction per group). Before a
-group is scored, its jobs are fitted to the pool: compaction allocates fresh slots before it frees
-the old ones, so a job whose fresh slots the pool (free + evictable) cannot give now is skipped
-*unscored* -- scoring it would be wasted, and on a full pool a threshold policy's due request
-would otherwise be scored again at every step (51,344 wasted scorings in one SnapKV run before
-this rule). A group that still cannot get its slots is skipped (OutOfSlots: nothing changed).
+Jobs are grouped by region shape and each group is taken a chunk at a time (at most one
+recompute forward's worth of query windows: the event's scores and selection stay within the
+memory planned for them, memory_plan.event_chunk). Before a chunk is scored its jobs are fitted
+to the pool: compaction allocates fresh slots before it frees the old ones, so a job whose fresh
+slots the pool (free + evictable) cannot give now is skipped *unscored* -- scoring it would be
+wasted, and on a full pool a threshold policy's due request would otherwise be scored again at
+every step. A chunk that still cannot get its slots is skipped (OutOfSlots: nothing changed).
 
 An event is a transaction: everything that can fail runs while every row still names its old
 slots, and the commit is index writes only.
 
-    score    ScoringPass over the policy's query window, or what is left of it after the spread
-             steps: captured queries for the jobs whose window is still in the ring, a recompute
-             forward (paper App. C.2) for the others; the policy's own scores when it needs no
-             queries
+    score    the policy's query window, or what is left of it after the spread steps
+             (scoring.py: captured or recomputed queries; the policy's own scores when it needs
+             none)
     select   policy.select(scores [B, L, H_kv, M], K) -> kept [B, L, H_kv, K]
     prepare  fresh slots allocated, kept K/V copied into them (mem_cache.compaction), the
              policy's per-request state re-laid into copies, the eviction record built
     commit   rows rewritten, old slots freed, lengths shrunk in SGLang's request / batch state,
              pos_offset (host and device), frontier, the copies kept
 
-A group that fails before its commit is undone (its fresh slots given back, no row or state
+A chunk that fails before its commit is undone (its fresh slots given back, no row or state
 changed) and retried request by request so the failing request is found; that request finishes
 with an error (HTTP 500) and its row is left untouched (SGLang frees it as usual); the others are
-compressed.
+compressed. Every index tensor reaches the device through ``staging`` (no host wait).
 """
 
 from __future__ import annotations
@@ -35,92 +34,105 @@ import time
 
 import torch
 
+from sgl_kara import _sglang as adapter
 from sgl_kara import env
-from sgl_kara.mem_cache.compaction import CompactionPlan, OutOfSlots, prepare_compaction
-from sgl_kara.scheduler.scoring import Scorer
+from sgl_kara.mem_cache.compaction import (
+    CompactionPlan,
+    OutOfSlots,
+    prepare_compaction,
+)
+from sgl_kara.memory_plan import event_chunk
 
 logger = logging.getLogger(__name__)
 
-FAULT_STAGES = (
-    "score",
-    "commit",
-)  # KARA_INJECT_FAULT_AT: before scoring, or just before the commit
+FAULT_STAGES = ("score", "commit")  # KARA_INJECT_FAULT_AT: before scoring or the commit
 
 
 class EventRunner:
-    def __init__(self, rt):
-        self.rt = rt  # the KaraRuntime: pools, policy, ring, forward context, stats
-        self.scorer = Scorer(rt)
+    """``parts``: the pools (_sglang.SchedulerParts); ``scorer``: scoring.Scorer; ``forward``:
+    the device offsets; ``recorder``: the eviction record or None; ``stats`` / ``metrics``:
+    counters; ``staging``: host-to-device index copies."""
 
-    # ------------------------------------------------------------------------------ events
+    def __init__(
+        self,
+        policy,
+        parts,
+        scorer,
+        forward,
+        staging,
+        stats,
+        metrics=None,
+        recorder=None,
+        check: bool = False,
+    ):
+        self.check = check  # the kernels verify slot values (KARA_CHECK_INTEGRITY)
+        self.policy = policy
+        self.parts = parts
+        self.scorer = scorer
+        self.forward = forward
+        self.staging = staging
+        self.stats = stats
+        self.metrics = metrics
+        self.recorder = recorder
+
+    # -------------------------------------------------------------------------- events
     def run(self, batch, jobs) -> int:
         """Compress ``jobs``; returns the KV slots freed."""
-        rt = self.rt
         tic = time.perf_counter()
-        cuda = rt.req_to_token_pool.req_to_token.device.type == "cuda"
-        if cuda:
+        cuda = self.parts.req_to_token.device.type == "cuda"
+        if cuda:  # allocator statistics: host-side, no wait
             start = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
         done = dropped = 0
         groups: dict[tuple, list] = {}
         for job in jobs:
             groups.setdefault(job.region.shape, []).append(job)
-        pending = list(groups.values())
+        pending = []
+        for group in groups.values():
+            per = event_chunk(
+                self.parts.recompute_tokens, group[0].region.query_len or 1
+            )
+            pending += [group[i : i + per] for i in range(0, len(group), per)]
+        pending.reverse()
         while pending:
-            group, short = self._fit(pending.pop())
+            chunk, short = self._fit(pending.pop())
             if short:
-                rt.stats.skipped_no_memory += len(short)
-                logger.debug(
-                    "Kara event skipped %d requests unscored: the pool cannot give their fresh slots",
-                    len(short),
-                )
-            if not group:
+                self.stats.skipped_no_memory += len(short)
+            if not chunk:
                 continue
             try:
-                n, d = self._compress_group(batch, group)
-                done, dropped = done + n, dropped + n * d
+                n, dropped = self._compress(batch, chunk)
+                done, dropped = done + n, dropped + n * dropped
             except OutOfSlots as e:
-                rt.stats.skipped_no_memory += len(group)
-                logger.debug("Kara event skipped %d requests: %s", len(group), e)
+                self.stats.skipped_no_memory += len(chunk)
+                logger.debug("Kara event skipped %d requests: %s", len(chunk), e)
             except Exception as e:  # noqa: BLE001 - isolate the failing request, keep serving
-                if len(group) > 1:
-                    pending.extend(
-                        [job] for job in group
-                    )  # undone: retry one by one to find the culprit
+                if len(chunk) > 1:
+                    pending.extend([job] for job in chunk)  # undone: retry one by one
                 else:
-                    self._fail(group[0], e)
+                    self._fail(chunk[0], e)
         seconds = time.perf_counter() - tic
         if cuda:
-            rt.stats.event_peak_bytes = max(
-                rt.stats.event_peak_bytes, torch.cuda.max_memory_allocated() - start
-            )
+            peak = torch.cuda.max_memory_allocated() - start
+            self.stats.event_peak_bytes = max(self.stats.event_peak_bytes, peak)
         # Every attempt's time is compression time, also one that found no fresh slots after
         # scoring (OutOfSlots): its work was spent all the same.
-        rt.stats.compression_seconds += seconds
-        if rt.metrics is not None:
-            rt.metrics.seconds.inc(seconds)
+        self.stats.compression_seconds += seconds
+        if self.metrics is not None:
+            self.metrics.seconds.inc(seconds)
         if done:
-            rt.stats.events += 1
-            if rt.metrics is not None:
-                rt.metrics.record_event(done, dropped)
-            logger.debug(
-                "Kara event #%d: %d requests compressed, %d KV entries freed, %.1f ms, %d free slots",
-                rt.stats.events,
-                done,
-                dropped,
-                seconds * 1e3,
-                rt.allocator.available_size(),
-            )
+            self.stats.events += 1
+            if self.metrics is not None:
+                self.metrics.record_event(done, dropped)
         return dropped
 
-    def _fit(self, group) -> tuple[list, list]:
-        """(jobs whose fresh slots fit the pool now, in order; the rest). Read per group: a
-        compacted group frees more slots than it took."""
-        rt = self.rt
-        free = rt.free_slots()
+    def _fit(self, jobs) -> tuple[list, list]:
+        """(jobs whose fresh slots fit the pool now, in order; the rest). Read per chunk: a
+        compacted chunk frees more slots than it took."""
+        free = self.parts.available() + self.parts.evictable()
         fit, short = [], []
-        for job in group:
-            need = job.fresh_slots(rt.page_size)
+        for job in jobs:
+            need = job.fresh_slots(self.parts.page_size)
             if need <= free:
                 fit.append(job)
                 free -= need
@@ -130,53 +142,52 @@ class EventRunner:
 
     def _fail(self, job, error: Exception) -> None:
         """Finish one request with an error; its row is untouched, so SGLang frees it as usual."""
-        from sgl_kara._sglang import FINISH_ABORT
-
-        logger.error("Kara compression failed for request %s: %s", job.req.rid, error)
+        logger.error(
+            "Kara compression failed for request %s: %s", adapter.rid(job.req), error
+        )
         job.state.enabled = False
         job.state.scoring = None
-        self.rt.stats.failed_requests += 1
-        job.req.to_finish = FINISH_ABORT(
-            f"KV compression failed: {error}", status_code=500
-        )
+        self.stats.failed_requests += 1
+        adapter.abort(job.req, f"KV compression failed: {error}", 500)
 
-    def _compress_group(self, batch, jobs) -> tuple[int, int]:
-        rt = self.rt
-        req_to_token = rt.req_to_token_pool.req_to_token
-        device = req_to_token.device
-        row_ids = [int(j.req.kv.req_pool_idx) for j in jobs]
-        rows = torch.tensor(row_ids, dtype=torch.int64, device=device)
+    def _region_slots(self, jobs, M: int):
+        """(rows [B], the regions' pool slots [B, M]) on the device."""
+        parts = self.parts
+        rows = self.staging.to_device([j.row for j in jobs])
+        starts = self.staging.to_device([j.region.start for j in jobs])
+        offs = torch.arange(M, device=parts.req_to_token.device)
+        slots = parts.req_to_token[rows[:, None], starts[:, None] + offs[None, :]]
+        return rows, starts, slots.to(torch.int64)
+
+    def _compress(self, batch, jobs) -> tuple[int, int]:
+        parts = self.parts
         M, K = jobs[0].region.length, jobs[0].region.keep
-        starts = torch.tensor(
-            [j.region.start for j in jobs], dtype=torch.int64, device=device
-        )
-        region_slots = req_to_token[
-            rows[:, None], starts[:, None] + torch.arange(M, device=device)
-        ].to(torch.int64)
+        rows, starts, region_slots = self._region_slots(jobs, M)
         self._inject_fault("score", jobs)
-        scores = self._complete_scores(
-            batch, jobs, rows, region_slots
-        )  # [B, L, H_kv, M]
-        kept = rt.policy.select(scores, K)
-        lengths = [int(j.req.kv.kv_committed_len) for j in jobs]
+        scores = self._complete_scores(jobs, rows, region_slots)  # [B, L, H_kv, M]
+        kept = self.policy.select(scores, K)
+        lengths = [j.length for j in jobs]
         plan = CompactionPlan(
             rows=rows,
             starts=[j.region.start for j in jobs],
             lengths=lengths,
             region=M,
             kept=kept,
-            row_ids=row_ids,
+            row_ids=[j.row for j in jobs],
+            device_starts=starts,
+            region_slots=region_slots,
         )
-        k_bufs = [rt.kv_pool.get_key_buffer(layer_id) for layer_id in rt.layer_ids]
-        v_bufs = [rt.kv_pool.get_value_buffer(layer_id) for layer_id in rt.layer_ids]
+        k_bufs = [parts.keys(layer_id) for layer_id in parts.layer_ids]
+        v_bufs = [parts.values(layer_id) for layer_id in parts.layer_ids]
         prepared = prepare_compaction(
             plan,
-            req_to_token,
+            parts.req_to_token,
             k_bufs,
             v_bufs,
-            rt.alloc_slots,
-            rt.allocator.free,
-            rt.page_size,
+            parts.alloc,
+            parts.free,
+            parts.page_size,
+            check=self.check,
         )
         try:
             relaid = [
@@ -184,10 +195,10 @@ class EventRunner:
                 for b, j in enumerate(jobs)
             ]
             records = None
-            if rt.recorder is not None:
+            if self.recorder is not None:
                 records = [
-                    rt.recorder.prepare(
-                        j.req,
+                    self.recorder.prepare(
+                        adapter.rid(j.req),
                         j.state,
                         j.region.start,
                         M,
@@ -198,28 +209,29 @@ class EventRunner:
                 ]
             self._inject_fault("commit", jobs)
         except BaseException:
-            prepared.abort(rt.allocator.free)
+            prepared.abort(parts.free)
             raise
         # ---- commit: index writes and host bookkeeping only
-        d = prepared.commit(req_to_token, rt.allocator.free)
+        dropped = prepared.commit(parts.req_to_token, parts.free)
         for b, j in enumerate(jobs):
             if relaid[b] is not None:
                 j.state.policy_state = relaid[b]
             if records is not None:
-                rt.recorder.commit(j.state, records[b])
+                self.recorder.commit(j.state, records[b])
             j.state.scoring = None
-        self._shrink(batch, jobs, rows, d, K)
-        rt.stats.requests_compressed += len(jobs)
-        rt.stats.tokens_dropped += d * len(jobs)
-        return len(jobs), d
+        self._shrink(batch, jobs, rows, dropped, K)
+        self.stats.requests_compressed += len(jobs)
+        self.stats.tokens_dropped += dropped * len(jobs)
+        return len(jobs), dropped
 
     def _relaid_policy_state(self, job, M: int, kept: torch.Tensor, length: int):
-        """The policy's per-request state re-laid for the compaction, in a copy (None: nothing to re-lay)."""
-        if not self.rt.policy.observes_decode:
+        """The policy's per-request state re-laid for the compaction, in a copy (None: nothing
+        to re-lay)."""
+        if not self.policy.observes_decode:
             return None
         shadow = copy.copy(job.state)
         shadow.policy_state = _copy_dicts(job.state.policy_state)
-        self.rt.policy.on_compacted(shadow, job.region.start, M, kept, length)
+        self.policy.on_compacted(shadow, job.region.start, M, kept, length)
         return shadow.policy_state
 
     def _inject_fault(self, stage: str, jobs) -> None:
@@ -227,39 +239,29 @@ class EventRunner:
         if (
             fault
             and env.inject_fault_stage() == stage
-            and any(str(j.req.rid).startswith(fault) for j in jobs)
+            and any(str(adapter.rid(j.req)).startswith(fault) for j in jobs)
         ):
             raise RuntimeError(
                 f"injected fault at {stage} (KARA_INJECT_FAULT_RID_PREFIX)"
             )
 
-    def _shrink(self, batch, jobs, rows: torch.Tensor, d: int, keep: int) -> None:
+    def _shrink(self, batch, jobs, rows: torch.Tensor, dropped: int, keep: int) -> None:
         for j in jobs:
-            j.req.kv.kv_committed_len -= d
-            j.req.kv.kv_allocated_len -= d
-            j.state.pos_offset += d
+            adapter.drop_rows(j.req, dropped)
+            j.state.pos_offset += dropped
             j.state.frontier = j.region.start + keep
             j.state.compressions += 1
-        if d:
-            self.rt.forward.add_offset(rows, d)
-            idx = torch.tensor([j.index for j in jobs], dtype=torch.int64)
-            dev_idx = idx.to(batch.seq_lens.device)
-            batch.seq_lens = batch.seq_lens.clone()
-            batch.seq_lens[dev_idx] -= d
-            batch.orig_seq_lens = batch.orig_seq_lens.clone()
-            batch.orig_seq_lens[dev_idx] -= d
-            if batch.seq_lens_cpu is not None:
-                batch.seq_lens_cpu = batch.seq_lens_cpu.clone()
-                batch.seq_lens_cpu[idx] -= d
-            batch.seq_lens_sum = None
+        if dropped:
+            self.forward.add_offset(rows, dropped)
+            index = [j.index for j in jobs]
+            adapter.shrink_lengths(batch, index, dropped, self.staging.to_device(index))
 
-    # ------------------------------------------------------------------------------ scores
-    def _complete_scores(self, batch, jobs, rows, region_slots) -> torch.Tensor:
+    # -------------------------------------------------------------------------- scores
+    def _complete_scores(self, jobs, rows, region_slots) -> torch.Tensor:
         """[B, L, H_kv, M]: each job's spread scores (state.scoring) plus the queries not yet
         scored, scored now (all of them when the window was not spread)."""
-        rt = self.rt
-        if not rt.policy.needs_queries:
-            return self.scorer.scoring_pass(jobs, region_slots).score_without_queries()
+        if not self.policy.needs_queries:
+            return self.scorer.score(jobs, rows, region_slots, [], 0)
         partial = []
         for j in jobs:
             s = j.state.scoring
@@ -273,12 +275,10 @@ class EventRunner:
                 by_left.setdefault(left, []).append(b)
         fresh = {}
         for left, idx in by_left.items():
-            sel = torch.tensor(idx, device=rows.device)
+            sel = self.staging.to_device(idx)
             sub = [jobs[b] for b in idx]
             q_lo = [j.region.query_start + j.region.query_len - left for j in sub]
-            got = self.scorer.score(
-                batch, sub, rows[sel], region_slots[sel], q_lo, left
-            )
+            got = self.scorer.score(sub, rows[sel], region_slots[sel], q_lo, left)
             for n, b in enumerate(idx):
                 fresh[b] = got[n]
         out = []
@@ -290,31 +290,21 @@ class EventRunner:
                 out.append(s.scores if part is None else s.scores + part)
         return torch.stack(out)
 
-    def advance(self, batch, chunks) -> int:
-        """Score ``chunks`` [(job, n)]: the next ``n`` queries of each job's upcoming window, added
-        to its ``state.scoring``; returns the queries scored. A chunk that fails is dropped with
-        its job (scored whole at the event instead)."""
-        rt = self.rt
+    def advance(self, chunks) -> int:
+        """Score ``chunks`` [(job, n)]: the next ``n`` queries of each job's upcoming window,
+        added to its ``state.scoring``; returns the queries scored. A chunk that fails is
+        dropped with its job (scored whole at the event instead)."""
         tic = time.perf_counter()
-        req_to_token = rt.req_to_token_pool.req_to_token
-        device = req_to_token.device
         groups: dict[tuple, list] = {}
         for job, n in chunks:
             groups.setdefault((job.region.length, n), []).append(job)
         scored = 0
         for (M, n), group in groups.items():
-            row_ids = [int(j.req.kv.req_pool_idx) for j in group]
-            rows = torch.tensor(row_ids, dtype=torch.int64, device=device)
-            starts = torch.tensor(
-                [j.region.start for j in group], dtype=torch.int64, device=device
-            )
-            slots = req_to_token[
-                rows[:, None], starts[:, None] + torch.arange(M, device=device)
-            ].to(torch.int64)
+            rows, _, slots = self._region_slots(group, M)
             q_lo = [j.region.query_start + j.state.scoring.done for j in group]
             try:
-                got = self.scorer.score(batch, group, rows, slots, q_lo, n)
-            except Exception as e:  # noqa: BLE001 - the event scores these windows whole instead
+                got = self.scorer.score(group, rows, slots, q_lo, n)
+            except Exception as e:  # noqa: BLE001 - the event scores these windows whole
                 logger.warning(
                     "Kara spread scoring failed for %d requests (%s); scored at their events",
                     len(group),
@@ -327,14 +317,14 @@ class EventRunner:
                 j.state.scoring.add(got[b], n)
             scored += n * len(group)
         seconds = time.perf_counter() - tic
-        rt.stats.compression_seconds += seconds
-        rt.stats.spread_seconds += seconds
-        rt.stats.spread_queries += scored
-        if rt.metrics is not None:
-            rt.metrics.seconds.inc(seconds)
+        self.stats.compression_seconds += seconds
+        self.stats.spread_seconds += seconds
+        self.stats.spread_queries += scored
+        if self.metrics is not None:
+            self.metrics.seconds.inc(seconds)
         return scored
 
 
-def _copy_dicts(d):
+def _copy_dicts(dropped):
     """A copy of nested dicts (tensors and other leaves shared)."""
-    return {k: _copy_dicts(v) if isinstance(v, dict) else v for k, v in d.items()}
+    return {k: _copy_dicts(v) if isinstance(v, dict) else v for k, v in dropped.items()}

@@ -48,7 +48,7 @@ class EvictionRecorder:
 
     def prepare(
         self,
-        req,
+        rid,
         state,
         start: int,
         region_len: int,
@@ -78,7 +78,7 @@ class EvictionRecorder:
             if shadow is not None
             else torch.empty(layers, heads, 0, dtype=torch.int64)
         )
-        return req.rid, logical_len, evicted, torch.cat([head, kept_pos], dim=2)
+        return rid, logical_len, evicted, torch.cat([head, kept_pos], dim=2)
 
     def commit(self, state, prepared) -> None:
         rid, logical_len, evicted, logical_rows = prepared

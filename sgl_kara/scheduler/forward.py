@@ -1,4 +1,4 @@
-"""What the forward hooks do: logical positions, query capture, scoring passes, decode observers.
+"""What the forward hooks do: logical positions, query capture, recompute scoring, decode observers.
 
 One ``ForwardContext`` per runtime owns the hooks' state (no module globals). SGLang's runners
 forward a ``dataclasses.replace()`` copy of the ForwardBatch: declared fields such as positions
@@ -11,88 +11,108 @@ carry over, extra attributes would not, so the per-forward side data lives here:
                                                      stop after the last layer's (ScoringComplete);
                                                      decode: queries -> ring; observer -> policy
 
-``offsets`` [req slots] (device) mirrors every running request's ``state.pos_offset`` at its
-``req_pool_idx``: ``sync_offset`` writes it when a request is first seen in a row (a new request,
-or one re-prefilled after a retraction: ``state.offset_row`` is reset with its row) and the
-event code adds each compaction's drop count; the integrity check compares the two.
+``offsets`` [req slots] (device) mirrors every running request's ``state.pos_offset`` at its row:
+``sync_offset`` writes it when a request is first seen in a row (a new request, or one
+re-prefilled after a retraction: ``state.offset_row`` is reset with its row) and the event code
+adds each compaction's drop count; the integrity check compares the two.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from sgl_kara import _sglang as adapter
 from sgl_kara.policies.base import ObserveInput
-from sgl_kara.scheduler.queries import ScoringComplete
-from sgl_kara.scheduler.state import get_state
+from sgl_kara.scheduler.recompute import ScoringComplete
 
 
 class ForwardContext:
-    def __init__(self, policy, ring, req_to_token: torch.Tensor, kv_pool):
+    def __init__(
+        self, policy, ring, req_to_token: torch.Tensor, keys_of, start_layer, table
+    ):
         self.policy = policy
         self.ring = ring
         self.req_to_token = req_to_token
-        self.kv_pool = kv_pool
+        self.keys_of = keys_of
+        self.start_layer = start_layer
+        self.table = table
         self.offsets = torch.zeros(
             req_to_token.shape[0], dtype=torch.int64, device=req_to_token.device
         )
-        self.capture = None  # (ring rows [T], logical positions [T]) of the decode forward being built
+        # (ring rows [T], logical positions [T]) of the decode forward
+        self.capture = None
         self.observed = None  # (row slots per request, states) for a decode observer
         self.scoring = None  # the ScoringPass of a recompute forward in flight
+        self.scoring_batch = None  # ... and its batch
+        # the forward being run: its batch's kind (init_new precedes it)
+        self.kind = None
 
-    # -- offsets ------------------------------------------------------------------------------
-    def sync_offset(self, req, state) -> None:
-        """Make ``offsets[req_pool_idx]`` this request's offset (once per request and row)."""
-        idx = int(req.kv.req_pool_idx)
-        if state.offset_row != idx:
-            self.offsets[idx] = state.pos_offset
-            state.offset_row = idx
+    # -- offsets --------------------------------------------------------------------------
+    def sync_offset(self, row: int, state) -> None:
+        """Make ``offsets[row]`` the request's offset (once per request and row)."""
+        if state.offset_row != row:
+            self.offsets[row] = state.pos_offset
+            state.offset_row = row
 
     def add_offset(self, rows: torch.Tensor, d: int) -> None:
         self.offsets[rows] += d
 
     def check_offsets(self, reqs) -> None:
         for req in reqs:
-            state = get_state(req)
-            if state is not None and state.offset_row == int(req.kv.req_pool_idx):
+            state = self.table.get(req)
+            if state is not None and state.offset_row == adapter.row_index(req):
                 have = int(self.offsets[state.offset_row])
                 if have != state.pos_offset:
                     raise AssertionError(
-                        f"Kara integrity: device offset {have} != pos_offset {state.pos_offset} of {req.rid}"
+                        f"Kara integrity: device offset {have} != pos_offset "
+                        f"{state.pos_offset} of {adapter.rid(req)}"
                     )
 
-    # -- hooks --------------------------------------------------------------------------------
-    def on_forward_batch(self, batch, fb) -> None:
-        self.capture = self.observed = None
-        if (
-            self.scoring is not None
-            and getattr(batch, "_kara_scoring", None) is self.scoring
-        ):
-            fb.positions = self.scoring.positions.to(fb.positions.dtype)
+    # -- the recompute pass ---------------------------------------------------------------
+    @contextlib.contextmanager
+    def scoring_pass(self, scoring, batch):
+        """A recompute forward of ``batch`` feeds ``scoring`` for the duration."""
+        self.scoring, self.scoring_batch = scoring, batch
+        try:
+            yield
+        finally:
+            self.scoring = self.scoring_batch = None
+
+    # -- hooks ----------------------------------------------------------------------------
+    def on_forward_batch(self, batch, forward_batch) -> None:
+        self.capture = self.observed = self.kind = None
+        if self.scoring is not None and batch is self.scoring_batch:
+            self.kind = "recompute"
+            pos = adapter.positions(forward_batch)
+            adapter.set_positions(forward_batch, self.scoring.positions.to(pos.dtype))
             return
-        reqs = batch.reqs
-        if not reqs or fb.forward_mode.is_idle():
+        reqs = adapter.batch_requests(batch)
+        if not reqs:
             return
-        states = [get_state(r) for r in reqs]
-        if fb.forward_mode.is_decode():
-            if len(reqs) != fb.batch_size:
-                # Extra decode rows (beam search: refused per request, a 400); nothing compressed here.
+        kind = self.kind = adapter.batch_kind(batch)
+        if kind == "idle":
+            return
+        states = [self.table.get(r) for r in reqs]
+        if kind == "decode":
+            rows = adapter.batch_rows(batch).to(torch.int64)
+            if len(reqs) != rows.shape[0]:
+                # Extra decode rows (beam search: refused per request, a 400).
                 assert not any(s is not None and s.pos_offset for s in states), (
                     "Kara offsets with extra decode rows"
                 )
                 return
-            rows = fb.req_pool_indices.to(torch.int64)
-            fb.positions = fb.positions + self.offsets[rows].to(fb.positions.dtype)
+            pos = adapter.positions(forward_batch)
+            pos = pos + self.offsets[rows].to(pos.dtype)
+            adapter.set_positions(forward_batch, pos)
             if self.ring is not None:
-                self.capture = (self.ring.rows_for(rows), fb.positions.to(torch.int64))
+                self.capture = (self.ring.rows_for(rows), pos.to(torch.int64))
             if self.policy is not None and self.policy.observes_decode:
-                # Lengths from the host (the batch's CPU lengths; reading the device tensors here
-                # would sync the host at every decode step); the rows in one gather, each request's
-                # slots a view of it (one list per forward: every layer's observer gets it).
-                lens = (
-                    fb.seq_lens_cpu
-                    if fb.seq_lens_cpu is not None
-                    else batch.seq_lens_cpu
-                ).tolist()
+                # Lengths from the host (the batch's CPU lengths: reading the device ones would
+                # make the host wait at every decode step); the rows in one gather, each
+                # request's slots a view of it (every layer's observer gets the same list).
+                lens = adapter.host_lengths(batch).tolist()
                 table = self.req_to_token[rows, : max(lens)].to(torch.int64)
                 self.observed = ([table[i, :n] for i, n in enumerate(lens)], states)
         else:
@@ -101,41 +121,33 @@ class ForwardContext:
                 "extend of a compressed request"
             )
 
-    def on_attention(
-        self, original, layer, q, k, v, fb, save_kv_cache, *args, **kwargs
-    ):
+    def on_attention(self, original, layer, q, k, v, forward_batch, save_kv_cache):
+        """``original(layer, q, k, v, fb, save_kv_cache)``: SGLang's attention call."""
+        layer_id, heads, head_dim = adapter.attention_layer(layer)
         scoring = self.scoring
         if scoring is not None:
-            qv = q.reshape(
-                scoring.B,
-                q.shape[0] // scoring.B,
-                layer.tp_q_head_num,
-                layer.qk_head_dim,
-            )
-            scoring.score_layer(layer.layer_id, qv)
+            qv = q.reshape(scoring.B, q.shape[0] // scoring.B, heads, head_dim)
+            scoring.score_layer(layer_id, qv)
             if scoring.complete:
-                raise ScoringComplete  # the rest of the forward feeds no score (queries.py)
-            # The attention itself sees the window's real slots (a backend that reads the extend
-            # tokens' K/V back from the pool finds them there); the rest of the layer, a fused
-            # RoPE + KV write included, sees the scratch slot (queries.py).
-            scratch, fb.out_cache_loc = fb.out_cache_loc, scoring.window_slots
-            try:
-                return original(layer, q, k, v, fb, False, *args, **kwargs)
-            finally:
-                fb.out_cache_loc = scratch
-        out = original(layer, q, k, v, fb, save_kv_cache, *args, **kwargs)
-        if fb.forward_mode.is_decode():
-            q3 = q.reshape(q.shape[0], layer.tp_q_head_num, layer.qk_head_dim)
+                raise ScoringComplete  # the rest of the forward feeds no score
+            # The attention itself sees the window's real slots (a backend that reads the
+            # extend tokens' K/V back from the pool finds them there); the rest of the layer,
+            # a fused RoPE + KV write included, sees the scratch slot (recompute.py).
+            with adapter.kv_writes_to(forward_batch, scoring.window_slots):
+                return original(layer, q, k, v, forward_batch, False)
+        out = original(layer, q, k, v, forward_batch, save_kv_cache)
+        if self.kind == "decode":
+            q3 = q.reshape(q.shape[0], heads, head_dim)
             cap = self.capture
             if cap is not None and q.shape[0] == cap[0].shape[0]:
-                self.ring.write(layer.layer_id, q3, *cap)
+                self.ring.write(layer_id, q3, *cap)
             if self.observed is not None and q.shape[0] == len(self.observed[0]):
                 slots, states = self.observed
                 self.policy.observe(
                     ObserveInput(
-                        layer.layer_id - self.kv_pool.start_layer,
+                        layer_id - self.start_layer,
                         q3,
-                        self.kv_pool.get_key_buffer(layer.layer_id),
+                        self.keys_of(layer_id),
                         slots,
                         states,
                     )

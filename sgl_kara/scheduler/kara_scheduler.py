@@ -32,7 +32,7 @@ class KaraScheduler(Scheduler):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        check_runtime_supported(self)
+        check_runtime_supported(self, self.kara_config)
         self.kara = rt.KaraRuntime(self.kara_config, self)
         rt.activate(self.kara)
         logger.info("sgl_kara: compression active, %s", self.kara_config)
@@ -41,38 +41,40 @@ class KaraScheduler(Scheduler):
         return make_output_streamer(super().get_output_streamer_class())
 
     def get_prefill_adder_class(self):
-        return make_prefill_adder(super().get_prefill_adder_class(), self.kara)
+        return make_prefill_adder(super().get_prefill_adder_class(), self.kara.charge)
 
 
-def replica_stats(scheduler) -> dict:
-    """This scheduler's Kara counters, its DP rank and its KV pool: free slots, slots the radix
+def replica_stats(runtime) -> dict:
+    """A runtime's Kara counters, its DP rank and its KV pool: free slots, slots the radix
     tree holds but may evict, and the pool's size (free == pool once idle and flushed: nothing
     leaked)."""
-    from sgl_kara._sglang import get_parallel
+    from sgl_kara import _sglang as adapter
 
-    kara = scheduler.kara
+    parts = runtime.parts
     return {
-        **dataclasses.asdict(kara.stats),
-        "dp_rank": get_parallel().dp_rank,
-        "decode_steps": kara.decode_steps,
-        "free_slots": int(kara.allocator.available_size()),
-        "evictable_slots": int(scheduler.tree_cache.evictable_size()),
-        "pool_slots": int(scheduler.max_total_num_tokens),
+        **dataclasses.asdict(runtime.stats),
+        "dp_rank": adapter.dp_rank(),
+        "decode_steps": runtime.decode_steps,
+        "free_slots": parts.available(),
+        "evictable_slots": parts.evictable(),
+        "pool_slots": parts.pool_tokens,
     }
 
 
 def run_kara_scheduler_process(*args, kara_config: dict, **kwargs):
-    from sgl_kara import _sglang as sg
+    from sgl_kara import _sglang as adapter
     from sgl_kara.process import STATE
 
     KaraScheduler.kara_config = KaraConfig.build(**kara_config)
     # This scheduler process only; applied now (SGLang applies the other plugins' hooks after its
     # plugins load, at the start of run_scheduler_process, and a method hook on Scheduler then
     # lands on KaraScheduler, which calls SGLang's through super()).
-    sg.HookRegistry.register(sg.TARGET_SCHEDULER, KaraScheduler, sg.HookType.REPLACE)
-    sg.HookRegistry.apply_hooks()
+    adapter.register_hook(
+        adapter.TARGET_SCHEDULER, KaraScheduler, adapter.HookType.REPLACE
+    )
+    adapter.apply_hooks()
     try:
-        return sg.run_scheduler_process(*args, **kwargs)
+        return adapter.run_scheduler_process(*args, **kwargs)
     finally:
         STATE.shutdown()  # SGLang's event loop has ended: close the trace file
 

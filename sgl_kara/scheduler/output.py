@@ -7,6 +7,7 @@ the one-element list so clients read ``meta_info["kara"]["compressions"]`` direc
 
 from __future__ import annotations
 
+from sgl_kara import _sglang as adapter
 from sgl_kara.scheduler import runtime as rt
 
 KEY = "kara"
@@ -22,7 +23,7 @@ def make_output_streamer(base):
             out = super().build_additional_customized_info(reqs)
             runtime = rt.active()
             metas = [
-                runtime.meta(r) if runtime is not None and r.finished() else None
+                runtime.meta(r) if runtime is not None and adapter.finished(r) else None
                 for r in reqs
             ]
             out[KEY] = [[m] if m else [] for m in metas]

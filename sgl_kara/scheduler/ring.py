@@ -10,63 +10,56 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def make_ring(rt, capacity: int) -> QueryRing:
+def make_ring(parts, cfg, capacity: int, poison: bool = False) -> QueryRing:
     """The capture ring, allocated now (start-up), one row per request that can run at once
-    (memory.ring_rows: the request limit, bounded by what the pool holds and by
+    (model_shape.ring_rows: the request limit, bounded by what the pool holds and by
     ``--kara-query-ring-rows``). Its memory was planned before the model loaded: on CUDA taken
-    from the KV pool's share of the GPU (support.reserve_device_memory), so the ring must not
+    from the KV pool's share of the GPU (startup.reserve_device_memory), so the ring must not
     outgrow that plan; on CPU counted in the RAM check, and it must fit in the memory the KV
-    pool left. Refused, naming the flags, otherwise."""
-    from sgl_kara._sglang import RadixAttention
+    pool left. Refused, naming the flags, otherwise. ``parts``: _sglang.SchedulerParts."""
+    from sgl_kara import _sglang as adapter
     from sgl_kara.memory_plan import available_ram_bytes, gib
     from sgl_kara.model_shape import ring_bytes, ring_rows
     from sgl_kara.startup import UnsupportedFeature, planned_ring_rows
 
-    layers = {
-        m.layer_id: (m.tp_q_head_num, m.qk_head_dim)
-        for m in rt.model_runner.model.modules()
-        if isinstance(m, RadixAttention)
-    }
-    running = int(rt.scheduler.max_running_requests)
-    rows = ring_rows(
-        running,
-        int(rt.scheduler.max_total_num_tokens),
-        capacity,
-        rt.cfg.query_ring_rows,
-    )
-    device, dtype = rt.req_to_token_pool.req_to_token.device, rt.model_runner.dtype
+    layers = adapter.attention_layers(parts.model)
+    running = parts.max_running
+    rows = ring_rows(running, parts.pool_tokens, capacity, cfg.query_ring_rows)
+    device, dtype = parts.req_to_token.device, parts.dtype
     itemsize = torch.empty((), dtype=dtype).element_size()
     need = ring_bytes(rows, capacity, layers.values(), itemsize)
     flags = (
-        "use --kara-query-source recompute, or lower --kara-query-ring-rows / --max-running-requests / "
-        "--kara-window / --kara-period / --max-total-tokens"
+        "use --kara-query-source recompute, or lower --kara-query-ring-rows / "
+        "--max-running-requests / --kara-window / --kara-period / --max-total-tokens"
     )
     if device.type == "cuda":
-        planned_rows = planned_ring_rows(rt.scheduler.server_args, rt.cfg)
+        planned_rows = planned_ring_rows(parts.server_args, cfg)
         planned = ring_bytes(planned_rows, capacity, layers.values(), itemsize)
         if need > planned:
             raise UnsupportedFeature(
-                f"the capture query ring needs {gib(need)} ({rows} rows: one per running request, "
-                f"--max-running-requests {running}, bounded by the KV pool and --kara-query-ring-rows) but "
-                f"{gib(planned)} ({planned_rows} rows) was taken from the KV pool at start-up: {flags}"
+                f"the capture query ring needs {gib(need)} ({rows} rows: one per running "
+                f"request, --max-running-requests {running}, bounded by the KV pool and "
+                f"--kara-query-ring-rows) but {gib(planned)} ({planned_rows} rows) was taken "
+                f"from the KV pool at start-up: {flags}"
             )
     else:
         free = available_ram_bytes()
         if need > 0.9 * free:
             raise UnsupportedFeature(
-                f"the capture query ring needs {gib(need)} ({rows} rows: one per running request, "
-                f"--max-running-requests {running}, bounded by the KV pool and --kara-query-ring-rows; x {capacity} "
-                f"queries: the policy's window and period; x {len(layers)} layers) but only {gib(free)} of RAM is "
-                f"free after the KV pool: {flags}"
+                f"the capture query ring needs {gib(need)} ({rows} rows: one per running "
+                f"request, --max-running-requests {running}, bounded by the KV pool and "
+                f"--kara-query-ring-rows; x {capacity} queries: the policy's window and "
+                f"period; x {len(layers)} layers) but only {gib(free)} of RAM is free after "
+                f"the KV pool: {flags}"
             )
     ring = QueryRing(
         layers,
         rows,
         capacity,
-        rt.req_to_token_pool.req_to_token.shape[0],
+        parts.req_to_token.shape[0],
         dtype,
         device,
-        poison=rt.check,
+        poison=poison,
     )
     logger.info(
         "sgl_kara: capture query ring allocated: %d rows x %d queries x %d layers, %s",
@@ -86,7 +79,7 @@ class QueryRing:
         buffers[layer]  [rows + 1, capacity, H_q, D]   row ``rows`` is a trash row: requests
                                                         holding no ring row write there
         row_of          [req_slots] int64 (device)     ring row of each req_to_token row
-        query of logical position p of a request -> buffers[l][row_of[req_pool_idx], p % capacity]
+        query of logical position p of a request -> buffers[l][row_of[its row], p % capacity]
 
     Rows are handed out at a request's decode steps (``assign``) and taken back when it leaves
     the running batch (``sweep``); ``owner`` (host) is the one record of who holds which row.
@@ -129,13 +122,14 @@ class QueryRing:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
-    def holds(self, req) -> bool:
-        held = self.owner.get(req.kv.req_pool_idx)
+    def holds(self, req, idx: int) -> bool:
+        """Does ``req`` (in request row ``idx``) hold a ring row?"""
+        held = self.owner.get(idx)
         return held is not None and held[1] is req
 
-    def assign(self, req) -> bool:
-        """Give ``req`` a ring row (True), or False when every row is held."""
-        idx = req.kv.req_pool_idx
+    def assign(self, req, idx: int) -> bool:
+        """Give ``req`` (in request row ``idx``) a ring row (True), or False when every row is
+        held."""
         held = self.owner.get(idx)
         if (
             held is not None

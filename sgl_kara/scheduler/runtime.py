@@ -1,43 +1,54 @@
-"""KaraRuntime: the one owner of Kara state in a scheduler process, and the request lifecycle.
+"""KaraRuntime: Kara in one scheduler process -- its components, built once, and a decode step
+passed through them once: plan -> score -> select -> compact.
 
 | stage | SGLang | Kara (where) |
 |---|---|---|
 | created | TokenizerManager validates the request | ``custom_params.kara`` checked, a 400 names the field (plugin ``_verify_hook``) |
-| admitted | ``PrefillAdder.add_one_req`` | charged its compressed footprint, ``policy.footprint`` (admission.py) |
+| admitted | ``PrefillAdder.add_one_req`` | charged its compressed footprint (admission.py, ``charge``) |
 | prefilled | extend forward | nothing: the row is exact, positions are SGLang's |
-| decoding | ``update_running_batch``, every step | ``on_decode_step``: state, stats, ring row, device offset (forward.py) |
-| compressed | an event for the requests due at this step (``jobs.due_at``: ``policy.due`` of the request's own generated-token count, or of the scheduler's step with ``--kara-phase server``; ``--kara-trigger pressure / headroom``: and memory binds, pressure.py), before SGLang's decode memory check | P fixed, regions planned (jobs.py), scored / selected / compacted (events.py); pos_offset grows |
-| retracted | ``Req.reset_for_retract`` | ``on_retract``: ``state.reset_row()``; its ring row returns at the next step |
-| re-prefilled | extend forward | exact again; the radix tree takes its prompt only (mem_cache/radix.py); its windows are compressed again promptly (catch-up) |
-| finished | ``release_kv_cache`` -> radix checkpoint | the tree takes the exact prefix only; ``meta_info["kara"]`` (output.py) |
+| decoding | ``update_running_batch``, every step | ``on_decode_step``: state, statistics, ring row, device offset (forward.py) |
+| scoring ahead | every step once a window's keys are decoded | ``--kara-spread even``: the planner's parts, scored by the events' scorer |
+| compressed | an event when due (plan.py), before SGLang's decode memory check | scored, selected, compacted (events.py); pos_offset grows |
+| retracted | ``Req.reset_for_retract`` | ``on_retract``: the row state is reset; its ring row returns at the next step |
+| finished | ``release_kv_cache`` -> radix checkpoint | the tree takes the exact prefix only (mem_cache/radix.py); ``meta_info["kara"]`` (output.py) |
 
-The forward hooks (plugin.py) reach the runtime of this process through ``active()``; everything
-they need per forward is in ``self.forward`` (forward.py).
+The components and what each owns: ``RequestTable`` (state.py) Kara's per-request state;
+``ForwardContext`` (forward.py) the device offsets and the forward hooks' side data; the capture
+ring (ring.py); ``Planner`` (plan.py) which windows are scored and which requests an event takes;
+``Scorer`` (scoring.py) queries -> scores; ``EventRunner`` (events.py) the event transaction;
+``DeviceStaging`` (staging.py) host-to-device index copies. Every SGLang object is reached through
+the adapter (sgl_kara/_sglang.py, ``SchedulerParts``). The forward hooks (plugin.py) reach the
+runtime of this process through ``active()``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from sgl_kara import _sglang as adapter
 from sgl_kara import env
+from sgl_kara.memory_plan import DEFAULT_RECOMPUTE_TOKENS
 from sgl_kara.policies import base as policy_base
 from sgl_kara.policies.base import RowView
 from sgl_kara.process import STATE
 from sgl_kara.request_options import check_supported, validate
-from sgl_kara.scheduler.checks import RuntimeChecks
+from sgl_kara.scheduler import spread
 from sgl_kara.scheduler.events import EventRunner
 from sgl_kara.scheduler.evictions import EvictionRecorder
 from sgl_kara.scheduler.forward import ForwardContext
-from sgl_kara.scheduler.jobs import decoded_tokens, due_at, overdue, plan_jobs
+from sgl_kara.scheduler.plan import Planner, decoded_tokens
 from sgl_kara.scheduler.pressure import DEFERRING, growth_within, horizon, memory_binds
 from sgl_kara.scheduler.ring import make_ring
-from sgl_kara.scheduler.spread import plan_chunks, slack, spreads
-from sgl_kara.scheduler.state import KaraReqState, get_state
-from sgl_kara.scheduler.warm_up import query_heads, warm_up_kernels
+from sgl_kara.scheduler.row_integrity import RowIntegrity
+from sgl_kara.scheduler.scoring import Scorer
+from sgl_kara.scheduler.staging import DeviceStaging
+from sgl_kara.scheduler.state import KaraReqState, RequestTable
+from sgl_kara.scheduler.warm_up import warm_up_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +67,12 @@ def activate(runtime: KaraRuntime | None) -> None:
     STATE.runtime = runtime
 
 
+def state_of(req) -> KaraReqState | None:
+    """Kara's state of ``req`` in this process (None: no runtime, or not seen by it)."""
+    runtime = STATE.runtime
+    return None if runtime is None else runtime.table.get(req)
+
+
 @dataclass
 class KaraStats:
     events: int = 0
@@ -64,320 +81,333 @@ class KaraStats:
     compression_seconds: float = 0.0
     recompute_fallbacks: int = 0
     skipped_no_memory: int = 0
-    deferred_events: int = (
-        0  # trigger=pressure / headroom: due events not run (memory did not bind)
-    )
+    deferred_events: int = 0  # trigger=pressure / headroom: due events not run
     failed_requests: int = 0
-    event_peak_bytes: int = (
-        0  # CUDA: most device memory an event allocated above its start
-    )
-    spread_queries: int = (
-        0  # --kara-spread: window queries scored ahead of their events
-    )
-    spread_seconds: float = (
-        0.0  # ... and the time it took (part of compression_seconds)
-    )
-    event_max_seconds: float = (
-        0.0  # the longest event work in one decode step (spread steps included)
-    )
+    # CUDA: most device memory an event allocated above its start
+    event_peak_bytes: int = 0
+    # --kara-spread: window queries scored ahead of their events
+    spread_queries: int = 0
+    # ... and the time it took (part of compression_seconds)
+    spread_seconds: float = 0.0
+    event_max_seconds: float = 0.0  # the longest Kara work in one decode step
+    sync_violations: int = 0  # KARA_CHECK_SYNC: host waits a GPU would have had
+    sync_examples: list = field(default_factory=list)
 
 
-class KaraRuntime(RuntimeChecks):
+class KaraRuntime:
     def __init__(self, cfg, scheduler):
         self.cfg = cfg
         self.policy = cfg.make_policy()
-        self.scheduler = scheduler
-        self.allocator = scheduler.token_to_kv_pool_allocator
-        self.req_to_token_pool = scheduler.req_to_token_pool
-        self.kv_pool = self.allocator.get_kvcache()
-        self.page_size = self.allocator.page_size
-        self.model_runner = scheduler.tp_worker.model_runner
-        self.layer_ids = list(
-            range(
-                self.kv_pool.start_layer,
-                self.kv_pool.start_layer + self.kv_pool.layer_num,
-            )
+        parts = self.parts = adapter.SchedulerParts.of(
+            scheduler, DEFAULT_RECOMPUTE_TOKENS
         )
-        self.decode_steps = 0
+        self.table = RequestTable()
         self.stats = KaraStats()
         self.metrics = None
-        if getattr(scheduler, "enable_metrics", False) or getattr(
-            scheduler.server_args, "enable_metrics", False
-        ):
+        if parts.metrics:
             from sgl_kara.scheduler.metrics import KaraMetrics
 
             self.metrics = KaraMetrics()
         self.check = env.check_integrity()
-        self.recorder = (
-            EvictionRecorder.from_env()
-        )  # diagnostic: evicted logical positions per event
+        device = parts.req_to_token.device
+        self.staging = DeviceStaging(device)
         capacity = self.policy.query_capacity()
-        self.ring = (
-            make_ring(self, capacity)
-            if cfg.query_source == "capture" and capacity
-            else None
-        )
+        self.ring = None
+        if cfg.query_source == "capture" and capacity:
+            self.ring = make_ring(parts, cfg, capacity, poison=self.check)
         self.forward = ForwardContext(
-            self.policy, self.ring, self.req_to_token_pool.req_to_token, self.kv_pool
+            self.policy,
+            self.ring,
+            parts.req_to_token,
+            parts.keys,
+            parts.layer_ids[0],
+            self.table,
         )
-        self.events = EventRunner(self)
-        self.spreading = spreads(self.policy, cfg.spread)
-        self.slack = (
-            slack(self.policy, cfg.spread_max) if self.spreading else 0
-        )  # charged by admission too
-        # SGLang's overlap scheduler on CUDA: the previous batch's forward may still run on its
-        # stream while this step is planned (see _fence).
-        self.forward_stream = None
-        if (
-            getattr(scheduler, "enable_overlap", False)
-            and self.req_to_token_pool.req_to_token.device.type == "cuda"
-        ):
-            self.forward_stream = (
-                getattr(scheduler, "forward_stream", None)
-                or self.model_runner.forward_stream
-            )
-        chunk = getattr(scheduler.server_args, "chunked_prefill_size", None)
-        self.recompute_tokens = (
-            chunk if chunk and chunk > 0 else 8192
-        )  # tokens per recompute forward
-        if self.req_to_token_pool.req_to_token.device.type == "cuda":
-            warm_up_kernels(
-                self.kv_pool,
-                self.layer_ids,
-                self.policy,
-                query_heads(self.model_runner.model),
-                self.model_runner.dtype,
-                self.page_size,
-            )
+        spreading = spread.spreads(self.policy, cfg.spread)
+        # rows admission charges for a capped spread
+        self.slack = spread.slack(self.policy, cfg.spread_max) if spreading else 0
+        self.planner = Planner(
+            self.policy,
+            cfg,
+            parts.page_size,
+            spreading,
+            self.slack,
+            spread.part_size(device.type),
+        )
+        self.scorer = Scorer(
+            self.policy,
+            parts,
+            self.forward,
+            self.ring,
+            self.staging,
+            check=self.check,
+            crosscheck=env.crosscheck_queries(),
+            on_fallback=self._count_fallbacks,
+        )
+        self.recorder = EvictionRecorder.from_env()
+        self.events = EventRunner(
+            self.policy,
+            parts,
+            self.scorer,
+            self.forward,
+            self.staging,
+            self.stats,
+            self.metrics,
+            self.recorder,
+            check=self.check,
+        )
+        self.integrity = None
+        if self.check:
+            self.integrity = RowIntegrity(parts, self.table, self.ring, self.forward)
+            self.planner.on_protected = self.integrity.snapshot_prefix
+        self.decode_steps = 0
+        if device.type == "cuda":
+            self._warm_up()
 
-    # ---------------------------------------------------------------- request state
+    def _warm_up(self) -> None:
+        """Compile every kernel an event launches, and build the pool's pointer tables."""
+        from sgl_kara.kernels.compact import pointer_table
+
+        parts = self.parts
+        heads = sorted({h for h, _ in adapter.attention_layers(parts.model).values()})
+        warm_up_kernels(
+            parts.keys,
+            parts.layer_ids,
+            self.policy,
+            heads,
+            parts.dtype,
+            parts.page_size,
+        )
+        for get in (parts.keys, parts.values):
+            bufs = [get(layer_id) for layer_id in parts.layer_ids]
+            pointer_table(bufs)
+
+    # ------------------------------------------------------------------ request state
     def state_of(self, req) -> KaraReqState:
-        state = get_state(req)
-        if state is None:
-            opts = validate(getattr(req.sampling_params, "custom_params", None))
-            state = req.kara = KaraReqState(
+        """The request's state, created (from its ``custom_params.kara``) when first seen."""
+        state = self.table.get(req)
+        if state is not None:
+            return state
+        opts = validate(adapter.custom_params(req))
+        state = self.table.add(
+            req,
+            KaraReqState(
                 enabled=opts.get("enable", True),
                 retention=opts.get("retention"),
                 budget=opts.get("budget"),
-            )
-            for name in ("retention", "budget"):
-                if (
-                    opts.get(name) is not None
-                    and name not in self.policy.request_options
-                ):
-                    self._refuse_option(req, state, name)
-            try:  # also checked in the tokenizer (plugin); a request that got here anyway is aborted
-                check_supported(req.sampling_params, self.policy.name)
-            except ValueError as e:
-                from sgl_kara._sglang import FINISH_ABORT
-
-                state.enabled = False
-                req.to_finish = FINISH_ABORT(str(e), status_code=400)
-        return state
-
-    def _refuse_option(self, req, state, name: str) -> None:
-        from sgl_kara._sglang import FINISH_ABORT
-
-        accepting = [
-            p.name for p in policy_base.policies() if name in p.request_options
-        ]
-        state.enabled = False
-        req.to_finish = FINISH_ABORT(
-            f"custom_params.kara.{name} applies to --kara-policy {'/'.join(accepting)}, not {self.policy.name}",
-            status_code=400,
+            ),
         )
+        for name in ("retention", "budget"):
+            if opts.get(name) is not None and name not in self.policy.request_options:
+                accepting = [
+                    p.name for p in policy_base.policies() if name in p.request_options
+                ]
+                state.enabled = False
+                adapter.abort(
+                    req,
+                    f"custom_params.kara.{name} applies to --kara-policy "
+                    f"{'/'.join(accepting)}, not {self.policy.name}",
+                    400,
+                )
+        try:  # also checked in the tokenizer (plugin); a request that got here is aborted
+            check_supported(adapter.sampling_params(req), self.policy.name)
+        except ValueError as e:
+            state.enabled = False
+            adapter.abort(req, str(e), 400)
+        return state
 
     def on_retract(self, req) -> None:
         """A retracted request is re-prefilled from its tokens: its KV is exact again."""
-        state = get_state(req)
+        state = self.table.get(req)
         if state is not None:
             state.reset_row()
 
     def meta(self, req) -> dict | None:
-        state = get_state(req)
+        state = self.table.get(req)
         if state is None:
             return None
-        meta = state.meta(int(req.kv.kv_committed_len))
+        meta = state.meta(adapter.kv_length(req))
         if self.check:
             meta["integrity_checks"] = state.integrity_checks
         if env.crosscheck_queries() and state.crosscheck_err is not None:
             meta["query_crosscheck_max_rel_err"] = state.crosscheck_err
         return meta
 
-    # ---------------------------------------------------------------- decode steps and events
+    # ------------------------------------------------------------------ admission
+    def footprint(self, remaining: int, state) -> int:
+        """Tokens a request that may still generate ``remaining`` will hold: the policy's
+        footprint plus the rows a capped spread may leave uncompressed."""
+        if remaining <= 0:
+            return remaining
+        return min(remaining, self.policy.footprint(remaining, state) + self.slack)
+
+    def charge(self, req, running: bool) -> int | None:
+        """The ``max_new_tokens`` admission presents for ``req`` (admission.py): its output so
+        far plus what its KV may still grow by -- for a request being admitted its compressed
+        footprint, for a running one the growth beyond what it already holds (policy.growth);
+        with a capped spread, the rows it may leave uncompressed on top. None: compression off
+        for it (SGLang's own count)."""
+        state = self.state_of(req)
+        if not state.enabled:
+            return None
+        done = adapter.output_length(req)
+        remaining = max(0, adapter.max_new_tokens(req) - done)
+        if not running:
+            return done + self.footprint(remaining, state)
+        row = RowView(
+            state.protected,
+            state.frontier,
+            adapter.kv_length(req),
+            state.pos_offset,
+            state,
+        )
+        grow = self.policy.growth(remaining, row)
+        return done + (min(remaining, grow + self.slack) if remaining > 0 else 0)
+
+    # ------------------------------------------------------------------ decode steps
     def on_decode_step(self, batch) -> None:
         """Called once per decode step, before SGLang's decode memory check."""
-        if batch is None or batch.is_empty():
+        reqs = adapter.running_requests(batch)
+        if not reqs:
             return
-        if self.ring is not None:
-            self.ring.sweep({int(r.kv.req_pool_idx) for r in batch.reqs})
-        for req in batch.reqs:
-            state = self.state_of(req)
-            length = int(req.kv.kv_committed_len)
-            self.forward.sync_offset(req, state)
-            if self.ring is not None and (
-                state.capture_from is None or not self.ring.holds(req)
-            ):
-                # This step's forward writes the query of logical position length + pos_offset.
-                state.capture_from = (
-                    length + state.pos_offset if self.ring.assign(req) else None
-                )
-            state.kv_peak = max(state.kv_peak, length)
-            if state.protected >= 0:
-                state.tail_peak = max(state.tail_peak, length - state.frontier)
-            state.kv_sum += length
-            state.kv_steps += 1
-        self.decode_steps += 1
         tic = time.perf_counter()
-        try:
-            if self._step(batch):
-                # Freed slots admit waiting requests at once: SGLang's prefill otherwise skips
-                # admission while the running batch is marked full, until a request ends.
-                batch.batch_is_full = False
-        finally:
-            self.stats.event_max_seconds = max(
-                self.stats.event_max_seconds, time.perf_counter() - tic
-            )
+        with self._sync_check(batch):
+            self._observe(reqs)
+            self.decode_steps += 1
+            freed = self._step(batch, reqs)
+        if freed:
+            adapter.reopen_admission(batch)
+        seconds = time.perf_counter() - tic
+        self.stats.event_max_seconds = max(self.stats.event_max_seconds, seconds)
 
-    def _step(self, batch) -> int:
-        """This decode step's compression work: spread scoring, then the due events. Returns the
-        KV slots freed."""
-        phase, step = self.cfg.phase, self.decode_steps
-        if self.spreading:
-            chunks = plan_chunks(
-                self.policy,
-                batch.reqs,
-                self.state_of,
-                self.page_size,
-                self.cfg.spread_max,
-                lambda r: step if phase == "server" else decoded_tokens(r, r.kara),
-                on_protected=self._snapshot_prefix if self.check else None,
-            )
-            if chunks:
-                self._fence()
-                self.events.advance(batch, chunks)
-        if phase == "server" and not self.policy.due(step):
-            return 0
+    def _observe(self, reqs) -> None:
+        """Each running request's state, statistics, device offset and ring row."""
+        ring = self.ring
+        if ring is not None:
+            ring.sweep({adapter.row_index(r) for r in reqs})
+        for req in reqs:
+            state = self.state_of(req)
+            row, length = adapter.row_index(req), adapter.kv_length(req)
+            self.forward.sync_offset(row, state)
+            if ring is not None and (
+                state.capture_from is None or not ring.holds(req, row)
+            ):
+                # This step's forward writes the query of logical position length + offset.
+                held = ring.assign(req, row)
+                state.capture_from = length + state.pos_offset if held else None
+            state.record_step(length)
 
-        def due(req) -> bool:
-            return due_at(self.policy, phase, step, req)
-
-        jobs = self._ready(self._plan(batch.reqs, due))
+    def _step(self, batch, reqs) -> int:
+        """This step's compression work: spread parts, then the due event. Returns the KV slots
+        freed."""
+        step = self.decode_steps
+        chunks = self.planner.chunks(reqs, self.state_of, step)
+        if chunks:
+            self._fence()
+            self.events.advance(chunks)
+        jobs = self.planner.jobs(reqs, self.state_of, step)
         deferring = self.cfg.trigger in DEFERRING
-        if jobs and deferring and not self.memory_binds(batch, jobs):
+        if jobs and deferring and not self._memory_binds(reqs, jobs):
             self.stats.deferred_events += 1
             if self.metrics is not None:
                 self.metrics.deferred.inc()
             return 0
         passes = freed = 0
+        limit = MAX_PRESSURE_PASSES if deferring else MAX_CATCH_UP_PASSES
         while jobs:
             self._fence()
             freed += self.events.run(batch, jobs)
-            if self.check:
-                self.check_integrity(batch)
-            # Catch-up: a request still due after its compression (re-prefilled after a retraction,
-            # left out by max_seqs, or a backlog deferred under trigger=pressure / headroom) is compressed
-            # again in this event.
+            if self.integrity is not None:
+                self.integrity.check(reqs)
+            # Catch-up: a request still due after its compression (re-prefilled after a
+            # retraction, left out by max_seqs, or a backlog deferred under pressure /
+            # headroom) is compressed again in this event.
             passes += 1
-            if passes >= (MAX_PRESSURE_PASSES if deferring else MAX_CATCH_UP_PASSES):
+            if passes >= limit:
                 break
             compressed = {id(j.req) for j in jobs}
-            jobs = [j for j in self._plan(batch.reqs, due) if id(j.req) in compressed]
-            if jobs and deferring and not self.memory_binds(batch, jobs):
+            jobs = self.planner.again(reqs, self.state_of, step, compressed)
+            if jobs and deferring and not self._memory_binds(reqs, jobs):
                 break
         return freed
-
-    def _ready(self, jobs):
-        """Due jobs an event takes now. A spread window still being scored waits for a later due
-        step (its scores then complete: spread.deadline), unless its tail would outgrow what
-        admission charged it; a window with no spread job (a backlog after a retraction, a job
-        dropped) is scored whole now."""
-        if not self.spreading:
-            return jobs
-        out = []
-        for j in jobs:
-            s = j.state.scoring
-            if s is not None and s.covers(j.region) and s.remaining > 0:
-                row = RowView(
-                    j.state.protected,
-                    j.state.frontier,
-                    int(j.req.kv.kv_committed_len),
-                    j.state.pos_offset,
-                    j.state,
-                )
-                charge = self.policy.tail_charge(row)
-                tail = row.length - row.frontier
-                if not overdue(
-                    tail,
-                    None if charge is None else charge + self.slack,
-                    self.policy.event_interval(),
-                ):
-                    continue
-            out.append(j)
-        return out
 
     def _fence(self) -> None:
         """Under SGLang's overlap scheduler on CUDA the previous batch's forward may still run on
         the forward stream while this step is planned, reading the rows and slots an event
         rewrites and writing the ring / observer state it reads: order this step's event work
-        after it on the device (stream order, as SGLang's own WAR barrier does; the host does
-        not wait). The next forward waits for this stream (SGLang's run_batch)."""
-        if self.forward_stream is not None:
-            torch.cuda.current_stream().wait_stream(self.forward_stream)
+        after it on the device (stream order, as SGLang's own barrier does; the host does not
+        wait: every copy of the step is staged, staging.py). The next forward waits for this
+        stream (SGLang's run_batch)."""
+        if self.parts.forward_stream is not None:
+            torch.cuda.current_stream().wait_stream(self.parts.forward_stream)
 
-    def memory_binds(self, batch, jobs) -> bool:
+    def _memory_binds(self, reqs, jobs) -> bool:
         """trigger=pressure / headroom: are the slots these jobs free needed (pressure.py)?"""
-        sched = self.scheduler
+        parts = self.parts
         remaining = [
-            r.sampling_params.max_new_tokens - decoded_tokens(r, self.state_of(r))
-            for r in batch.reqs
+            adapter.max_new_tokens(r) - decoded_tokens(r, self.state_of(r))
+            for r in reqs
         ]
         growth = growth_within(
             remaining,
             horizon(self.cfg.trigger, self.policy.event_interval()),
-            self.page_size,
+            parts.page_size,
         )
-        fresh = sum(j.fresh_slots(self.page_size) for j in jobs)
+        fresh = sum(j.fresh_slots(parts.page_size) for j in jobs)
         return memory_binds(
-            self.free_slots(),
+            parts.available() + parts.evictable(),
             growth,
             fresh,
-            len(sched.waiting_queue),
-            len(batch.reqs),
-            int(sched.max_running_requests),
+            parts.waiting(),
+            len(reqs),
+            parts.max_running,
         )
 
-    def _plan(self, reqs, due):
-        return plan_jobs(
-            self.policy,
-            reqs,
-            self.state_of,
-            self.page_size,
-            self.cfg.max_seqs,
-            on_protected=self._snapshot_prefix if self.check else None,
-            due=due,
-            slack=self.slack,
-        )
+    def _count_fallbacks(self, windows: int) -> None:
+        self.stats.recompute_fallbacks += windows
+        if self.metrics is not None:
+            self.metrics.fallbacks.inc(windows)
 
-    def footprint(self, remaining: int, state) -> int:
-        """Tokens a request that may still generate ``remaining`` will hold (admission): the
-        policy's footprint plus the rows a capped spread may leave uncompressed."""
-        if remaining <= 0:
-            return remaining
-        return min(remaining, self.policy.footprint(remaining, state) + self.slack)
+    @contextlib.contextmanager
+    def _sync_check(self, batch):
+        """KARA_CHECK_SYNC: count what would make the host wait on a GPU (sync_check.py)."""
+        if not env.check_sync():
+            yield
+            return
+        from sgl_kara.scheduler.sync_check import EXAMPLES, SyncCheck
 
-    def free_slots(self) -> int:
-        """Slots an allocation can get now: free, plus what ``alloc_slots`` may evict from the tree."""
-        return int(self.allocator.available_size()) + int(
-            self.scheduler.tree_cache.evictable_size()
-        )
+        parts = self.parts
+        device = [parts.req_to_token, self.forward.offsets]
+        device += [parts.keys(i) for i in parts.layer_ids]
+        device += [parts.values(i) for i in parts.layer_ids]
+        device += adapter.batch_device_tensors(batch)
+        if self.ring is not None:
+            device += [*self.ring.buffers.values(), self.ring.row_of]
+        for req in adapter.running_requests(batch):
+            state = self.table.get(req)
+            if state is not None:
+                device += _tensors_in(state.policy_state)
+                scores = getattr(state.scoring, "scores", None)
+                if scores is not None:
+                    device.append(scores)
+        check = SyncCheck(device)
+        self.staging.on_copy = check.staged
+        try:
+            with check:
+                yield
+        finally:
+            self.staging.on_copy = None
+            self.stats.sync_violations += check.violations
+            room = EXAMPLES - len(self.stats.sync_examples)
+            self.stats.sync_examples += check.examples[: max(0, room)]
 
-    def alloc_slots(self, n: int):
-        """The allocator's ``alloc``, evicting from the radix tree once when the pool is short."""
-        slots = self.allocator.alloc(n)
-        if slots is None:
-            from sgl_kara._sglang import evict_from_tree_cache
 
-            evict_from_tree_cache(self.scheduler.tree_cache, n)
-            slots = self.allocator.alloc(n)
-        return slots
+def _tensors_in(d) -> list:
+    """Tensors in nested dicts (a policy's per-request state)."""
+    out = []
+    for v in d.values():
+        if isinstance(v, dict):
+            out += _tensors_in(v)
+        elif isinstance(v, torch.Tensor):
+            out.append(v)
+    return out

@@ -1,82 +1,150 @@
-"""Scoring a batch of regions by a span of their query windows: captured queries where the ring
-still holds them, a recompute forward (paper App. C.2) for the others, or the policy's own scores
-when it needs no queries. Used whole at an event and a span at a time by the spread steps
-(events.py, spread.py)."""
+"""Scores of a batch of regions by a span of their query windows: captured queries where the ring
+still holds them, a recompute forward (recompute.py) for the others, or the policy's own scores
+when it needs no queries. Used whole at an event and a part at a time by spread steps.
+
+Both query sources end in the same per-layer call, ``ScoringPass.score_layer(layer_id, q)``,
+with ``q`` of shape ``[B, n, H_q, D]`` (post-RoPE queries of the span), which asks the policy to
+score the region's keys (read through the requests' slot indices).
+"""
 
 from __future__ import annotations
 
 import torch
 
-from sgl_kara import env
-from sgl_kara.policies.base import RowView
-from sgl_kara.scheduler.queries import ScoringComplete, ScoringPass, recompute_batch
+from sgl_kara import _sglang as adapter
+from sgl_kara.policies.base import ScoreInput
+from sgl_kara.scheduler.recompute import ScoringComplete, extend_rows
+
+
+class ScoringPass:
+    """Collects ``[B, L, H_kv, M]`` scores of one batch of jobs (all regions the same shape),
+    one layer at a time, from ``policy.score``. ``slots``: ``[B, M]`` pool slots of the region
+    keys; ``rows`` / ``regions``: the jobs' RowViews and Regions."""
+
+    def __init__(self, policy, keys_of, layer_ids, slots: torch.Tensor, rows, regions):
+        self.policy = policy
+        self.keys_of = keys_of
+        self.layer_index = {lid: i for i, lid in enumerate(layer_ids)}
+        self.slots = slots
+        self.rows, self.regions = rows, regions
+        self.B, self.M = slots.shape
+        self.scores: torch.Tensor | None = None
+        self.seen: set[int] = set()
+        # A recompute forward: the window tokens' logical positions and pool slots, [B * n].
+        self.positions: torch.Tensor | None = None
+        self.window_slots: torch.Tensor | None = None
+
+    def score_layer(self, layer_id: int, q: torch.Tensor | None) -> None:
+        """q: [B, n, H_q, D] window queries of this layer (post-RoPE), or None."""
+        inp = ScoreInput(
+            self.layer_index[layer_id],
+            q,
+            self.keys_of(layer_id),
+            self.slots,
+            self.rows,
+            self.regions,
+        )
+        s = self.policy.score(inp)  # [B, H_kv, M]
+        if self.scores is None:
+            self.scores = torch.zeros(
+                (self.B, len(self.layer_index), s.shape[1], self.M),
+                dtype=torch.float32,
+                device=s.device,
+            )
+        self.scores[:, self.layer_index[layer_id]] = s
+        self.seen.add(layer_id)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.seen) == len(self.layer_index)
+
+    def score_without_queries(self) -> torch.Tensor:
+        for lid in self.layer_index:
+            self.score_layer(lid, None)
+        return self.result()
+
+    def result(self) -> torch.Tensor:
+        missing = set(self.layer_index) - self.seen
+        if missing:
+            raise RuntimeError(
+                f"scoring pass saw no queries for layers {sorted(missing)}"
+            )
+        return self.scores
 
 
 class Scorer:
-    def __init__(self, rt):
-        self.rt = rt  # the KaraRuntime: pools, policy, ring, model runner, forward context, stats
+    """Scores regions of jobs from the best query source they have.
+
+    ``parts``: the scheduler's pools and model (_sglang.SchedulerParts); ``forward``: the
+    forward hooks' context (a recompute pass is routed to its ScoringPass); ``ring``: the capture
+    ring or None; ``staging``: host-to-device copies; ``on_fallback(n)``: windows a recompute
+    had to score instead of the ring."""
+
+    def __init__(
+        self,
+        policy,
+        parts,
+        forward,
+        ring,
+        staging,
+        check: bool = False,
+        crosscheck: bool = False,
+        on_fallback=None,
+    ):
+        self.policy = policy
+        self.parts = parts
+        self.forward = forward
+        self.ring = ring
+        self.staging = staging
+        self.check = check
+        self.crosscheck = crosscheck
+        self.on_fallback = on_fallback
 
     def scoring_pass(self, jobs, region_slots) -> ScoringPass:
-        rt = self.rt
-        views = [
-            RowView(
-                j.state.protected,
-                j.state.frontier,
-                int(j.req.kv.kv_committed_len),
-                j.state.pos_offset,
-                j.state,
-            )
-            for j in jobs
-        ]
         return ScoringPass(
-            rt.policy,
-            rt.kv_pool,
-            rt.layer_ids,
+            self.policy,
+            self.parts.keys,
+            self.parts.layer_ids,
             region_slots,
-            views,
+            [j.view() for j in jobs],
             [j.region for j in jobs],
         )
 
-    def score(
-        self, batch, jobs, rows, region_slots, q_lo: list[int], n: int
-    ) -> torch.Tensor:
-        """[B, L, H_kv, M] scores of the regions by the ``n`` queries of each job from physical row
-        ``q_lo[b]``: captured where the ring still holds them, recomputed for the others."""
-        ring = self.rt.ring
+    def score(self, jobs, rows, region_slots, q_lo: list[int], n: int) -> torch.Tensor:
+        """[B, L, H_kv, M] scores of the regions by the ``n`` queries of each job from physical
+        row ``q_lo[b]``: captured where the ring still holds them, recomputed for the others."""
+        if not self.policy.needs_queries:
+            return self.scoring_pass(jobs, region_slots).score_without_queries()
+        ring = self.ring
         if ring is None:
-            return self._recompute_scores(batch, jobs, rows, region_slots, q_lo, n)
+            return self._recompute_scores(jobs, rows, region_slots, q_lo, n)
         q_starts = [lo + j.state.pos_offset for lo, j in zip(q_lo, jobs)]  # logical
         held = [
             j.state.capture_from is not None
             and s >= j.state.capture_from
-            and ring.holds(j.req)
-            and (int(j.req.kv.kv_committed_len) + j.state.pos_offset) - s
-            <= ring.capacity
+            and ring.holds(j.req, j.row)
+            and (j.length + j.state.pos_offset) - s <= ring.capacity
             for s, j in zip(q_starts, jobs)
         ]
-        fallbacks = held.count(False)
-        # counted once per window: at the span holding its first query (a spread window is scored
-        # a span per step; a later span is held whenever the first one is)
+        # counted once per window: at the span holding its first query (a spread window is
+        # scored a span per step; a later span is held whenever the first one is)
         windows = sum(
             not h and lo == j.region.query_start for h, lo, j in zip(held, q_lo, jobs)
         )
-        if windows:
-            self.rt.stats.recompute_fallbacks += windows
-            if self.rt.metrics is not None:
-                self.rt.metrics.fallbacks.inc(windows)
-        if fallbacks == len(jobs):
-            return self._recompute_scores(batch, jobs, rows, region_slots, q_lo, n)
-        if not fallbacks:
-            return self._captured_scores(batch, jobs, rows, region_slots, q_starts, n)
+        if windows and self.on_fallback is not None:
+            self.on_fallback(windows)
+        if not any(held):
+            return self._recompute_scores(jobs, rows, region_slots, q_lo, n)
+        if all(held):
+            return self._captured_scores(jobs, rows, region_slots, q_starts, n)
         # Some requests hold their window's queries in the ring, others (no free row, or their
         # queries left it): each part from its own source, in the jobs' order.
         parts = [
             [i for i, h in enumerate(held) if h],
             [i for i, h in enumerate(held) if not h],
         ]
-        idx = [torch.tensor(p, device=rows.device) for p in parts]
+        idx = [self.staging.to_device(p) for p in parts]
         captured = self._captured_scores(
-            batch,
             [jobs[i] for i in parts[0]],
             rows[idx[0]],
             region_slots[idx[0]],
@@ -84,7 +152,6 @@ class Scorer:
             n,
         )
         recomputed = self._recompute_scores(
-            batch,
             [jobs[i] for i in parts[1]],
             rows[idx[1]],
             region_slots[idx[1]],
@@ -96,102 +163,66 @@ class Scorer:
         out[idx[1]] = recomputed
         return out
 
-    def _captured_scores(
-        self, batch, jobs, rows, region_slots, q_starts, n: int | None = None
-    ) -> torch.Tensor:
-        """Scores from the ring's queries (``n`` from logical position ``q_starts[b]``; default
-        the jobs' query window), read for at most ``rt.recompute_tokens`` query tokens at a time
-        (an event may hold every running request: the read is bounded like a recompute forward's
-        activations)."""
-        rt = self.rt
-        n = jobs[0].region.query_len if n is None else n
-        per = max(1, rt.recompute_tokens // max(1, n))
-        parts = []
+    def _chunk(self, n: int) -> int:
+        """Jobs per recompute forward or ring read: SGLang's token budget of one forward."""
+        return max(1, self.parts.recompute_tokens // max(1, n))
+
+    def _captured_scores(self, jobs, rows, region_slots, q_starts, n) -> torch.Tensor:
+        """Scores from the ring's queries (``n`` from logical position ``q_starts[b]``), read
+        for at most one forward's token budget of queries at a time."""
+        per = self._chunk(n)
+        out = []
         for i in range(0, len(jobs), per):
             scoring = self.scoring_pass(jobs[i : i + per], region_slots[i : i + per])
-            starts = torch.tensor(
-                q_starts[i : i + per], dtype=torch.int64, device=rows.device
-            )
-            ring_rows = rt.ring.rows_for(rows[i : i + per])
-            for lid in rt.layer_ids:
-                scoring.score_layer(lid, rt.ring.read(lid, ring_rows, starts, n))
-            parts.append(scoring.result())
-        captured = parts[0] if len(parts) == 1 else torch.cat(parts)
-        if rt.check and not bool(
-            torch.isfinite(captured).all()
-        ):  # the ring is NaN-poisoned in integrity mode
+            starts = self.staging.to_device(q_starts[i : i + per])
+            ring_rows = self.ring.rows_for(rows[i : i + per])
+            for lid in self.parts.layer_ids:
+                scoring.score_layer(lid, self.ring.read(lid, ring_rows, starts, n))
+            out.append(scoring.result())
+        captured = out[0] if len(out) == 1 else torch.cat(out)
+        if self.check and not bool(torch.isfinite(captured).all()):
+            # the ring is NaN-poisoned in integrity mode
             raise AssertionError(
-                "scores from the capture ring are not finite: a window read queries never written"
+                "scores from the capture ring are not finite: a window read queries never "
+                "written"
             )
-        if env.crosscheck_queries():
-            self._crosscheck(batch, jobs, rows, region_slots, captured, q_starts, n)
+        if self.crosscheck:
+            self._crosscheck(jobs, rows, region_slots, captured, q_starts, n)
         return captured
 
-    def _crosscheck(
-        self, batch, jobs, rows, region_slots, captured, q_starts, n
-    ) -> None:
+    def _crosscheck(self, jobs, rows, region_slots, captured, q_starts, n) -> None:
         """On a request's first window both query sources must agree (the prefix is exact)."""
         first = [i for i, j in enumerate(jobs) if j.state.compressions == 0]
         if not first:
             return
         sub = [jobs[i] for i in first]
-        idx = torch.tensor(first, device=rows.device)
+        idx = self.staging.to_device(first)
         q_lo = [q_starts[i] - jobs[i].state.pos_offset for i in first]
-        recomputed = self._recompute_scores(
-            batch, sub, rows[idx], region_slots[idx], q_lo, n
-        )
+        recomputed = self._recompute_scores(sub, rows[idx], region_slots[idx], q_lo, n)
         for k, i in enumerate(first):
             a, b = captured[i], recomputed[k]
             err = float(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item())
             prev = jobs[i].state.crosscheck_err
             jobs[i].state.crosscheck_err = err if prev is None else max(prev, err)
 
-    def _recompute_scores(
-        self,
-        batch,
-        jobs,
-        rows,
-        region_slots,
-        q_lo: list[int] | None = None,
-        n: int | None = None,
-    ) -> torch.Tensor:
-        """Scores from recompute forwards of at most ``rt.recompute_tokens`` query tokens each
-        (SGLang budgets activation memory for its chunked-prefill size; B x W can exceed it)."""
-        n = jobs[0].region.query_len if n is None else n
-        q_lo = [j.region.query_start for j in jobs] if q_lo is None else q_lo
-        per = max(1, self.rt.recompute_tokens // max(1, n))
-        parts = []
+    def _recompute_scores(self, jobs, rows, region_slots, q_lo, n) -> torch.Tensor:
+        """Scores from recompute forwards of at most one forward's token budget each."""
+        per = self._chunk(n)
+        out = []
         for i in range(0, len(jobs), per):
             sub = jobs[i : i + per]
             scoring = self.scoring_pass(sub, region_slots[i : i + per])
-            self._recompute(
-                batch, sub, rows[i : i + per], scoring, q_lo[i : i + per], n
-            )
-            parts.append(scoring.result())
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+            self._recompute(sub, rows[i : i + per], scoring, q_lo[i : i + per], n)
+            out.append(scoring.result())
+        return out[0] if len(out) == 1 else torch.cat(out)
 
-    def _recompute(
-        self, batch, jobs, rows, scoring: ScoringPass, q_lo: list[int], n: int
-    ) -> None:
-        """Extra forward over the query tokens, reusing cached KV and writing none, stopped once
-        the last layer's queries are scored (queries.ScoringComplete). Always eager:
-        a replayed prefill CUDA graph would never call the attention hook (no queries reach the
-        scoring pass) and was recorded with KV writes on."""
-        from sgl_kara._sglang import ForwardBatch
-
-        rt = self.rt
-        mr = rt.model_runner
-        sb = recompute_batch(
-            batch, jobs, rows, rt.req_to_token_pool.req_to_token, scoring, q_lo, n
+    def _recompute(self, jobs, rows, scoring: ScoringPass, q_lo, n: int) -> None:
+        """One recompute forward over ``n`` query tokens of each job, feeding ``scoring``."""
+        extend, window_slots = extend_rows(
+            jobs, rows, self.parts.req_to_token, q_lo, n, self.staging
         )
-        graphs, mr.prefill_cuda_graph_runner = mr.prefill_cuda_graph_runner, None
-        rt.forward.scoring = scoring
-        try:
-            fb = ForwardBatch.init_new(sb, mr, return_hidden_states_before_norm=False)
-            with torch.inference_mode():
-                mr.forward(fb)
-        except ScoringComplete:
-            pass  # every layer scored: the forward stopped before the last layer's attention
-        finally:
-            rt.forward.scoring = None
-            mr.prefill_cuda_graph_runner = graphs
+        scoring.positions = extend.positions
+        scoring.window_slots = window_slots
+        batch = adapter.recompute_batch(self.parts.scheduler, extend)
+        with self.forward.scoring_pass(scoring, batch):
+            self.parts.run_eager(batch, ScoringComplete)

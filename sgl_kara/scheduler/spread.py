@@ -1,19 +1,21 @@
-"""Spreading a window's scoring over the decode steps before its event (``--kara-spread``).
+"""Spreading a window's scoring over the decode steps before its event (``--kara-spread``): the
+arithmetic of it (which step scores how many queries); plan.py decides with it, scoring.py
+scores.
 
 Scoring a Kara window takes its W queries (a recompute forward over W tokens, or W captured
-queries) against its W - U region keys. Done whole at the event's due step (``--kara-spread off``,
-the paper's schedule), that step carries the whole cost: on the default CPU server one 512-token
-recompute takes ~20 decode steps' time, and requests that arrived together fall due together.
-Eq. 4 is a sum over queries of a softmax over the region's keys, so once the keys are all
-decoded (``policy.upcoming``: U + R steps before the window is due, at least) the window can be
-scored a few queries per step and the parts added (``policy.additive``):
+queries) against its W - U region keys. Done whole at the event's due step (``--kara-spread
+off``, the paper's schedule), that step carries the whole cost, and requests that arrived
+together fall due together. Eq. 4 is a sum over queries of a softmax over the region's keys, so
+once the keys are all decoded (``policy.upcoming``: U + R steps before the window is due, at
+least) the window can be scored a part per step and the parts added (``policy.additive``):
 
     step:      k ........................... due step D (first due step once the window is complete)
     keys:      all W - U decoded
     queries:   [f, f+W-U) decoded   | the last U arrive one per step
-    scored:    on every stride-th step from the first (stride: the steps until D over the window's
-               chunks of MIN_CHUNK; the first after a phase from the request's prompt), ceil(remaining / scoring steps left incl. this one) queries,
-               at least MIN_CHUNK; under ``--kara-spread-max`` every step, at most the cap; never
+    scored:    on every stride-th step from the first (stride: the steps until D over the
+               window's parts of ``part_size`` queries; the first after a phase from the
+               request's prompt), ceil(remaining / scoring steps left incl. this one) queries,
+               at least a part; under ``--kara-spread-max`` every step, at most the cap; never
                more than are decoded; at D whatever is left
     event:     at D, if every query is scored: select and compact (no scoring left to do)
 
@@ -23,28 +25,36 @@ too small to finish by D, the compaction moves to the next due step by which it 
 ``slack`` bounds that delay, and admission charges it (the request holds up to ``slack`` more
 uncompressed rows). Without a cap (the default) no event is delayed.
 
+The part size is the device's: a part costs about as much as reading the region's keys (CPU:
+the keys are read per layer whatever the part; CUDA: a forward of fewer tokens than the
+roofline's ridge costs a whole weight read), so parts are as large as that cost allows
+(docs/GPU.md, "Scoring cost on a GPU"): PART_SIZE queries per request.
+
 The job lives on the request's row state (``KaraReqState.scoring``): a retraction drops it with
 the row, a compaction of the region clears it. Its scores are the only memory it holds:
-``[layers, H_kv, W - U]`` float32 per request (Llama-3-8B, W = 512: 0.5 MB).
+``[layers, H_kv, W - U]`` float32 per request (memory_plan.py counts it).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from sgl_kara.policies.base import Region, RowView
-from sgl_kara.scheduler.jobs import Job, eligible
 from sgl_kara.scheduler.state import KaraReqState
 
-# A spread step scores at least this many queries of a window (fewer only when fewer are left or
-# decoded), on every stride-th step: a step's scoring cost is mostly reading the region's keys
-# (per layer), nearly the same for 4 queries as for 32 (SmolLM2's shapes on a 2-core CPU, 8
-# requests x 30 layers: 54 ms for 4, 121 ms for 32, 2.7 s for the whole window of 512;
-# python -m bench.score_parts). Under --kara-spread-max every step scores (at most the cap).
-MIN_CHUNK = 32
+# Queries per request a spread part scores at least (fewer only when fewer are left or decoded),
+# by device: on a CPU a part's cost is mostly reading the region's keys per layer (bench
+# score_parts); on CUDA a recompute forward below the roofline ridge costs a whole weight read
+# (bench scoring_cost: 256 on H100 / H200). Under --kara-spread-max every step scores (at most
+# the cap).
+PART_SIZE = {"cpu": 32, "cuda": 256}
+MIN_CHUNK = PART_SIZE["cpu"]
+
+
+def part_size(device_type: str) -> int:
+    return PART_SIZE.get(device_type, MIN_CHUNK)
 
 
 @dataclass
@@ -53,15 +63,12 @@ class ScoringJob:
 
     region: Region
     done: int = 0  # queries scored: the first ``done`` of the region's query window
-    scores: torch.Tensor | None = (
-        None  # [layers, H_kv, M] float32, summed over the scored queries
-    )
-    start: int = (
-        0  # the step count (``now``) at which the job's scoring steps are counted from
-    )
-    stride: int = (
-        1  # it scores at steps start, start + stride, ... (and at its due step)
-    )
+    # [layers, H_kv, M] float32, summed over the scored queries
+    scores: torch.Tensor | None = None
+    # the step count (``now``) at which the job's scoring steps are counted from
+    start: int = 0
+    # it scores at steps start, start + stride, ... (and at its due step)
+    stride: int = 1
 
     @property
     def remaining(self) -> int:
@@ -107,19 +114,19 @@ def chunk(
     return min(n, cap) if cap else n
 
 
-def phase(req, stride: int) -> int:
-    """Steps a job waits before its first part, in [0, stride): from the request's own prompt, so
-    that requests in step (they arrived together) score on different steps, while a request's
-    parts, and so its scores to the last bit, do not depend on what else runs."""
-    return hash(tuple(req.origin_input_ids)) % stride if stride > 1 else 0
+def phase(prompt_ids, stride: int) -> int:
+    """Steps a job waits before its first part, in [0, stride): from the request's own prompt,
+    so that requests in step (they arrived together) score on different steps, while a
+    request's parts, and so its scores to the last bit, do not depend on what else runs."""
+    return hash(tuple(prompt_ids)) % stride if stride > 1 else 0
 
 
-def stride_for(query_len: int, steps: int, cap: int) -> int:
-    """Steps between a job's scoring steps: its ``query_len`` queries in chunks of MIN_CHUNK spread
-    evenly over the ``steps`` (this one included) until its due step; 1 under a cap (every step)."""
+def stride_for(query_len: int, steps: int, cap: int, part: int = MIN_CHUNK) -> int:
+    """Steps between a job's scoring steps: its ``query_len`` queries in parts of ``part``
+    spread evenly over the ``steps`` (this one included) until its due step; 1 under a cap."""
     if cap:
         return 1
-    return max(1, steps // max(1, -(-query_len // MIN_CHUNK)))
+    return max(1, steps // max(1, -(-query_len // part)))
 
 
 def deadline(policy, now: int, to_region: int, remaining: int, cap: int) -> int:
@@ -174,50 +181,3 @@ def slack(policy, cap: int) -> int:
 def spreads(policy, spread: str) -> bool:
     """Does this policy's scoring spread over decode steps under ``--kara-spread spread``?"""
     return spread == "even" and policy.needs_queries and policy.additive
-
-
-def plan_chunks(
-    policy, reqs, state_of, page_size: int, cap: int, now_of, on_protected=None
-) -> list:
-    """This step's spread scoring: ``[(Job, n)]``, the next ``n`` queries of each running request's
-    upcoming window (a job is opened on the request's row state the first step its keys are all
-    decoded). ``now_of(req)``: the count the policy's due steps are in (the request's own decoded
-    tokens, or the scheduler's step under ``--kara-phase server``)."""
-    out = []
-    for i, req in enumerate(reqs):
-        state = state_of(req)
-        ok = eligible(req, state, page_size, on_protected)
-        if ok is None:
-            continue
-        row, remaining = ok
-        length = row.length
-        up = policy.upcoming(row)
-        if up is None:
-            continue
-        region, to_region = up
-        job = state.scoring
-        now = now_of(req)
-        if job is None or not job.covers(region):
-            ahead = dataclasses.replace(row, length=length + to_region)
-            if not policy.worth_compressing(ahead, remaining - to_region):
-                continue  # it finishes before this window would be compressed
-            steps = deadline(policy, now, to_region, region.query_len, cap) - now + 1
-            stride = stride_for(region.query_len, steps, cap)
-            job = state.scoring = ScoringJob(
-                region, start=now + phase(req, stride), stride=stride
-            )
-        if job.remaining <= 0:
-            continue
-        steps_left = deadline(policy, now, to_region, job.remaining, cap) - now
-        if steps_left > 0 and (now < job.start or (now - job.start) % job.stride):
-            continue  # not one of its scoring steps
-        n = chunk(
-            job.remaining,
-            decoded(region, length, job.done),
-            steps_left // job.stride,
-            cap,
-            MIN_CHUNK if not cap else 1,
-        )
-        if n:
-            out.append((Job(i, req, state, region), n))
-    return out

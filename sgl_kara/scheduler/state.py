@@ -1,6 +1,7 @@
-"""Per-request Kara state, stored on SGLang's ``Req`` as ``req.kara``.
+"""Kara's per-request state, in Kara's own table (``RequestTable``), keyed by SGLang's request
+object: nothing is stored on SGLang's ``Req``.
 
-Row layout of one request in ``req_to_token`` (see ARCHITECTURE.md):
+Row layout of one request in ``req_to_token`` (docs/ARCHITECTURE.md):
 
     row pos: 0 ............ P ........... f .................. L
             [ tree-owned   |  compressed   | uncompressed tail        ]
@@ -13,11 +14,13 @@ Two kinds of fields: the request's own options and lifetime statistics (kept for
 life), and its row state (P, f, offset, compressions, capture ring position, the policy's
 per-request state, the spread scoring of its upcoming window), which ``reset_row`` clears when
 SGLang retracts the request and re-prefills it from its tokens (its KV is exact again). The
-scheduler's KaraRuntime is the one owner.
+table holds a request's state while SGLang holds the request (weak keys): a finished, aborted
+or dropped request leaves it with nothing to clean up.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 
@@ -26,60 +29,56 @@ class KaraReqState:
     # -- options (custom_params.kara) and lifetime statistics: survive a retraction
     enabled: bool = True
     retention: float | None = None  # per-request override of the kara retention
-    budget: int | None = (
-        None  # per-request budget of threshold policies (budget matching)
-    )
+    budget: int | None = None  # per-request budget of threshold policies
     kv_peak: int = 0  # largest physical KV length seen at a decode step
-    kv_sum: int = (
-        0  # sum of physical KV lengths over decode steps (mean = kv_sum / kv_steps)
-    )
+    kv_sum: int = 0  # physical KV lengths summed over decode steps
     kv_steps: int = 0
-    tail_peak: int = (
-        0  # largest uncompressed tail (L - f, once P is fixed) seen at a decode step
-    )
+    tail_peak: int = 0  # largest uncompressed tail (L - f, once P is fixed) at a step
+    retractions: int = 0  # times SGLang retracted the request
     # -- row state: reset by reset_row
-    protected: int = (
-        -1
-    )  # P: rows [0, P) are never written or freed; -1 until the first event
+    protected: int = -1  # P: rows [0, P) are never written or freed; -1 until fixed
     frontier: int = 0  # f: first uncompressed row (>= P once fixed)
     pos_offset: int = 0  # tokens dropped so far: logical = physical + pos_offset past f
-    compressions: int = (
-        0  # events since the row was (re)built; > 0: the row holds compressed KV
-    )
-    capture_from: int | None = (
-        None  # first logical position whose query is in the capture ring
-    )
-    offset_row: int | None = (
-        None  # req_pool_idx whose device offset mirrors pos_offset (forward.py)
-    )
-    policy_state: dict = field(
-        default_factory=dict, repr=False
-    )  # the policy's (observers)
+    compressions: int = 0  # events since the row was (re)built; > 0: compressed KV
+    capture_from: int | None = None  # first logical position whose query is in the ring
+    offset_row: int | None = None  # the row whose device offset mirrors pos_offset
+    policy_state: dict = field(default_factory=dict, repr=False)  # the policy's
     scoring: object = field(
         default=None, repr=False, compare=False
-    )  # spread.ScoringJob of the upcoming window
+    )  # spread.ScoringJob
     # Diagnostics (KARA_CHECK_INTEGRITY / _CROSSCHECK_QUERIES / _RECORD_EVICTIONS only).
     prefix_snapshot: object = field(default=None, repr=False, compare=False)
     integrity_checks: int = 0
     crosscheck_err: float | None = None
     logical_rows: object = field(default=None, repr=False, compare=False)
 
+    ROW_FIELDS = (
+        "protected",
+        "frontier",
+        "pos_offset",
+        "compressions",
+        "capture_from",
+        "offset_row",
+        "policy_state",
+        "scoring",
+        "prefix_snapshot",
+        "logical_rows",
+    )
+
     def reset_row(self) -> None:
         """The request was retracted: it will be re-prefilled from its tokens, uncompressed."""
+        self.retractions += 1
         fresh = KaraReqState()
-        for name in (
-            "protected",
-            "frontier",
-            "pos_offset",
-            "compressions",
-            "capture_from",
-            "offset_row",
-            "policy_state",
-            "scoring",
-            "prefix_snapshot",
-            "logical_rows",
-        ):
+        for name in self.ROW_FIELDS:
             setattr(self, name, getattr(fresh, name))
+
+    def record_step(self, length: int) -> None:
+        """Statistics of one decode step at physical length ``length``."""
+        self.kv_peak = max(self.kv_peak, length)
+        if self.protected >= 0:
+            self.tail_peak = max(self.tail_peak, length - self.frontier)
+        self.kv_sum += length
+        self.kv_steps += 1
 
     def meta(self, physical_len: int) -> dict:
         return {
@@ -95,5 +94,18 @@ class KaraReqState:
         }
 
 
-def get_state(req) -> KaraReqState | None:
-    return getattr(req, "kara", None)
+class RequestTable:
+    """Kara's state of every request this scheduler has seen and SGLang still holds."""
+
+    def __init__(self):
+        self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def get(self, req) -> KaraReqState | None:
+        return self._states.get(req)
+
+    def add(self, req, state: KaraReqState) -> KaraReqState:
+        self._states[req] = state
+        return state
+
+    def __len__(self) -> int:
+        return len(self._states)

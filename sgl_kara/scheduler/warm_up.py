@@ -24,15 +24,6 @@ SCRATCH_SLOTS = 128
 COPY_COUNTS = (1, 16, 17)  # Triton's integer classes: == 1, divisible by 16, neither
 
 
-def query_heads(model) -> list[int]:
-    """Distinct query-head counts of the model's attention layers (this rank's)."""
-    from sgl_kara._sglang import RadixAttention
-
-    return sorted(
-        {m.tp_q_head_num for m in model.modules() if isinstance(m, RadixAttention)}
-    )
-
-
 def first_due_length(policy, limit: int = 1 << 26) -> int | None:
     """Smallest row length (P = f = 0) at which the policy names a region (None: none below
     ``limit``); region() is monotone in the length for every policy here."""
@@ -69,13 +60,14 @@ def warm_up_regions(policy) -> list[Region]:
 
 
 def warm_up_kernels(
-    kv_pool, layer_ids, policy, q_heads: list[int], q_dtype, page_size: int = 1
+    keys_of, layer_ids, policy, q_heads: list[int], q_dtype, page_size: int = 1
 ) -> None:
     """Launch what an event launches on scratch tensors: the policy's scoring for each of its
-    region shapes and each query-head count, compaction of all layers, slot copies (page > 1)."""
+    region shapes and each query-head count (``q_heads``: the attention layers' on this rank),
+    compaction of all layers, slot copies (page > 1). ``keys_of(layer_id)``: the pool's keys."""
     from sgl_kara.kernels.compact import compact_kv, copy_slots
 
-    k = kv_pool.get_key_buffer(layer_ids[0])
+    k = keys_of(layer_ids[0])
     hkv, d, dev, kv_dtype = k.shape[1], k.shape[2], k.device, k.dtype
     scratch_k = [
         torch.zeros(SCRATCH_SLOTS, hkv, d, dtype=kv_dtype, device=dev)

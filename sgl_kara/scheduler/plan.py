@@ -1,0 +1,325 @@
+"""What a decode step's compression work is: the one place that decides which windows are scored
+now and which requests an event compresses (``Planner.plan``).
+
+Which requests are due (``due_at``): with ``--kara-phase request`` (the default) a request is due
+when its own generated-token count is a due step of the policy, so the steps at which it is
+compressed, and therefore its answer, depend on its own progress only (two identical greedy
+requests answer alike whatever else runs and whenever they arrived); with ``server`` every
+request is due at the scheduler's due steps (the paper's schedule: all requests in step, fewer
+and larger events).
+
+A request takes part once its row has reached its protected length P (fixed here, at the first
+check after the prefill: the tree-owned prefix and the prompt, rounded up to a page), when it is
+not finishing anyway (``policy.worth_compressing``: Kara leaves a request whose uncompressed
+tail stays within W + period until its max_new_tokens), and when its KV is fully committed.
+A request's own count (``decoded_tokens``) is the same under SGLang's normal and overlap
+schedulers, so it is compressed at the same steps under both.
+
+An event takes the due requests' regions, longest uncompressed tail first, at most ``max_seqs``
+of them -- and more when more are overdue (``choose``): a due request whose tail, left to the
+next due step, would outgrow what admission charged it (``policy.tail_charge``) is always in the
+event, so events keep up with any number of running requests (at max_seqs = 30 and one event per
+period = 128 steps, the paper's limit holds up to ~30 x (W - U) / period = 112 running requests
+at W = 512, U = 32).
+
+With spread scoring (spread.py) a due window whose scoring is still under way waits for a later
+due step, unless its tail would outgrow its charge (``ready``); a window with no spread job (a
+backlog after a retraction, a job dropped) is scored whole at its event.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from sgl_kara import _sglang as adapter
+from sgl_kara.mem_cache.compaction import fresh_slots_needed
+from sgl_kara.policies.base import Region, RowView
+from sgl_kara.scheduler import spread
+from sgl_kara.scheduler.state import KaraReqState
+
+
+@dataclass
+class Job:
+    """One request's part of an event (or of a spread step)."""
+
+    index: int  # position in the running batch
+    req: object
+    state: KaraReqState
+    region: Region
+
+    @property
+    def length(self) -> int:
+        return adapter.kv_length(self.req)
+
+    @property
+    def row(self) -> int:
+        return adapter.row_index(self.req)
+
+    def view(self) -> RowView:
+        s = self.state
+        return RowView(s.protected, s.frontier, self.length, s.pos_offset, s)
+
+    def fresh_slots(self, page_size: int) -> int:
+        """Slots compacting this job allocates before it frees the old ones."""
+        r = self.region
+        return fresh_slots_needed(r.start, self.length, r.length, r.keep, page_size)
+
+
+def fix_protected(req, state: KaraReqState, length: int, page_size: int) -> bool:
+    """Fix P once the row reaches it and its prefill's result is processed (the radix tree may
+    then have swapped the prompt's slots for its own: under the overlap scheduler the first
+    decode step is planned before that); False until then."""
+    if state.protected >= 0:
+        return True
+    if not adapter.output_length(req):
+        return False
+    p = max(adapter.tree_prefix_length(req), len(adapter.prompt_ids(req)))
+    if page_size > 1:
+        p = -(-p // page_size) * page_size
+    if length < p:
+        return False
+    state.protected = p
+    state.frontier = p
+    return True
+
+
+def decoded_tokens(req, state: KaraReqState) -> int:
+    """The request's output tokens, counting the one this decode step feeds in: ``len(output_ids)``
+    under SGLang's normal scheduler. Under its overlap scheduler the previous step's token is
+    still in flight (not yet in ``output_ids``) when the next step is planned, so the count comes
+    from the KV rows, which both schedulers have advanced alike by then: the rows held, plus the
+    entries dropped, less the prompt, plus the token being fed."""
+    return adapter.kv_length(req) + state.pos_offset - len(adapter.prompt_ids(req)) + 1
+
+
+def due_at(policy, phase: str, server_step: int, req, state: KaraReqState) -> bool:
+    """Is an event due for ``req`` at this decode step (``server_step``: the scheduler's)?"""
+    return policy.due(server_step if phase == "server" else decoded_tokens(req, state))
+
+
+def overdue(tail: int, charge: int | None, interval: int) -> bool:
+    """Would this tail, growing one row per step until the next due step ``interval`` steps
+    away, exceed the ``charge`` admission made for it (None: no bound)?"""
+    return charge is not None and tail + interval > charge
+
+
+def choose(tails: list[int], charges: list, interval: int, max_seqs: int) -> list[int]:
+    """Indices of the due requests one event compresses, longest tail first (stable): every
+    overdue one, then the others while fewer than ``max_seqs`` are chosen."""
+    order = sorted(range(len(tails)), key=lambda i: -tails[i])
+    late = [i for i in order if overdue(tails[i], charges[i], interval)]
+    rest = [i for i in order if not overdue(tails[i], charges[i], interval)]
+    picked = set(late + rest[: max(0, max_seqs - len(late))])
+    return [i for i in order if i in picked]
+
+
+def eligible(
+    req, state: KaraReqState, page_size: int, on_protected=None
+) -> tuple[RowView, int] | None:
+    """(its row as a policy sees it, tokens still to generate) of a request an event may touch
+    now: compression on for it, not finishing, its KV fully committed, P fixed (here, at the
+    first check once the row reaches it). None otherwise."""
+    if not state.enabled or adapter.finishing(req):
+        return None
+    if not adapter.kv_settled(req):
+        return None
+    length = adapter.kv_length(req)
+    remaining = adapter.max_new_tokens(req) - decoded_tokens(req, state)
+    if remaining <= 1:
+        return None  # about to finish: its slots are freed anyway
+    fixed_now = state.protected < 0
+    if not fix_protected(req, state, length, page_size):
+        return None
+    if fixed_now and on_protected is not None:
+        on_protected(req, state)
+    return RowView(
+        state.protected, state.frontier, length, state.pos_offset, state
+    ), remaining
+
+
+def plan_jobs(
+    policy,
+    reqs,
+    state_of,
+    page_size: int,
+    max_seqs: int,
+    on_protected=None,
+    due=None,
+    slack: int = 0,
+) -> list[Job]:
+    """Jobs for the requests ``reqs`` (the running batch's, in order) for which ``due(req,
+    state)`` holds (None: all of them). A request not due costs one check: with
+    ``--kara-phase request`` this runs at every decode step. ``slack``: rows admission charged
+    beyond the policy's tail charge (a capped ``--kara-spread`` may delay an event by that
+    much)."""
+    cands = []
+    for i, req in enumerate(reqs):
+        state = state_of(req)
+        if due is not None and not due(req, state):
+            continue
+        ok = eligible(req, state, page_size, on_protected)
+        if ok is None:
+            continue
+        row, remaining = ok
+        region = policy.region(row)
+        if region is not None and policy.worth_compressing(row, remaining):
+            charge = policy.tail_charge(row)
+            cands.append(
+                (
+                    row.length - state.frontier,
+                    None if charge is None else charge + slack,
+                    Job(i, req, state, region),
+                )
+            )
+    picked = choose(
+        [c[0] for c in cands], [c[1] for c in cands], policy.event_interval(), max_seqs
+    )
+    return [cands[i][2] for i in picked]
+
+
+def plan_chunks(
+    policy,
+    reqs,
+    state_of,
+    page_size: int,
+    cap: int,
+    now_of,
+    on_protected=None,
+    least: int = spread.MIN_CHUNK,
+) -> list[tuple[Job, int]]:
+    """This step's spread scoring: ``[(Job, n)]``, the next ``n`` queries of each running
+    request's upcoming window (a job is opened on the request's row state the first step its
+    keys are all decoded). ``now_of(req, state)``: the count the policy's due steps are in (the
+    request's own decoded tokens, or the scheduler's step under ``--kara-phase server``);
+    ``least``: the part size (spread.part_size)."""
+    out = []
+    for i, req in enumerate(reqs):
+        state = state_of(req)
+        ok = eligible(req, state, page_size, on_protected)
+        if ok is None:
+            continue
+        row, remaining = ok
+        up = policy.upcoming(row)
+        if up is None:
+            continue
+        region, to_region = up
+        job = state.scoring
+        now = now_of(req, state)
+        if job is None or not job.covers(region):
+            ahead = dataclasses.replace(row, length=row.length + to_region)
+            if not policy.worth_compressing(ahead, remaining - to_region):
+                continue  # it finishes before this window would be compressed
+            steps = (
+                spread.deadline(policy, now, to_region, region.query_len, cap) - now + 1
+            )
+            stride = spread.stride_for(region.query_len, steps, cap, least)
+            job = state.scoring = spread.ScoringJob(
+                region,
+                start=now + spread.phase(adapter.prompt_ids(req), stride),
+                stride=stride,
+            )
+        if job.remaining <= 0:
+            continue
+        steps_left = spread.deadline(policy, now, to_region, job.remaining, cap) - now
+        if steps_left > 0 and (now < job.start or (now - job.start) % job.stride):
+            continue  # not one of its scoring steps
+        n = spread.chunk(
+            job.remaining,
+            spread.decoded(region, row.length, job.done),
+            steps_left // job.stride,
+            cap,
+            least if not cap else 1,
+        )
+        if n:
+            out.append((Job(i, req, state, region), n))
+    return out
+
+
+class Planner:
+    """Decides a decode step's scoring (``chunks``, scored first) and event (``jobs``) from the
+    running requests and their state.
+
+    ``cfg``: phase, spread_max, max_seqs; ``spreading``: spread scoring on for this policy;
+    ``slack``: rows admission charges for a capped spread; ``part``: spread part size."""
+
+    def __init__(
+        self, policy, cfg, page_size: int, spreading: bool, slack: int, part: int
+    ):
+        self.policy = policy
+        self.phase = cfg.phase
+        self.cap = cfg.spread_max
+        self.max_seqs = cfg.max_seqs
+        self.page_size = page_size
+        self.spreading = spreading
+        self.slack = slack
+        self.part = part
+        self.on_protected = None  # the integrity check's snapshot of a fixed prefix
+
+    def now(self, step: int):
+        def now_of(req, state) -> int:
+            return step if self.phase == "server" else decoded_tokens(req, state)
+
+        return now_of
+
+    def chunks(self, reqs, state_of, step: int) -> list:
+        if not self.spreading:
+            return []
+        return plan_chunks(
+            self.policy,
+            reqs,
+            state_of,
+            self.page_size,
+            self.cap,
+            self.now(step),
+            self.on_protected,
+            self.part,
+        )
+
+    def due_jobs(self, reqs, state_of, step: int) -> list[Job]:
+        """The jobs of the requests due at this step (before the spread rule)."""
+        if self.phase == "server" and not self.policy.due(step):
+            return []
+
+        def due(req, state) -> bool:
+            return due_at(self.policy, self.phase, step, req, state)
+
+        return plan_jobs(
+            self.policy,
+            reqs,
+            state_of,
+            self.page_size,
+            self.max_seqs,
+            on_protected=self.on_protected,
+            due=due,
+            slack=self.slack,
+        )
+
+    def ready(self, jobs: list[Job]) -> list[Job]:
+        """Due jobs an event takes now: a spread window still being scored waits for a later due
+        step (its scores then complete: spread.deadline), unless its tail would outgrow what
+        admission charged it."""
+        if not self.spreading:
+            return jobs
+        out = []
+        for j in jobs:
+            s = j.state.scoring
+            if s is not None and s.covers(j.region) and s.remaining > 0:
+                row = j.view()
+                charge = self.policy.tail_charge(row)
+                tail = row.length - row.frontier
+                limit = None if charge is None else charge + self.slack
+                if not overdue(tail, limit, self.policy.event_interval()):
+                    continue
+            out.append(j)
+        return out
+
+    def jobs(self, reqs, state_of, step: int) -> list[Job]:
+        """The event's jobs at this step (after this step's spread parts were scored)."""
+        return self.ready(self.due_jobs(reqs, state_of, step))
+
+    def again(self, reqs, state_of, step: int, compressed: set[int]) -> list[Job]:
+        """Catch-up: the requests of ``compressed`` (ids) still due after their compression."""
+        return [
+            j for j in self.due_jobs(reqs, state_of, step) if id(j.req) in compressed
+        ]
