@@ -41,21 +41,39 @@ class _Req:
 
 # ------------------------------------------------------------------ recompute pass: no K/V write
 class FusedRopeModel:
-    """A model runner whose rotary embedding writes K/V at ``forward_batch.out_cache_loc`` (SGLang's
-    ``enable_fused_set_kv_buffer`` path: CUDA, bf16 pool), whatever ``save_kv_cache`` says, then
-    calls the attention hook; its attention records the slots it was shown."""
-
-    prefill_cuda_graph_runner = None
+    """A model runner whose rotary embedding (SGLang's own ``RotaryEmbedding``) is followed by a
+    K/V write at ``forward_batch.out_cache_loc``, whatever ``save_kv_cache`` says: what SGLang's
+    ``enable_fused_set_kv_buffer`` path does (CUDA with a bf16 pool; its fused kernel has no CPU
+    build, so the write is this class's). It runs SGLang's real ``ForwardBatch``, built from the
+    real recompute ``ScheduleBatch``, through the forward hooks; its attention records the slots
+    it was shown."""
 
     def __init__(self, ctx: ForwardContext, pool: Pool):
+        from sglang.srt.layers.rotary_embedding import get_rope
+
+        from sgl_kara.cpu.hooks import apply_rope_shim
+
+        apply_rope_shim()  # what the plugin does in a process without CUDA
+
         self.ctx, self.pool = ctx, pool
+        self.rope = get_rope(D, rotary_dim=D, max_position=4096, base=10000)
         self.attention_saw: list[torch.Tensor] = []
         self.fused_wrote: list[torch.Tensor] = []
+        self.batches: list = []
 
     def run_eager(self, batch, stop):
-        fb = types.SimpleNamespace(
+        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+        self.batches.append(batch)
+        fb = ForwardBatch(
+            forward_mode=batch.forward_mode,
+            batch_size=len(batch.reqs),
+            input_ids=batch.input_ids,
+            req_pool_indices=batch.req_pool_indices,
+            seq_lens=batch.seq_lens,
             out_cache_loc=batch.out_cache_loc,
-            positions=torch.zeros(batch.out_cache_loc.shape[0], dtype=torch.int64),
+            seq_lens_sum=batch.seq_lens_sum,
+            positions=torch.zeros_like(batch.input_ids),
         )
         try:
             self.forward(batch, fb)
@@ -64,14 +82,15 @@ class FusedRopeModel:
 
     def forward(self, batch, fb):
         self.ctx.on_forward_batch(batch, fb)
+        self.positions = fb.positions.clone()
         n = fb.out_cache_loc.shape[0]
         g = torch.Generator().manual_seed(1)
         for lid in range(LAYERS):
             q = torch.randn(n, HQ * D, generator=g)
-            k, v = (
-                torch.randn(n, HKV, D, generator=g),
-                torch.randn(n, HKV, D, generator=g),
-            )
+            k = torch.randn(n, HKV * D, generator=g)
+            v = torch.randn(n, HKV, D, generator=g)
+            q, k = self.rope(fb.positions, q, k)
+            k = k.view(n, HKV, D)
             self.pool.k[lid][fb.out_cache_loc] = k  # the fused RoPE + set_kv_buffer
             self.pool.v[lid][fb.out_cache_loc] = v
             self.fused_wrote.append(fb.out_cache_loc.clone())
@@ -85,37 +104,65 @@ class FusedRopeModel:
         return q
 
 
-def test_recompute_pass_writes_no_kv_with_fused_rope_write(monkeypatch):
-    """Each layer's fused write lands in the padding slot; the window's K/V bytes (and every other
-    real slot's) are unchanged; the attention itself still sees the window's real slots."""
-    from sgl_kara import _sglang
-    from sgl_kara.scheduler import scoring
+@pytest.fixture(scope="module")
+def sglang_context(tiny_llama):
+    """SGLang's runtime context for a CPU server of the tiny Llama (ScheduleBatch.init_new and
+    SamplingBatchInfo read it), as a scheduler process has it."""
+    from sglang.srt.runtime_context import create_context, use_context
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(
+        model_path=tiny_llama,
+        device="cpu",
+        attention_backend="torch_native",
+        page_size=1,
+        dtype="float32",
+    )
+    with use_context(create_context(args, role="scheduler")) as context:
+        yield context
+
+
+def _real_request(row: int, length: int, prompt: int = 8):
+    """An SGLang ``Req`` decoded to ``length`` tokens, in request row ``row``."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    params = SamplingParams(max_new_tokens=1000, temperature=0)
+    params.normalize(None)
+    tokens = list(range(100, 100 + length))
+    req = Req(f"r{row}", "", tokens[:prompt], params)
+    req.output_ids = tokens[prompt:]
+    req.kv.req_pool_idx, req.kv.kv_committed_len = row, length
+    req.kv.kv_allocated_len = length
+    return req
+
+
+def test_recompute_pass_writes_no_kv_with_fused_rope_write(sglang_context):
+    """SGLang's ScheduleBatch (init_new) and ForwardBatch over real requests: each layer's fused
+    write lands in the padding slot; the window's K/V bytes (and every other real slot's) are
+    unchanged; the attention itself still sees the window's real slots; positions are logical."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
     from sgl_kara.scheduler.scoring import Scorer
 
-    def recompute_batch(
-        scheduler, extend
-    ):  # SGLang's ScheduleBatch needs real requests
-        return types.SimpleNamespace(
-            reqs=extend.reqs,
-            out_cache_loc=extend.out_cache_loc,
-            forward_mode=types.SimpleNamespace(
-                is_idle=lambda: False, is_decode=lambda: False
-            ),
-        )
-
-    monkeypatch.setattr(_sglang, "recompute_batch", recompute_batch)
-    assert scoring.sg is _sglang
     pool = Pool()
     req_to_token = torch.zeros(4, 64, dtype=torch.int32)
     req_to_token[1] = torch.arange(1, 65)  # row 1: slots 1..64
     req_to_token[2] = torch.arange(101, 165)  # row 2: slots 101..164
     policy = KaraPolicy(KaraOptions(window=16, buffer=4, period=4))
-    ctx = ForwardContext(
-        policy, None, req_to_token, pool.get_key_buffer, 0, RequestTable()
-    )
+    table = RequestTable()
+    ctx = ForwardContext(policy, None, req_to_token, pool.get_key_buffer, 0, table)
     mr = FusedRopeModel(ctx, pool)
+    scheduler = types.SimpleNamespace(
+        req_to_token_pool=types.SimpleNamespace(
+            device="cpu", req_to_token=req_to_token
+        ),
+        token_to_kv_pool_allocator=None,
+        tree_cache=None,
+        model_config=types.SimpleNamespace(vocab_size=1000),
+    )
     parts = types.SimpleNamespace(
-        scheduler=None,
+        scheduler=scheduler,
         run_eager=mr.run_eager,
         req_to_token=req_to_token,
         keys=pool.get_key_buffer,
@@ -123,14 +170,19 @@ def test_recompute_pass_writes_no_kv_with_fused_rope_write(monkeypatch):
         recompute_tokens=8192,
     )
     jobs = []
-    for i, (idx, length) in enumerate(((1, 40), (2, 36))):
-        state = KaraReqState(protected=8, frontier=8)
-        jobs.append(Job(i, _request(idx, length), state, Region(8, 12, 3, 8, 16)))
+    for i, (row, length) in enumerate(((1, 40), (2, 36))):
+        req = _real_request(row, length)
+        state = table.add(req, KaraReqState(protected=8, frontier=8, pos_offset=5 * i))
+        jobs.append(Job(i, req, state, Region(8, 12, 3, 8, 16)))
     rows = torch.tensor([1, 2])
     region = req_to_token[rows[:, None], 8 + torch.arange(12)].to(torch.int64)
     before = [t.clone() for t in pool.k + pool.v]
     scorer = Scorer(policy, parts, ctx, None, DeviceStaging("cpu"))
     scores = scorer._recompute_scores(jobs, rows, region, [8, 8], 16)
+    (batch,) = mr.batches
+    assert isinstance(batch, ScheduleBatch) and batch.forward_mode.is_extend()
+    assert batch.extend_lens == [16, 16] and batch.prefix_lens == [8, 8]
+    assert batch.sampling_info.has_watermark_candidates is False
     assert scores.shape == (2, LAYERS, HKV, 12) and bool(torch.isfinite(scores).all())
     assert (
         len(mr.fused_wrote) == LAYERS
@@ -143,6 +195,8 @@ def test_recompute_pass_writes_no_kv_with_fused_rope_write(monkeypatch):
     window = torch.cat([req_to_token[1, 8:24], req_to_token[2, 8:24]]).to(torch.int64)
     assert len(mr.attention_saw) == LAYERS - 1  # the last layer stops at its queries
     assert all(torch.equal(s, window) for s in mr.attention_saw)
+    logical = torch.cat([torch.arange(8, 24), torch.arange(13, 29)])  # row + pos_offset
+    assert torch.equal(mr.positions, logical)
 
 
 # ------------------------------------------------------------------ decode observers
@@ -186,7 +240,11 @@ def test_decode_observers_turn_decode_cuda_graphs_off(
 
 def test_decode_observer_reads_rows_from_the_host():
     """The observer's rows and lengths come from the requests and the batch's CPU lengths: every
-    device tensor here is on the meta device, where a host read (.tolist(), int()) raises."""
+    device tensor of SGLang's real ScheduleBatch and ForwardBatch here is on the meta device,
+    where a host read (.tolist(), int()) raises."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
     from sgl_kara.policies.h2o import H2OOptions, H2OPolicy
 
     req_to_token = torch.empty(8, 64, dtype=torch.int32, device="meta")
@@ -199,18 +257,25 @@ def test_decode_observer_reads_rows_from_the_host():
         0,
         table,
     )
-    reqs = [_request(3, 20), _request(5, 30)]
+    reqs = [_real_request(3, 20), _real_request(5, 30)]
     states = [table.add(r, KaraReqState()) for r in reqs]
-    batch = types.SimpleNamespace(
+    meta = dict(dtype=torch.int64, device="meta")
+    batch = ScheduleBatch(
         reqs=reqs,
+        forward_mode=ForwardMode.DECODE,
+        req_pool_indices=torch.empty(2, **meta),
+        seq_lens=torch.empty(2, **meta),
         seq_lens_cpu=torch.tensor([21, 31]),
-        forward_mode=types.SimpleNamespace(
-            is_idle=lambda: False, is_decode=lambda: True
-        ),
-        req_pool_indices=torch.empty(2, dtype=torch.int64, device="meta"),
     )
-    fb = types.SimpleNamespace(
-        positions=torch.empty(2, dtype=torch.int64, device="meta"),
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        batch_size=2,
+        input_ids=torch.empty(2, **meta),
+        req_pool_indices=batch.req_pool_indices,
+        seq_lens=batch.seq_lens,
+        out_cache_loc=torch.empty(2, **meta),
+        seq_lens_sum=52,
+        positions=torch.empty(2, **meta),
     )
     ctx.on_forward_batch(batch, fb)
     slots, seen = ctx.observed

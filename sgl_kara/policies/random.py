@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import Region, RowView, ScoreInput, need, register
+from .base import Region, RowView, ScoreInput, need, register, top_k
 from .kara import KaraPolicy, WindowOptions, kept_count
 
 
@@ -84,4 +84,6 @@ class RandomPolicy(KaraPolicy):
         return torch.stack(draws).to(inp.slots.device)
 
     def select(self, scores: torch.Tensor, keep: int) -> torch.Tensor:
-        return super(KaraPolicy, self).select(scores, keep)  # plain top-K of the draws
+        """The top ``keep`` of the draws (no Token2Chunk: chunks of random scores mean
+        nothing)."""
+        return top_k(scores, keep)

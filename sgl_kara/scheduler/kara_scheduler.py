@@ -19,7 +19,7 @@ import logging
 
 from sgl_kara._sglang import Scheduler
 from sgl_kara.config import KaraConfig
-from sgl_kara.scheduler import runtime as rt
+from sgl_kara.scheduler import runtime
 from sgl_kara.scheduler.admission import make_prefill_adder
 from sgl_kara.scheduler.output import make_output_streamer
 from sgl_kara.startup import check_runtime_supported
@@ -33,8 +33,8 @@ class KaraScheduler(Scheduler):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         check_runtime_supported(self, self.kara_config)
-        self.kara = rt.KaraRuntime(self.kara_config, self)
-        rt.activate(self.kara)
+        self.kara = runtime.KaraRuntime(self.kara_config, self)
+        runtime.activate(self.kara)
         logger.info("sgl_kara: compression active, %s", self.kara_config)
 
     def get_output_streamer_class(self):

@@ -8,7 +8,7 @@ the one-element list so clients read ``meta_info["kara"]["compressions"]`` direc
 from __future__ import annotations
 
 from sgl_kara import _sglang as adapter
-from sgl_kara.scheduler import runtime as rt
+from sgl_kara.scheduler import runtime
 
 KEY = "kara"
 
@@ -21,9 +21,9 @@ def make_output_streamer(base):
 
         def build_additional_customized_info(self, reqs):
             out = super().build_additional_customized_info(reqs)
-            runtime = rt.active()
+            kara = runtime.active()
             metas = [
-                runtime.meta(r) if runtime is not None and adapter.finished(r) else None
+                kara.meta(r) if kara is not None and adapter.finished(r) else None
                 for r in reqs
             ]
             out[KEY] = [[m] if m else [] for m in metas]
