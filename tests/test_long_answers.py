@@ -1,12 +1,18 @@
 """The long-answer workload: requests of several problems, split and graded per problem. Pure."""
 
 from fractions import Fraction
+from types import SimpleNamespace
 
 import pytest
 
 from bench.quality.real_lm import threshold_mean_kv
 from bench.reasoning import workload
-from bench.reasoning.long_answers import final_budget, summarize
+from bench.reasoning.long_answers import (
+    band_ratio_at_equal_kv,
+    final_budget,
+    kara_replay,
+    summarize,
+)
 
 
 def _problems(n):
@@ -120,3 +126,28 @@ def test_summary_pairs_per_problem_and_reports_retention():
     assert row["no_answer"] == 1
     other = _result("random", [_row(0, [False, False, True], 1001, 300, 349.65)])
     assert summarize(other, full, kara, early=1)["kara_lost"] == 1
+
+
+def test_kara_replay_schedule():
+    # shorter than a window: nothing is cut; the runtime's full-KV figures (g - 1, (g - 2) / 2)
+    assert kara_replay(200, 256, 32, 32, 45) == (199, 99.0)
+    final, mean = kara_replay(2000, 256, 32, 32, 45)
+    events, rest = divmod(2000 - 1 - final, 224 - 45)  # each event cuts W - U rows to K
+    assert rest == 0
+    # what stays uncompressed after the last event: between the buffer and a window + a period
+    assert 32 <= final - 45 * events <= 256 + 32
+    assert final / 1999 < 0.35 and mean < 999
+    # a recency band holds more, a lower r less
+    assert kara_replay(2000, 256, 32, 32, 45, recent=128)[1] > mean
+    assert kara_replay(2000, 256, 32, 32, 20)[1] < mean
+
+
+def test_band_ratio_matches_kara_mean_kv():
+    args = SimpleNamespace(window=256, buffer=32, period=32, recent=0)
+    rows = [
+        {"completion_tokens": g, "kv_mean": kara_replay(g, 256, 32, 32, 45)[1]}
+        for g in (1400, 2100)
+    ]
+    assert band_ratio_at_equal_kv(rows, args) == 45 / 224
+    args.recent = 128  # the band costs KV: its older windows must keep fewer
+    assert band_ratio_at_equal_kv(rows, args) < 45 / 224
