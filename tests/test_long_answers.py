@@ -123,6 +123,7 @@ def test_summary_pairs_per_problem_and_reports_retention():
     )
     assert row["vs_full_final"] == pytest.approx(0.3)
     assert (row["acc_first"], row["acc_later"]) == (1.0, 0.5)
+    assert (row["lost_first"], row["lost_later"]) == (0, 1)  # problem 2 of its request
     assert row["no_answer"] == 1
     other = _result("random", [_row(0, [False, False, True], 1001, 300, 349.65)])
     assert summarize(other, full, kara, early=1)["kara_lost"] == 1

@@ -377,6 +377,10 @@ def summarize(result: dict, full: dict | None, kara: dict | None, early: int) ->
             row["vs_full_mean"] = sum(r["kv_mean"] for r in same) / full_mean
     if result["config"] != "full" and (p := _paired(full, probs)) is not None:
         row.update(p)
+        ref = per_problem(full)  # the lost problems by where they sit in their request
+        lost = [pos for i, (ok, pos) in probs.items() if ref[i][0] and not ok]
+        row["lost_first"] = sum(pos <= early for pos in lost)
+        row["lost_later"] = len(lost) - row["lost_first"]
     if (
         result["config"] not in ("full", "kara")
         and (p := _paired(kara, probs)) is not None
@@ -407,7 +411,7 @@ def report(args) -> list[dict]:
     head = (
         "| configuration | problems right [95% CI] | won / lost vs full (McNemar p) "
         "| won / lost vs Kara (p) | final gen. KV (retention, max) | mean gen. KV (retention) "
-        "| KV vs full's answers: final / mean | first / later problems right "
+        "| KV vs full's answers: final / mean | first / later problems right (lost vs full) "
         "| answer tokens (min-max) | truncated | no answer | tok/s |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -428,13 +432,38 @@ def report(args) -> list[dict]:
             if "vs_full_final" in r
             else "-"
         )
+        lost = f" ({r['lost_first']} / {r['lost_later']})" if "lost_first" in r else ""
         lines.append(
             f"| {label} | {r['correct']}/{r['n']} = {r['acc']:.2f} [{r['lo']:.2f}, {r['hi']:.2f}] "
             f"| {vs_full} | {vs_kara} | {r['kv_final']:.0f} ({r['ret_final']:.2f}, {r['ret_final_max']:.2f}) "
             f"| {r['kv_mean']:.0f} ({r['ret_mean']:.2f}) | {vs} "
-            f"| {f(r['acc_first'], '.2f')} / {f(r['acc_later'], '.2f')} "
+            f"| {f(r['acc_first'], '.2f')} / {f(r['acc_later'], '.2f')}{lost} "
             f"| {r['answer_len']:.0f} ({r['answer_min']}-{r['answer_max']}) | {r['truncated']} "
             f"| {r['no_answer']} | {f(r['tok_s'], '.1f')} |"
+        )
+    # problems right by position in the request (1 = answered first)
+    positions = {}
+    for res in results.values():
+        by = {}
+        for ok, pos in per_problem(res).values():
+            by.setdefault(pos, []).append(ok)
+        positions[res["name"]] = by
+    k = max((max(by) for by in positions.values() if by), default=0)
+    lines += [
+        "",
+        "| problems right at position | "
+        + " | ".join(map(str, range(1, k + 1)))
+        + " |",
+        "|" + "---|" * (k + 1),
+    ]
+    for r in rows:
+        by = positions[r["name"]]
+        lines.append(
+            f"| {r['name']} | "
+            + " | ".join(
+                f"{sum(by.get(i, []))}/{len(by.get(i, []))}" for i in range(1, k + 1)
+            )
+            + " |"
         )
     from bench.record import stamp
 
