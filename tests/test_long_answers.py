@@ -66,12 +66,19 @@ def test_split_at_headings_and_grade_each_part():
 
 def test_missing_or_out_of_order_parts_have_no_answer():
     text = "Problem 1: \\boxed{1}\nProblem 3: \\boxed{3}\nProblem 2: \\boxed{2}"
-    # heading 3 before heading 2 is not problem 3's part (it ends part 1); part 3 is missing
+    # numbers must increase: heading 2 after heading 3 is no part (it ends part 3)
     parts = workload.split(text, 3)
-    assert parts[2] is None and parts[1].startswith("Problem 2")
-    assert "\\boxed{3}" not in parts[0]
+    assert parts[1] is None and parts[2].startswith("Problem 3")
+    assert "\\boxed{2}" not in parts[2]
     graded = workload.grade_request(text, [Fraction(1), Fraction(2), Fraction(3)])
-    assert graded == [(True, "1"), (True, "2"), (False, None)]
+    assert graded == [(True, "1"), (False, None), (True, "3")]
+    # a repeated heading ends the part before it; later problems are still found
+    text = "Problem 1: \\boxed{1}\nProblem 1: \\boxed{9}\nProblem 3: \\boxed{3}"
+    assert workload.grade_request(text, [1, 2, 3]) == [
+        (True, "1"),
+        (False, None),
+        (True, "3"),
+    ]
     # a truncated answer: the later problems are unanswered
     cut = workload.grade_request("Problem 1: \\boxed{1}\nProblem 2: we", [1, 2, 3])
     assert cut == [(True, "1"), (False, None), (False, None)]

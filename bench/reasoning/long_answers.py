@@ -389,6 +389,40 @@ def summarize(result: dict, full: dict | None, kara: dict | None, early: int) ->
     return row
 
 
+def regrade(args) -> None:
+    """Grade every finished configuration in OUT again from its answer texts (``--answers-dir``):
+    rewrites ``correct`` and ``answers`` in OUT/<name>.json after a change of the grader."""
+    from bench.reasoning import data
+
+    gold = {p["id"]: Fraction(p["gold"]) for p in data.load()}
+    for fname in sorted(os.listdir(args.out)):
+        path = os.path.join(
+            args.answers_dir or args.out, fname[:-5] + ".answers.jsonl.gz"
+        )
+        if not fname.endswith(".json") or not os.path.exists(path):
+            continue
+        with open(os.path.join(args.out, fname)) as fh:
+            text = fh.read()
+        with gzip.open(path, "rt") as fh:
+            texts = {r["request"]: r["text"] for r in map(json.loads, fh)}
+        before = after = 0
+        for line in text.splitlines():
+            if not line.startswith('{"request"'):
+                continue
+            r = json.loads(line.rstrip(","))
+            graded = workload.grade_request(
+                texts[r["request"]], [gold[i] for i in r["problems"]]
+            )
+            new = dict(
+                r, correct=[c for c, _ in graded], answers=[a for _, a in graded]
+            )
+            before, after = before + sum(r["correct"]), after + sum(new["correct"])
+            text = text.replace(line.rstrip(","), json.dumps(new), 1)
+        with open(os.path.join(args.out, fname), "w") as fh:
+            fh.write(text)
+        print(f"{fname[:-5]}: {before} -> {after} right", flush=True)
+
+
 def report(args) -> list[dict]:
     """OUT/long_answers.md and .json from every finished configuration in OUT."""
     results = {}
@@ -537,10 +571,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--omp-threads", type=int, default=2)
     ap.add_argument("--answers-dir", default=None)
     ap.add_argument("--report", action="store_true", help="only rewrite the table")
+    ap.add_argument(
+        "--regrade",
+        action="store_true",
+        help="grade the finished configurations again from their answer texts, then --report",
+    )
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     args.model_path = gsm8k.model_path(args.model)
-    if args.report:
+    if args.regrade:
+        regrade(args)
+    if args.report or args.regrade:
         return report(args)
 
     from bench.reasoning import data

@@ -16,7 +16,8 @@ cut into consecutive groups of ``k``). Its user message is
 so one answer carries ``k`` worked solutions (~200 tokens each from Qwen2.5-Coder-1.5B), and the
 problems solved late in the answer are solved over a KV cache that a compressing policy has
 already cut several times. Grading is per problem: the answer is split at its ``Problem i``
-headings (the first heading i after heading i - 1, markdown emphasis and ``#`` allowed), and each
+headings (markdown emphasis and ``#`` allowed; a heading counts when its number is above every
+earlier one's, so a problem whose heading is skipped or repeated has no part), and each
 part (up to the next ``Problem`` heading of any number) is graded as a single GSM8K answer (bench/reasoning/grading.py: its last ``\\boxed{}``). An
 answer without headings but with exactly ``k`` boxed answers is read in order; a problem whose
 part is missing has no answer (graded wrong).
@@ -62,11 +63,13 @@ def split(text: str, k: int) -> list[str | None]:
     """The answer's part for each of the ``k`` problems (None: not found)."""
     starts: list[tuple[int, int]] = []  # (problem number, offset of its heading)
     headings = list(_HEADING.finditer(text))
-    want = 1
-    for m in headings:
-        if want <= k and int(m.group(1)) == want:
-            starts.append((want, m.start()))
-            want += 1
+    last = 0
+    for (
+        m
+    ) in headings:  # numbers must increase; a skipped or repeated number has no part
+        if last < int(m.group(1)) <= k:
+            last = int(m.group(1))
+            starts.append((last, m.start()))
     if not starts:
         boxed = [m.start() for m in re.finditer(r"\\boxed\{", text)]
         if len(boxed) != k:
