@@ -2,7 +2,7 @@
 for many more rows than requests run (``--max-running-requests 32``, a 4,172-token pool: the
 SmolLM2 G = 1,024, pool 1/4 grid cell of bench/RESULTS.md, "Throughput: capture ring versus recompute"), once with ``capture`` and
 once with ``recompute`` (no ring), the same requests through each. The ring's buffers are
-allocated unwritten, so only the rows requests write become resident (scheduler/queries.py).
+allocated unwritten, so only the rows requests write become resident (scheduler/ring.py).
 
     python -m bench.ring_resident --out bench/results/2026-11-25-capture-ring/ring_resident.md
 
