@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import os
 import sys
 
 from sgl_kara._sglang import SGLangEngine
@@ -87,6 +88,13 @@ def _guarded_lines(tree: ast.Module) -> list[tuple[int, int]]:
     return ranges
 
 
+def _process_start() -> float:
+    """When this process started (seconds since the epoch)."""
+    import psutil
+
+    return psutil.Process().create_time()
+
+
 def check_main_guard() -> None:
     """Raise ``MainGuardMissing`` when this call runs from the top-level code of the script
     Python started (``python script.py`` / ``python -m module``) outside ``if __name__ ==
@@ -95,7 +103,8 @@ def check_main_guard() -> None:
     ("An attempt has been made to start a new process before the current process has finished its
     bootstrapping phase") and SGLang's parent reports a dead scheduler, a minute later, blaming
     the OOM killer. Interactive sessions, ``python -c``, a package's ``__main__`` (which spawn does
-    not run again) and imported modules pass."""
+    not run again) and imported modules pass. A script edited since this process started passes
+    too: its source no longer describes the code that runs."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     spec_name = getattr(getattr(main, "__spec__", None), "name", None) or ""
@@ -114,6 +123,8 @@ def check_main_guard() -> None:
     if frame is None:
         return
     try:
+        if os.path.getmtime(path) > _process_start():
+            return
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read(), path)
     except (OSError, SyntaxError, ValueError):

@@ -140,6 +140,8 @@ def test_the_main_guard_check_passes_guarded_and_imported_code(tmp_path, monkeyp
     )
     unguarded = tmp_path / "unguarded.py"
     unguarded.write_text("import sys\ncheck()\n")
+    started = time.time() + 1  # the scripts were there when this process started
+    monkeypatch.setattr(engine, "_process_start", lambda: started)
     for path, ok in ((guarded, True), (unguarded, False)):
         main = type(sys)("__main__")
         main.__file__ = str(path)
@@ -152,6 +154,10 @@ def test_the_main_guard_check_passes_guarded_and_imported_code(tmp_path, monkeyp
         else:
             with pytest.raises(engine.MainGuardMissing, match=f"{path}, line 2"):
                 exec(code, vars(main))
+    # A script edited since the process started: its source no longer maps to the running code.
+    monkeypatch.setattr(engine, "_process_start", lambda: started - 3600)
+    exec(compile(unguarded.read_text(), str(unguarded), "exec"), vars(main))
+    monkeypatch.setattr(engine, "_process_start", lambda: started)
     main.__spec__ = type(
         "Spec", (), {"name": "pkg.__main__"}
     )()  # python -m pkg: spawn does not rerun it
