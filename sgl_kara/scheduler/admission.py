@@ -2,12 +2,17 @@
 
 SGLang's PrefillAdder reserves, for every running and new request, the tokens it may still
 generate (``max_new_tokens - len(output_ids)``, times a ratio), on top of what the running ones
-already hold. Under compression a request that generates G more tokens holds only
+already hold. Under compression a request that generates G more tokens holds at most
 ``policy.footprint(G)`` of them (Kara: about ``G * K / (W - U) + W + period``; threshold
-policies: at most C_max + 1), under its own ``custom_params.kara`` overrides; a running request
-already holds part of that footprint (Kara: its uncompressed tail), so its KV grows by less
-(``policy.growth``). Without this discount the freed memory would never admit more requests and
-compression would buy no throughput.
+policies: at most C_max + 1), under its own ``custom_params.kara`` overrides, and its KV grows
+by at most ``policy.growth(G, row)`` beyond what its row holds (Kara: ``G * K / (W - U)`` plus
+the part of a window and a period its uncompressed tail has still to fill, at the rate that
+tail is not compressed). Both a running request and one being admitted are charged that growth
+(the latter of the row its prefill leaves: its prompt, nothing compressible yet), so a
+request's count in SGLang's accounting -- what it holds plus its charge -- does not shrink once
+it runs: room freed that way would wait for a request to leave, since SGLang's prefill does not
+look at the waiting queue again until then. Without this discount the freed memory would never
+admit more requests and compression would buy no throughput.
 
 ``charge(req, running)`` (the runtime's) is the ``max_new_tokens`` to present for a request: its
 output so far plus what its KV may still grow by (None: compression off for it, SGLang's own

@@ -234,35 +234,32 @@ class KaraRuntime:
         return meta
 
     # ------------------------------------------------------------------ admission
-    def footprint(self, remaining: int, state) -> int:
-        """Tokens a request that may still generate ``remaining`` will hold: the policy's
-        footprint plus the rows a capped spread may leave uncompressed."""
-        if remaining <= 0:
-            return remaining
-        return min(remaining, self.policy.footprint(remaining, state) + self.slack)
-
     def charge(self, req, running: bool) -> int | None:
         """The ``max_new_tokens`` admission presents for ``req`` (admission.py): its output so
-        far plus what its KV may still grow by -- for a request being admitted its compressed
-        footprint, for a running one the growth beyond what it already holds (policy.growth);
-        with a capped spread, the rows it may leave uncompressed on top. None: compression off
-        for it (SGLang's own count)."""
+        far plus what its KV may still grow by (``policy.growth``) beyond what it holds -- a
+        running request its row now, a request being admitted the row its prefill leaves (its
+        prompt, nothing compressible yet: the same charge it keeps while it runs, so the memory
+        admission counts for it does not shrink once it runs, which would leave room no
+        admission pass sees until a request leaves); with a capped spread, the rows it may leave
+        uncompressed on top. None: compression off for it (SGLang's own count)."""
         state = self.state_of(req)
         if not state.enabled:
             return None
         done = adapter.output_length(req)
         remaining = max(0, adapter.max_new_tokens(req) - done)
-        if not running:
-            return done + self.footprint(remaining, state)
-        row = RowView(
-            state.protected,
-            state.frontier,
-            adapter.kv_length(req),
-            state.pos_offset,
-            state,
-        )
-        grow = self.policy.growth(remaining, row)
-        return done + (min(remaining, grow + self.slack) if remaining > 0 else 0)
+        if remaining <= 0:
+            return done
+        if running:
+            row = RowView(
+                state.protected,
+                state.frontier,
+                adapter.kv_length(req),
+                state.pos_offset,
+                state,
+            )
+        else:
+            row = RowView(-1, 0, 0, 0, state)
+        return done + min(remaining, self.policy.growth(remaining, row) + self.slack)
 
     # ------------------------------------------------------------------ decode steps
     def on_decode_step(self, batch) -> None:
