@@ -138,8 +138,8 @@ def run_system(
     import sglang
 
     import sgl_kara
+    from sgl_kara.cpu.server import cpu_defaults
     from sgl_kara.engine import shutdown_cleanly
-    from sgl_kara.startup import cpu_defaults
 
     if system != "vanilla" and kara is None:
         raise ValueError(

@@ -88,8 +88,13 @@ def _guarded_lines(tree: ast.Module) -> list[tuple[int, int]]:
     return ranges
 
 
+# psutil derives a process's start from the boot time, which Linux gives in whole seconds: a
+# script written just before ``python script.py`` can look up to a second newer than the process.
+START_TIME_SLACK_S = 2.0
+
+
 def _process_start() -> float:
-    """When this process started (seconds since the epoch)."""
+    """When this process started (seconds since the epoch, to about a second)."""
     import psutil
 
     return psutil.Process().create_time()
@@ -123,7 +128,7 @@ def check_main_guard() -> None:
     if frame is None:
         return
     try:
-        if os.path.getmtime(path) > _process_start():
+        if os.path.getmtime(path) > _process_start() + START_TIME_SLACK_S:
             return
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read(), path)

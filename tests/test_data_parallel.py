@@ -122,7 +122,7 @@ def replicas(server) -> list[dict]:
 def test_launcher_binds_one_core_group_per_replica(server):
     """The launcher's CPU default: SGLANG_CPU_OMP_THREADS_BIND split over the two replicas (SGLang
     refuses two ranks on one NUMA node without it), each scheduler bound to its own group."""
-    from sgl_kara._sglang import get_cpu_ids_by_node
+    from sgl_kara.cpu._sglang import get_cpu_ids_by_node
     from sgl_kara.cpu.cores import THREADS_BIND_VAR, split_cores
 
     groups = (

@@ -134,3 +134,25 @@ def test_an_event_is_taken_one_recompute_budget_of_windows_at_a_time():
     runner.run(None, _jobs(7))
     assert seen == [[0, 1, 2], [3, 4, 5], [6]]
     assert rt.stats.events == 1 and rt.stats.requests_compressed == 0
+
+
+def test_the_slots_freed_and_the_metrics_sum_over_chunks():
+    """Chunks of 3, 3 and 1 requests dropping 6 entries each: the event frees 7 x 6 = 42 slots,
+    what the runner returns, the metrics count and the stats count alike."""
+
+    class Metrics:
+        def __init__(self):
+            self.recorded = []
+            self.seconds = SimpleNamespace(inc=lambda s: None)
+
+        def record_event(self, requests, dropped):
+            self.recorded.append((requests, dropped))
+
+    def ok(batch, group):
+        return len(group), 6
+
+    rt, runner = _runner(ok, recompute_tokens=24)
+    runner.metrics = Metrics()
+    assert runner.run(None, _jobs(7)) == 42
+    assert runner.metrics.recorded == [(7, 42)]
+    assert rt.stats.events == 1

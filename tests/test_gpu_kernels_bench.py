@@ -18,8 +18,6 @@ ROOT = Path(__file__).resolve().parents[1]
 BLOCK_SGLANG = """
 import runpy, sys
 
-# Benchmarks and docs, not the product: the integration tier (docs/TESTING.md, tiers).
-pytestmark = pytest.mark.integration
 class Blocker:
     def find_spec(self, name, path=None, target=None):
         if name == "sglang" or name.startswith("sglang."):

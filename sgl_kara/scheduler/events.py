@@ -101,8 +101,8 @@ class EventRunner:
             if not chunk:
                 continue
             try:
-                n, dropped = self._compress(batch, chunk)
-                done, dropped = done + n, dropped + n * dropped
+                n, per_row = self._compress(batch, chunk)
+                done, dropped = done + n, dropped + n * per_row
             except OutOfSlots as e:
                 self.stats.skipped_no_memory += len(chunk)
                 logger.debug("Kara event skipped %d requests: %s", len(chunk), e)
