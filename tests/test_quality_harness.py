@@ -55,7 +55,7 @@ def _hf_text_stats(
     return math.exp(sum(nll) / len(nll)), sum(hit) / len(hit)
 
 
-@pytest.mark.integration
+@pytest.mark.slow  # a benchmark's smoke run, minutes of engines (docs/TESTING.md, tiers)
 def test_harness_smoke(tiny_llama, tmp_path):
     """Plumbing only: a random tiny model answers nothing right, but every policy runs, budgets
     are matched per sequence, the fidelity pass feeds the full-KV output through every policy
@@ -203,7 +203,7 @@ def test_real_model_path_runs_a_math_jsonl(tmp_path):
         assert all(g <= 48 for g in rows[policy]["per_problem"]["gen_len"])
 
 
-@pytest.mark.integration
+@pytest.mark.slow  # a benchmark's smoke run, minutes of engines (docs/TESTING.md, tiers)
 def test_real_lm_mode_smoke(tiny_llama, tmp_path):
     """python -m bench.quality --real on 2 prompts (a tiny model stands in for SmolLM2): full-KV output,
     Kara and a budget-matched baseline fed that output, the table, JSON and free generations;
@@ -415,7 +415,7 @@ def test_threshold_mean_kv_counts_the_runtime_trajectory():
     assert budget_for_mean(1.0, 112, 999, 24) == 24  # the floor
 
 
-@pytest.mark.integration
+@pytest.mark.slow  # a benchmark's smoke run, minutes of engines (docs/TESTING.md, tiers)
 def test_real_lm_teacher_forced_text_recall_and_stopping_smoke(tiny_llama, tmp_path):
     """The three workloads of --real on a tiny model, 2 items each (one policy each: budget
     matching is the other smoke test's): teacher-forced Python source (full KV reads the text:
