@@ -96,6 +96,7 @@ class KaraStats:
     event_max_seconds: float = 0.0  # the longest Kara work in one decode step
     sync_violations: int = 0  # KARA_CHECK_SYNC: host waits a GPU would have had
     sync_examples: list = field(default_factory=list)
+    tp_plan_checks: int = 0  # KARA_CHECK_TP_PLAN: gathers at which every rank's digest agreed
 
 
 class KaraRuntime:
@@ -299,6 +300,7 @@ class KaraRuntime:
         if self.plan_check is not None:
             self.plan_check.step_state(reqs, self.table, self.parts.req_to_token)
             self.plan_check.check(self.decode_steps, "step")
+            self.stats.tp_plan_checks += 1
 
     def _observe(self, reqs) -> None:
         """Each running request's state, statistics, device offset and ring row."""
@@ -362,6 +364,7 @@ class KaraRuntime:
             if jobs is not None:
                 jobs = self.plan_check.planned(jobs, self.parts.page_size)
             self.plan_check.check(self.decode_steps, "event")
+            self.stats.tp_plan_checks += 1
         return jobs
 
     def _fence(self) -> None:
