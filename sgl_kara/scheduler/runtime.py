@@ -96,7 +96,8 @@ class KaraStats:
     event_max_seconds: float = 0.0  # the longest Kara work in one decode step
     sync_violations: int = 0  # KARA_CHECK_SYNC: host waits a GPU would have had
     sync_examples: list = field(default_factory=list)
-    tp_plan_checks: int = 0  # KARA_CHECK_TP_PLAN: gathers at which every rank's digest agreed
+    # KARA_CHECK_TP_PLAN: gathers at which every rank's digest agreed
+    tp_plan_checks: int = 0
 
 
 class KaraRuntime:
