@@ -4,17 +4,17 @@ Under ``--tp-size T`` every rank runs the same Kara runtime on its own KV heads,
 that names a slot or a length is computed from replicated state, so every rank plans the same
 events with no communication (docs/TENSOR_PARALLEL.md). Two things here keep it so:
 
-``FailureAgreement`` (always on under TP): an event group, or a spread step's group, that fails
-on one rank only (device memory, a kernel error) must fail on every rank, or one rank rewrites a
-row the others leave as it was. Before a group commits, the ranks all-reduce one flag per rank
-over SGLang's TP CPU group: a group failed anywhere is undone everywhere, and the retry that
-finds the failing request runs alike on every rank. Failures before scoring (nothing there reads
+``FailureAgreement`` (always on under TP): an event's chunk, or a spread step's group, that
+fails on one rank only (device memory, a kernel error) must fail on every rank, or one rank
+rewrites a row the others leave as it was. Before a chunk commits, the ranks all-reduce one flag
+per rank over SGLang's TP CPU group: a chunk failed anywhere is undone everywhere, and the retry
+that finds the failing request runs alike on every rank. Failures before scoring (nothing there reads
 rank-local data) and inside a recompute forward's collectives (SGLang's own forward has the same
 limit) are outside what it can agree on.
 
 ``PlanDigest`` (``KARA_CHECK_TP_PLAN=1``; on in every TP test) verifies the lockstep while
 serving: each rank folds what it is about to run into a running digest -- the requests,
-regions, keep counts and fresh slots of every event group, the spread steps' chunks -- and, at
+regions, keep counts and fresh slots of every event, the spread steps' chunks -- and, at
 the end of the decode step, the replicated state the step left: each running request's lengths,
 P, f, offset, compressions, capture start and its row's slot indices. The ranks all-gather the
 digest (one int64 each, the TP CPU group) before any work that may enter a collective (an event
@@ -49,7 +49,7 @@ class PlanDivergence(RuntimeError):
 
 
 class PeerFailed(RuntimeError):
-    """This rank's group succeeded, another rank's failed: undone here too."""
+    """This rank's chunk succeeded, another rank's failed: undone here too."""
 
 
 class FailureAgreement:
@@ -64,7 +64,7 @@ class FailureAgreement:
         return [r for r in range(self.size) if flags[r]]
 
     def check(self) -> None:
-        """This rank's group is ready to commit: raise PeerFailed if another rank's failed."""
+        """This rank's chunk is ready to commit: raise PeerFailed if another rank's failed."""
         failed = self.failed_ranks(False)
         if failed:
             raise PeerFailed(
