@@ -101,6 +101,9 @@ class KaraStats:
 
 
 class KaraRuntime:
+    # KARA_CHECK_TP_PLAN under --tp-size > 1 (tp_lockstep.PlanDigest; set in __init__)
+    plan_check: PlanDigest | None = None
+
     def __init__(self, cfg, scheduler):
         self.cfg = cfg
         self.policy = cfg.make_policy()
