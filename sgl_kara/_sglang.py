@@ -206,6 +206,9 @@ ATTRIBUTES = {
         "enable_overlap",
         "forward_stream",
         "metrics_reporter",
+        # runtime.py: the tensor-parallel group's CPU side (tp_lockstep.py, the eviction
+        # record, startup.check_runtime_supported)
+        "tp_cpu_group",
     ],
     "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter": [
         "num_retracted_reqs"
@@ -568,6 +571,21 @@ def standard_kv_pool(pool) -> bool:
     return type(pool) is MHATokenToKVPool
 
 
+def tensor_parallel(scheduler) -> tuple[int, int, object]:
+    """(rank, ranks, CPU process group) of the scheduler's tensor-parallel group: the gloo group
+    SGLang's scheduler itself uses for host-side agreement ((0, 1, None): no group)."""
+    group = getattr(scheduler, "tp_cpu_group", None)
+    if group is None or not torch.distributed.is_initialized():
+        return 0, 1, None
+    rank = torch.distributed.get_rank(group)
+    return rank, torch.distributed.get_world_size(group), group
+
+
+def model_hf_config(scheduler):
+    """The transformers config of the scheduler's model (all ranks' heads)."""
+    return scheduler.model_config.hf_config
+
+
 def decode_graphs_captured(model_runner) -> bool:
     return getattr(model_runner, "decode_cuda_graph_runner", None) is not None
 
@@ -594,6 +612,9 @@ class SchedulerParts:
     )
     metrics: bool
     server_args: object
+    tp_rank: int = 0  # this scheduler's tensor-parallel rank, of tp_size
+    tp_size: int = 1
+    tp_group: object | None = None  # the TP group's CPU (gloo) side
 
     @classmethod
     def of(cls, scheduler, default_recompute_tokens: int) -> SchedulerParts:
@@ -607,6 +628,7 @@ class SchedulerParts:
         if overlap and req_to_token.device.type == "cuda":
             stream = scheduler.forward_stream
         chunk = server_arg(args, "chunked_prefill_size")
+        tp_rank, tp_size, tp_group = tensor_parallel(scheduler)
         return cls(
             scheduler=scheduler,
             allocator=allocator,
@@ -624,6 +646,9 @@ class SchedulerParts:
             recompute_tokens=chunk if chunk and chunk > 0 else default_recompute_tokens,
             metrics=bool(server_arg(args, "enable_metrics", False)),
             server_args=args,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            tp_group=tp_group,
         )
 
     # -- the pool

@@ -13,6 +13,9 @@ variables (read at call time, so a test or a spawned process sees the value its 
 | KARA_RECORD_EVICTIONS | path | - | JSON lines: evicted logical positions per event (oracle) |
 | KARA_TRACE | path | - | JSON lines: running and waiting requests and free slots per decode step |
 | KARA_INJECT_FAULT_RID_PREFIX | str | - | an event raises for rids with this prefix (tests) |
+| KARA_CHECK_TP_PLAN | bool | 0 | with --tp-size > 1: the ranks all-gather a digest of their event plans and state at every decode step and stop the server naming the first rank that differs (scheduler/tp_lockstep.py) |
+| KARA_INJECT_TP_DIVERGENCE | `rank` or `rank:prefix` | - | with the TP plan check: this TP rank drops a job from the first event it runs (with `prefix`: the job of a request whose rid starts with it) (tests) |
+| KARA_INJECT_FAULT_TP_RANK | int | - | with --tp-size > 1: the injected fault fires on this TP rank only (the others agree to undo the event: scheduler/tp_lockstep.py) |
 | KARA_INJECT_FAULT_AT | str | score | where that event raises: `score` (before scoring) or `commit` (after the kept K/V are copied into fresh slots, just before the rows are rewritten) |
 | KARA_FAST_CPU_DECODE | bool | 1 | with the CPU kernels: torch_native on CPU: decode gathers K/V once per layer; the recompute pass attends its window queries only (cpu/attention.py) |
 | KARA_BATCHED_CPU_DECODE | bool | 1 | with the fast decode: one padded SDPA call per layer for the whole batch, GQA group folded into the query axis (not bit-identical to SGLang's: float summation order; 0 = the per-request loop, bit-identical; bench/cpu_decode_batched.py) |
@@ -124,6 +127,25 @@ def trace() -> str | None:
 
 def inject_fault_rid_prefix() -> str:
     return _get("INJECT_FAULT_RID_PREFIX") or ""
+
+
+def check_tp_plan() -> bool:
+    return _bool("CHECK_TP_PLAN", False)
+
+
+def inject_tp_divergence() -> tuple[int | None, str]:
+    """(TP rank, rid prefix) of ``KARA_INJECT_TP_DIVERGENCE`` (``rank`` or ``rank:prefix``;
+    (None, "") unset)."""
+    value = (_get("INJECT_TP_DIVERGENCE") or "").strip()
+    if not value:
+        return None, ""
+    rank, _, prefix = value.partition(":")
+    return int(rank), prefix
+
+
+def inject_fault_tp_rank() -> int | None:
+    value = (_get("INJECT_FAULT_TP_RANK") or "").strip()
+    return int(value) if value else None
 
 
 def inject_fault_stage() -> str:

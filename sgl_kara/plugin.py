@@ -13,6 +13,7 @@ the process's environment and device, so installing sgl_kara leaves plain SGLang
 and, from the CPU serving kit (sgl_kara/cpu/hooks.py), only in a process without CUDA:
 
     rope         always: RoPE's CPU path (SGLang 0.5.23 does not start on a CPU without vLLM)
+    parallel     always: ``--tp-size N`` starts on a CPU (no PyNccl, cores split among ranks)
     cpu_kernels  KARA_CPU_KERNELS (default: KARA_SERVE): the CPU kernels
     report       with either: ``kara_cpu_kernels`` in /server_info's internal states
 
@@ -37,8 +38,8 @@ from sgl_kara.process import STATE
 logger = logging.getLogger(__name__)
 
 # The plugin's parts, in registration order (process.STATE.parts holds those registered).
-PARTS = ("serving", "rope", "cpu_kernels", "report", "trace")
-CPU_PARTS = ("rope", "cpu_kernels", "report")
+PARTS = ("serving", "rope", "parallel", "cpu_kernels", "report", "trace")
+CPU_PARTS = ("rope", "parallel", "cpu_kernels", "report")
 
 
 def cuda_available() -> bool:
@@ -56,6 +57,7 @@ def wanted_parts() -> list[str]:
     asked = {
         "serving": serving,
         "rope": cpu,
+        "parallel": cpu,
         "cpu_kernels": kernels,
         "report": kernels or (cpu and serving),
         "trace": env.trace() is not None,

@@ -103,13 +103,6 @@ _UNSUPPORTED = [
     ),
     ("enable_hisparse", bool, "--enable-hisparse", "HiSparse is not supported"),
     (
-        "tp_size",
-        lambda v: (v or 1) > 1,
-        "--tp-size",
-        "tensor parallelism is not supported yet: compression events must run in lockstep on every rank "
-        "(docs/TENSOR_PARALLEL.md); use --dp-size for several replicas",
-    ),
-    (
         "kv_cache_dtype",
         lambda v: (
             str(v) not in ("auto", "bfloat16", "float16", "float32", "bf16", "fp16")
@@ -319,6 +312,7 @@ def prepare_server_args(
         shape = model_shape(server_args)
     if shape is not None:
         check_model(shape, server_args.model_path, cfg.policy)
+    check_tensor_parallel(server_args, cfg)
     cfg = resolve_query_source(cfg, server_args, shape)
     keep_decode_eager(server_args, cfg)
     device = serving_device(server_args)
@@ -391,6 +385,50 @@ def check_model(shape: ModelShape, model_path: str, policy: str) -> None:
             f"{name} has {', '.join(shape.other_layers)} layers (a hybrid model), which is not supported with "
             f"--kara-policy {policy}: Kara compacts attention KV, and these layers' state follows the tokens"
         )
+
+
+def replicated_kv_heads(
+    kv_heads: int, tp_size: int, cfg: KaraConfig, model: str
+) -> str | None:
+    """Why ``--tp-size`` cannot serve this policy on a model with ``kv_heads`` KV heads (None: it
+    can). SGLang splits the KV heads evenly over the ranks; with fewer heads than ranks it
+    replicates each head on ``tp_size / kv_heads`` ranks, each with its own share of the head's
+    query heads. A policy that scores a KV head from attention (queries or decode observations)
+    would score each replica from that share only, so the replicas of one head would keep
+    different entries: refused. Positional policies keep the same entries on every replica."""
+    if tp_size <= 1 or kv_heads >= tp_size:
+        return None
+    policy = cfg.policy_class
+    if not (policy.needs_queries or policy.observes_decode):
+        return None
+    return (
+        f"--tp-size {tp_size} is not supported with --kara-policy {cfg.policy} for {model}, "
+        f"which has {kv_heads} KV head{'s' if kv_heads != 1 else ''}: SGLang then replicates "
+        f"each KV head on {tp_size // max(1, kv_heads)} ranks, each holding part of the "
+        "head's query heads, and each replica would keep the entries its own query heads "
+        "score highest (Kara scores a KV head from its whole GQA group). Use a --tp-size "
+        f"of at most {kv_heads} (with --dp-size for more replicas), or a positional policy "
+        "(--kara-policy streaming / random)"
+    )
+
+
+def check_tensor_parallel(server_args, cfg: KaraConfig) -> None:
+    """Refuse (``replicated_kv_heads``) a ``--tp-size`` larger than the model's KV heads for a
+    policy that scores from attention; the scheduler checks the built model again
+    (``check_runtime_supported``)."""
+    tp = int(getattr(server_args, "tp_size", None) or 1)
+    if tp <= 1:
+        return
+    full = ModelShape.from_model_path(
+        server_args.model_path, getattr(server_args, "revision", None)
+    )
+    if full is None:
+        return
+    why = replicated_kv_heads(
+        full.kv_heads, tp, cfg, f"--model-path {server_args.model_path}"
+    )
+    if why:
+        raise UnsupportedFeature(why)
 
 
 def region_tokens(cfg: KaraConfig) -> int:
@@ -510,6 +548,12 @@ def check_runtime_supported(scheduler, cfg: KaraConfig) -> None:
             "does not support: compaction moves kept entries to lower rows and the window "
             "applies to row positions"
         )
+    tp = adapter.tensor_parallel(scheduler)[1]
+    if cfg.enabled and tp > 1:
+        heads = ModelShape.from_config(adapter.model_hf_config(scheduler)).kv_heads
+        why = replicated_kv_heads(heads, tp, cfg, type(model).__name__)
+        if why:
+            raise UnsupportedFeature(why)
     why = hooks_every_decode_step(cfg) if cfg.enabled else None
     if why is not None and adapter.decode_graphs_captured(runner):
         raise UnsupportedFeature(

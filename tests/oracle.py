@@ -19,6 +19,7 @@ of every request against that reference (tests/test_oracle.py, test_policy_matri
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from collections import defaultdict
@@ -29,13 +30,44 @@ ATTN_NAME = "sgl_kara_oracle"
 
 
 def read_evictions(path: str) -> dict[str, list[dict]]:
-    """rid -> its events in order."""
-    out: dict[str, list[dict]] = defaultdict(list)
-    with open(path) as f:
-        for line in f:
-            rec = json.loads(line)
-            out[rec["rid"]].append(rec)
-    return dict(out)
+    """rid -> its events in order. A tensor-parallel engine's ranks each record their own KV
+    heads to ``path.tp<r>`` (scheduler/evictions.py): their records of one event are merged,
+    the heads concatenated in the model's order (``first_kv_head``)."""
+    ranks = sorted(
+        glob.glob(glob.escape(path) + ".tp*"), key=lambda p: int(p.rsplit("tp", 1)[1])
+    )
+    if not ranks:
+        out: dict[str, list[dict]] = defaultdict(list)
+        with open(path) as f:
+            for line in f:
+                rec = json.loads(line)
+                out[rec["rid"]].append(rec)
+        return dict(out)
+    per_rank = [read_evictions(p) for p in ranks]
+    merged = {}
+    for rid, events in per_rank[0].items():
+        merged[rid] = []
+        for n, first in enumerate(events):
+            parts = sorted(
+                (rank[rid][n] for rank in per_rank), key=lambda r: r["first_kv_head"]
+            )
+            assert all(
+                (p["event"], p["logical_len"]) == (first["event"], first["logical_len"])
+                for p in parts
+            ), f"the ranks recorded different events for {rid}: {parts}"
+            merged[rid].append(
+                {
+                    "rid": rid,
+                    "event": first["event"],
+                    "logical_len": first["logical_len"],
+                    "evicted": [
+                        [h for p in parts for h in p["evicted"][layer]]
+                        for layer in range(len(first["evicted"]))
+                    ],
+                }
+            )
+    assert all(set(rank) == set(merged) for rank in per_rank)
+    return merged
 
 
 def visibility(

@@ -31,7 +31,7 @@ KIT_ADAPTER = ROOT / "cpu" / "_sglang.py"
 PRIVATE_WRITES = {"_is_cpu": "patches/cpu.md"}
 # The core's runtime-object surface: patches/README.md, "The SGLang surface", gives every name's
 # reason. Growing it is a decision, taken there.
-CORE_SURFACE_LIMIT = 79
+CORE_SURFACE_LIMIT = 80
 SERVER_ARGS_LIMIT = 32
 
 

@@ -47,6 +47,15 @@ VARIABLES = [
         lambda v: v == "commit",
         "score",
     ),
+    ("CHECK_TP_PLAN", env.check_tp_plan, "1", lambda v: v is True, False),
+    (
+        "INJECT_TP_DIVERGENCE",
+        env.inject_tp_divergence,
+        "1:late",
+        lambda v: v == (1, "late"),
+        (None, ""),
+    ),
+    ("INJECT_FAULT_TP_RANK", env.inject_fault_tp_rank, "1", lambda v: v == 1, None),
     ("FAST_CPU_DECODE", env.fast_cpu_decode, "0", lambda v: v is False, True),
     ("BATCHED_CPU_DECODE", env.batched_cpu_decode, "0", lambda v: v is False, True),
     ("PACKED_CPU_LINEAR", env.packed_cpu_linear, "0", lambda v: v is False, True),
@@ -104,6 +113,7 @@ def test_cpu_kernels_follow_serving_on_a_cpu(monkeypatch, cuda, serve, kernels):
     want_kernels = kernels == "1" if kernels else (serve == "1" and not cuda)
     assert ("cpu_kernels" in parts) is want_kernels
     assert ("rope" in parts) is (not cuda)
+    assert ("parallel" in parts) is (not cuda)
     assert ("serving" in parts) is (serve == "1")
     assert (env.SERVE, env.CPU_KERNELS) == ("KARA_SERVE", "KARA_CPU_KERNELS")
 

@@ -441,3 +441,87 @@ def test_the_scheduler_allocates_the_ring_within_the_start_up_plan(
     ):
         ring(8, 32, 1 << 20)  # the scheduler runs more requests than the plan counted
     assert len(made) == 3
+
+
+# ------------------------------------------------------------------ tensor parallelism
+def _plan_of(monkeypatch, gpu_model, argv):
+    """(KaraConfig, ServerArgs, Kara's memory plan beside the pool) of ``parse(argv)``."""
+    from sgl_kara import startup as support
+
+    plans = []
+    real = support.reserve_device_memory
+    monkeypatch.setattr(
+        support, "reserve_device_memory", lambda *a: plans.append(real(*a)) or plans[-1]
+    )
+    cfg, sa = _parse(gpu_model, argv)
+    monkeypatch.setattr(support, "reserve_device_memory", real)
+    (plan,) = plans
+    return cfg, sa, plan
+
+
+@pytest.mark.parametrize("query_source", ["recompute", "capture"])
+def test_tensor_parallel_resolves_as_sglang_does_with_kara_memory_per_rank(
+    cuda_assumed, monkeypatch, gpu_model, query_source
+):
+    """``--tp-size 2`` on CUDA: SGLang's own TP resolution (NCCL communicators: no sgl_kara hook
+    in a CUDA process; custom all-reduce as SGLang sets it; decode graphs kept with recompute,
+    off with the capture ring), and Kara's memory planned per rank: each rank holds half the
+    query and KV heads, so the ring and the score buffers are half of one rank at TP 1, and the
+    fraction is SGLang's own for TP 2 less that per-rank memory over one GPU."""
+    from sgl_kara import plugin
+    from sgl_kara._sglang import prepare_server_args
+
+    monkeypatch.setattr(plugin, "cuda_available", lambda: True)
+    assert (
+        "parallel" not in plugin.wanted_parts()
+    )  # SGLang's NCCL / PyNccl choice stands
+    argv = ["--kara-query-source", query_source]
+    cfg1, _, plan1 = _plan_of(monkeypatch, gpu_model, argv)
+    cfg2, sa2, plan2 = _plan_of(monkeypatch, gpu_model, [*argv, "--tp-size", "2"])
+    assert cfg1.query_source == cfg2.query_source == query_source
+    r = resolved(sa2)
+    sglang_flags = ["--max-running-requests", "16", "--tp-size", "2"]
+    if query_source == "capture":
+        sglang_flags.append("--disable-decode-cuda-graph")
+    vanilla = resolved(prepare_server_args(["--model-path", gpu_model, *sglang_flags]))
+    assert r.tp_size == vanilla.tp_size == 2 and not r.enable_dp_attention
+    assert r.disable_custom_all_reduce == vanilla.disable_custom_all_reduce
+    assert r.cuda_graph_config.decode.backend == (
+        "disabled" if query_source == "capture" else "full"
+    )
+    assert (
+        r.cuda_graph_config.decode.backend == vanilla.cuda_graph_config.decode.backend
+    )
+    for part in ("capture_ring", "event_scores", "spread_scores"):
+        assert plan2[part] * 2 == plan1[part], (part, plan1, plan2)
+    assert (plan2["capture_ring"] > 0) is (query_source == "capture")
+    total = H100_MIB * (1 << 20)
+    share = -(-1000 * sum(plan2.values()) // total) / 1000
+    assert r.mem_fraction_static == pytest.approx(
+        round(vanilla.mem_fraction_static - share, 3)
+    )
+
+
+def test_tensor_parallel_refusals_on_cuda(cuda_assumed, gpu_model, capsys):
+    """DP attention stays refused under TP; a --tp-size above the model's 2 KV heads (SGLang
+    replicates each head on two ranks) is refused for a policy that scores from attention, naming
+    the flag and the heads, and served for a positional one."""
+    from sgl_kara.launch_server import parse
+
+    def refused(argv) -> str:
+        with pytest.raises(SystemExit) as e:
+            parse(["--model-path", gpu_model, "--max-running-requests", "16", *argv])
+        assert e.value.code == 2
+        return capsys.readouterr().err
+
+    err = refused(["--tp-size", "2", "--enable-dp-attention"])
+    assert "error: --enable-dp-attention is not supported" in err, err
+    for policy in ("kara", "snapkv", "h2o"):
+        err = refused(["--tp-size", "4", "--kara-policy", policy])
+        assert (
+            f"--tp-size 4 is not supported with --kara-policy {policy}" in err
+            and "which has 2 KV heads" in err
+            and "replicates each KV head on 2 ranks" in err
+        ), err
+    cfg, sa = _parse(gpu_model, ["--tp-size", "4", "--kara-policy", "streaming"])
+    assert cfg.policy == "streaming" and resolved(sa).tp_size == 4

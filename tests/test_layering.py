@@ -326,7 +326,11 @@ def test_every_hook_takes_its_targets_parameters_as_sglang_names_them(monkeypatc
     )  # the linear hooks are in the list
 
     hooks = [h for part in plugin.HOOKS for h in plugin.HOOKS[part]()]
-    hooks += cpu_hooks.cpu_kernel_hooks() + cpu_hooks.report_hooks()
+    hooks += (
+        cpu_hooks.parallel_hooks()
+        + cpu_hooks.cpu_kernel_hooks()
+        + cpu_hooks.report_hooks()
+    )
     hooks.append(
         (kit.TARGET_SET_ENVS, cpu_hooks._fork_after_set_envs, kit.HookType.AFTER)
     )

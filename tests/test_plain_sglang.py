@@ -1,5 +1,6 @@
-"""Installing sgl_kara leaves plain SGLang as it was, but for RoPE's CPU path (without it SGLang
-0.5.23 does not start on a CPU without vLLM); the CPU kernels are one switch plain SGLang can opt
+"""Installing sgl_kara leaves plain SGLang as it was, but for its CPU start-up fixes: RoPE's CPU
+path (without it SGLang 0.5.23 does not start on a CPU without vLLM) and tensor parallelism's
+start (no PyNccl communicator, the cores split among ranks); the CPU kernels are one switch plain SGLang can opt
 into; sgl_kara's own Engine gets all its hooks in every process it starts.
 
 tests/plain_sglang_probe.py runs in a fresh interpreter (nothing an earlier test did here counts)
@@ -8,8 +9,8 @@ variable; plain ``sglang.Engine`` with ``KARA_CPU_KERNELS=1``; ``sgl_kara.Engine
 "none")``. In the main, scheduler and detokenizer process of each it reads, from SGLang's own
 objects, which sgl_kara hooks SGLang's HookRegistry applied and which SGLang callables wrap a
 function of sgl_kara; the scheduler's is read while it serves (the probe's hook on SGLang's
-internal-state request). Expected: plain, none anywhere, though SGLang loaded the plugin in every
-process; with the switch, exactly the CPU kernels (and their /server_info report) in the
+internal-state request). Expected: plain, the two tensor-parallel start-up hooks only, though
+SGLang loaded the plugin in every process; with the switch, those and exactly the CPU kernels (and their /server_info report) in the
 scheduler; sgl_kara's Engine, every hook in every process. ~2 min (three engine starts).
 """
 
@@ -50,6 +51,12 @@ CPU_KERNEL_HOOKS = {  # written out here, not read from sgl_kara: the CPU speed-
         )
     ),
     "sglang.srt.managers.scheduler.Scheduler.get_internal_state <- sgl_kara.cpu.hooks._internal_state_hook",
+}
+PARALLEL_HOOKS = {  # written out here: tensor parallelism's start on a CPU
+    "sglang.srt.distributed.parallel_state.init_model_parallel_group"
+    " <- sgl_kara.cpu.parallel.model_parallel_group_hook",
+    "sglang.srt.utils.numa_utils.init_threads_binding"
+    " <- sgl_kara.cpu.parallel.threads_binding_hook",
 }
 SERVING_HOOKS = {
     "sglang.srt.managers.scheduler.Scheduler.update_running_batch <- sgl_kara.plugin._decode_step_hook",
@@ -96,7 +103,7 @@ def probes(tiny_llama, tmp_path_factory):
     }
 
 
-def test_plain_sglang_runs_no_hook_of_sgl_kara(probes):
+def test_plain_sglang_runs_only_the_cpu_start_up_fixes(probes):
     run = probes["plain"]
     assert run["completion_tokens"] == [8, 8, 8, 8]
     pids = {run[p]["pid"] for p in PROCESSES}
@@ -106,23 +113,22 @@ def test_plain_sglang_runs_no_hook_of_sgl_kara(probes):
         assert state["plugin_loaded"], (
             p
         )  # SGLang loaded sgl_kara's plugin there: it chose to add nothing
-        assert state["sgl_kara_hooks"] == [] and state["wrapped"] == [], (p, state)
+        assert set(state["sgl_kara_hooks"]) == PARALLEL_HOOKS, (p, state)
+        assert set(state["wrapped"]) == _targets(PARALLEL_HOOKS), (p, state)
         assert not state["kara_radix_backend"] and state["KARA_SERVE"] is None, (
             p,
             state,
         )
-        assert state["rope_cpu"], (
-            p
-        )  # the one change: RoPE's CPU path (this machine has no CUDA)
+        assert state["rope_cpu"], p  # and RoPE's CPU path (this machine has no CUDA)
     assert run["kara_cpu_kernels"] is None  # and /server_info is SGLang's own
 
 
 def test_plain_sglang_opts_into_the_cpu_kernels_with_one_switch(probes, tiny_llama):
     run = probes["plain_cpu_kernels"]
     scheduler = run["scheduler"]
-    assert set(scheduler["sgl_kara_hooks"]) == CPU_KERNEL_HOOKS
+    assert set(scheduler["sgl_kara_hooks"]) == CPU_KERNEL_HOOKS | PARALLEL_HOOKS
     assert set(scheduler["wrapped"]) == _targets(
-        CPU_KERNEL_HOOKS
+        CPU_KERNEL_HOOKS | PARALLEL_HOOKS
     )  # SGLang's objects say the same
     assert not scheduler["kara_radix_backend"] and scheduler["KARA_SERVE"] is None
     layers = json.loads((Path(tiny_llama) / "config.json").read_text())[
@@ -143,8 +149,9 @@ def test_sgl_kara_engine_serves_with_every_hook_in_every_process(probes):
     run = probes["sgl_kara"]
     for p in PROCESSES:
         state = run[p]
-        assert set(state["sgl_kara_hooks"]) == SERVING_HOOKS | CPU_KERNEL_HOOKS, p
-        assert set(state["wrapped"]) == _targets(SERVING_HOOKS | CPU_KERNEL_HOOKS), p
+        every = SERVING_HOOKS | CPU_KERNEL_HOOKS | PARALLEL_HOOKS
+        assert set(state["sgl_kara_hooks"]) == every, p
+        assert set(state["wrapped"]) == _targets(every), p
         assert state["kara_radix_backend"], p
     assert (
         run["scheduler"]["KARA_SERVE"] == "1"

@@ -131,19 +131,26 @@ def _targets(fake) -> set[str]:
     return {h[0] for h in fake.hooks if isinstance(h, tuple) and h[0] != "radix"}
 
 
-def test_plain_sglang_gets_the_rope_cpu_path_only(registry):
-    """No variable set (plain SGLang with sgl_kara installed): RoPE's CPU path, nothing else."""
+def test_plain_sglang_gets_the_cpu_start_up_fixes_only(registry):
+    """No variable set (plain SGLang with sgl_kara installed): RoPE's CPU path and tensor
+    parallelism's start on a CPU, nothing else."""
+    from sgl_kara.cpu import hooks as cpu_hooks
+
     plugin.register()
     plugin.register()
-    assert registry.hooks == ["rope"] and state_parts(plugin) == {"rope"}
+    assert registry.hooks == ["rope", *cpu_hooks.parallel_hooks()]
+    assert state_parts(plugin) == {"rope", "parallel"}
 
 
 def test_a_gpu_process_registers_nothing_of_the_cpu_kit(registry, monkeypatch):
     """With CUDA, even a serving process gets no CPU part (unless KARA_CPU_KERNELS=1 asks)."""
+    from sgl_kara.cpu import hooks as cpu_hooks
+
     monkeypatch.setattr(plugin, "cuda_available", lambda: True)
     monkeypatch.setenv("KARA_SERVE", "1")
     plugin.register()
     assert state_parts(plugin) == {"serving"} and "rope" not in registry.hooks
+    assert not _targets(registry) & {t for t, *_ in cpu_hooks.parallel_hooks()}
     want = {t for t, *_ in plugin.HOOKS["serving"]()}
     assert _targets(registry) == want
 
@@ -178,11 +185,12 @@ def test_register_adds_the_parts_the_environment_asks_for_once_each(
     first = list(registry.hooks)
     plugin.register()  # again (SGLang's loader, then the launcher or Engine): nothing twice
     assert registry.hooks == first and first.count("rope") == 1
-    parts = parts | {"rope"}
+    parts = parts | {"rope", "parallel"}
     assert state_parts(plugin) == (
         parts if linear.available() else parts - {"packed_linear"}
     )
     kit_hooks = {
+        "parallel": cpu_hooks.parallel_hooks,
         "cpu_kernels": cpu_hooks.cpu_kernel_hooks,
         "report": cpu_hooks.report_hooks,
     }
@@ -209,15 +217,18 @@ def test_a_part_asked_for_later_is_added_later(registry, monkeypatch):
     """A process whose plugins loaded plain (a plain sglang.Engine first) and then serves."""
     monkeypatch.setenv("KARA_TRACE", "/dev/null")
     plugin.register()
-    assert state_parts(plugin) == {"trace", "rope"}
+    assert state_parts(plugin) == {"trace", "rope", "parallel"}
     monkeypatch.setenv("KARA_SERVE", "1")
     monkeypatch.setenv("KARA_CPU_KERNELS", "0")
     plugin.register()
-    assert state_parts(plugin) == {"trace", "rope", "serving", "report"}
+    assert state_parts(plugin) == {"trace", "rope", "parallel", "serving", "report"}
     from sgl_kara.cpu import hooks as cpu_hooks
 
     want = (
-        plugin.HOOKS["trace"]() + plugin.HOOKS["serving"]() + cpu_hooks.report_hooks()
+        plugin.HOOKS["trace"]()
+        + cpu_hooks.parallel_hooks()
+        + plugin.HOOKS["serving"]()
+        + cpu_hooks.report_hooks()
     )
     got = [h for h in registry.hooks if isinstance(h, tuple) and h[0] != "radix"]
     assert sorted(t for t, *_ in got) == sorted(t for t, *_ in want)

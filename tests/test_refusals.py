@@ -32,7 +32,6 @@ FLAG_ARGS = {
     "--enable-unified-memory": ["--enable-unified-memory"],
     "--num-continuous-decode-steps": ["--num-continuous-decode-steps", "2"],
     "--enable-hisparse": ["--enable-hisparse"],
-    "--tp-size": ["--tp-size", "2"],
     "--kv-cache-dtype": ["--kv-cache-dtype", "fp8_e4m3"],
 }
 
@@ -281,8 +280,16 @@ def test_models_attending_globally_are_accepted(tmp_path, name, config):
 
 
 def _scheduler(
-    pool, attention, decode_graph_runner=None, policy="kara", query_source="recompute"
+    pool,
+    attention,
+    decode_graph_runner=None,
+    policy="kara",
+    query_source="recompute",
+    tp=1,
+    kv_heads=2,
 ):
+    from transformers import LlamaConfig
+
     model = torch.nn.ModuleList(attention)
     runner = types.SimpleNamespace(
         model=model, decode_cuda_graph_runner=decode_graph_runner
@@ -290,13 +297,25 @@ def _scheduler(
     scheduler = types.SimpleNamespace(
         token_to_kv_pool_allocator=types.SimpleNamespace(get_kvcache=lambda: pool),
         tp_worker=types.SimpleNamespace(model_runner=runner),
+        tp_cpu_group=None,
+        tp=tp,
+        model_config=types.SimpleNamespace(
+            hf_config=LlamaConfig(
+                num_attention_heads=4,
+                num_key_value_heads=kv_heads,
+                hidden_size=64,
+                num_hidden_layers=2,
+            )
+        ),
     )
     return scheduler, KaraConfig.build(policy=policy, query_source=query_source)
 
 
-def test_the_scheduler_checks_the_built_model_again():
+def test_the_scheduler_checks_the_built_model_again(monkeypatch):
     """Behind the start-up checks: a pool other than SGLang's MHA pool, an attention layer with
-    a window, decode graphs captured for a configuration that needs the hook each step."""
+    a window, decode graphs captured for a configuration that needs the hook each step, KV heads
+    replicated over tensor-parallel ranks for a policy that scores from attention."""
+    from sgl_kara import _sglang as adapter
     from sgl_kara._sglang import MHATokenToKVPool, RadixAttention
 
     pool = MHATokenToKVPool(64, 1, torch.float32, 2, 16, 2, "cpu", False)
@@ -318,6 +337,16 @@ def test_the_scheduler_checks_the_built_model_again():
         support.UnsupportedFeature, match=r"sliding window \(63 tokens\)"
     ):
         support.check_runtime_supported(*_scheduler(pool, windowed))
+    with monkeypatch.context() as m:  # two and four tensor-parallel ranks
+        m.setattr(adapter, "tensor_parallel", lambda s: (0, s.tp, None))
+        support.check_runtime_supported(*_scheduler(pool, layers, tp=2))
+        support.check_runtime_supported(
+            *_scheduler(pool, layers, tp=4, policy="streaming")
+        )
+        with pytest.raises(
+            support.UnsupportedFeature, match="--tp-size 4 is not supported.*2 KV heads"
+        ):
+            support.check_runtime_supported(*_scheduler(pool, layers, tp=4))
     for kw in (dict(policy="h2o"), dict(query_source="capture")):
         support.check_runtime_supported(*_scheduler(pool, layers, **kw))
         with pytest.raises(

@@ -3,6 +3,7 @@ core's are in ``sgl_kara/_sglang.py``). ``SIGNATURES`` records the signature of 
 callable the kit hooks; ``ATTRIBUTES`` every attribute of SGLang objects it reads or writes;
 tests/test_layering.py checks both against the installed SGLang."""
 
+from sglang.srt.distributed import bootstrap as parallel_bootstrap  # noqa: F401
 from sglang.srt.layers.logits_processor import (  # noqa: F401
     should_apply_lm_head_quant_method,
 )
@@ -80,6 +81,17 @@ TARGET_SET_ENVS = _target(
     "sglang.srt.entrypoints.engine._set_envs_and_config", "(server_args)"
 )
 ROTARY_BASE_MODULE = "sglang.srt.layers.rotary_embedding.base"
+# parallel.py: tensor parallelism on a CPU (patches/cpu_parallel.md)
+TARGET_MODEL_PARALLEL_GROUP = _target(
+    "sglang.srt.distributed.parallel_state.init_model_parallel_group",
+    "(group_ranks, local_rank, backend, use_pynccl=None, use_custom_allreduce=None, "
+    "use_message_queue_broadcaster=False, group_name=None, use_mscclpp=None, "
+    "use_torch_symm_mem_allreduce=None, recovered_rank=False, rank_offset=0, "
+    "max_world_size=None)",
+)
+TARGET_THREADS_BINDING = _target(
+    "sglang.srt.utils.numa_utils.init_threads_binding", "(*, numa_index, world_size)"
+)
 
 # Attributes of SGLang objects the kit reads or writes, by owner.
 ATTRIBUTES = {
@@ -108,6 +120,8 @@ ATTRIBUTES = {
     ROTARY_BASE_MODULE: ["_is_cpu"],
     "sglang.srt.entrypoints.engine": ["_set_envs_and_config"],
     "sglang.srt.plugins.hook_registry.HookRegistry": ["register", "apply_hooks"],
+    # parallel.py: whether SGLang binds a CPU rank's threads itself
+    "sglang.srt.distributed.bootstrap": ["_is_cpu_amx_available", "_is_cpu_arm64"],
 }
 
 

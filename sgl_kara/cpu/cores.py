@@ -38,6 +38,13 @@ def format_cpu_list(cpus: list[int]) -> str:
     return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in runs)
 
 
+def shared_cores(node_cpus: list[str], ranks: int) -> str:
+    """A bind value for more ranks than cores: rank r on core r mod cores (``"0|1|0|1"`` for 4
+    ranks on 2 cores)."""
+    cores = [c for n in node_cpus for c in parse_cpu_list(n)]
+    return "|".join(str(cores[r % len(cores)]) for r in range(ranks))
+
+
 def split_cores(node_cpus: list[str], ranks: int) -> str | None:
     """The bind value for ``ranks`` ranks over the cores of ``node_cpus`` (one list per NUMA
     node, in node order, as SGLang's ``get_cpu_ids_by_node`` returns them).

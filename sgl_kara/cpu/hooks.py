@@ -3,6 +3,9 @@ process runs on a CPU, or where ``KARA_CPU_KERNELS=1`` asks for them:
 
     rope          RoPE's CPU path (``apply_rope_shim``): SGLang 0.5.23 does not start on a CPU
                   without vLLM otherwise; every process without CUDA, plain SGLang included
+    parallel      ``--tp-size N`` on a CPU: no PyNccl communicator, the cores split among the
+                  ranks when the user set no binding (parallel.py); every process without CUDA,
+                  plain SGLang included
     cpu_kernels   torch_native decode attention (one K/V gather per layer, one padded call per
                   batch), Kara's recompute pass attending its window queries only, float32
                   matmuls on oneDNN-packed weights: each changes float summation order only
@@ -39,6 +42,7 @@ def register(part: str) -> None:
         apply_rope_shim()
         return
     for target, hook, hook_type in {
+        "parallel": parallel_hooks,
         "cpu_kernels": cpu_kernel_hooks,
         "report": report_hooks,
     }[part]():
@@ -47,6 +51,21 @@ def register(part: str) -> None:
             STATE.parts.add("packed_linear")
     if part == "cpu_kernels":
         logger.info("sgl_kara: CPU kernels in this process: %s", cpu_kernels_in_use())
+
+
+def parallel_hooks() -> list:
+    """Tensor parallelism on a CPU (parallel.py)."""
+    from sgl_kara.cpu import _sglang as sg
+    from sgl_kara.cpu import parallel
+
+    return [
+        (
+            sg.TARGET_MODEL_PARALLEL_GROUP,
+            parallel.model_parallel_group_hook,
+            sg.HookType.AROUND,
+        ),
+        (sg.TARGET_THREADS_BINDING, parallel.threads_binding_hook, sg.HookType.AROUND),
+    ]
 
 
 def scoring_in_flight() -> bool:

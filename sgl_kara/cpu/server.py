@@ -69,18 +69,21 @@ def threads_bind(server_args) -> str | None:
     the user set it (cores.py; SGLang refuses more ranks than NUMA nodes without it). Returns
     the value set, else None."""
     from sgl_kara.cpu._sglang import get_cpu_ids_by_node
-    from sgl_kara.cpu.cores import THREADS_BIND_VAR, split_cores
+    from sgl_kara.cpu.cores import THREADS_BIND_VAR, shared_cores, split_cores
 
     ranks = ranks_of(server_args)
     device = getattr(server_args, "device", None) or "cpu"
     if ranks <= 1 or device != "cpu" or os.environ.get(THREADS_BIND_VAR):
         return None
+    nodes = get_cpu_ids_by_node()
     try:
-        bind = split_cores(get_cpu_ids_by_node(), ranks)
+        bind = split_cores(nodes, ranks)
     except ValueError as e:
         raise UnsupportedFeature(
             f"--dp-size {server_args.dp_size} x --tp-size {server_args.tp_size}: {e}; "
-            f"set {THREADS_BIND_VAR} to share cores"
+            f"set {THREADS_BIND_VAR} to share cores (e.g. "
+            f"{THREADS_BIND_VAR}='{shared_cores(nodes, ranks)}': the ranks take the cores "
+            "in turn, each slower)"
         ) from None
     if bind is not None:
         os.environ[THREADS_BIND_VAR] = bind

@@ -105,6 +105,9 @@ class ScoreInput:
     k_buffer  [S, H_kv, D] this layer's key pool; slots [B, M] the region's pool slots
     layer     index of the layer among the model's attention layers (0-based)
     rows      the requests' RowViews; regions their Regions
+    head_offset, model_heads
+              the buffer holds the model's KV heads [head_offset, head_offset + H_kv) of
+              ``model_heads`` (a tensor-parallel rank holds a slice; None: all of them)
     """
 
     layer: int
@@ -113,6 +116,8 @@ class ScoreInput:
     slots: torch.Tensor
     rows: list
     regions: list
+    head_offset: int = 0
+    model_heads: int | None = None
 
     def keys(self) -> torch.Tensor:
         """[B, M, H_kv, D] the region's keys."""

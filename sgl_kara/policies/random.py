@@ -11,7 +11,8 @@ Reproducibility
     The draw of one event is seeded by (``seed``, the layer, the window's first logical
     position): the same request decoded twice keeps the same entries, and a window's draw does
     not depend on which other requests share its event (requests at the same positions draw the
-    same pattern).
+    same pattern) nor on how the KV heads are split over tensor-parallel ranks (a rank takes
+    its heads' rows of the draw for all the model's heads).
 
 Parameters (flags --kara-random-<name>): window, buffer, retention, period, recent as Kara's
 (W, U, r, delta, R; same defaults), and ``seed``.
@@ -75,10 +76,15 @@ class RandomPolicy(KaraPolicy):
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
         heads, m = inp.k_buffer.shape[1], inp.slots.shape[1]
+        first = inp.head_offset
         draws = [
             random_scores(
-                self.options.seed, inp.layer, reg.start + row.pos_offset, heads, m
-            )
+                self.options.seed,
+                inp.layer,
+                reg.start + row.pos_offset,
+                inp.model_heads or heads,
+                m,
+            )[first : first + heads]
             for row, reg in zip(inp.rows, inp.regions)
         ]
         return torch.stack(draws).to(inp.slots.device)

@@ -24,6 +24,10 @@ A chunk that fails before its commit is undone (its fresh slots given back, no r
 changed) and retried request by request so the failing request is found; that request finishes
 with an error (HTTP 500) and its row is left untouched (SGLang frees it as usual); the others are
 compressed. Every index tensor reaches the device through ``staging`` (no host wait).
+
+Under tensor parallelism the ranks agree on each chunk's outcome, and on each spread group's,
+just before its commit (tp_lockstep.FailureAgreement): one failed on any rank is undone on every
+rank, so no rank rewrites a row the others leave as it was.
 """
 
 from __future__ import annotations
@@ -51,7 +55,9 @@ FAULT_STAGES = ("score", "commit")  # KARA_INJECT_FAULT_AT: before scoring or th
 class EventRunner:
     """``parts``: the pools (_sglang.SchedulerParts); ``scorer``: scoring.Scorer; ``forward``:
     the device offsets; ``recorder``: the eviction record or None; ``stats`` / ``metrics``:
-    counters; ``staging``: host-to-device index copies."""
+    counters; ``staging``: host-to-device index copies; ``agreement``: the tensor-parallel
+    ranks' agreement on each chunk's outcome (tp_lockstep.FailureAgreement; None: one rank),
+    ``tp_rank`` this rank."""
 
     def __init__(
         self,
@@ -64,6 +70,8 @@ class EventRunner:
         metrics=None,
         recorder=None,
         check: bool = False,
+        agreement=None,
+        tp_rank: int = 0,
     ):
         self.check = check  # the kernels verify slot values (KARA_CHECK_INTEGRITY)
         self.policy = policy
@@ -74,6 +82,9 @@ class EventRunner:
         self.stats = stats
         self.metrics = metrics
         self.recorder = recorder
+        self.agreement = agreement
+        self.tp_rank = tp_rank
+        self.agreed = False  # this attempt's outcome told to the other TP ranks
 
     # -------------------------------------------------------------------------- events
     def run(self, batch, jobs) -> int:
@@ -100,13 +111,16 @@ class EventRunner:
                 self.stats.skipped_no_memory += len(short)
             if not chunk:
                 continue
+            self.agreed = False
             try:
                 n, per_row = self._compress(batch, chunk)
                 done, dropped = done + n, dropped + n * per_row
             except OutOfSlots as e:
+                self._agree_failed()
                 self.stats.skipped_no_memory += len(chunk)
                 logger.debug("Kara event skipped %d requests: %s", len(chunk), e)
             except Exception as e:  # noqa: BLE001 - isolate the failing request, keep serving
+                self._agree_failed()
                 if len(chunk) > 1:
                     pending.extend([job] for job in chunk)  # undone: retry one by one
                 else:
@@ -208,6 +222,7 @@ class EventRunner:
                     for b, j in enumerate(jobs)
                 ]
             self._inject_fault("commit", jobs)
+            self._agree()
         except BaseException:
             prepared.abort(parts.free)
             raise
@@ -234,11 +249,26 @@ class EventRunner:
         self.policy.on_compacted(shadow, job.region.start, M, kept, length)
         return shadow.policy_state
 
+    def _agree(self) -> None:
+        """Under TP: this rank's chunk is ready to commit; raises PeerFailed if another rank's
+        failed (the chunk is then undone here too)."""
+        if self.agreement is not None:
+            self.agreed = True
+            self.agreement.check()
+
+    def _agree_failed(self) -> None:
+        """Under TP: this rank's chunk failed before the agreement; the other ranks are told."""
+        if self.agreement is not None and not self.agreed:
+            self.agreed = True
+            self.agreement.failed_ranks(True)
+
     def _inject_fault(self, stage: str, jobs) -> None:
         fault = env.inject_fault_rid_prefix()
+        rank = env.inject_fault_tp_rank()
         if (
             fault
             and env.inject_fault_stage() == stage
+            and (rank is None or rank == self.tp_rank)
             and any(str(adapter.rid(j.req)).startswith(fault) for j in jobs)
         ):
             raise RuntimeError(
@@ -302,9 +332,12 @@ class EventRunner:
         for (M, n), group in groups.items():
             rows, _, slots = self._region_slots(group, M)
             q_lo = [j.region.query_start + j.state.scoring.done for j in group]
+            self.agreed = False
             try:
                 got = self.scorer.score(group, rows, slots, q_lo, n)
+                self._agree()
             except Exception as e:  # noqa: BLE001 - the event scores these windows whole
+                self._agree_failed()
                 logger.warning(
                     "Kara spread scoring failed for %d requests (%s); scored at their events",
                     len(group),

@@ -6,7 +6,12 @@ Hugging Face forward) and for per-event analysis. One JSON line per compressed r
     {"rid": ..., "event": n, "logical_len": L, "evicted": [[[pos, ...] per kv head] per layer]}
 
 ``logical_len`` is the request's logical KV length when the event ran: forwards of positions
->= logical_len no longer see the evicted entries. To name a dropped row's logical position after
+>= logical_len no longer see the evicted entries.
+
+Under ``--tp-size T`` each rank holds and compacts its own KV heads, so each rank records them:
+rank r writes ``path.tp<r>``, whose records add ``"tp_rank"`` and ``"first_kv_head"`` (the
+model's index of the rank's first head); the model's record of an event is the ranks' head
+lists concatenated in rank order (tests/oracle.py ``read_evictions``). To name a dropped row's logical position after
 earlier compactions (snapkv / streaming re-compress compacted rows), the recorder keeps, per
 request, the logical positions of its compacted rows [P, f) per (layer, head); rows >= f are
 uncompressed, so their logical position is row + pos_offset.
@@ -22,14 +27,21 @@ from sgl_kara import env
 
 
 class EvictionRecorder:
-    def __init__(self, path: str):
+    def __init__(self, path: str, tp: tuple[int, int] | None = None):
         self.path = path
+        self.tp = tp  # (tensor-parallel rank, the model's index of its first KV head)
         self.events = 0
 
     @classmethod
-    def from_env(cls) -> EvictionRecorder | None:
+    def from_env(
+        cls, tp_rank: int = 0, tp_size: int = 1, first_kv_head: int = 0
+    ) -> EvictionRecorder | None:
         path = env.record_evictions()
-        return cls(path) if path else None
+        if not path:
+            return None
+        if tp_size > 1:
+            return cls(f"{path}.tp{tp_rank}", (tp_rank, first_kv_head))
+        return cls(path)
 
     def region_logical(
         self, state, start: int, region: int, layers: int, heads: int
@@ -84,15 +96,13 @@ class EvictionRecorder:
         rid, logical_len, evicted, logical_rows = prepared
         state.logical_rows = logical_rows
         self.events += 1
+        record = {
+            "rid": rid,
+            "event": self.events,
+            "logical_len": logical_len,
+            "evicted": evicted,
+        }
+        if self.tp is not None:
+            record["tp_rank"], record["first_kv_head"] = self.tp
         with open(self.path, "a") as f:
-            f.write(
-                json.dumps(
-                    {
-                        "rid": rid,
-                        "event": self.events,
-                        "logical_len": logical_len,
-                        "evicted": evicted,
-                    }
-                )
-                + "\n"
-            )
+            f.write(json.dumps(record) + "\n")

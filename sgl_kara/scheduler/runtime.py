@@ -16,7 +16,9 @@ The components and what each owns: ``RequestTable`` (state.py) Kara's per-reques
 ``ForwardContext`` (forward.py) the device offsets and the forward hooks' side data; the capture
 ring (ring.py); ``Planner`` (plan.py) which windows are scored and which requests an event takes;
 ``Scorer`` (scoring.py) queries -> scores; ``EventRunner`` (events.py) the event transaction;
-``DeviceStaging`` (staging.py) host-to-device index copies. Every SGLang object is reached through
+``DeviceStaging`` (staging.py) host-to-device index copies; under ``--tp-size`` the ranks'
+agreement on each chunk's outcome and, with ``KARA_CHECK_TP_PLAN``, the plan digest
+(tp_lockstep.py). Every SGLang object is reached through
 the adapter (sgl_kara/_sglang.py, ``SchedulerParts``). The forward hooks (plugin.py) reach the
 runtime of this process through ``active()``.
 """
@@ -33,6 +35,7 @@ import torch
 from sgl_kara import _sglang as adapter
 from sgl_kara import env
 from sgl_kara.memory_plan import DEFAULT_RECOMPUTE_TOKENS
+from sgl_kara.model_shape import ModelShape
 from sgl_kara.policies import base as policy_base
 from sgl_kara.policies.base import RowView
 from sgl_kara.process import STATE
@@ -48,6 +51,7 @@ from sgl_kara.scheduler.row_integrity import RowIntegrity
 from sgl_kara.scheduler.scoring import Scorer
 from sgl_kara.scheduler.staging import DeviceStaging
 from sgl_kara.scheduler.state import KaraReqState, RequestTable
+from sgl_kara.scheduler.tp_lockstep import FailureAgreement, PlanDigest
 from sgl_kara.scheduler.warm_up import warm_up_kernels
 
 logger = logging.getLogger(__name__)
@@ -92,9 +96,14 @@ class KaraStats:
     event_max_seconds: float = 0.0  # the longest Kara work in one decode step
     sync_violations: int = 0  # KARA_CHECK_SYNC: host waits a GPU would have had
     sync_examples: list = field(default_factory=list)
+    # KARA_CHECK_TP_PLAN: gathers at which every rank's digest agreed
+    tp_plan_checks: int = 0
 
 
 class KaraRuntime:
+    # KARA_CHECK_TP_PLAN under --tp-size > 1 (tp_lockstep.PlanDigest; set in __init__)
+    plan_check: PlanDigest | None = None
+
     def __init__(self, cfg, scheduler):
         self.cfg = cfg
         self.policy = cfg.make_policy()
@@ -104,11 +113,24 @@ class KaraRuntime:
         self.table = RequestTable()
         self.stats = KaraStats()
         self.metrics = None
-        if parts.metrics:
+        if parts.metrics and parts.tp_rank == 0:  # one rank exports, as SGLang's own
             from sgl_kara.scheduler.metrics import KaraMetrics
 
             self.metrics = KaraMetrics()
         self.check = env.check_integrity()
+        # Tensor parallelism: each rank scores and compacts its own KV heads, the model's
+        # [first, first + H_kv) of ``model_heads``: SGLang splits them evenly, or with fewer
+        # heads than ranks gives rank r head r * heads // ranks (replicated: refused for
+        # policies that score from attention, startup.replicated_kv_heads).
+        tp_rank, tp_size, tp_group = parts.tp_rank, parts.tp_size, parts.tp_group
+        model_heads = ModelShape.from_config(
+            adapter.model_hf_config(scheduler)
+        ).kv_heads
+        first_head = tp_rank * model_heads // tp_size
+        self.plan_check = PlanDigest.from_env(tp_rank, tp_size, tp_group)
+        agreement = None
+        if tp_size > 1:
+            agreement = FailureAgreement(tp_rank, tp_size, tp_group)
         device = parts.req_to_token.device
         self.staging = DeviceStaging(device)
         capacity = self.policy.query_capacity()
@@ -143,8 +165,9 @@ class KaraRuntime:
             check=self.check,
             crosscheck=env.crosscheck_queries(),
             on_fallback=self._count_fallbacks,
+            heads=(first_head, model_heads),
         )
-        self.recorder = EvictionRecorder.from_env()
+        self.recorder = EvictionRecorder.from_env(tp_rank, tp_size, first_head)
         self.events = EventRunner(
             self.policy,
             parts,
@@ -155,6 +178,8 @@ class KaraRuntime:
             self.metrics,
             self.recorder,
             check=self.check,
+            agreement=agreement,
+            tp_rank=tp_rank,
         )
         self.integrity = None
         if self.check:
@@ -276,6 +301,10 @@ class KaraRuntime:
             adapter.reopen_admission(batch)
         seconds = time.perf_counter() - tic
         self.stats.event_max_seconds = max(self.stats.event_max_seconds, seconds)
+        if self.plan_check is not None:
+            self.plan_check.step_state(reqs, self.table, self.parts.req_to_token)
+            self.plan_check.check(self.decode_steps, "step")
+            self.stats.tp_plan_checks += 1
 
     def _observe(self, reqs) -> None:
         """Each running request's state, statistics, device offset and ring row."""
@@ -299,7 +328,10 @@ class KaraRuntime:
         freed."""
         step = self.decode_steps
         chunks = self.planner.chunks(reqs, self.state_of, step)
+        if self.plan_check is not None:
+            self.plan_check.spread(chunks)
         if chunks:
+            self._lockstep()
             self._fence()
             self.events.advance(chunks)
         jobs = self.planner.jobs(reqs, self.state_of, step)
@@ -312,6 +344,7 @@ class KaraRuntime:
         passes = freed = 0
         limit = MAX_PRESSURE_PASSES if deferring else MAX_CATCH_UP_PASSES
         while jobs:
+            jobs = self._lockstep(jobs)
             self._fence()
             freed += self.events.run(batch, jobs)
             if self.integrity is not None:
@@ -327,6 +360,16 @@ class KaraRuntime:
             if jobs and deferring and not self._memory_binds(reqs, jobs):
                 break
         return freed
+
+    def _lockstep(self, jobs=None):
+        """KARA_CHECK_TP_PLAN: the ranks agree on the plan so far, and on the event's ``jobs``,
+        before work that may enter a collective (tp_lockstep.py). Returns the jobs to run."""
+        if self.plan_check is not None:
+            if jobs is not None:
+                jobs = self.plan_check.planned(jobs, self.parts.page_size)
+            self.plan_check.check(self.decode_steps, "event")
+            self.stats.tp_plan_checks += 1
+        return jobs
 
     def _fence(self) -> None:
         """Under SGLang's overlap scheduler on CUDA the previous batch's forward may still run on

@@ -19,10 +19,21 @@ from sgl_kara.scheduler.recompute import ScoringComplete, extend_rows
 class ScoringPass:
     """Collects ``[B, L, H_kv, M]`` scores of one batch of jobs (all regions the same shape),
     one layer at a time, from ``policy.score``. ``slots``: ``[B, M]`` pool slots of the region
-    keys; ``rows`` / ``regions``: the jobs' RowViews and Regions."""
+    keys; ``rows`` / ``regions``: the jobs' RowViews and Regions; ``heads``: (the model's index
+    of this rank's first KV head, the model's KV heads; None: this rank holds them all)."""
 
-    def __init__(self, policy, keys_of, layer_ids, slots: torch.Tensor, rows, regions):
+    def __init__(
+        self,
+        policy,
+        keys_of,
+        layer_ids,
+        slots: torch.Tensor,
+        rows,
+        regions,
+        heads: tuple[int, int | None] = (0, None),
+    ):
         self.policy = policy
+        self.heads = heads
         self.keys_of = keys_of
         self.layer_index = {lid: i for i, lid in enumerate(layer_ids)}
         self.slots = slots
@@ -43,6 +54,7 @@ class ScoringPass:
             self.slots,
             self.rows,
             self.regions,
+            *self.heads,
         )
         s = self.policy.score(inp)  # [B, H_kv, M]
         if self.scores is None:
@@ -78,7 +90,8 @@ class Scorer:
     ``parts``: the scheduler's pools and model (_sglang.SchedulerParts); ``forward``: the
     forward hooks' context (a recompute pass is routed to its ScoringPass); ``ring``: the capture
     ring or None; ``staging``: host-to-device copies; ``on_fallback(n)``: windows a recompute
-    had to score instead of the ring."""
+    had to score instead of the ring; ``heads``: this tensor-parallel rank's KV heads among the
+    model's (ScoringPass)."""
 
     def __init__(
         self,
@@ -90,8 +103,10 @@ class Scorer:
         check: bool = False,
         crosscheck: bool = False,
         on_fallback=None,
+        heads: tuple[int, int | None] = (0, None),
     ):
         self.policy = policy
+        self.heads = heads
         self.parts = parts
         self.forward = forward
         self.ring = ring
@@ -108,6 +123,7 @@ class Scorer:
             region_slots,
             [j.view() for j in jobs],
             [j.region for j in jobs],
+            self.heads,
         )
 
     def score(self, jobs, rows, region_slots, q_lo: list[int], n: int) -> torch.Tensor:
