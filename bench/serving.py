@@ -311,6 +311,52 @@ def kara_policy(options: dict):
 
 
 # ------------------------------------------------------------------ one run
+RAM_REFUSAL = "of RAM is available"
+
+
+def when_ram_allows(attempt, minutes: float, pause: float = 30.0):
+    """``attempt()``, again every ``pause`` seconds for up to ``minutes`` while sgl_kara's
+    launcher refuses for want of RAM (a machine shared with other jobs); other failures raise."""
+    deadline = time.monotonic() + 60 * minutes
+    while True:
+        try:
+            return attempt()
+        except (RuntimeError, SystemExit) as e:
+            if not getattr(e, "ram", False) or time.monotonic() > deadline:
+                raise
+            print(f"waiting for RAM: {e}", file=sys.stderr, flush=True)
+            time.sleep(pause)
+
+
+def start_in(cwd: str, env: dict, log: str, cmd: list[str]):
+    """bench.serve_numbers.start from ``cwd``; a refusal for want of RAM is marked ``ram``."""
+    from bench.serve_numbers import start
+
+    try:
+        with contextlib.chdir(cwd):
+            return start(env, log, 900, cmd)
+    except RuntimeError as e:
+        with open(log) as f:
+            e.ram = RAM_REFUSAL in f.read()
+        raise
+
+
+def resolve(pool: int):
+    """(KaraConfig, ServerArgs) the launcher resolves the default server to, with this pool."""
+    import io
+
+    from sgl_kara.launch_server import parse
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return parse(["--max-total-tokens", str(pool)])
+    except SystemExit as e:
+        sys.stderr.write(err.getvalue())
+        e.ram = RAM_REFUSAL in err.getvalue()
+        raise
+
+
 def run_one(
     label: str,
     name: str,
@@ -323,7 +369,7 @@ def run_one(
     import requests
 
     from bench.latency import run_load
-    from bench.serve_numbers import start, stop
+    from bench.serve_numbers import stop
 
     cmd, extra = server_command(name, resolved, args.pool)
     stem = os.path.join(args.out, f"{label}-{rnd}")
@@ -338,8 +384,9 @@ def run_one(
             p for p in (cwd, env.get("PYTHONPATH")) if p
         )
     client_env = {k: v for k, v in env.items() if k != "KARA_TRACE"}
-    with contextlib.chdir(cwd):
-        proc, url, startup = start(env, stem + ".log", 900, cmd)
+    proc, url, startup = when_ram_allows(
+        lambda: start_in(cwd, env, stem + ".log", cmd), args.wait_ram
+    )
     try:
         run_load(url, 2, 16)  # warm-up: first forwards, allocator (outside the window)
         t0 = time.perf_counter()
@@ -464,12 +511,20 @@ def main(argv=None):
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=1536)
     ap.add_argument("--pool", type=int, default=8192, help="KV pool tokens, both sides")
+    ap.add_argument(
+        "--wait-ram",
+        type=float,
+        default=30,
+        help="minutes to wait, retrying, while a server is refused for want of RAM",
+    )
     args = ap.parse_args(argv)
+    args.out = os.path.abspath(
+        args.out
+    )  # servers of other revisions run from elsewhere
     os.makedirs(args.out, exist_ok=True)
     from bench.record import RunRecord
-    from sgl_kara.launch_server import parse
 
-    cfg, resolved = parse(["--max-total-tokens", str(args.pool)])
+    cfg, resolved = when_ram_allows(lambda: resolve(args.pool), args.wait_ram)
     record = RunRecord(args.out, argv)
     record.note(
         prompts=args.prompts,

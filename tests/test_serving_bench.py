@@ -1,0 +1,234 @@
+"""bench/serving.py's pure parts (no server): the commands it runs, the figures it reads from
+SGLang's bench_serving result and from the per-step trace, and what the KV pool allows at each
+side's admission charge."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from bench import serving
+
+# Benchmarks and docs, not the product: the integration tier (docs/TESTING.md, tiers).
+pytestmark = pytest.mark.integration
+
+
+def test_systems_and_commands():
+    assert serving.parse_system("kara") == ("kara", None)
+    assert serving.parse_system("kara@HEAD~1") == ("kara", "HEAD~1")
+    assert serving.parse_system("sglang@fc589ba") == ("sglang", "fc589ba")
+    with pytest.raises(ValueError, match="unknown system"):
+        serving.parse_system("vllm")
+    cmd, env = serving.server_command("kara", None, 8192)
+    assert cmd == [
+        sys.executable,
+        "-m",
+        "sgl_kara.launch_server",
+        "--max-total-tokens",
+        "8192",
+    ]
+    assert env == {}
+    resolved = types.SimpleNamespace(
+        model_path="/m",
+        device="cpu",
+        attention_backend="torch_native",
+        dtype="float32",
+        page_size=1,
+        max_running_requests=16,
+    )
+    cmd, env = serving.server_command("sglang", resolved, 8192)
+    assert cmd[1:3] == ["-m", "sglang.launch_server"] and env == {
+        "KARA_CPU_KERNELS": "1"
+    }
+    flags = dict(zip(cmd[3::2], cmd[4::2]))
+    assert flags["--max-total-tokens"] == "8192"
+    assert flags["--max-running-requests"] == "16"
+    assert (
+        flags["--model-path"] == "/m" and flags["--attention-backend"] == "torch_native"
+    )
+    client = serving.client_command("http://h:1", "/r.jsonl", 16, 128, 1536)
+    opts = dict(zip(client[3::2], client[4::2]))
+    assert client[1:3] == ["-m", "sglang.benchmark.serving"]
+    assert (
+        opts["--dataset-name"] == "random-ids"
+    )  # random token ids: nothing downloaded
+    assert (opts["--num-prompts"], opts["--random-input-len"]) == ("16", "128")
+    assert (opts["--random-output-len"], opts["--random-range-ratio"]) == ("1536", "1")
+    assert opts["--warmup-requests"] == "0" and opts["--output-file"] == "/r.jsonl"
+    assert "--output-details" in client
+
+
+def test_client_figures_read_bench_serving_and_the_longest_gap():
+    result = dict(
+        completed=2,
+        total_output_tokens=6,
+        duration=1.234,
+        output_throughput=4.86,
+        median_itl_ms=50.0,
+        p99_itl_ms=90.0,
+        median_ttft_ms=300.0,
+        itls=[[0.05, 0.06], [0.04, 0.41, 0.05]],
+    )
+    fig = serving.client_figures(result)
+    assert fig["itl_max_ms"] == 410.0 and fig["tok_s"] == 4.9
+    assert (fig["itl_p50_ms"], fig["itl_p99_ms"]) == (50.0, 90.0)
+    assert serving.itl_max_ms([]) == 0.0
+
+
+def _step(t, running, waiting=0, rows=None, cpu=None, kara=0.0, free=100):
+    return dict(
+        t=t,
+        cpu=t if cpu is None else cpu,
+        running=running,
+        waiting=waiting,
+        rows=running * 11 if rows is None else rows,
+        free=free,
+        kara_seconds=kara,
+    )
+
+
+def test_window_and_timeline():
+    trace = [_step(0.0, 2)]  # warm-up, before the window
+    trace += [
+        _step(10.0 + i, r, w)
+        for i, (r, w) in enumerate(
+            [
+                (4, 4),
+                (4, 4),
+                (8, 0),
+                (8, 0),
+                (8, 0),
+                (0, 0),
+                (6, 0),
+                (6, 0),
+                (2, 0),
+                (2, 0),
+                (2, 0),
+            ]
+        )
+    ]
+    steps = serving.window(trace, 5.0, 100.0)
+    assert len(steps) == 10  # the idle record (running 0) and the warm-up are left out
+    tl = serving.timeline(steps, bins=5)
+    assert tl["steps"] == 10 and tl["peak_running"] == 8
+    assert tl["mean_running"] == pytest.approx(50 / 10)
+    assert tl["running_while_waiting"] == 4 and tl["waiting_share"] == 0.2
+    # 5 equal parts of the 10 s between the first and the last step
+    assert tl["by_tenth"] == [4.0, 8.0, 8.0, 6.0, 2.0]
+    assert tl["admissions"] == [4, 4]  # the first batch, then who joined
+    assert (
+        tl["prompt"] == 10
+    )  # rows per request at the first step, less its decoded token
+    assert serving.timeline([]) == {}
+
+
+def test_cpu_rate_counts_tokens_per_scheduler_cpu_second():
+    steps = [_step(float(i), 4, cpu=0.1 * i, kara=0.01 * i) for i in range(11)]
+    rate = serving.cpu_rate(steps)
+    assert rate["tps"] == pytest.approx(40 / 1.0)
+    assert rate["event_share"] == pytest.approx(0.1)
+
+
+def test_plain_sglang_holds_four_of_the_default_workload():
+    charges = serving.admission_charges(None, 133, 1536, page=1)
+    assert charges == dict(new=1670, running=1669, peak=1669)
+    assert serving.pool_allows(8192, charges) == dict(steady=4, admitted=4, joined=4)
+
+
+def test_kara_charges_hold_eight_of_the_default_workload():
+    """W 512, U 32, r 0.25, period 128: a request admitted is charged its prompt, a page and
+    1536 r + (W + period)(1 - r) = 384 + 480 = 864; that is also the most it counts while it
+    runs (held + growth), and its peak KV stays within it."""
+    policy = serving.kara_policy(
+        dict(window=512, buffer=32, retention=0.25, period=128, recent=0)
+    )
+    charges = serving.admission_charges(policy, 133, 1536, page=1)
+    assert charges["new"] == 133 + 864 + 1
+    assert charges["running"] <= charges["new"] - 1
+    assert charges["peak"] <= charges["running"]
+    assert serving.pool_allows(8192, charges) == dict(steady=8, admitted=8, joined=8)
+    steps = serving.kara_trajectory(policy, 133, 1536)
+    assert len(steps) == 1535 and steps[0]["held"] == 133
+    # two windows of 480 compressed to 120 (at its tokens 640 and 1024); the last tail, 575
+    # rows, is left to the end (worth_compressing)
+    assert steps[-1]["held"] == 133 + 1534 - 2 * 360
+
+
+def test_pool_allows_is_strict_like_sglangs_prefill_budget():
+    charges = dict(new=100, running=90, peak=90)
+    # 4 new requests fill 400: the fourth needs strictly less than what is left
+    assert serving.pool_allows(400, charges) == dict(steady=4, admitted=3, joined=4)
+    assert serving.pool_allows(401, charges)["admitted"] == 4
+
+
+# ------------------------------------------------------------------ bench/ceiling.py
+def _costed(steps, fixed, per_request, per_row, extra=()):
+    """A trace whose decode steps cost exactly fixed + per_request B + per_row rows CPU-seconds,
+    plus ``extra`` {step: (compression seconds, other seconds)} on some steps."""
+    trace, cpu, kara = [], 0.0, 0.0
+    extra = dict(extra)
+    for i, (b, rows, waiting) in enumerate(steps):
+        trace.append(
+            dict(
+                t=float(i),
+                running=b,
+                rows=rows,
+                waiting=waiting,
+                cpu=cpu,
+                kara_seconds=kara,
+            )
+        )
+        event, other = extra.get(i, (0.0, 0.0))
+        cpu += fixed + per_request * b + per_row * rows + event + other
+        kara += event
+    trace.append(
+        dict(
+            t=float(len(steps)),
+            running=0,
+            rows=0,
+            waiting=0,
+            cpu=cpu,
+            kara_seconds=kara,
+        )
+    )
+    return trace
+
+
+def test_ceiling_splits_a_ratio_into_concurrency_and_decode_share():
+    from bench import ceiling
+    from bench import step_costs as sc
+
+    a, b, c = 0.004, 0.0001, 4e-7
+    # none: 6 running, then 2 (the drain); an admission step (the prefill) costs 0.01 more
+    base = [(6, 6 * (30 + s % 500), 4 if s < 600 else 0) for s in range(600)]
+    base += [(2, 2 * (30 + s % 500), 0) for s in range(200)]
+    # kara: 12 running with short rows, events of 0.002 every 16 steps
+    kara = [(12, 12 * (30 + s % 150), 4 if s < 300 else 0) for s in range(300)]
+    kara += [(10, 10 * (30 + s % 150), 0) for s in range(100)]
+    tb = _costed(base, a, b, c, {599: (0.0, 0.01)})
+    tk = _costed(kara, a, b, c, {s: (0.002, 0.0) for s in range(8, 400, 16)})
+    ib, ik = sc.intervals(tb), sc.intervals(tk)
+    model = sc.fit([sc.fit_stats(ib), sc.fit_stats(ik)])
+    assert model.fixed == pytest.approx(a) and model.per_row == pytest.approx(c)
+    sb, sk = ceiling.split(ib, model), ceiling.split(ik, model)
+    # the step after which the queue empties (599 -> 600: fewer waiting) is an admission: its
+    # extra 0.01 (the prefill) is counted there, not in the residual
+    assert sb["admissions"] == pytest.approx(0.01) and sb["residual"] == pytest.approx(
+        0
+    )
+    assert sk["events"] == pytest.approx(0.002 * 25) and sk[
+        "residual"
+    ] == pytest.approx(0)
+    assert sk["decode"] + sk["events"] == pytest.approx(sk["cpu"])
+    allowed = {"none": 6, "kara": 13}
+    br = ceiling.breakdown(sb, sk, model, allowed)
+    assert br["measured"] == pytest.approx(
+        br["ceiling"] * br["concurrency"] * br["decode_share"]
+    )
+    # kara ran 11.5 on average where 13 fit: its concurrency factor is below 1
+    assert br["kara"]["concurrency"] < 1 and br["kara"]["decode_share"] < 1
+    both = ceiling.merge([sk, sk])
+    assert both["tps"] == pytest.approx(sk["tps"]) and both["steps"] == 2 * sk["steps"]
+    assert both["rows_per_request"] == pytest.approx(sk["rows_per_request"])
