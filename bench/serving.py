@@ -32,8 +32,8 @@ REV, e.g. ``kara@HEAD~1``, for a before / after):
         [--prompts 16] [--input-len 128] [--output-len 1536] [--pool 8192]
 
 Rounds alternate the systems (the order rotates each round). Writes serving.json, serving.md,
-per run the client's result (``<label>-<round>.bench.jsonl``), the server's trace and log, and the
-run record (run.json) under --out. Imports nothing from SGLang at module level.
+per run the client's result (``<label>-<round>.bench.jsonl.gz``), the server's trace (gzipped) and
+log, and the run record (run.json) under --out. Imports nothing from SGLang at module level.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gzip
 import json
 import os
 import subprocess
@@ -155,6 +156,23 @@ def worktrees(revs: list[str]):
             )
         with contextlib.suppress(OSError):
             os.rmdir(base)
+
+
+def gzip_in_place(path: str, round_times: bool = False) -> None:
+    """Replace ``path`` by ``path.gz`` so results folders stay small; with ``round_times``, the
+    client result's per-token gaps and first-token times are stored to 10 us (figures are computed
+    before, from the client's full precision)."""
+    with open(path, "rb") as src:
+        data = src.read()
+    if round_times:
+        lines = data.decode().splitlines()
+        result = json.loads(lines[-1])
+        result["itls"] = [[round(t, 5) for t in r] for r in result.get("itls") or []]
+        result["ttfts"] = [round(t, 5) for t in result.get("ttfts") or []]
+        data = "\n".join([*lines[:-1], json.dumps(result)]).encode() + b"\n"
+    with gzip.open(path + ".gz", "wb") as dst:
+        dst.write(data)
+    os.unlink(path)
 
 
 def commit_of(rev: str | None, where: str = ROOT) -> str | None:
@@ -375,8 +393,9 @@ def run_one(
     stem = os.path.join(args.out, f"{label}-{rnd}")
     trace_path, result_path = stem + ".trace.jsonl", stem + ".bench.jsonl"
     for path in (trace_path, result_path):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        for stale in (path, path + ".gz"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(stale)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(extra, OMP_WAIT_POLICY="PASSIVE", KARA_TRACE=trace_path)
     if cwd != ROOT:
@@ -423,6 +442,8 @@ def run_one(
     with open(trace_path) as f:
         trace = [json.loads(line) for line in f]
     steps = window(trace, t0, t1)
+    gzip_in_place(trace_path)
+    gzip_in_place(result_path, round_times=True)
     out = dict(
         system=label,
         round=rnd,

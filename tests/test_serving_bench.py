@@ -77,6 +77,26 @@ def test_client_figures_read_bench_serving_and_the_longest_gap():
     assert serving.itl_max_ms([]) == 0.0
 
 
+def test_stored_results_are_gzipped_with_times_to_ten_microseconds(tmp_path):
+    import gzip
+    import json
+
+    result = dict(completed=1, itls=[[0.0123456789, 0.41]], ttfts=[0.300004999])
+    path = tmp_path / "kara-0.bench.jsonl"
+    path.write_text('{"warm-up": 1}\n' + json.dumps(result) + "\n")
+    serving.gzip_in_place(str(path), round_times=True)
+    assert not path.exists()
+    lines = gzip.open(str(path) + ".gz", "rt").read().splitlines()
+    assert json.loads(lines[0]) == {"warm-up": 1}
+    stored = json.loads(lines[1])
+    assert stored["itls"] == [[0.01235, 0.41]] and stored["ttfts"] == [0.3]
+    assert stored["completed"] == 1
+    trace = tmp_path / "kara-0.trace.jsonl"
+    trace.write_text('{"t": 0.123456789}\n')
+    serving.gzip_in_place(str(trace))
+    assert gzip.open(str(trace) + ".gz", "rt").read() == '{"t": 0.123456789}\n'
+
+
 def _step(t, running, waiting=0, rows=None, cpu=None, kara=0.0, free=100):
     return dict(
         t=t,
