@@ -161,7 +161,7 @@ def oracle(model: str, backend: str, page: int, query_source: str, tmp: str) -> 
     the float32 one (20 x 2e-3) and must also exceed twice the observed error."""
     from pathlib import Path
 
-    from test_oracle import TOL, run_and_check
+    from oracle import TOL, run_and_check
 
     tol = 6e-2 if cuda() else TOL
     _, _, worst, control = run_and_check(

@@ -4,7 +4,9 @@ After every compression event, each decode step's log-probabilities must equal t
 Hugging Face model run over the whole sequence at its original positions with exactly the evicted
 entries masked (per layer and KV head, from the event on) -- float32, so the tolerance is rounding.
 Several events per request (growing pos_offset), page size 1 and 16, both query sources, Llama and
-Qwen3 (tiny random models); SmolLM2 is marked slow. Every other policy (SnapKV's re-compression of
+Qwen3 (tiny random models); SmolLM2 is marked slow. On the same engines, retention 1.0 per request
+(every window scored, selected and compacted into fresh slots, nothing dropped) gives plain SGLang's
+tokens. Every other policy (SnapKV's re-compression of
 compacted rows included) goes through the same check in tests/test_policy_matrix.py.
 
 Each run also checks that the oracle can fail: the reference *without* the evictions must be far
@@ -14,40 +16,102 @@ from the engine after the first event, and before it both references must agree 
 from __future__ import annotations
 
 import pytest
-from oracle import KARA, TOL, engine_options, read_evictions, record_path, run_and_check  # noqa: F401  (tests/gpu_checks.py imports TOL and run_and_check from here)
-
-
-@pytest.mark.parametrize(
-    "arch, page, query_source",
-    [  # the shared Llama capture engine last: reused below
-        ("llama", 16, "recompute"),
-        ("qwen3", 1, "recompute"),
-        ("qwen3", 16, "capture"),
-        ("llama", 1, "capture"),
-    ],
+from oracle import (
+    KARA,
+    engine_options,
+    read_evictions,
+    record_path,
+    run_and_check,
+    shared_engine,
 )
+
+# The shared engines' configurations (tests/oracle.py ``shared_engine``), each checked against the
+# masked reference and, at retention 1.0 per request, against plain SGLang's tokens. The parameters
+# are module-scoped: pytest runs one configuration's tests together, on one engine start.
+ORACLE = [
+    ("llama", 16, "recompute", "bidirectional"),
+    ("qwen3", 1, "recompute", "bidirectional"),
+    ("qwen3", 16, "capture", "bidirectional"),
+    ("llama", 1, "capture", "bidirectional"),
+]
+BUFFER = ("llama", 1, "recompute", "buffer")
+CONFIG = "arch, page, query_source, scoring"
+
+PROMPTS = [
+    "Hello world",
+    "The answer is",
+    "Let x = 3. Let y = x + 4, so y = 7. Then z",
+    "Once upon a time there was a server",
+]
+GEN = 300
+GREEDY = {"max_new_tokens": GEN, "temperature": 0.0, "ignore_eos": True}
+FULL = {
+    **GREEDY,
+    "custom_params": {"kara": {"retention": 1.0}},
+}  # per request: every entry kept
+
+
+def _extra(scoring: str) -> dict | None:
+    return None if scoring == "bidirectional" else {"kara_scoring": scoring}
+
+
+@pytest.fixture(scope="module")
+def vanilla(tiny_llama, tiny_qwen3, engines):
+    """Plain SGLang's greedy texts for PROMPTS on both tiny models, from the session's pool (a
+    pooled start leaves the shared Kara engines running)."""
+    return {
+        name: [o["text"] for o in engines("sglang", path).generate(PROMPTS, GREEDY)]
+        for name, path in (("llama", tiny_llama), ("qwen3", tiny_qwen3))
+    }
+
+
+@pytest.mark.parametrize(CONFIG, ORACLE, scope="module")
 def test_kara_matches_masked_reference(
-    arch, page, query_source, tiny_llama, tiny_qwen3, tmp_path, engines
+    arch, page, query_source, scoring, tiny_llama, tiny_qwen3, tmp_path, engines
 ):
     run_and_check(
         {"llama": tiny_llama, "qwen3": tiny_qwen3}[arch],
         tmp_path,
         page,
         query_source,
+        extra=_extra(scoring),
         engines=engines,
     )
 
 
-def test_buffer_scoring_matches_masked_reference(tiny_llama, tmp_path, engines):
+@pytest.mark.parametrize(CONFIG, [BUFFER], scope="module")
+def test_buffer_scoring_matches_masked_reference(
+    arch, page, query_source, scoring, tiny_llama, tmp_path, engines
+):
     """--kara-scoring buffer with recompute (a forward over the last U window tokens only)."""
     run_and_check(
-        tiny_llama,
-        tmp_path,
-        1,
-        "recompute",
-        extra=dict(kara_scoring="buffer"),
-        engines=engines,
+        tiny_llama, tmp_path, page, query_source, extra=_extra(scoring), engines=engines
     )
+
+
+@pytest.mark.parametrize(CONFIG, [*ORACLE, BUFFER], scope="module")
+def test_full_retention_is_token_identical(
+    arch, page, query_source, scoring, vanilla, tiny_llama, tiny_qwen3, engines
+):
+    """Retention 1.0 for these requests (``custom_params.kara``): every window still goes through
+    scoring, selection and compaction into fresh slots (at page size 16, the kept entries and the
+    shifted tail go to fresh page-aligned pages), and the tokens are plain SGLang's."""
+    engine, _ = shared_engine(
+        engines,
+        tiny_llama if arch == "llama" else tiny_qwen3,
+        page,
+        query_source,
+        extra=_extra(scoring),
+    )
+    outs = engine.generate(PROMPTS, FULL)
+    for out, ref in zip(outs, vanilla[arch]):
+        meta = out["meta_info"]
+        assert meta["completion_tokens"] == GEN
+        assert meta["kara"]["compressions"] >= 6, meta["kara"]
+        # retention 1.0 keeps every entry: physical == logical, yet every window went through
+        # fresh-slot compaction.
+        assert meta["kara"]["kv_physical_len"] == meta["kara"]["kv_logical_len"]
+        assert out["text"] == ref
 
 
 @pytest.mark.integration  # engines of their own configurations (docs/TESTING.md, tiers)

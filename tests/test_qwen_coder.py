@@ -231,9 +231,9 @@ def test_tiny_qwen2_matches_masked_reference(tiny_qwen2, tmp_path):
     queries: every step equal to the masked Hugging Face reference (a RoPE base or a bias that did
     not reach the runtime fails it), and each first window's recompute scores equal its
     captured-query scores (the recompute forward applies the biases too)."""
+    from oracle import run_and_check
     from safetensors import safe_open
     from sglang.srt.utils.hf_transformers_utils import get_rope_config
-    from test_oracle import run_and_check
     from transformers import AutoConfig
 
     assert get_rope_config(AutoConfig.from_pretrained(tiny_qwen2))[0] == 50000.0
@@ -288,7 +288,7 @@ def test_converted_checkpoint_keeps_what_sglang_reads():
 def test_qwen_coder_05b_matches_masked_reference(tmp_path):
     """The converted Qwen2.5-Coder-0.5B-Instruct (float32) through several Kara events (W 128, U 16,
     period 16, page 1, capture): every step equal to the masked Hugging Face reference."""
-    from test_oracle import run_and_check
+    from oracle import run_and_check
 
     run_and_check(
         _converted_or_skip("0.5b"),
