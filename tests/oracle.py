@@ -178,6 +178,16 @@ def compare(ref: torch.Tensor, prompt_len: int, out: dict) -> torch.Tensor:
 KARA = dict(kara_window=40, kara_buffer=8, kara_max_chunk=6, kara_period=4)
 TOL = 2e-3  # float32: observed errors are ~1e-5 (tiny models) / ~1e-4 (SmolLM2)
 GEN = {"max_new_tokens": 150, "temperature": 0.0, "ignore_eos": True}
+# Text prompts the runtime tests greedily answer in 300 tokens on the shared engines: with W 40 and
+# U 8 (32 compressible, r 0.25 -> K 8), many events each (tests/test_oracle.py, test_runtime.py).
+TEXT_PROMPTS = [
+    "Hello world",
+    "The answer is",
+    "Let x = 3. Let y = x + 4, so y = 7. Then z",
+    "Once upon a time there was a server",
+]
+TEXT_GEN = 300
+TEXT_GREEDY = {"max_new_tokens": TEXT_GEN, "temperature": 0.0, "ignore_eos": True}
 
 
 def _prompts(vocab: int, n: int = 3) -> list[list[int]]:

@@ -18,6 +18,9 @@ from __future__ import annotations
 import pytest
 from oracle import (
     KARA,
+    TEXT_GEN,
+    TEXT_GREEDY,
+    TEXT_PROMPTS,
     engine_options,
     read_evictions,
     record_path,
@@ -37,14 +40,7 @@ ORACLE = [
 BUFFER = ("llama", 1, "recompute", "buffer")
 CONFIG = "arch, page, query_source, scoring"
 
-PROMPTS = [
-    "Hello world",
-    "The answer is",
-    "Let x = 3. Let y = x + 4, so y = 7. Then z",
-    "Once upon a time there was a server",
-]
-GEN = 300
-GREEDY = {"max_new_tokens": GEN, "temperature": 0.0, "ignore_eos": True}
+PROMPTS, GEN, GREEDY = TEXT_PROMPTS, TEXT_GEN, TEXT_GREEDY
 FULL = {
     **GREEDY,
     "custom_params": {"kara": {"retention": 1.0}},

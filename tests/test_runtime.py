@@ -9,17 +9,10 @@ and both page sizes, runs in tests/test_oracle.py, on the same shared engines as
 """
 
 import pytest
-from oracle import KARA, shared_engine
+from oracle import KARA, TEXT_GEN, TEXT_GREEDY, TEXT_PROMPTS, shared_engine
 from support import engine_env, flush_when_idle, start_engine
 
-PROMPTS = [
-    "Hello world",
-    "The answer is",
-    "Let x = 3. Let y = x + 4, so y = 7. Then z",
-    "Once upon a time there was a server",
-]
-GEN = 300
-GREEDY = {"max_new_tokens": GEN, "temperature": 0.0, "ignore_eos": True}
+PROMPTS, GEN, GREEDY = TEXT_PROMPTS, TEXT_GEN, TEXT_GREEDY
 # Small windows so a 300-token answer goes through many events: W=40, U=8 -> 32 compressible, r = 0.25
 # -> K = 8, chunk budget 4 (its default at K = 8). The engines are the session's shared ones of
 # this configuration (tests/oracle.py shared_engine: integrity checks, capture-vs-recompute

@@ -246,17 +246,31 @@ def test_a_divergence_on_one_rank_stops_the_server_naming_it(server):
 
 
 # ------------------------------------------------------------------ slow: engines, TP 2 vs TP 1
-def _run_requests(engine, vocab: int) -> dict:
-    """The requests every engine of the oracle serves, and what it reports after them."""
+def _oracle_requests(engine, vocab: int) -> dict:
+    """The oracle's requests (log-probabilities recorded): what every engine of a pair serves."""
     prompts = _prompts(vocab)
-    out = {"prompts": prompts}
-    out["oracle"] = engine.generate(
-        input_ids=prompts,
-        sampling_params=GEN,
-        return_logprob=True,
-        top_logprobs_num=5,
-        rid=[f"oracle-{i}" for i in range(len(prompts))],
-    )
+    return {
+        "prompts": prompts,
+        "oracle": engine.generate(
+            input_ids=prompts,
+            sampling_params=GEN,
+            return_logprob=True,
+            top_logprobs_num=5,
+            rid=[f"oracle-{i}" for i in range(len(prompts))],
+        ),
+    }
+
+
+def _stats_when_idle(engine, out: dict) -> dict:
+    assert flush_when_idle(engine), "slots still held after every request finished"
+    out["stats"] = engine.get_server_info()["internal_states"][0]["kara"]
+    return out
+
+
+def _run_requests(engine, vocab: int) -> dict:
+    """The oracle's requests, then retention 1.0, shared prompts, samples and per-request options,
+    and what the engine reports after them."""
+    out = _oracle_requests(engine, vocab)
     full = dict(FULL, custom_params={"kara": {"retention": 1.0}})
     out["full"] = engine.generate(PROMPTS, full)
     # a shared system prompt: parallel samples first, then three requests that find it cached,
@@ -274,9 +288,7 @@ def _run_requests(engine, vocab: int) -> dict:
             greedy,
         ],
     )
-    assert flush_when_idle(engine), "slots still held after every request finished"
-    out["stats"] = engine.get_server_info()["internal_states"][0]["kara"]
-    return out
+    return _stats_when_idle(engine, out)
 
 
 def run_pair(model: str, options: dict, tmp, run=_run_requests) -> dict:
@@ -393,19 +405,8 @@ def test_shared_prompts_samples_and_options_at_tp2(engine_pair):
 
 
 # ------------------------------------------------------------------ slow: every other policy
-def _oracle_requests(engine, vocab: int) -> dict:
-    prompts = _prompts(vocab)
-    out = {"prompts": prompts}
-    out["oracle"] = engine.generate(
-        input_ids=prompts,
-        sampling_params=GEN,
-        return_logprob=True,
-        top_logprobs_num=5,
-        rid=[f"oracle-{i}" for i in range(len(prompts))],
-    )
-    assert flush_when_idle(engine)
-    out["stats"] = engine.get_server_info()["internal_states"][0]["kara"]
-    return out
+def _oracle_requests_and_stats(engine, vocab: int) -> dict:
+    return _stats_when_idle(engine, _oracle_requests(engine, vocab))
 
 
 @pytest.mark.slow
@@ -419,7 +420,7 @@ def test_every_policy_at_tp2(policy, tiny_llama, tmp_path):
         tiny_llama,
         engine_options(policy, "capture", 1, small_options(policy)),
         tmp_path,
-        run=_oracle_requests,
+        run=_oracle_requests_and_stats,
     )
     same_tokens, events, heads = compare_ranks(runs[2], runs[1])
     assert runs[2]["stats"]["events"] >= 3
