@@ -18,7 +18,9 @@ from oracle import check_policy_through_engine, shared_engine, small_options
 from sgl_kara.policies import base
 
 
-@pytest.mark.parametrize("name", base.names())
+# Kara first: its engine is the oracle's Llama capture engine, still in the session's pool after
+# tests/test_oracle.py.
+@pytest.mark.parametrize("name", sorted(base.names(), key=lambda n: n != "kara"))
 def test_policy_through_the_engine(name, tiny_llama, tmp_path, engines):
     check_policy_through_engine(tiny_llama, tmp_path, 1, name, engines)
 
