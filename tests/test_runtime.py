@@ -20,14 +20,9 @@ PROMPTS, GEN, GREEDY = TEXT_PROMPTS, TEXT_GEN, TEXT_GREEDY
 KARA_SMALL = dict(KARA, kara_retention=0.25)
 
 
-def kara_engine(
-    engines,
-    model_path: str,
-    query_source: str,
-    extra: dict | None = None,
-    page: int = 1,
-):
-    return shared_engine(engines, model_path, page, query_source, extra=extra)[0]
+def kara_engine(engines, model_path: str, query_source: str, extra: dict | None = None):
+    """The session's shared Kara engine of this configuration at page size 1."""
+    return shared_engine(engines, model_path, 1, query_source, extra=extra)[0]
 
 
 @pytest.fixture
