@@ -39,6 +39,8 @@ STRICT_ENV = {
 }
 os.environ.update(STRICT_ENV)
 
+from engine_forkserver import forkserver_pid, spawn_as_forkserver  # noqa: E402
+
 from bench.models.proxy import PROXY_MODEL_DIR  # noqa: E402  (after the environment above)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -95,6 +97,11 @@ def stop_engine(engine) -> None:
     from sgl_kara.engine import release_loop_tasks
 
     procs = _LIVE_ENGINE_PROCS.pop(id(engine), [])
+    watchdog = getattr(
+        getattr(engine, "tokenizer_manager", None), "_subprocess_watchdog", None
+    )
+    if watchdog is not None:
+        watchdog.stop()  # the kill below is no crash to report
     victims = []
     for p in procs:
         try:
@@ -126,6 +133,10 @@ def guard_pytest_process():
         return
 
     def guarded(pid, include_parent=True, *args, **kwargs):
+        if pid == os.getpid() and not include_parent and not args:
+            # Engine.shutdown: every child of this process but the engines' fork server
+            # (tests/engine_forkserver.py; its children, the engines' processes, are killed).
+            kwargs.setdefault("skip_pid", forkserver_pid())
         if pid != os.getpid() or not include_parent:
             return kill_process_tree(pid, include_parent, *args, **kwargs)
         if all(p.is_alive() for procs in _LIVE_ENGINE_PROCS.values() for p in procs):
@@ -178,7 +189,7 @@ def start_engine(kind: str, model_path: str, shared: bool = False, **kwargs):
     # test process's own work (references, the next engine's start) and shared engines would pay
     # for: ``sleep_on_idle`` parks it on its sockets until a request comes (SGLang's IdleSleeper).
     opts = {**engine_common(), "sleep_on_idle": True, **kwargs}
-    with engine_env():
+    with engine_env(), spawn_as_forkserver():
         if kind == "sglang":
             import sglang
 

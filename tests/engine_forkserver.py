@@ -1,0 +1,93 @@
+"""The test engines' SGLang processes forked from a server that imported SGLang once.
+
+SGLang's Engine starts its scheduler and detokenizer by spawn: each new process imports SGLang,
+torch and transformers again, ~15 s on two cores, most of a tiny engine's start. The tests'
+engines start them through Python's ``forkserver`` instead: one server process imports those
+modules once (``PRELOAD``) and forks every later process from itself. The server never runs a
+torch operator, so no OpenMP region precedes a fork (GNU OpenMP is not fork-safe after one): the
+state sgl_kara's launcher forks its workers from on CPU (``python -m sgl_kara.launch_server``).
+
+Each child takes the environment of the test process at the moment it is started (a spawned
+process inherits it; a fork server's child would otherwise inherit the server's): the parent adds
+its environment to the data multiprocessing sends with every process, and the server applies it
+in the child before the process's target (SGLang's ``load_plugins`` and sgl_kara's hooks read it
+there). The spawn path itself runs in the tests that start an Engine from a script
+(tests/test_readme_engine.py, tests/test_engine.py's main-guard tests).
+
+    spawn_as_forkserver()   context: SGLang's ``mp.set_start_method("spawn")`` means forkserver
+    forkserver_pid()        the running server's pid (None: not started), which the tests'
+                            kill-the-tree guard spares
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import multiprocessing.forkserver as mp_forkserver
+import multiprocessing.spawn as mp_spawn
+import os
+import sys
+
+ENV_KEY = "sgl_kara_tests_environ"
+# What a scheduler and a detokenizer import first: the server pays for it once.
+PRELOAD = [
+    "engine_forkserver",  # this module: the child's environment hook, in the server
+    "sglang.srt.managers.scheduler",
+    "sglang.srt.managers.detokenizer_manager",
+    "sgl_kara.scheduler.kara_scheduler",
+]
+
+_original_preparation_data = mp_spawn.get_preparation_data
+_original_prepare = mp_spawn.prepare
+
+
+def _preparation_data(name):
+    data = _original_preparation_data(name)
+    data[ENV_KEY] = dict(os.environ)
+    return data
+
+
+def _prepare(data):
+    environ = data.pop(ENV_KEY, None)
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
+    _original_prepare(data)
+
+
+# Both sides: the parent adds its environment; the server (which imports this module) and every
+# child it forks apply it. A spawned child runs the unpatched prepare, which ignores the key.
+mp_spawn.get_preparation_data = _preparation_data
+mp_spawn.prepare = _prepare
+
+
+def forkserver_pid() -> int | None:
+    return getattr(mp_forkserver._forkserver, "_forkserver_pid", None)
+
+
+@contextlib.contextmanager
+def spawn_as_forkserver():
+    """While an engine starts: SGLang's ``mp.set_start_method("spawn", force=True)`` selects the
+    fork server instead (started here if it is not running, with OpenMP's passive waiting, as
+    sgl_kara's Engine sets for its processes); the start method is spawn again afterwards."""
+    original = multiprocessing.set_start_method
+
+    def set_start_method(method, force=False):
+        original("forkserver" if method == "spawn" else method, force=force)
+
+    mp_forkserver.set_forkserver_preload(PRELOAD)
+    saved = dict(os.environ)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Python 3.11's fork server does not take the parent's sys.path before it imports PRELOAD.
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    try:
+        mp_forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    multiprocessing.set_start_method = set_start_method
+    try:
+        yield
+    finally:
+        multiprocessing.set_start_method = original
+        original("spawn", force=True)
