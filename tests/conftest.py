@@ -1,6 +1,7 @@
 """Fixtures: tiny seeded models, engines shared per configuration, a server per module.
 
-An engine takes 10-30 s to start on 2 cores, so tests that can share one do: ``engines`` starts
+An engine takes ~5 s to start on 2 cores (its processes forked from tests/engine_forkserver.py's
+server; 10-30 s spawned), so tests that can share one do: ``engines`` starts
 an engine per configuration (kind, model, environment, options) and hands the same one to every
 test that asks for it while it lives; ``server`` is a module's server, started with the module's
 ``server_args``. Helpers live in

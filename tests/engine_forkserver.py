@@ -15,6 +15,7 @@ there). The spawn path itself runs in the tests that start an Engine from a scri
 (tests/test_readme_engine.py, tests/test_engine.py's main-guard tests).
 
     spawn_as_forkserver()   context: SGLang's ``mp.set_start_method("spawn")`` means forkserver
+                            (an engine under other SGLang variables than the server's: spawn)
     forkserver_pid()        the running server's pid (None: not started), which the tests'
                             kill-the-tree guard spares
 """
@@ -65,26 +66,57 @@ def forkserver_pid() -> int | None:
     return getattr(mp_forkserver._forkserver, "_forkserver_pid", None)
 
 
+def _import_environ(environ) -> dict:
+    """The variables the server's imports may read and a test may set for an engine: SGLang's
+    (``SGLANG_*``, some read when a module is imported) and OpenMP's (read when torch loads, the
+    waiting policy passive unless set). sgl_kara's are read at call time (sgl_kara/env.py); the
+    caches' locations SGLang sets itself, alike in every process."""
+    env = {k: v for k, v in environ.items() if k.startswith(("SGLANG_", "OMP_"))}
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
+
+
+# The test process's, as support.py set them: the server imports under them.
+SERVER_ENVIRON = _import_environ(os.environ)
+
+
+def _server_alive() -> bool:
+    import psutil
+
+    pid = forkserver_pid()
+    try:
+        return pid is not None and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 @contextlib.contextmanager
 def spawn_as_forkserver():
     """While an engine starts: SGLang's ``mp.set_start_method("spawn", force=True)`` selects the
-    fork server instead (started here if it is not running, with OpenMP's passive waiting, as
-    sgl_kara's Engine sets for its processes); the start method is spawn again afterwards."""
+    fork server instead (started here if it is not running), the start method spawn again
+    afterwards. SGLang reads some variables when a module is imported (``SGLANG_TEST_RETRACT``
+    in its scheduler): an engine whose SGLang or OpenMP variables differ from the test process's
+    is spawned as SGLang does."""
+    environ = _import_environ(os.environ)
+    if environ != SERVER_ENVIRON:
+        yield
+        return
     original = multiprocessing.set_start_method
 
     def set_start_method(method, force=False):
         original("forkserver" if method == "spawn" else method, force=force)
 
-    mp_forkserver.set_forkserver_preload(PRELOAD)
-    saved = dict(os.environ)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    # Python 3.11's fork server does not take the parent's sys.path before it imports PRELOAD.
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    try:
-        mp_forkserver.ensure_running()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    if not _server_alive():
+        mp_forkserver.set_forkserver_preload(PRELOAD)
+        saved = dict(os.environ)
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # Python 3.11's fork server does not take the parent's sys.path before it imports PRELOAD.
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        try:
+            mp_forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
     multiprocessing.set_start_method = set_start_method
     try:
         yield

@@ -16,6 +16,7 @@ when first imported) and SGLang's strict memory checks for every engine and serv
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import os
@@ -80,12 +81,19 @@ def track(engine, shared: bool = False) -> None:
 
     def shutdown_and_untrack():
         _LIVE_ENGINE_PROCS.pop(id(engine), None)
+        forget_at_exit(engine)
         if not shared:
             for pool in SHARED_ENGINES:
                 pool.close()
         shutdown()
 
     engine.shutdown = shutdown_and_untrack
+
+
+def forget_at_exit(engine) -> None:
+    """Drop the ``shutdown`` SGLang's Engine registers with atexit: once stopped here, a second
+    shutdown at interpreter exit would only log to pytest's closed capture streams."""
+    atexit.unregister(type(engine).shutdown.__get__(engine))
 
 
 def stop_engine(engine) -> None:
@@ -97,6 +105,7 @@ def stop_engine(engine) -> None:
     from sgl_kara.engine import release_loop_tasks
 
     procs = _LIVE_ENGINE_PROCS.pop(id(engine), [])
+    forget_at_exit(engine)
     watchdog = getattr(
         getattr(engine, "tokenizer_manager", None), "_subprocess_watchdog", None
     )
