@@ -38,6 +38,26 @@ def pytest_configure(config):
     support.PYTEST_CONFIG = config
 
 
+@pytest.fixture(autouse=True)
+def sglang_variables_do_not_outlive_a_test():
+    """SGLang's ServerArgs writes ``SGLANG_*`` variables into the process that builds it: a test's
+    SGLang and OpenMP variables are put back as they were after it, so that every engine starts
+    under the test process's own (the engines' fork server compares them,
+    tests/engine_forkserver.py)."""
+    import os
+
+    def ours():
+        return {
+            k: v for k, v in os.environ.items() if k.startswith(("SGLANG_", "OMP_"))
+        }
+
+    saved = ours()
+    yield
+    for name in set(ours()) - set(saved):
+        del os.environ[name]
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     from bench.models.tiny import write_tiny_model

@@ -67,17 +67,39 @@ def forkserver_pid() -> int | None:
 
 
 def _import_environ(environ) -> dict:
-    """The variables the server's imports may read and a test may set for an engine: SGLang's
-    (``SGLANG_*``, some read when a module is imported) and OpenMP's (read when torch loads, the
-    waiting policy passive unless set). sgl_kara's are read at call time (sgl_kara/env.py); the
-    caches' locations SGLang sets itself, alike in every process."""
-    env = {k: v for k, v in environ.items() if k.startswith(("SGLANG_", "OMP_"))}
+    """The variables the server's imports may read and a test may set for an engine, by effect:
+    SGLang's (``SGLANG_*``, some read when a module is imported; one set to the value SGLang
+    reads when it is unset counts as unset: SGLang's ServerArgs writes several so) and OpenMP's
+    (read when torch loads; the waiting policy passive unless set). A variable SGLang does not
+    declare in its ``envs`` counts as unset when false. sgl_kara's are read at call time
+    (sgl_kara/env.py); the caches' locations SGLang sets itself, alike in every process."""
+    from sglang.srt.environ import EnvField, envs
+
+    env = {}
+    for name, value in environ.items():
+        if name.startswith("SGLANG_"):
+            field = getattr(envs, name, None)
+            if isinstance(field, EnvField):
+                default = field.default() if callable(field.default) else field.default
+                try:
+                    if field.parse(value) == default:
+                        continue
+                except ValueError:
+                    pass
+            elif value.strip().lower() in FALSE_VALUES:  # a flag off by default
+                continue
+            env[name] = value
+        elif name.startswith("OMP_"):
+            env[name] = value
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
 
 
+FALSE_VALUES = ("", "0", "false", "no", "off")
 # The test process's, as support.py set them: the server imports under them.
-SERVER_ENVIRON = _import_environ(os.environ)
+_SERVER_VARIABLES = {
+    k: v for k, v in os.environ.items() if k.startswith(("SGLANG_", "OMP_"))
+}
 
 
 def _server_alive() -> bool:
@@ -98,7 +120,7 @@ def spawn_as_forkserver():
     in its scheduler): an engine whose SGLang or OpenMP variables differ from the test process's
     is spawned as SGLang does."""
     environ = _import_environ(os.environ)
-    if environ != SERVER_ENVIRON:
+    if environ != _import_environ(_SERVER_VARIABLES):
         yield
         return
     original = multiprocessing.set_start_method

@@ -82,7 +82,10 @@ def _args(**kw):
 def two_cores(monkeypatch):
     from sgl_kara.cpu import _sglang
 
-    monkeypatch.delenv(THREADS_BIND_VAR, raising=False)
+    # set, then deleted: monkeypatch records the variable, so what threads_bind sets is removed
+    # after the test (delenv alone records nothing for an unset variable)
+    monkeypatch.setenv(THREADS_BIND_VAR, "")
+    monkeypatch.delenv(THREADS_BIND_VAR)
     monkeypatch.setattr(_sglang, "get_cpu_ids_by_node", lambda: ["0,1"])
 
 
