@@ -46,14 +46,11 @@ def sglang_variables_do_not_outlive_a_test():
     tests/engine_forkserver.py)."""
     import os
 
-    def ours():
-        return {
-            k: v for k, v in os.environ.items() if k.startswith(("SGLANG_", "OMP_"))
-        }
+    from engine_forkserver import sglang_and_omp_variables
 
-    saved = ours()
+    saved = sglang_and_omp_variables()
     yield
-    for name in set(ours()) - set(saved):
+    for name in set(sglang_and_omp_variables()) - set(saved):
         del os.environ[name]
     os.environ.update(saved)
 

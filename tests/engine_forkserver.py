@@ -11,8 +11,8 @@ Each child takes the environment of the test process at the moment it is started
 process inherits it; a fork server's child would otherwise inherit the server's): the parent adds
 its environment to the data multiprocessing sends with every process, and the server applies it
 in the child before the process's target (SGLang's ``load_plugins`` and sgl_kara's hooks read it
-there). The spawn path itself runs in the tests that start an Engine from a script
-(tests/test_readme_engine.py, tests/test_engine.py's main-guard tests).
+there). The spawn path itself runs where an Engine starts in an interpreter of its own
+(tests/test_plain_sglang.py, tests/test_readme_engine.py).
 
     spawn_as_forkserver()   context: SGLang's ``mp.set_start_method("spawn")`` means forkserver
                             (an engine under other SGLang variables than the server's: spawn)
@@ -96,10 +96,15 @@ def _import_environ(environ) -> dict:
 
 
 FALSE_VALUES = ("", "0", "false", "no", "off")
+
+
+def sglang_and_omp_variables() -> dict:
+    """This process's ``SGLANG_*`` and ``OMP_*`` variables."""
+    return {k: v for k, v in os.environ.items() if k.startswith(("SGLANG_", "OMP_"))}
+
+
 # The test process's, as support.py set them: the server imports under them.
-_SERVER_VARIABLES = {
-    k: v for k, v in os.environ.items() if k.startswith(("SGLANG_", "OMP_"))
-}
+_SERVER_VARIABLES = sglang_and_omp_variables()
 
 
 def _server_alive() -> bool:

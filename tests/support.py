@@ -68,15 +68,21 @@ PYTEST_CONFIG = None  # set by tests/conftest.py's pytest_configure (the guard p
 _LIVE_ENGINE_PROCS: dict[int, list] = {}  # id(engine) -> its watched child processes
 
 
+def _watchdog(engine):
+    """SGLang's watchdog of the engine's child processes (None: none)."""
+    return getattr(
+        getattr(engine, "tokenizer_manager", None), "_subprocess_watchdog", None
+    )
+
+
 def track(engine, shared: bool = False) -> None:
     """Guard this process against SGLang's kill-the-tree handlers and remember ``engine``'s
     children until it shuts down. An engine of a test's own (not ``shared``) closes the session's
     shared engines before its shutdown, which kills every child of the process."""
     guard_pytest_process()
-    watchdog = getattr(
-        getattr(engine, "tokenizer_manager", None), "_subprocess_watchdog", None
+    _LIVE_ENGINE_PROCS[id(engine)] = list(
+        getattr(_watchdog(engine), "_processes", None) or []
     )
-    _LIVE_ENGINE_PROCS[id(engine)] = list(getattr(watchdog, "_processes", None) or [])
     shutdown = engine.shutdown
 
     def shutdown_and_untrack():
@@ -106,9 +112,7 @@ def stop_engine(engine) -> None:
 
     procs = _LIVE_ENGINE_PROCS.pop(id(engine), [])
     forget_at_exit(engine)
-    watchdog = getattr(
-        getattr(engine, "tokenizer_manager", None), "_subprocess_watchdog", None
-    )
+    watchdog = _watchdog(engine)
     if watchdog is not None:
         watchdog.stop()  # the kill below is no crash to report
     victims = []

@@ -7,7 +7,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 
-import pytest
 from engine_forkserver import forkserver_pid, spawn_as_forkserver
 
 
@@ -17,9 +16,8 @@ def report_parent_and_variable(queue, name):
 
 def _start_reporting(name: str):
     with spawn_as_forkserver():
-        multiprocessing.set_start_method(
-            "spawn", force=True
-        )  # what SGLang's Engine calls
+        # what SGLang's Engine calls
+        multiprocessing.set_start_method("spawn", force=True)
         ctx = multiprocessing.get_context()
         queue = ctx.Queue()
         proc = ctx.Process(target=report_parent_and_variable, args=(queue, name))
@@ -31,27 +29,19 @@ def _start_reporting(name: str):
         assert proc.exitcode == 0
 
 
-@pytest.fixture
-def restore_environ():
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 def test_a_process_forks_from_the_server_with_the_environment_at_its_start(
-    restore_environ,
+    monkeypatch,
 ):
-    os.environ["KARA_FORKSERVER_PROBE"] = "first"
+    monkeypatch.setenv("KARA_FORKSERVER_PROBE", "first")
     parent, value = _start_reporting("KARA_FORKSERVER_PROBE")
     assert parent == forkserver_pid() != os.getpid() and value == "first"
-    os.environ["KARA_FORKSERVER_PROBE"] = "second"  # set after the server started
+    monkeypatch.setenv("KARA_FORKSERVER_PROBE", "second")  # after the server started
     parent, value = _start_reporting("KARA_FORKSERVER_PROBE")
     assert parent == forkserver_pid() and value == "second"
     assert multiprocessing.get_start_method() == "spawn"  # restored after the start
 
 
-def test_other_sglang_variables_spawn_the_process(restore_environ):
-    os.environ["SGLANG_TEST_RETRACT"] = "1"
+def test_other_sglang_variables_spawn_the_process(monkeypatch):
+    monkeypatch.setenv("SGLANG_TEST_RETRACT", "1")
     parent, value = _start_reporting("SGLANG_TEST_RETRACT")
     assert parent == os.getpid() and value == "1"
