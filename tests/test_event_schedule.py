@@ -73,12 +73,15 @@ def simulate(
     seed=0,
     phase="request",
     prompts=None,
+    recent=0,
 ) -> dict:
     """Decode steps over due_at and plan_jobs (the runtime's two calls) with compaction's effect on
     the rows (events.py _shrink): requests arrive ``stagger`` at a time per step; returns the
     largest tail seen before an event against the charge, the requests compressed per event, and
     per request the own generated-token counts at which it was compressed."""
-    policy = KaraPolicy(KaraOptions(window=window, buffer=buffer, period=period))
+    policy = KaraPolicy(
+        KaraOptions(window=window, buffer=buffer, period=period, recent=recent)
+    )
     rng = random.Random(seed)
     pending = [
         FakeReq(i, prompt=p, max_new=max_new, kara=KaraReqState())
@@ -120,8 +123,9 @@ def simulate(
         running = [r for r in running if not r.finished()]
     return dict(
         max_tail=max_tail,
-        charge=window + period,
+        charge=window + recent + period,
         max_per_event=max(per_event),
+        per_event=per_event,
         steps=step,
         events=len(per_event),
         compressed_at=[compressed_at[id(r)] for r in order],
@@ -134,6 +138,29 @@ def test_simulated_tails_stay_within_the_charge(n, max_seqs, phase):
     r = simulate(n, max_seqs, phase=phase)
     assert r["max_tail"] <= r["charge"], r
     assert r["max_per_event"] <= n, r
+
+
+@pytest.mark.parametrize("recent", [0, 16])
+def test_max_seqs_binds_with_the_recency_band(recent):
+    """``--kara-max-seqs`` binds where a due request can wait for the next due step within its
+    charge: its tail is W + R at its due step, and admission charged W + R + period (the band
+    included: ``tail_charge`` is what ``footprint`` charged). 16 requests arriving together (W 31,
+    period 8: due at 48 of their tokens, tail W + R) fall due together, none overdue; the first
+    event takes 2; those left out are overdue at the next due step and taken then; no tail ever
+    outgrows its charge. With the band left out of the charge every due request would be
+    overdue at R > 0 and all 16 taken at once."""
+    r = simulate(
+        16, 2, window=31, stagger=16, prompts=[8] * 16, recent=recent, max_new=200
+    )
+    assert r["per_event"][:2] == [2, 14], r["per_event"]
+    assert r["max_tail"] <= r["charge"], r
+    policy = KaraPolicy(KaraOptions(window=31, buffer=4, period=8, recent=recent))
+    row = RowView(8, 8, 48, 0, KaraReqState())
+    assert policy.tail_charge(row) == 31 + recent + 8
+    # the uncompressed tail footprint() admits beyond the compressed windows' entries
+    kept = -(-27 // 4)  # kept_count(27, 0.25): ceil(0.25 x 27)
+    compressed = -(-10_000 * kept // 27)
+    assert policy.tail_charge(row) == policy.footprint(10_000, None) - compressed
 
 
 def test_paper_limit_suffices_below_its_break_even():

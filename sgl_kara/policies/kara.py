@@ -345,8 +345,9 @@ class KaraPolicy(Policy):
         return self.options.period
 
     def tail_charge(self, row: RowView) -> int:
-        """``footprint`` charged a window plus the steps to the next event."""
-        return self.options.window + self.options.period
+        """``footprint`` charged a window, the recency band and the steps to the next event."""
+        o = self.options
+        return o.window + o.recent + o.period
 
     def worth_compressing(self, row: RowView, remaining: int) -> bool:
         """A request whose uncompressed tail stays within W + period until it finishes is left
