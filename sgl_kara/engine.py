@@ -2,8 +2,8 @@
 
     engine = sgl_kara.Engine(model_path=..., kara_policy="kara", kara_retention=0.25)
 
-Without ``model_path`` the embedded default model is served; without CUDA the CPU defaults
-(device cpu, torch_native attention, page size 1) apply. ``kara_policy="none"`` is SGLang's
+Without CUDA the CPU defaults (device cpu, torch_native attention, page size 1) apply and without
+``model_path`` the CPU serving kit's default model is served; on a GPU ``model_path`` is required. ``kara_policy="none"`` is SGLang's
 scheduler with sgl_kara's request checks and CPU kernels. The processes the Engine starts serve
 with sgl_kara (``KARA_SERVE=1`` while it starts them; sgl_kara/plugin.py).
 
@@ -22,7 +22,12 @@ import sys
 from sgl_kara._sglang import SGLangEngine
 from sgl_kara.config import KaraConfig
 from sgl_kara.plugin import serving
-from sgl_kara.server_setup import default_model_path, prepare, server_defaults
+from sgl_kara.server_setup import (
+    default_model_path,
+    device_of,
+    prepare,
+    server_defaults,
+)
 
 
 def build_server_args(kwargs: dict):
@@ -31,7 +36,7 @@ def build_server_args(kwargs: dict):
 
     cfg, rest = KaraConfig.from_prefixed(kwargs)
     if rest.get("model_path") is None:
-        rest["model_path"] = default_model_path()
+        rest["model_path"] = default_model_path(device_of(rest), "model_path")
     for key, value in server_defaults(rest["model_path"], rest, cfg.enabled).items():
         rest.setdefault(key, value)
     rest.setdefault("log_level", "error")

@@ -2,7 +2,8 @@
 
 Starts SGLang's HTTP server (OpenAI-compatible API, /generate, /metrics) with Kara's scheduler and
 sgl_kara's hooks (``KARA_SERVE=1`` for every process it starts; sgl_kara/plugin.py).
-With no --model-path the embedded default model is served; without CUDA, CPU defaults apply.
+Without CUDA, CPU defaults apply and with no --model-path the CPU serving kit's default model is
+served; on a GPU --model-path is required.
 Invalid Kara flags or unsupported combinations exit with status 2 before any model loads.
 """
 
@@ -83,23 +84,26 @@ def parse(argv: list[str]):
 
 
 def _resolve(cfg, rest: list[str]):
-    from sgl_kara.server_setup import default_model_path, prepare, server_defaults
+    from sgl_kara.server_setup import (
+        default_model_path,
+        device_of,
+        prepare,
+        server_defaults,
+    )
     from sgl_kara.startup import UnsupportedFeature
 
-    if not _has_flag(rest, "--model-path") and not _has_flag(rest, "--model"):
-        from sgl_kara.cpu.smollm2 import DefaultModelMissing
-
-        try:
-            rest = ["--model-path", default_model_path()] + rest
-        except DefaultModelMissing as e:
-            print(f"error: {e}", file=sys.stderr)
-            raise SystemExit(2) from None
-    model_path = _flag_value(rest, "--model-path") or _flag_value(rest, "--model")
     given = {
         field: _flag_value(rest, _flag(field))
         for field in USER_SIZING_FIELDS
         if _has_flag(rest, _flag(field))
     }
+    if not _has_flag(rest, "--model-path") and not _has_flag(rest, "--model"):
+        try:
+            rest = ["--model-path", default_model_path(device_of(given))] + rest
+        except UnsupportedFeature as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+    model_path = _flag_value(rest, "--model-path") or _flag_value(rest, "--model")
     for key, value in server_defaults(model_path, given, cfg.enabled).items():
         rest += [_flag(key), str(value)]
     from sgl_kara._sglang import prepare_server_args as sglang_prepare

@@ -8,21 +8,44 @@ from __future__ import annotations
 from sgl_kara import startup
 from sgl_kara.config import KaraConfig
 
+# The model a refusal names where no default model is served (docs/GPU.md plans for it).
+EXAMPLE_GPU_MODEL = "Qwen/Qwen3-8B"
 
-def default_model_path() -> str:
-    """The model served without ``--model-path``: SmolLM2-135M-Instruct, converted once
-    (sgl_kara/cpu/smollm2.py; raises its DefaultModelMissing, one line: the install command)."""
+
+def device_of(given: dict) -> str:
+    """The device a server runs on: the user's ``device``, else CUDA where there is one."""
+    return given.get("device") or ("cuda" if startup.cuda_available() else "cpu")
+
+
+def default_model_path(device: str, flag: str = "--model-path") -> str:
+    """The model served without a model path: on a CPU, the CPU serving kit's SmolLM2-135M-Instruct,
+    converted once (sgl_kara/cpu/smollm2.py); on any other device none. Raises
+    UnsupportedFeature with one line: on a GPU, pass ``flag``; on a CPU, the install commands
+    of what the default model lacks."""
+    if device != "cpu":
+        example = (
+            f"{flag} {EXAMPLE_GPU_MODEL}"
+            if flag.startswith("--")
+            else f'{flag}="{EXAMPLE_GPU_MODEL}"'
+        )
+        raise startup.UnsupportedFeature(
+            f"no default model on {device}: pass {flag} (e.g. {example}); the default "
+            "model, SmolLM2-135M-Instruct, is the CPU serving kit's"
+        )
+    from sgl_kara.cpu.smollm2 import DefaultModelMissing
     from sgl_kara.cpu.smollm2 import default_model_path as smollm2
 
-    return smollm2()
+    try:
+        return smollm2()
+    except DefaultModelMissing as e:
+        raise startup.UnsupportedFeature(str(e)) from None
 
 
 def server_defaults(model_path: str, given: dict, compressing: bool = False) -> dict:
     """Server args sgl_kara sets when the user did not (``given``: the ServerArgs fields the
     user set, with their values): on a CPU the kit's (cpu/server.py; ``compressing``: a
     compressing server); on a GPU none, SGLang's own defaults apply."""
-    device = given.get("device") or ("cuda" if startup.cuda_available() else "cpu")
-    if device != "cpu":
+    if device_of(given) != "cpu":
         return {}
     from sgl_kara.cpu.server import server_defaults as cpu_server_defaults
 

