@@ -3,9 +3,10 @@
     engine = sgl_kara.Engine(model_path=..., kara_policy="kara", kara_retention=0.25)
 
 Without CUDA the CPU defaults (device cpu, torch_native attention, page size 1) apply and without
-``model_path`` the CPU serving kit's default model is served; on a GPU ``model_path`` is required. ``kara_policy="none"`` is SGLang's
-scheduler with sgl_kara's request checks and CPU kernels. The processes the Engine starts serve
-with sgl_kara (``KARA_SERVE=1`` while it starts them; sgl_kara/plugin.py).
+``model_path`` the CPU serving kit's default model is served; on a GPU ``model_path`` is required.
+``kara_policy="none"`` is SGLang's scheduler with sgl_kara's request checks and CPU kernels. The processes the Engine starts serve
+with sgl_kara (``KARA_SERVE=1`` while it starts them; sgl_kara/plugin.py). Under another SGLang
+release than the one sgl_kara is made for it refuses at once (startup.check_sglang_version).
 
 SGLang starts its workers by spawn, which runs the calling script again in each of them: a script
 that creates an Engine must do so under ``if __name__ == "__main__":`` (checked before anything
@@ -15,11 +16,17 @@ starts: ``check_main_guard``).
 from __future__ import annotations
 
 import ast
-import functools
 import os
 import sys
 
-from sgl_kara._sglang import SGLangEngine
+from sgl_kara import startup
+
+try:
+    from sgl_kara._sglang import SGLangEngine
+except ImportError:
+    # another SGLang release's modules: its one line rather than the import's error
+    startup.check_sglang_version()
+    raise
 from sgl_kara.config import KaraConfig
 from sgl_kara.plugin import serving
 from sgl_kara.server_setup import (
@@ -151,6 +158,7 @@ def check_main_guard() -> None:
 
 class Engine(SGLangEngine):
     def __init__(self, **kwargs):
+        startup.check_sglang_version()  # UnsupportedSGLang: one line, what to install
         check_main_guard()
         if "server_args" in kwargs:
             raise TypeError("sgl_kara.Engine takes keyword options, not server_args=")
@@ -166,11 +174,9 @@ class Engine(SGLangEngine):
 
             set_serving_policy(self.kara_config.policy)
             if self.kara_config.enabled:
-                from sgl_kara.scheduler.kara_scheduler import run_kara_scheduler_process
+                from sgl_kara.server_setup import scheduler_process
 
-                self.run_scheduler_process_func = functools.partial(
-                    run_kara_scheduler_process, kara_config=self.kara_config.to_dict()
-                )
+                self.run_scheduler_process_func = scheduler_process(self.kara_config)
             super().__init__(server_args=server_args)
 
     def shutdown(self):

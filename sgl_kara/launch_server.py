@@ -4,13 +4,13 @@ Starts SGLang's HTTP server (OpenAI-compatible API, /generate, /metrics) with Ka
 sgl_kara's hooks (``KARA_SERVE=1`` for every process it starts; sgl_kara/plugin.py).
 Without CUDA, CPU defaults apply and with no --model-path the CPU serving kit's default model is
 served; on a GPU --model-path is required.
-Invalid Kara flags or unsupported combinations exit with status 2 before any model loads.
+Invalid Kara flags or unsupported combinations exit with status 2 before any model loads, and so
+does another SGLang release than the one sgl_kara is made for (startup.check_sglang_version).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import glob
 import os
 import sys
@@ -119,7 +119,13 @@ def _resolve(cfg, rest: list[str]):
 
 def main(argv: list[str] | None = None) -> None:
     from sgl_kara import env
+    from sgl_kara.startup import UnsupportedSGLang, check_sglang_version
 
+    try:  # before anything of SGLang is imported: another release's may not import
+        check_sglang_version()
+    except UnsupportedSGLang as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     # this process and every SGLang process it starts serve with sgl_kara
     os.environ[env.SERVE] = "1"
     cfg, server_args = parse(
@@ -131,11 +137,9 @@ def main(argv: list[str] | None = None) -> None:
     set_serving_policy(cfg.policy)
     kwargs = {}
     if cfg.enabled:
-        from sgl_kara.scheduler.kara_scheduler import run_kara_scheduler_process
+        from sgl_kara.server_setup import scheduler_process
 
-        kwargs["run_scheduler_process_func"] = functools.partial(
-            run_kara_scheduler_process, kara_config=cfg.to_dict()
-        )
+        kwargs["run_scheduler_process_func"] = scheduler_process(cfg)
     server_args.resolve_once()
     if server_args.device == "cpu" and env.fork_workers():
         from sgl_kara.cpu.hooks import fork_server_processes

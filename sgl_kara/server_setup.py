@@ -5,6 +5,9 @@ thread binding (sgl_kara/cpu/server.py). A server on a GPU imports nothing of th
 
 from __future__ import annotations
 
+import functools
+import sys
+
 from sgl_kara import startup
 from sgl_kara.config import KaraConfig
 
@@ -62,3 +65,23 @@ def prepare(server_args, cfg: KaraConfig) -> KaraConfig:
         cpu_server.check_memory(server_args, cfg)
         cpu_server.threads_bind(server_args)
     return cfg
+
+
+def scheduler_process(cfg: KaraConfig):
+    """SGLang's scheduler process function for a compressing server (its
+    ``run_scheduler_process_func``): ``run_scheduler_process`` with this config."""
+    return functools.partial(run_scheduler_process, kara_config=cfg.to_dict())
+
+
+def run_scheduler_process(*args, kara_config: dict, **kwargs):
+    """A compressing server's scheduler process: the installed SGLang checked in this process
+    first (one line on stderr and exit status 2 under another release, before SGLang's
+    scheduler module is imported), then Kara's scheduler."""
+    try:
+        startup.check_sglang_version()
+    except startup.UnsupportedSGLang as e:
+        print(f"sgl_kara: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    from sgl_kara.scheduler.kara_scheduler import run_kara_scheduler_process
+
+    return run_kara_scheduler_process(*args, kara_config=kara_config, **kwargs)

@@ -4,7 +4,8 @@ Kara cannot serve refused with a message naming the flag or the model, never ign
 (``resolve_query_source``); decode CUDA graphs kept off where the attention hook must run at
 every decode step (``keep_decode_eager``); Kara's memory beside the pool taken from the KV pool's
 share of a GPU (``reserve_device_memory``). The scheduler checks the built model again
-(``check_runtime_supported``). Device-independent: the CPU serving kit adds its own settings and
+(``check_runtime_supported``). Before any of it, the installed SGLang is the release sgl_kara is
+made for (``check_sglang_version``). Device-independent: the CPU serving kit adds its own settings and
 RAM check (``sgl_kara/cpu/server.py``) where the server runs on a CPU."""
 
 from __future__ import annotations
@@ -122,6 +123,48 @@ _UNSUPPORTED_ENV = [
 
 class UnsupportedFeature(ValueError):
     pass
+
+
+# The SGLang release this sgl_kara is made for (pyproject.toml pins it): the internals its
+# adapters name, hook and override are this release's (sgl_kara/_sglang.py,
+# sgl_kara/cpu/_sglang.py; tests/test_layering.py and tests/test_adapter_surface.py check them).
+SGLANG_VERSION = "0.5.23"
+
+
+class UnsupportedSGLang(UnsupportedFeature):
+    """sgl_kara started to serve under another SGLang release than SGLANG_VERSION."""
+
+
+def installed_sglang_version() -> str | None:
+    """The installed SGLang's version, from its distribution's metadata (SGLang is not imported);
+    None when SGLang is not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def check_sglang_version() -> None:
+    """Refuse (UnsupportedSGLang, one line: the supported release and what to do) to serve under
+    another SGLang than SGLANG_VERSION; a local build tag (``+cu128``) is the same release. Run
+    by the launcher, ``sgl_kara.Engine`` and Kara's scheduler process function before anything of
+    SGLang is touched; the plugin never runs it, so plain SGLang with sgl_kara installed starts
+    whatever its version."""
+    installed = installed_sglang_version()
+    if installed is not None and installed.split("+")[0] == SGLANG_VERSION:
+        return
+    if installed is None:
+        raise UnsupportedSGLang(
+            f"sgl_kara serves with SGLang {SGLANG_VERSION}, which is not installed: "
+            f"pip install 'sglang=={SGLANG_VERSION}'"
+        )
+    raise UnsupportedSGLang(
+        f"sgl_kara supports SGLang {SGLANG_VERSION} only, and SGLang {installed} is "
+        f"installed: pip install 'sglang=={SGLANG_VERSION}', or an sgl_kara release made "
+        f"for SGLang {installed}"
+    )
 
 
 def cuda_available() -> bool:

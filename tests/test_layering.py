@@ -531,3 +531,148 @@ def test_a_gpu_install_requires_no_conversion_modules(wheel):
     by_name = {r.split("=")[0].split(">")[0].strip(): m for r, m in reqs.items()}
     for name in ("gguf", "accelerate"):
         assert by_name[name].replace("'", '"') == 'extra == "cpu"', (name, reqs)
+
+
+# -- one SGLang release at a time ------------------------------------------------------------
+
+
+def test_the_supported_sglang_is_the_pinned_and_the_installed_one():
+    """startup.SGLANG_VERSION is pyproject's pin, and the SGLang these tests run against."""
+    import tomllib
+
+    from sgl_kara import startup
+
+    project = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["project"]
+    assert f"sglang=={startup.SGLANG_VERSION}" in project["dependencies"]
+    assert startup.installed_sglang_version() == startup.SGLANG_VERSION
+    startup.check_sglang_version()  # passes here
+    assert startup.SGLANG_VERSION in sgl_kara.__doc__
+
+
+@pytest.fixture
+def other_sglang(monkeypatch):
+    """The installed SGLang said to be another release (what the version check reads)."""
+    from sgl_kara import startup
+
+    monkeypatch.setattr(startup, "installed_sglang_version", lambda: "0.5.24")
+    return "0.5.24"
+
+
+VERSION_LINE = (
+    "sgl_kara supports SGLang 0.5.23 only, and SGLang 0.5.24 is installed: pip install "
+    "'sglang==0.5.23', or an sgl_kara release made for SGLang 0.5.24"
+)
+
+
+def test_the_launcher_refuses_another_sglang_in_one_line(
+    other_sglang, monkeypatch, capsys
+):
+    from sgl_kara import launch_server, plugin
+
+    monkeypatch.delenv("KARA_SERVE", raising=False)
+    monkeypatch.setattr(plugin, "serve", lambda: pytest.fail("it started to serve"))
+    with pytest.raises(SystemExit) as e:
+        launch_server.main(["--model-path", "org/any"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: {VERSION_LINE}"]
+    assert "KARA_SERVE" not in __import__("os").environ  # refused before anything
+
+
+def test_the_engine_refuses_another_sglang_in_one_line(other_sglang, monkeypatch):
+    from sgl_kara import engine, startup
+
+    monkeypatch.setattr(engine, "serving", lambda: pytest.fail("it started to serve"))
+    with pytest.raises(startup.UnsupportedSGLang) as e:
+        engine.Engine(model_path="org/any")
+    assert str(e.value) == VERSION_LINE
+
+
+def test_the_scheduler_process_refuses_another_sglang_in_one_line(
+    other_sglang, monkeypatch, capsys
+):
+    """Kara's scheduler process function (what the launcher and Engine hand SGLang) checks the
+    release in the scheduler process too, before Kara's scheduler or SGLang's runs."""
+    from sgl_kara import server_setup
+    from sgl_kara.config import KaraConfig
+    from sgl_kara.scheduler import kara_scheduler
+
+    monkeypatch.setattr(
+        kara_scheduler,
+        "run_kara_scheduler_process",
+        lambda *a, **kw: pytest.fail("the scheduler started"),
+    )
+    process = server_setup.scheduler_process(KaraConfig())
+    assert process.keywords == {"kara_config": KaraConfig().to_dict()}
+    with pytest.raises(SystemExit) as e:
+        process("server_args", "port_args")
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [f"sgl_kara: error: {VERSION_LINE}"]
+
+
+def test_the_scheduler_process_runs_karas_under_the_supported_sglang(monkeypatch):
+    from sgl_kara import server_setup
+    from sgl_kara.config import KaraConfig
+    from sgl_kara.scheduler import kara_scheduler
+
+    calls = []
+    monkeypatch.setattr(
+        kara_scheduler,
+        "run_kara_scheduler_process",
+        lambda *a, **kw: calls.append((a, kw)) or "ran",
+    )
+    cfg = KaraConfig.build(retention=0.5)
+    assert server_setup.scheduler_process(cfg)("sa", "pa", gpu_id=0) == "ran"
+    assert calls == [(("sa", "pa"), {"kara_config": cfg.to_dict(), "gpu_id": 0})]
+
+
+@pytest.mark.parametrize(
+    "installed, refused",
+    [
+        ("0.5.23", None),
+        ("0.5.23+cu128", None),  # a local build of the release
+        ("0.5.22", "SGLang 0.5.22 is installed"),
+        ("0.5.23.post1", "SGLang 0.5.23.post1 is installed"),
+        (None, "which is not installed: pip install 'sglang==0.5.23'"),
+    ],
+)
+def test_the_version_check(monkeypatch, installed, refused):
+    from sgl_kara import startup
+
+    monkeypatch.setattr(startup, "installed_sglang_version", lambda: installed)
+    if refused is None:
+        startup.check_sglang_version()
+        return
+    with pytest.raises(startup.UnsupportedSGLang, match=refused.replace("+", r"\+")):
+        startup.check_sglang_version()
+
+
+def test_plain_sglang_loads_the_plugin_under_another_sglang(other_sglang, monkeypatch):
+    """SGLang's own entry point runs the plugin with KARA_SERVE unset: under another release it
+    registers its parts as ever (on this CUDA-less machine: RoPE's CPU path and tensor
+    parallelism's start), and nothing of it checks the version. Only serving refuses."""
+    from sgl_kara import _sglang as core_adapter
+    from sgl_kara import plugin, process, startup
+    from sgl_kara.cpu import _sglang as kit_adapter
+    from sgl_kara.cpu import hooks as cpu_hooks
+
+    fresh = process.ProcessState()
+    monkeypatch.setattr(plugin, "STATE", fresh)
+    monkeypatch.setattr(cpu_hooks, "STATE", fresh)
+    for var in ("KARA_SERVE", "KARA_CPU_KERNELS", "KARA_TRACE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(plugin, "cuda_available", lambda: False)
+    registered = []
+    for adapter in (core_adapter, kit_adapter):
+        monkeypatch.setattr(
+            adapter, "register_hook", lambda t, h, k: registered.append(t)
+        )
+    monkeypatch.setattr(cpu_hooks, "apply_rope_shim", lambda: registered.append("rope"))
+    plugin.register()
+    assert fresh.parts == {"rope", "parallel"}
+    assert registered == [
+        "rope",
+        kit_adapter.TARGET_MODEL_PARALLEL_GROUP,
+        kit_adapter.TARGET_THREADS_BINDING,
+    ]
+    with pytest.raises(startup.UnsupportedSGLang):  # the fake took effect
+        startup.check_sglang_version()
