@@ -86,6 +86,7 @@ def register() -> None:
                 adapter.register_radix_cache_backend(
                     BACKEND_NAME, kara_radix_cache_factory
                 )
+            STATE.recompute_in_flight = recompute_in_flight  # for the CPU kit
         for target, hook, hook_type in HOOKS[part]():
             adapter.register_hook(target, hook, hook_type)
 
@@ -166,6 +167,13 @@ def _active():
     from sgl_kara.scheduler import runtime
 
     return runtime.active()
+
+
+def recompute_in_flight() -> bool:
+    """Is Kara's recompute forward running in this process (``ForwardContext.scoring_pass``)?
+    The core's answer to the CPU kit, which asks through ``process.STATE``."""
+    rt = _active()
+    return rt is not None and rt.forward.scoring is not None
 
 
 def _decode_step_hook(scheduler, batch, *args, **kwargs):

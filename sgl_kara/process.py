@@ -1,12 +1,18 @@
 """What sgl_kara holds per process, in one owner with a lifecycle: which parts of the plugin's hooks
 are registered, the compression policy of the server this process fronts (per-request checks), the
-Kara runtime of a scheduler process, and the trace file (opened at the first traced step, closed
-at shutdown: the scheduler's exit or the interpreter's). Imports nothing of sgl_kara or SGLang."""
+Kara runtime of a scheduler process, what the core tells the CPU serving kit (whether a Kara
+recompute forward is running), and the trace file (opened at the first traced step, closed at
+shutdown: the scheduler's exit or the interpreter's). Imports nothing of sgl_kara or SGLang."""
 
 from __future__ import annotations
 
 import atexit
+from collections.abc import Callable
 from typing import IO, Any
+
+
+def _never() -> bool:
+    return False
 
 
 class ProcessState:
@@ -17,6 +23,10 @@ class ProcessState:
         # set in the process that validates requests (launcher / Engine)
         self.serving_policy: str | None = None
         self.runtime: Any = None  # the KaraRuntime of this scheduler process (None: the hooks stay inert)
+        # Is a Kara recompute forward running in this process now? The CPU kit's extend hook asks
+        # (its window-only path; the kit imports nothing of the scheduler); the plugin's serving
+        # part sets the core's answer when it registers (plugin.recompute_in_flight).
+        self.recompute_in_flight: Callable[[], bool] = _never
         self._trace: IO[str] | None = None
         self._exit_hook = False
 

@@ -255,6 +255,74 @@ def test_extend_outside_the_recompute_pass_is_sglangs(monkeypatch):
     )
 
 
+def test_extend_takes_the_window_path_exactly_inside_karas_recompute_pass(monkeypatch):
+    """The kit asks the per-process state whether a Kara recompute forward runs; the plugin's
+    serving part, when it registers, answers with the runtime's forward context: inside
+    ``ForwardContext.scoring_pass`` the window-only path, outside it (prefills) and without a
+    runtime SGLang's; in plain SGLang with the CPU kernels (no serving part) never the window."""
+    import types
+
+    from sglang_original import sglang_original
+
+    from sgl_kara import _sglang as core_adapter
+    from sgl_kara import plugin, process
+    from sgl_kara.cpu import _sglang as kit_adapter
+    from sgl_kara.cpu import attention, hooks
+    from sgl_kara.cpu._sglang import TARGET_TORCH_NATIVE_EXTEND
+    from sgl_kara.scheduler import runtime
+    from sgl_kara.scheduler.forward import ForwardContext
+
+    fresh = process.ProcessState()
+    for mod in (plugin, hooks, runtime):
+        monkeypatch.setattr(mod, "STATE", fresh)
+    monkeypatch.setattr(attention, "run_window_extend", lambda *a, **kw: "window-only")
+    q, k, v, rtt, idx, lens = _case(5, 2, 4, 2, 16, torch.float32)
+    prefix = torch.zeros_like(lens)
+
+    def extend():
+        return hooks._recompute_extend_hook(
+            sglang_original(TARGET_TORCH_NATIVE_EXTEND, [], "sglang"),
+            _Backend(),
+            q,
+            q,
+            k,
+            v,
+            rtt,
+            idx,
+            lens,
+            prefix,
+            lens,
+            scaling=0.25,
+            causal=True,
+        )
+
+    context = types.SimpleNamespace(scoring=None, scoring_batch=None)
+    runtime.activate(types.SimpleNamespace(forward=context))
+    scoring_pass = ForwardContext.scoring_pass(context, object(), object())
+    with scoring_pass:  # plain SGLang with KARA_CPU_KERNELS=1: nobody answers
+        assert extend() == "sglang"
+    # a serving process: the plugin registers (its hooks recorded, not applied)
+    for var, value in (("KARA_SERVE", "1"), ("KARA_CPU_KERNELS", None)):
+        monkeypatch.setenv(var, value) if value else monkeypatch.delenv(var, False)
+    monkeypatch.delenv("KARA_TRACE", raising=False)
+    monkeypatch.setattr(plugin, "cuda_available", lambda: False)
+    for adapter in (core_adapter, kit_adapter):
+        monkeypatch.setattr(adapter, "register_hook", lambda *a: None)
+    monkeypatch.setattr(
+        core_adapter, "registered_radix_cache_backends", lambda: ["kara"]
+    )
+    monkeypatch.setattr(hooks, "apply_rope_shim", lambda: None)
+    plugin.register()
+    assert {"serving", "cpu_kernels"} <= fresh.parts
+    assert extend() == "sglang"  # a prefill: no recompute pass
+    with ForwardContext.scoring_pass(context, object(), object()):
+        assert extend() == "window-only"
+    assert extend() == "sglang"
+    with ForwardContext.scoring_pass(context, object(), object()):
+        runtime.activate(None)  # the scheduler stopped serving
+        assert extend() == "sglang"
+
+
 def test_window_extend_refuses_a_row_that_is_not_prefix_plus_window():
     from sgl_kara.cpu.attention import run_window_extend
 

@@ -6,7 +6,7 @@ override follows (a version bump fails here first, fast, instead of deep inside 
 process).
 
     wiring      launch_server, engine, plugin, server_setup           may import anything below
-    cpu         the CPU serving kit                                    the core; no wiring
+    cpu         the CPU serving kit                                    the core but its scheduler; no wiring
     --- the core: what a GPU server imports ---
     startup     start-up refusals and resolution (startup.py)         config, memory_plan, model_shape
     scheduler   runtime glue                                           config, mem_cache, policies, kernels
@@ -74,7 +74,7 @@ FORBIDDEN = {
     "mem_cache": ("sgl_kara.scheduler", "sgl_kara.cpu"),
     "model_shape.py": ("sgl_kara", "sglang"),
     "process.py": ("sgl_kara", "sglang"),
-    "cpu": WIRING,
+    "cpu": (*WIRING, "sgl_kara.scheduler"),
 }
 
 
@@ -109,6 +109,30 @@ def test_no_upward_imports(layer):
                 name == f or name.startswith(f + ".") for f in FORBIDDEN[layer]
             ):
                 bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, bad
+
+
+def test_the_cpu_kit_imports_nothing_of_the_scheduler():
+    """The CPU serving kit stands beside the core's runtime: no module under sgl_kara/cpu imports
+    sgl_kara.scheduler (an import statement, relative or absolute, at any depth) or names it in a
+    string (``importlib.import_module``, a ``sys.modules`` lookup). What it needs of a running
+    Kara scheduler it reads from the per-process state (process.STATE.recompute_in_flight)."""
+    files = sorted((ROOT / "cpu").rglob("*.py"))
+    assert len(files) >= 10, files
+    bad = []
+    for path in files:
+        bad += [
+            f"{path.relative_to(ROOT)} imports {name}"
+            for name in _imports(path)
+            if name == "sgl_kara.scheduler" or name.startswith("sgl_kara.scheduler.")
+        ]
+        bad += [
+            f"{path.relative_to(ROOT)} names {node.value!r}"
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and "sgl_kara.scheduler" in node.value
+        ]
     assert not bad, bad
 
 

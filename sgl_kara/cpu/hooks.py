@@ -69,11 +69,10 @@ def parallel_hooks() -> list:
 
 
 def scoring_in_flight() -> bool:
-    """Is a Kara recompute pass running in this process (its extend takes the window path)?"""
-    from sgl_kara.scheduler.runtime import active
-
-    runtime = active()
-    return runtime is not None and runtime.forward.scoring is not None
+    """Is a Kara recompute pass running in this process (its extend takes the window path)? The
+    core says so through the per-process state (``STATE.recompute_in_flight``, set by the
+    plugin's serving part); without it, never."""
+    return STATE.recompute_in_flight()
 
 
 def cpu_kernel_hooks() -> list:
