@@ -6,6 +6,10 @@
     {"kara": {"budget": 300}}          the threshold baselines (snapkv, streaming, h2o, rkv):
                                        generated KV kept for this request (budget matching;
                                        the threshold keeps its configured gap)
+    {"kara": {"match_kara": {"window": 256, "buffer": 32, "retention": 0.2, "period": 32,
+              "recent": 0}}}           the threshold baselines: follow Kara's generated KV at
+                                       every decode step (policies/trajectory.py; ``recent``
+                                       optional, default 0); not with ``budget``
 
 Which policies take an option is each policy's ``request_options`` (sgl_kara/policies); the
 messages name them from there. Validated in the tokenizer process (a ValueError becomes an HTTP
@@ -26,6 +30,15 @@ RANGES = {
     "enable": "bool",
     "retention": "float in (0, 1]",
     "budget": "int in [2, 10000000]",
+    "match_kara": "object {window, buffer, retention, period, recent}",
+}
+# match_kara's fields: type and range, as Kara's own options check them (policies/kara.py)
+MATCH_FIELDS = {
+    "window": "int in [2, 65536]",
+    "buffer": "int in [0, window)",
+    "retention": "float in (0, 1]",
+    "period": "int in [1, 1000000]",
+    "recent": "int in [0, 1000000] (optional, default 0)",
 }
 
 
@@ -79,6 +92,13 @@ def validate(custom_params) -> dict:
             raise ValueError(
                 f"custom_params.kara.budget must be an integer in [2, 10000000], got {n!r}"
             )
+    if "match_kara" in opts:
+        opts = dict(opts, match_kara=validate_match(opts["match_kara"]))
+        if "budget" in opts:
+            raise ValueError(
+                "custom_params.kara.match_kara and custom_params.kara.budget both set the "
+                "baseline's KV; give one"
+            )
     if opts.get("enable") is False and len(opts) > 1:
         # A contradiction, not a preference: refuse it rather than silently ignore the rest.
         ignored = sorted(set(opts) - {"enable"})
@@ -86,6 +106,49 @@ def validate(custom_params) -> dict:
             f"custom_params.kara.enable is false, so {ignored} would have no effect; drop them or enable compression"
         )
     return dict(opts)
+
+
+def validate_match(spec) -> dict:
+    """``custom_params.kara.match_kara`` checked field by field: the dict with ``recent``
+    filled in; raises ValueError naming the field and its range."""
+    from sgl_kara.policies.base import OptionError
+    from sgl_kara.policies.trajectory import schedule_of
+
+    where = "custom_params.kara.match_kara"
+    if not isinstance(spec, dict):
+        raise ValueError(
+            f"{where} must be an object with fields {MATCH_FIELDS}, got {type(spec).__name__}"
+        )
+    unknown = sorted(set(spec) - set(MATCH_FIELDS))
+    missing = sorted(set(MATCH_FIELDS) - {"recent"} - set(spec))
+    if unknown or missing:
+        raise ValueError(
+            f"{where}: unknown field(s) {unknown}, missing field(s) {missing}; "
+            f"accepted: {MATCH_FIELDS}"
+        )
+    for name, value in spec.items():
+        ok = (
+            isinstance(value, (int, float)) and math.isfinite(value)
+            if name == "retention"
+            else isinstance(value, int)
+        )
+        if isinstance(value, bool) or not ok:
+            raise ValueError(
+                f"{where}.{name} must be {MATCH_FIELDS[name]}, got {value!r}"
+            )
+    try:
+        schedule = schedule_of(spec)
+    except OptionError as e:
+        raise ValueError(
+            f"{where}.{e.field} must be {MATCH_FIELDS[e.field]}: {e}"
+        ) from None
+    return {
+        "window": schedule.window,
+        "buffer": schedule.buffer,
+        "retention": float(schedule.retention),
+        "period": schedule.period,
+        "recent": schedule.recent,
+    }
 
 
 def check_supported(sampling_params, policy: str) -> None:

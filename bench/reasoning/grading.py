@@ -6,7 +6,11 @@ number after the last ``####``. Nothing else counts: a text without either has n
 prompt asks for ``\\boxed{}``). The content is reduced to one number -- ``\\text{...}`` units,
 ``$``, ``\\$``, ``%``, thousands separators, ``\\,`` and a trailing period dropped, ``\\frac{a}{b}``
 and ``a/b`` read as fractions -- and compared exactly with the gold answer (``18.00`` == ``18``).
-Content with several numbers left (``3 and 4``) is no single answer and is graded wrong.
+
+Boxed working: content holding ``=`` is read after its last ``=`` (``\\boxed{64 - 2 \\times 24 = 64
+- 48 = 16}`` is 16, ``\\boxed{x = 5}`` is 5): the model wrote its computation into the box and the
+value it arrived at comes last. An expression left unevaluated (``\\boxed{64 - 48}``) or content with
+several numbers (``3 and 4``) is no single answer and is graded wrong.
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ def to_number(answer: str | None) -> Fraction | None:
     """One number from an answer string, or None when it holds none or several."""
     if answer is None:
         return None
-    s = re.sub(r"\\text\{[^{}]*\}|\\mbox\{[^{}]*\}", " ", answer)
+    s = answer.rsplit("=", 1)[-1]  # boxed working: the value after the last "="
+    s = re.sub(r"\\text\{[^{}]*\}|\\mbox\{[^{}]*\}", " ", s)
     s = re.sub(r"\\d?frac\{(-?[\d.,]+)\}\{(-?[\d.,]+)\}", r"\1/\2", s)
     s = (
         s.replace("\\$", " ")

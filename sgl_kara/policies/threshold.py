@@ -8,12 +8,23 @@ a budget whenever it exceeds a threshold.
 ``custom_params.kara.budget`` (budget matching in the quality benchmark) sets N per request; the
 threshold keeps its configured gap C_max - N. Subclasses implement ``score`` (and may override
 ``select``) and declare ``Options`` deriving from ``ThresholdOptions``.
+
+Matched to Kara (``custom_params.kara.match_kara = {window, buffer, retention, period, recent}``):
+instead of a budget and a threshold, the request follows Kara's generated KV at every decode step
+(policies/trajectory.py): whenever its generated rows exceed what Kara with those settings holds
+after step s's event, it is compressed down to exactly that (rows [P, L - w) keep ``target - w``).
+Its generated KV then equals Kara's at every step of an answer of the same length -- mean, peak
+and final alike -- and its events fall on Kara's event steps; only which entries are kept differs.
+A step Kara leaves alone near the request's max_new_tokens the baseline leaves alone too
+(``worth_compressing``). Exact while ``target > w`` (Kara keeps at least U + K rows after an event,
+so U + K > w suffices) and the page size is 1 (trajectory.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from . import trajectory
 from .base import Policy, Region, RowView, need
 
 
@@ -53,7 +64,27 @@ class ThresholdOptions:
 
 
 class ThresholdPolicy(Policy):
-    request_options = ("budget",)
+    request_options = ("budget", "match_kara")
+
+    @staticmethod
+    def _matched(state) -> trajectory.Trajectory | None:
+        """Kara's trajectory this request follows (unbounded), or None (budget and threshold)."""
+        spec = getattr(state, "match_kara", None) if state is not None else None
+        return (
+            None
+            if spec is None
+            else trajectory.trajectory(trajectory.schedule_of(spec))
+        )
+
+    @staticmethod
+    def _step(row: RowView) -> int:
+        """The decode step a row is at: its logical generated rows + 1 (page size 1: P is the
+        prompt)."""
+        return row.length - row.protected + row.pos_offset + 1
+
+    def _target(self, row: RowView) -> int | None:
+        traj = self._matched(row.state)
+        return None if traj is None else traj.after(self._step(row))
 
     def _budget(self, state) -> tuple[int, int]:
         """(N, C_max) for this request."""
@@ -65,7 +96,11 @@ class ThresholdPolicy(Policy):
 
     def region(self, row: RowView) -> Region | None:
         w = self.options.window
-        budget, threshold = self._budget(row.state)
+        target = self._target(row)
+        if target is not None:
+            budget, threshold = target, target
+        else:
+            budget, threshold = self._budget(row.state)
         if row.length - row.protected <= threshold:
             return None
         m = row.length - w - row.protected
@@ -77,9 +112,25 @@ class ThresholdPolicy(Policy):
 
     def tail_charge(self, row: RowView) -> int:
         """``footprint`` charged C_max + 1 generated entries: rows [P, L), of which [P, f) are
-        the entries kept by earlier compressions."""
+        the entries kept by earlier compressions. Matched: Kara's rows at this step, so a due
+        request is always overdue (never left out of an event by max_seqs)."""
+        target = self._target(row)
+        if target is not None:
+            return target - (row.frontier - row.protected)
         _, threshold = self._budget(row.state)
         return threshold + 1 - (row.frontier - row.protected)
+
+    def worth_compressing(self, row: RowView, remaining: int) -> bool:
+        """Matched: only where Kara compresses a request of this max_new_tokens (it leaves one
+        alone whose tail lasts it to the end), so the two hold the same rows to the last step."""
+        if remaining <= 1:
+            return False
+        spec = getattr(row.state, "match_kara", None)
+        if spec is None:
+            return True
+        step = self._step(row)
+        limited = trajectory.trajectory(trajectory.schedule_of(spec), step + remaining)
+        return limited.after(step) < row.length - row.protected
 
     def query_capacity(self) -> int:
         # Events are checked every step, so the last w queries plus the one being written.
@@ -88,14 +139,25 @@ class ThresholdPolicy(Policy):
     def footprint(self, remaining: int, state) -> int:
         if remaining <= 0:
             return remaining
+        traj = self._matched(state)
+        if traj is not None:  # Kara's most rows over the answer, and the last token's
+            return min(remaining, traj.peak(remaining + 1) + 1)
         _, threshold = self._budget(state)
         return min(remaining, threshold + 1)
 
     def growth(self, remaining: int, row: RowView) -> int:
-        """A running request holds at most C_max + 1 generated entries; those it holds already
-        (rows [P, L)) count toward them."""
+        """A running request holds at most C_max + 1 generated entries (matched: Kara's most
+        rows up to its last step); those it holds already (rows [P, L)) count toward them."""
         if remaining <= 0:
             return remaining
-        _, threshold = self._budget(row.state)
         held = row.length - row.protected if row.protected >= 0 else 0
+        traj = self._matched(row.state)
+        if traj is not None:
+            most = (
+                traj.peak(self._step(row) + remaining) + 1
+                if row.protected >= 0
+                else (traj.peak(remaining + 1) + 1)
+            )
+            return min(remaining, max(0, most - held))
+        _, threshold = self._budget(row.state)
         return min(remaining, max(0, threshold + 1 - held))

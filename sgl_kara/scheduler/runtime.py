@@ -220,9 +220,10 @@ class KaraRuntime:
                 enabled=opts.get("enable", True),
                 retention=opts.get("retention"),
                 budget=opts.get("budget"),
+                match_kara=opts.get("match_kara"),
             ),
         )
-        for name in ("retention", "budget"):
+        for name in ("retention", "budget", "match_kara"):
             if opts.get(name) is not None and name not in self.policy.request_options:
                 accepting = [
                     p.name for p in policy_base.policies() if name in p.request_options

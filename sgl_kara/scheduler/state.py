@@ -30,6 +30,7 @@ class KaraReqState:
     enabled: bool = True
     retention: float | None = None  # per-request override of the kara retention
     budget: int | None = None  # per-request budget of threshold policies
+    match_kara: dict | None = None  # threshold policies: Kara's KV per step
     kv_peak: int = 0  # largest physical KV length seen at a decode step
     kv_sum: int = 0  # physical KV lengths summed over decode steps
     kv_steps: int = 0
