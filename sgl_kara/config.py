@@ -67,10 +67,10 @@ COMMON_HELP = {
     "phase": f"whose decode steps a policy's period counts: {', '.join(PHASES)} (request: each request's own generated "
     "tokens, so when a request is compressed, and its answer, does not depend on when it arrived or what "
     "else runs; server: the scheduler's step, every request in step as in the paper: fewer, larger events)",
-    "spread": f"when a window is scored: {', '.join(SPREADS)} (even: in chunks of at least 32 queries spread over "
-    "the decode steps from when its keys are all decoded until its due step, so no step carries a whole "
-    "window's scoring; off: all at its "
-    "due step, the paper's; applies to additive scorers: kara)",
+    "spread": f"when a window is scored: {', '.join(SPREADS)} (even: in parts of at least 32 queries on a CPU, 256 "
+    "on CUDA (fewer only where fewer are left or decoded), spread over the decode steps from when its "
+    "keys are all decoded until its due step, so no step carries a whole window's scoring; off: all at "
+    "its due step, the paper's; applies to additive scorers: kara)",
     "spread_max": "most queries of one request's window scored per decode step under --kara-spread even, on every step (0: no cap, "
     "events never delayed; a cap too small to finish by the due step moves the event to a later due "
     "step, and admission charges the rows held meanwhile)",

@@ -3,7 +3,8 @@
 SGLang calls ``register()`` early in every process it starts (the launcher or Engine process, the
 scheduler, the detokenizer, the data-parallel controller) for every installed plugin, plain
 ``python -m sglang.launch_server`` and ``sglang.Engine`` included. What it registers depends on
-the process's environment and device, so installing sgl_kara leaves plain SGLang as it was:
+the process's environment and device, so installing sgl_kara leaves plain SGLang as it was but
+for two start-up fixes on a CPU (``rope`` and ``parallel`` below):
 
     serving      KARA_SERVE=1: Kara's touch points (inert unless a Kara scheduler runs in the
                  process: ``runtime.active()``), the request checks (``custom_params.kara``,

@@ -350,7 +350,7 @@ def prepare_server_args(
     server_args.radix_cache_backend = "kara"
     # SGLang's overlap scheduler stays as the user set it (on by default): events are ordered
     # after the overlapped forward (scheduler/runtime.py) and count a request's tokens the same
-    # way under both schedulers (scheduler/jobs.py decoded_tokens).
+    # way under both schedulers (scheduler/plan.py decoded_tokens).
     if shape is None:
         shape = model_shape(server_args)
     if shape is not None:

@@ -700,3 +700,15 @@ def test_plain_sglang_loads_the_plugin_under_another_sglang(other_sglang, monkey
     ]
     with pytest.raises(startup.UnsupportedSGLang):  # the fake took effect
         startup.check_sglang_version()
+
+
+def test_the_cpu_kits_declared_names_are_counted_right_in_patches():
+    """patches/README.md ("The SGLang surface") states how many attributes the CPU kit's adapter
+    declares: the count of sgl_kara/cpu/_sglang.py's ATTRIBUTES."""
+    import re
+
+    from sgl_kara.cpu import _sglang as kit
+
+    text = (ROOT.parent / "patches" / "README.md").read_text()
+    stated = re.findall(r"CPU serving kit declares its own (\d+)", text)
+    assert stated == [str(sum(len(names) for names in kit.ATTRIBUTES.values()))], stated

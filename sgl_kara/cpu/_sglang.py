@@ -116,7 +116,7 @@ ATTRIBUTES = {
     ],
     # hooks.py: which CPU kernels a scheduler runs, in /server_info
     "sglang.srt.managers.io_struct.GetInternalStateReqOutput": ["internal_state"],
-    # rope.py: RoPE's CPU path (a module flag, patches/cpu.md); launcher.py: fork
+    # hooks.py: RoPE's CPU path (a module flag, patches/cpu.md), the launcher's fork
     ROTARY_BASE_MODULE: ["_is_cpu"],
     "sglang.srt.entrypoints.engine": ["_set_envs_and_config"],
     "sglang.srt.plugins.hook_registry.HookRegistry": ["register", "apply_hooks"],
