@@ -39,6 +39,10 @@ MARKERS = {
         "from sglang.srt.managers import tokenizer_manager",
         'hasattr(tokenizer_manager, "validate_input_ids_in_vocab")',
     ),
+    2: (
+        "from sglang.srt.managers import io_struct",
+        'hasattr(io_struct, "RequestLevelCustomizedInfo")',
+    ),
 }
 
 
