@@ -43,6 +43,10 @@ MARKERS = {
         "from sglang.srt.managers import io_struct",
         'hasattr(io_struct, "RequestLevelCustomizedInfo")',
     ),
+    3: (
+        "from sglang.srt.sampling import sampling_params",
+        'hasattr(sampling_params, "register_custom_params_validator")',
+    ),
 }
 
 
