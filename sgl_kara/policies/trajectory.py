@@ -18,7 +18,8 @@ choose *which* entries are kept, not how many):
 
 An answer of g tokens has g - 1 decode steps: its final generated KV is after(g - 1) + 1 and its
 mean the mean of before(1..g-1) (``final`` / ``mean``, the runtime's ``kv_physical_len`` and
-``kv_mean_len`` less the prompt). ``limit`` is the request's max_new_tokens (None: unbounded; the
+``kv_mean_len`` less the prompt; under SGLang's overlap scheduler the runtime also counts the
+step it plans before it knows the request has ended). ``limit`` is the request's max_new_tokens (None: unbounded; the
 steps before the first one Kara leaves alone are the same either way). Rows are counted from the
 protected length P; with page size 1 P is the prompt, with a larger page the due steps (counted from
 the prompt) fall up to a page earlier than this function has them.
