@@ -223,6 +223,27 @@ def test_lm_head_copy_does_not_keep_its_weight_alive():
     assert cpu_linear.packed_count() == before and key not in cpu_linear._copies
 
 
+# The rows for which the lm_head runs on its packed copy: decode batches of 3 to 64 requests
+# (patches/cpu_linear.md); one or two rows, and prefill-sized batches, take SGLang's matmul.
+DECODE_ROWS = range(3, 65)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 64, 65, 300])
+def test_lm_head_hook_packs_decode_rows_only(rows):
+    proc = SimpleNamespace(use_fp32_lm_head=False, rl_on_policy_target=None)
+    head = SimpleNamespace(weight=torch.randn(100, 24))
+    h = torch.randn(rows, 24)
+    calls = []
+    got = cpu_linear.lm_head_hook(_original(calls, "TARGET_LM_HEAD"), proc, h, head)
+    if rows in DECODE_ROWS:
+        torch.testing.assert_close(got, h @ head.weight.T, rtol=1e-5, atol=1e-5)
+        assert calls == []
+    else:
+        assert (
+            got == "sglang's own" and len(calls) == 1 and calls[0]["hidden_states"] is h
+        )
+
+
 def test_lm_head_hook_takes_only_sglangs_plain_matmul_branch_for_decode_rows():
     proc = SimpleNamespace(use_fp32_lm_head=False, rl_on_policy_target=None)
     head = SimpleNamespace(weight=torch.randn(100, 24))
@@ -246,18 +267,15 @@ def test_lm_head_hook_takes_only_sglangs_plain_matmul_branch_for_decode_rows():
             {},
             SimpleNamespace(use_fp32_lm_head=False, rl_on_policy_target="x"),
         ),
-        ((torch.randn(2, 24), head), {}, proc),  # two rows: MKL's own path
-        ((torch.randn(65, 24), head), {}, proc),
-    ]:  # prefill-sized
+    ]:
         assert (
             cpu_linear.lm_head_hook(
                 _original(calls, "TARGET_LM_HEAD"), p, *args, **kwargs
             )
             == "sglang's own"
         )
-    assert len(calls) == 7
+    assert len(calls) == 5
     assert calls[1]["embedding_bias"] is not None and calls[2]["out"] is not None
-    assert cpu_linear.LM_HEAD_ROWS == (3, 64)
 
 
 def _checkpoint_tensor(path, name):

@@ -196,17 +196,27 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     assert smollm2.cache_dir() == tmp_path / "x" / "sgl_kara"
 
 
+def _documented_pool(ram: int) -> int:
+    """The CPU pool docs/CONFIGURATION.md and the README state: min(5% of RAM in SmolLM2's KV
+    tokens, max(context, 8 x 1,024)); a token's KV is K and V of every layer and KV head, float32."""
+    token = 2 * SMOLLM2.layers * SMOLLM2.kv_heads * SMOLLM2.head_dim * 4
+    return min(int(0.05 * ram) // token, max(SMOLLM2.context_len, 8 * 1_024))
+
+
 def test_cpu_memory_defaults_for_smollm2_on_this_machine_size():
     d = cpu_memory_defaults(SMOLLM2, 4, 24 * GIB, given=set())
-    assert d["max_running_requests"] == CPU_RUNNING_REQUESTS == 8
-    # 5% of 24 GiB = 27,962 tokens of 46,080 B; the workload bound max(context 8,192, 8 x 1,024)
-    # is smaller.
-    assert SMOLLM2.kv_bytes_per_token(4) == 46_080
-    assert d["max_total_tokens"] == 8_192
+    assert (
+        d["max_running_requests"] == CPU_RUNNING_REQUESTS == 8
+    )  # the README's 8 requests
+    assert SMOLLM2.kv_bytes_per_token(4) == 2 * 30 * 3 * 64 * 4
+    # 5% of 24 GiB holds ~28k tokens: the workload bound binds, the README's 8,192
+    assert d["max_total_tokens"] == _documented_pool(24 * GIB) == 8_192
     # A small machine: the RAM share binds.
+    small = _documented_pool(4 * GIB)
+    assert small < 8_192
     assert (
         cpu_memory_defaults(SMOLLM2, 4, 4 * GIB, given=set())["max_total_tokens"]
-        == int(0.05 * 4 * GIB) // 46_080
+        == small
     )
     # Whatever the user set is left alone; --mem-fraction-static leaves the pool to SGLang.
     assert (
@@ -224,12 +234,17 @@ def test_cpu_memory_defaults_for_smollm2_on_this_machine_size():
     }
     # A compressing server: twice the requests in the same pool (admission by footprint).
     compressing = cpu_memory_defaults(SMOLLM2, 4, 24 * GIB, set(), compressing=True)
-    assert compressing == {"max_running_requests": 16, "max_total_tokens": 8_192}
+    assert compressing == {
+        "max_running_requests": 2 * CPU_RUNNING_REQUESTS,
+        "max_total_tokens": _documented_pool(24 * GIB),
+    }
 
 
 def test_memory_that_does_not_fit_is_refused_naming_the_flags():
     sizes = check_cpu_fit(SMOLLM2, 4, 16_384, 8, 640, available=20 * GIB)
-    assert sizes["kv_pool"] == 16_384 * 46_080
+    assert sizes["kv_pool"] == 16_384 * (
+        2 * 30 * 3 * 64 * 4
+    )  # tokens x K and V of each layer
     assert sizes["capture_ring"] == 9 * 640 * 30 * 9 * 64 * 4  # rows + 1 (trash row)
     assert sizes["packed_lm_head"] == 0
     assert (

@@ -6,6 +6,7 @@ construction."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -70,20 +71,59 @@ def test_runs_without_sglang_every_kernel_exact_or_within_tolerance(tmp_path):
     assert (tmp_path / "gpu_kernels.md").read_text().count("| tiny-gqa |") == len(rows)
 
 
+# The serving shapes docs/TESTING.md names, from the models' published configs: layers, query
+# heads, KV heads, head dim.
+PUBLISHED = {
+    "Llama-3-8B": (32, 32, 8, 128),
+    "Qwen3-8B": (36, 32, 8, 128),
+    "Qwen3-0.6B": (28, 16, 8, 128),
+}
+
+
 def test_serving_plan_fits_an_h100_within_five_minutes():
-    """Three serving shapes (32-36 layers, 8 KV heads, head_dim 128): the pool of the largest at the
-    full batch is far below an 80 GB H100's quarter, and the pessimistic time bound is < 5 min."""
-    models = gpu_kernels.MODELS
-    assert {m["kv_heads"] for m in models.values()} == {8} and {
-        m["head_dim"] for m in models.values()
-    } == {128}
-    assert max(m["layers"] for m in models.values()) == 36
-    biggest = max(
-        gpu_kernels.pool_bytes(s, gpu_kernels.pool_slots(False, gpu_kernels.MAX_BATCH))
-        for s in models.values()
-    )
-    assert biggest < 80e9 / 4
-    assert gpu_kernels.estimate_seconds(False) < 300
+    """The three serving shapes are the published models'; at the full batch, the pool of the
+    largest (K and V of every layer, bf16, for every slot the plan touches: each request's
+    largest region, its kept entries and two tails) is far below an 80 GB H100's quarter; the
+    plan has one row per model and kernel, each row's compulsory bytes what the kernel must
+    move; and the pessimistic time bound is under the documented 5 minutes."""
+    shapes = {
+        name: (s["layers"], s["q_heads"], s["kv_heads"], s["head_dim"])
+        for name, s in gpu_kernels.MODELS.items()
+    }
+    assert shapes == PUBLISHED
+    b = gpu_kernels.MAX_BATCH
+    w, m, k = gpu_kernels.kara_shape(False)
+    o = gpu_kernels.KARA
+    kept = math.ceil(o["retention"] * (o["window"] - o["buffer"]))  # r of the W - U
+    assert (w, m, k) == (o["window"], o["window"] - o["buffer"], kept)
+    snap = gpu_kernels.SNAPKV
+    region = max(m, snap["threshold"] + 1 - snap["window"])
+    slots = 16 + b * (region + k + 2 * gpu_kernels.TAIL)
+    for name, (layers, _, kv_heads, head_dim) in PUBLISHED.items():
+        pool = 2 * layers * slots * kv_heads * head_dim * 2
+        assert gpu_kernels.pool_bytes(gpu_kernels.MODELS[name], slots) == pool
+        assert gpu_kernels.pool_slots(False, b) >= slots
+        assert pool < 80e9 / 4, (name, pool)
     plan = gpu_kernels.plan(False)
-    assert len(plan) == (6 + len(gpu_kernels.RECOMPUTE)) * len(models)
-    assert all(r["bytes"] > 0 for r in plan)
+    kernels = {
+        "kara window scores",
+        "kara window scores, fp16 queries / bf16 keys",
+        "snapkv scores",
+        "compact_kv",
+        "copy_slots disjoint",
+        "copy_slots staged",
+        *(gpu_kernels.recompute_kernel(*shape) for shape in gpu_kernels.RECOMPUTE),
+    }
+    rows = {(r["model"], r["kernel"]): r for r in plan}
+    assert len(rows) == len(plan) and set(rows) == {
+        (name, kernel) for name in PUBLISHED for kernel in kernels
+    }
+    for name, (layers, q_heads, kv_heads, head_dim) in PUBLISHED.items():
+        slot = kv_heads * head_dim * 2  # one layer's K (or V) of a slot, bf16
+        # scores read the W queries (every query head) and the M region keys
+        assert rows[name, "kara window scores"]["bytes"] == b * (
+            w * q_heads * head_dim * 2 + m * slot
+        )
+        # compaction reads and writes K and V of the kept entries on every layer
+        assert rows[name, "compact_kv"]["bytes"] == 2 * 2 * layers * b * k * slot
+    assert gpu_kernels.estimate_seconds(False) < 300

@@ -1,4 +1,6 @@
-"""Triton kernels vs their torch references.
+"""Triton kernels and their torch references, each against an independent one: window scores
+against a dense float64 softmax written here from Eq. 4's definition (docs/ARCHITECTURE.md,
+"Policies"), compaction and slot copies bit for bit against their documented effect.
 
 Without a GPU the kernels run in Triton's CPU interpreter. Triton reads TRITON_INTERPRET
 when it is first imported (triton.language's helpers are jitted then), so it is set here
@@ -6,6 +8,7 @@ before anything imports triton; if triton was already imported without it in thi
 process, the guard below fails loudly instead of skipping.
 """
 
+import math
 import os
 import sys
 
@@ -26,7 +29,7 @@ from sgl_kara.kernels import (  # noqa: E402
     window_scores_paged,
     window_scores_paged_ref,
 )
-from sgl_kara.policies import select, window_scores  # noqa: E402
+from sgl_kara.policies import select  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -52,6 +55,26 @@ def _interpreter_guard():
 
 
 # --------------------------------------------------------------------------- window scores
+
+
+def dense_window_scores(q, k_buffer, slots, scale=None):
+    """Kara's window scores from their definition (Eq. 4, docs/ARCHITECTURE.md), in float64, one
+    query head at a time: A[b, h, m] = sum over the query heads i of KV head h's group (i // (H_q /
+    H_kv) == h) and the W window queries w of softmax_m(q[b, w, i] . k[slots[b, m], h] * scale),
+    scale 1/sqrt(D). Written here, not taken from sgl_kara."""
+    b, w, hq, d = q.shape
+    hkv, m = k_buffer.shape[1], slots.shape[1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = torch.zeros(b, hkv, m, dtype=torch.float64)
+    qd, kd = q.double().cpu(), k_buffer.double().cpu()
+    for bi in range(b):
+        keys = kd[slots[bi].long().cpu()]  # [M, H_kv, D]
+        for i in range(hq):
+            h = i // (hq // hkv)
+            logits = qd[bi, :, i] @ keys[:, h].T * scale  # [W, M]
+            out[bi, h] += torch.softmax(logits, dim=-1).sum(dim=0)
+    return out.float().to(q.device)
+
 
 # (B, W, M, H_q, H_kv, D, dtype): every GQA combo over {1, 2, 4, 8} x D x dtype, with W
 # and M not powers of two; a few edge cases first.
@@ -83,11 +106,19 @@ def test_window_scores_paged(b, w, m, hq, hkv, d, dtype):
         DEV
     )
     slots = slots.to(torch.int32 if b == 2 else torch.int64)
+    want = dense_window_scores(q, kb, slots)
     out = window_scores_paged(q, kb, slots, use_triton=True)
-    ref = window_scores_paged_ref(q, kb, slots)
     assert out.shape == (b, hkv, m) and out.dtype == torch.float32
-    torch.testing.assert_close(out, ref, **TOL[dtype])
-    torch.testing.assert_close(ref, window_scores(q, kb[slots.long()]))
+    torch.testing.assert_close(out, want, **TOL[dtype])
+    torch.testing.assert_close(
+        window_scores_paged_ref(q, kb, slots), want, **TOL[dtype]
+    )
+    torch.testing.assert_close(
+        window_scores_paged(q, kb, slots, use_triton=False), want, **TOL[dtype]
+    )
+    # each query's softmax sums to 1: a KV head receives W x its group's heads in all
+    totals = torch.full((b, hkv), float(w * (hq // hkv)), device=DEV)
+    torch.testing.assert_close(out.sum(-1), totals, rtol=1e-4, atol=1e-4)
 
 
 def test_window_scores_paged_scale_and_default_dispatch():
@@ -98,13 +129,19 @@ def test_window_scores_paged_scale_and_default_dispatch():
     out = window_scores_paged(
         q, kb, slots, scale=0.05
     )  # None -> Triton (interpreter / CUDA)
+    tol = TOL[torch.float32]
+    torch.testing.assert_close(out, dense_window_scores(q, kb, slots, 0.05), **tol)
     torch.testing.assert_close(
-        out, window_scores_paged_ref(q, kb, slots, 0.05), **TOL[torch.float32]
+        window_scores_paged_ref(q, kb, slots, 0.05),
+        dense_window_scores(q, kb, slots, 0.05),
+        **tol,
     )
-    torch.testing.assert_close(
+    torch.testing.assert_close(  # the path without Triton, default scale 1/sqrt(D)
         window_scores_paged(q, kb, slots, use_triton=False),
-        window_scores_paged_ref(q, kb, slots),
+        dense_window_scores(q, kb, slots),
+        **tol,
     )
+    assert not torch.allclose(out, dense_window_scores(q, kb, slots), **tol)
 
 
 def test_window_scores_paged_validation():
@@ -255,7 +292,7 @@ def test_score_select_compact_pipeline():
     )
     ref_idx = torch.stack(
         [
-            select(window_scores(qs[layer_id], kb[layer_id][slots]), 0.4, 4, 5)
+            select(dense_window_scores(qs[layer_id], kb[layer_id], slots), 0.4, 4, 5)
             for layer_id in range(n_layers)
         ],
         dim=1,
