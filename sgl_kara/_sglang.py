@@ -228,11 +228,15 @@ ATTRIBUTES = {
     ],
     "sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator": [
         "alloc",
-        "free",
         "available_size",
         "get_all_free_pages",
         "get_kvcache",
         "page_size",
+    ],
+    # page ids freed as they are (no torch.unique on the device): both of SGLang's MHA allocators
+    "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator": ["free_page_ids"],
+    "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator": [
+        "free_page_ids"
     ],
     "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache": ["evictable_size"],
     "sglang.srt.managers.io_struct.GetInternalStateReqOutput": ["internal_state"],
@@ -664,17 +668,21 @@ class SchedulerParts:
     def evictable(self) -> int:
         return int(self.scheduler.tree_cache.evictable_size())
 
-    def alloc(self, n: int):
-        """``n`` slots from the allocator, evicting from the radix tree once when short (None:
-        not available)."""
-        slots = self.allocator.alloc(n)
-        if slots is None:
+    def reserve(self, n: int) -> None:
+        """Evict from the radix tree until ``n`` slots are free, or nothing evictable is left
+        (SGLang's eviction frees with the allocator's ``free``: at page size > 1 a
+        ``torch.unique`` on the device, so a Kara step calls this before its fence)."""
+        if n > 0:
             evict_from_tree_cache(self.scheduler.tree_cache, n)
-            slots = self.allocator.alloc(n)
-        return slots
 
-    def free(self, slots: torch.Tensor) -> None:
-        self.allocator.free(slots)
+    def alloc(self, n: int):
+        """``n`` slots from the allocator (None: not free; nothing is evicted here)."""
+        return self.allocator.alloc(n)
+
+    def free_page_ids(self, pages: torch.Tensor) -> None:
+        """Free exactly these pages (a slot each at page size 1): no deduplication on the device
+        (the allocator's ``free`` runs ``torch.unique`` at page size > 1, a host wait)."""
+        self.allocator.free_page_ids(pages)
 
     def free_pages(self) -> torch.Tensor:
         return self.allocator.get_all_free_pages()

@@ -8,15 +8,15 @@ variables (read at call time, so a test or a spawned process sees the value its 
 | KARA_CACHE | path | $XDG_CACHE_HOME/sgl_kara or ~/.cache/sgl_kara | converted default model |
 | KARA_FORK | bool | 1 | launcher on CPU: fork SGLang's workers instead of spawn |
 | KARA_CHECK_INTEGRITY | bool | 0 | check prefixes, slot ownership, ring, offsets at every event |
-| KARA_CHECK_SYNC | bool | 0 | count what would make the host wait for a GPU in every Kara step (scheduler/sync_check.py; `sync_violations` in /server_info) |
+| KARA_CHECK_SYNC | bool | 0 | count what would make the host wait for a GPU in every Kara step, SGLang's calls inside it included (diagnostics/sync_check.py; `sync_violations` after the step's fence, `sync_pre_fence_waits` of SGLang's before it, in /server_info) |
 | KARA_CROSSCHECK_QUERIES | bool | 0 | compare capture and recompute scores on first windows |
 | KARA_RECORD_EVICTIONS | path | - | JSON lines: evicted logical positions per event (oracle) |
 | KARA_TRACE | path | - | JSON lines: running and waiting requests and free slots per decode step |
-| KARA_INJECT_FAULT_RID_PREFIX | str | - | an event raises for rids with this prefix (tests) |
+| KARA_INJECT_FAULT_RID_PREFIX | str | - | an event raises for rids with this prefix (tests; diagnostics/faults.py) |
 | KARA_CHECK_TP_PLAN | bool | 0 | with --tp-size > 1: the ranks all-gather a digest of their event plans and state at every decode step and stop the server naming the first rank that differs (scheduler/tp_lockstep.py) |
 | KARA_INJECT_TP_DIVERGENCE | `rank` or `rank:prefix` | - | with the TP plan check: this TP rank drops a job from the first event it runs (with `prefix`: the job of a request whose rid starts with it) (tests) |
 | KARA_INJECT_FAULT_TP_RANK | int | - | with --tp-size > 1: the injected fault fires on this TP rank only (the others agree to undo the event: scheduler/tp_lockstep.py) |
-| KARA_INJECT_FAULT_AT | str | score | where that event raises: `score` (before scoring) or `commit` (after the kept K/V are copied into fresh slots, just before the rows are rewritten) |
+| KARA_INJECT_FAULT_AT | str | score | where that event raises: `score` (as it completes the window's scores), `recompute` (inside the recompute forward, at its middle layer) or `commit` (after the kept K/V are copied into fresh slots, just before the rows are rewritten) (diagnostics/faults.py) |
 | KARA_FAST_CPU_DECODE | bool | 1 | with the CPU kernels: torch_native on CPU: decode gathers K/V once per layer; the recompute pass attends its window queries only (cpu/attention.py) |
 | KARA_BATCHED_CPU_DECODE | bool | 1 | with the fast decode: one padded SDPA call per layer for the whole batch, GQA group folded into the query axis (not bit-identical to SGLang's: float summation order; 0 = the per-request loop, bit-identical; bench/cpu_decode_batched.py) |
 | KARA_PACKED_CPU_LINEAR | bool | 1 | with the CPU kernels, on CPU: float32 weight matmuls through oneDNN on weights packed in place after loading (the lm_head: a packed copy, for decode batches), instead of MKL's sgemm (not bit-identical: float summation order; cpu/linear.py; read when the plugin loads) |

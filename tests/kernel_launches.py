@@ -109,5 +109,5 @@ class Allocator:
             return got
         return (got[:, None] * self.page + torch.arange(self.page)).reshape(-1)
 
-    def free(self, slots):
+    def free_page_ids(self, pages):
         pass

@@ -94,7 +94,8 @@ class FuzzFailure(AssertionError):
 
 
 class SimAllocator:
-    """SGLang's ``alloc(n)`` / ``free(slots)`` contract over a pool of ``num_pages`` pages.
+    """SGLang's ``alloc(n)`` / ``free(slots)`` / ``free_page_ids(pages)`` contract over a pool
+    of ``num_pages`` pages.
 
     page 1: token allocator, alloc(n) returns n free slots (any order).
     page > 1: page allocator, alloc(n) needs n page aligned (SGLang floors n // page and
@@ -148,6 +149,27 @@ class SimAllocator:
             raise FuzzFailure(
                 f"double free of pages {pages[self.is_free[pages]].tolist()}"
             )
+        self._release(pages)
+
+    def free_page_ids(self, page_ids):
+        """SGLang's ``free_page_ids``: exactly these pages, no deduplication (stricter: a page
+        named twice, page 0, or a page already free raises)."""
+        pages = torch.as_tensor(page_ids).reshape(-1).to(torch.int64).cpu().numpy()
+        if pages.size == 0:
+            return
+        if pages.min() < 0 or pages.max() >= self.num_pages:
+            raise FuzzFailure(f"free of pages outside the pool: {pages.tolist()}")
+        if np.unique(pages).size != pages.size:
+            raise FuzzFailure(f"free_page_ids names a page twice: {pages.tolist()}")
+        if (pages == 0).any():
+            raise FuzzFailure("free of the reserved page 0")
+        if self.is_free[pages].any():
+            raise FuzzFailure(
+                f"double free of pages {pages[self.is_free[pages]].tolist()}"
+            )
+        self._release(pages)
+
+    def _release(self, pages) -> None:
         self.is_free[pages] = True
         poison = torch.from_numpy(
             (pages[:, None] * self.page + np.arange(self.page)).reshape(-1)
@@ -566,21 +588,20 @@ class World:
                         self.k_bufs,
                         self.v_bufs,
                         alloc,
-                        self.alloc.free,
+                        self.alloc.free_page_ids,
                         page_size=self.page,
                         use_triton=self.use_triton,
                     )
+                    # ``fresh`` names pages (a slot each at page size 1)
                     if prepared.fresh.numel() and bool(
-                        self.alloc.is_free[
-                            np.unique(prepared.fresh.numpy() // self.page)
-                        ].any()
+                        self.alloc.is_free[prepared.fresh.numpy()].any()
                     ):
                         self.fail(
                             "prepare_compaction handed out fresh slots that are still free"
                         )
-                    prepared.abort(self.alloc.free)
+                    prepared.abort(self.alloc.free_page_ids)
                     with pytest.raises(AssertionError, match="twice"):
-                        prepared.commit(self.req_to_token, self.alloc.free)
+                        prepared.commit(self.req_to_token, self.alloc.free_page_ids)
                     raise RuntimeError("injected fault after the K/V copy")
                 d = compact_rows(
                     plan,
@@ -588,7 +609,7 @@ class World:
                     self.k_bufs,
                     self.v_bufs,
                     alloc,
-                    self.alloc.free,
+                    self.alloc.free_page_ids,
                     page_size=self.page,
                     use_triton=self.use_triton,
                 )
@@ -967,7 +988,7 @@ def test_fuzz_detects_a_broken_compaction(monkeypatch):
         k_buffers,
         v_buffers,
         alloc,
-        free,
+        free_pages,
         page_size=1,
         use_triton=None,
     ):

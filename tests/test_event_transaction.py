@@ -20,6 +20,7 @@ import pytest
 import torch
 from support import FakeReq
 
+from sgl_kara.diagnostics import Diagnostics
 from sgl_kara.policies.threshold import ThresholdOptions, ThresholdPolicy
 from sgl_kara.scheduler.events import EventRunner
 from sgl_kara.scheduler.evictions import EvictionRecorder
@@ -85,10 +86,13 @@ class Allocator:
         self.free_slots -= set(got)
         return torch.tensor(got, dtype=torch.int64)
 
-    def free(self, slots):
-        s = set(slots.tolist())
-        assert not s & self.free_slots, f"double free: {sorted(s & self.free_slots)}"
-        self.free_slots |= s
+    def free_page_ids(self, pages):  # page size 1: a page is a slot
+        s = pages.tolist()
+        assert len(set(s)) == len(s), f"a page named twice: {sorted(s)}"
+        assert not set(s) & self.free_slots, (
+            f"double free: {sorted(set(s) & self.free_slots)}"
+        )
+        self.free_slots |= set(s)
 
     def available_size(self):
         return len(self.free_slots)
@@ -139,7 +143,8 @@ def world(lengths, budget=12, recorder=None):
         values=pool.get_value_buffer,
         layer_ids=list(range(LAYERS)),
         alloc=alloc.alloc,
-        free=alloc.free,
+        free_page_ids=alloc.free_page_ids,
+        reserve=lambda n: None,
         available=alloc.available_size,
         evictable=lambda: 0,
         page_size=1,
@@ -171,11 +176,20 @@ def world(lengths, budget=12, recorder=None):
 
 
 def events(rt) -> EventRunner:
-    """The event runner over the world's pools (the policy scores without queries)."""
+    """The event runner over the world's pools (the policy scores without queries), with the
+    faults the environment injects (sgl_kara/diagnostics)."""
     staging = DeviceStaging("cpu")
     scorer = Scorer(rt.policy, rt.parts, rt.forward, None, staging)
     return EventRunner(
-        rt.policy, rt.parts, scorer, rt.forward, staging, rt.stats, None, rt.recorder
+        rt.policy,
+        rt.parts,
+        scorer,
+        rt.forward,
+        staging,
+        rt.stats,
+        None,
+        rt.recorder,
+        diagnostics=Diagnostics.from_env(),
     )
 
 

@@ -411,7 +411,7 @@ def _event_launches(policy, pool, q_dtype, page: int, tails: list[int], prompt: 
             region=M,
             kept=kept,
         )
-        compact_rows(plan, req_to_token, pool.k, pool.v, alloc.alloc, alloc.free, page)
+        compact_rows(plan, req_to_token, pool.k, pool.v, alloc.alloc, alloc.free_page_ids, page)
 
 
 @pytest.mark.parametrize(

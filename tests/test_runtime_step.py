@@ -1,7 +1,8 @@
 """The runtime's glue around an event, without an engine: freed slots reopen SGLang's admission;
-under the overlap scheduler on CUDA, event work is ordered after the in-flight forward before it
-touches anything; a step scores its spread parts before it plans its event; an event reads no
-device tensor back to the host for what it already knows."""
+under the overlap scheduler on CUDA, event work that rewrites rows is ordered after the in-flight
+forward (the fence), and scoring of settled rows runs before it; a step scores its spread parts
+before it plans its event; an event reads no device tensor back to the host for what it already
+knows."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from sgl_kara.scheduler.runtime import KaraRuntime, KaraStats
 def bare_runtime(freed: int, calls: list):
     rt = KaraRuntime.__new__(KaraRuntime)
     rt.stats, rt.decode_steps, rt.ring = KaraStats(), 0, None
+    rt.diagnostics = None
     rt._observe = lambda reqs: calls.append("observe")
 
     def step(batch, reqs):
@@ -54,6 +56,7 @@ class Stream:
 def test_event_work_waits_for_the_overlapped_forward_on_cuda(monkeypatch):
     log = []
     rt = KaraRuntime.__new__(KaraRuntime)
+    rt.diagnostics = None
     rt.parts = types.SimpleNamespace(forward_stream=Stream("forward", log))
     schedule = Stream("schedule", log)
     monkeypatch.setattr(runtime_mod.torch.cuda, "current_stream", lambda: schedule)
@@ -64,26 +67,35 @@ def test_event_work_waits_for_the_overlapped_forward_on_cuda(monkeypatch):
     assert log == ["schedule waits forward"]
 
 
-def test_the_runtime_fences_before_any_event_work():
-    """_step: the fence comes before the spread parts and before each event's work; the event
-    is planned after the parts are scored (a part may complete a due window)."""
+def test_the_runtime_fences_before_any_event_rewrite():
+    """_step: the spread parts (settled rows only) are scored before the fence; the event is
+    planned after them (a part may complete a due window) and handed the fence, which it calls
+    once its settled work is done and before anything that rewrites rows."""
     order = []
     rt = KaraRuntime.__new__(KaraRuntime)
     rt.cfg = types.SimpleNamespace(trigger="schedule")
     rt.decode_steps, rt.integrity, rt.stats = 1, None, KaraStats()
+    rt.diagnostics = rt.plan_check = None
     rt._fence = lambda: order.append("fence")
+
+    def run(batch, jobs, fence, settled):
+        order.append("settle")
+        fence()
+        order.append("commit")
+        return 0
+
     rt.events = types.SimpleNamespace(
-        advance=lambda c: order.append("advance"),
-        run=lambda b, j: order.append("run") or 0,
+        advance=lambda c: order.append("advance"), run=run
     )
     job = types.SimpleNamespace(req=object())
     rt.planner = types.SimpleNamespace(
         chunks=lambda reqs, state_of, step: order.append("chunks") or [("job", 1)],
         jobs=lambda reqs, state_of, step: order.append("jobs") or [job],
         again=lambda reqs, state_of, step, done: [],
+        settled=lambda job: 0,
     )
     rt._step(types.SimpleNamespace(reqs=[]), [])
-    assert order == ["chunks", "fence", "advance", "jobs", "fence", "run"]
+    assert order == ["chunks", "advance", "jobs", "settle", "fence", "commit"]
 
 
 class DeviceLike(torch.Tensor):

@@ -11,7 +11,13 @@ region rows ``[a_b, a_b + M)``:
 The M old slots are freed (none of them is shared: the region lies above the protected
 prefix), K are allocated, so the pool gains d per request. With K == M (retention 1.0) the
 full path still runs: fresh slots, exact copy, old slots freed. Imports nothing from SGLang;
-the caller passes the allocator's ``alloc``/``free`` and the per-layer KV buffers.
+the caller passes the allocator's ``alloc`` / ``free_page_ids`` and the per-layer KV buffers.
+
+Frees name pages, never slots to be deduplicated: compaction knows which pages it frees (with
+page size 1 a page is a slot; with pages, every old page of a rewritten span is wholly the
+request's and is named once, by its first slot), so the allocator's ``free_page_ids`` takes them
+as they are. Its ``free(slots)`` would find the pages with ``torch.unique`` on the device, which
+makes the host wait for the forward in flight (docs/GPU.md).
 
 Two phases, so that an event can be undone (scheduler/events.py): ``prepare_compaction``
 allocates the fresh slots and copies the kept K/V into them -- everything that can fail (out of
@@ -80,8 +86,11 @@ class PreparedCompaction:
     leaves the pool as it was before ``prepare_compaction``.
 
         writes  [(row, p, slots)]: req_to_token[row, p : p + len(slots)] = slots at commit
-        old     slots freed at commit (the region's, or with pages every old page of [s, L))
-        fresh   slots allocated by prepare (given back by abort)
+        old     page ids freed at commit (the region's slots, or with pages every old page of
+                [s, L)), each once
+        fresh   page ids allocated by prepare (given back by abort)
+
+    ``free_pages(page_ids)`` is the allocator's ``free_page_ids``: no deduplication, no wait.
     """
 
     dropped: int
@@ -90,20 +99,29 @@ class PreparedCompaction:
     fresh: torch.Tensor
     done: bool = False
 
-    def commit(self, req_to_token: torch.Tensor, free) -> int:
+    def commit(self, req_to_token: torch.Tensor, free_pages) -> int:
         assert not self.done, "compaction committed or aborted twice"
         self.done = True
         for row, p, slots in self.writes:
             req_to_token[row, p : p + slots.numel()] = slots.to(req_to_token.dtype)
         if self.old.numel():
-            free(self.old)
+            free_pages(self.old)
         return self.dropped
 
-    def abort(self, free) -> None:
+    def abort(self, free_pages) -> None:
         assert not self.done, "compaction committed or aborted twice"
         self.done = True
         if self.fresh.numel():
-            free(self.fresh)
+            free_pages(self.fresh)
+
+
+def page_ids(slots: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The pages of ``slots``, a whole number of pages each named by its slots in order (an
+    allocation, or a row span from a page-aligned start, whose last page may be partly used):
+    every ``page_size``-th slot's page. No ``torch.unique``, no host wait."""
+    if page_size <= 1:
+        return slots
+    return torch.div(slots[::page_size], page_size, rounding_mode="floor")
 
 
 def fresh_slots_needed(
@@ -124,7 +142,7 @@ def compact_rows(
     k_buffers,
     v_buffers,
     alloc,
-    free,
+    free_pages,
     page_size: int = 1,
     use_triton: bool | None = None,
     check: bool | None = None,
@@ -138,11 +156,11 @@ def compact_rows(
         k_buffers,
         v_buffers,
         alloc,
-        free,
+        free_pages,
         page_size,
         use_triton,
         check,
-    ).commit(req_to_token, free)
+    ).commit(req_to_token, free_pages)
 
 
 def prepare_compaction(
@@ -151,14 +169,14 @@ def prepare_compaction(
     k_buffers,
     v_buffers,
     alloc,
-    free,
+    free_pages,
     page_size: int = 1,
     use_triton: bool | None = None,
     check: bool | None = None,
 ) -> PreparedCompaction:
     """Allocate fresh slots and copy the kept K/V (and, with pages, the shifted tail) into them;
-    the rows are not touched. ``alloc(n) -> LongTensor[n] | None`` and ``free(slots)`` are the
-    token allocator's. Raises OutOfSlots when the fresh slots cannot be allocated; on any failure
+    the rows are not touched. ``alloc(n) -> LongTensor[n] | None`` and ``free_pages(page_ids)``
+    are the token allocator's (``alloc`` / ``free_page_ids``). Raises OutOfSlots when the fresh slots cannot be allocated; on any failure
     the fresh slots are given back first (nothing changed). ``check``: the kernels verify slot
     values (kernels.compact; None: on a CPU only). Reads nothing back from the device."""
     if page_size > 1:
@@ -168,7 +186,7 @@ def prepare_compaction(
             k_buffers,
             v_buffers,
             alloc,
-            free,
+            free_pages,
             page_size,
             use_triton,
             check,
@@ -205,7 +223,7 @@ def prepare_compaction(
                 )
             )
     except BaseException:
-        free(dst.reshape(-1))
+        free_pages(dst.reshape(-1))
         raise
     return PreparedCompaction(M - K, writes, region_slots.reshape(-1), dst.reshape(-1))
 
@@ -216,7 +234,7 @@ def _prepare_paged(
     k_buffers,
     v_buffers,
     alloc,
-    free,
+    free_pages,
     page: int,
     use_triton=None,
     check=None,
@@ -229,7 +247,7 @@ def _prepare_paged(
                     copied    gathered     copied (tail shifted down by d)
 
     and every old page of rows [s, L) is freed at commit (they hold only this request's KV:
-    s >= P).
+    s >= P), each named once by its first row (``page_ids``).
     """
     B, K, M = len(plan.starts), plan.keep, plan.region
     device = req_to_token.device
@@ -254,6 +272,7 @@ def _prepare_paged(
     if fresh is None:
         raise OutOfSlots(f"need {total} free KV slots (page-aligned) for compaction")
     fresh = fresh.to(device=device, dtype=torch.int64)
+    fresh_pages = page_ids(fresh, page)
     try:  # any failure before the commit gives the fresh pages back
         new_rows = _paged_copy(
             plan,
@@ -267,12 +286,11 @@ def _prepare_paged(
             check,
         )
     except BaseException:
-        free(fresh)
+        free_pages(fresh_pages)
         raise
     writes = [(row, s, new) for row, s, new, _ in new_rows]
-    return PreparedCompaction(
-        d, writes, torch.cat([old for *_, old in new_rows]), fresh
-    )
+    old_pages = torch.cat([page_ids(old, page) for *_, old in new_rows])
+    return PreparedCompaction(d, writes, old_pages, fresh_pages)
 
 
 def _paged_copy(

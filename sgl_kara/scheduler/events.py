@@ -8,22 +8,31 @@ slots the pool (free + evictable) cannot give now is skipped *unscored* -- scori
 wasted, and on a full pool a threshold policy's due request would otherwise be scored again at
 every step. A chunk that still cannot get its slots is skipped (OutOfSlots: nothing changed).
 
-An event is a transaction: everything that can fail runs while every row still names its old
-slots, and the commit is index writes only.
+An event runs in two halves around the step's fence (the point after which its work is ordered
+after the forward in flight, runtime.py): what SGLang's own calls may make the host wait for runs
+before it, and only what never waits runs after it.
 
-    score    the policy's query window, or what is left of it after the spread steps
-             (scoring.py: captured or recomputed queries; the policy's own scores when it needs
-             none)
-    select   policy.select(scores [B, L, H_kv, M], K) -> kept [B, L, H_kv, K]
-    prepare  fresh slots allocated, kept K/V copied into them (mem_cache.compaction), the
-             policy's per-request state re-laid into copies, the eviction record built
-    commit   rows rewritten, old slots freed, lengths shrunk in SGLang's request / batch state,
-             pos_offset (host and device), frontier, the copies kept
+    before   settle  the jobs that fit the pool (free + evictable); the radix tree evicted for
+                     them (SGLang's eviction frees with ``free``: a ``torch.unique`` at page size
+                     > 1); their query windows scored as far as their rows are settled (no
+                     forward in flight writes them): the recompute forward, whose attention
+                     metadata may copy to the host (FlashInfer's ``plan()``), waits for the
+                     schedule stream only
+    --- fence ---
+    after    score   what is left of each window: its query in flight (overlap: the newest row;
+                     from the capture ring, or a recompute forward when a window ends there)
+             select  policy.select(scores [B, L, H_kv, M], K) -> kept [B, L, H_kv, K]
+             prepare fresh slots allocated, kept K/V copied into them (mem_cache.compaction),
+                     the policy's per-request state re-laid into copies, the eviction record
+             commit  rows rewritten, old pages freed by id (``free_page_ids``: no wait), lengths
+                     shrunk in SGLang's request / batch state, pos_offset (host and device),
+                     frontier, the copies kept
 
 A chunk that fails before its commit is undone (its fresh slots given back, no row or state
 changed) and retried request by request so the failing request is found; that request finishes
 with an error (HTTP 500) and its row is left untouched (SGLang frees it as usual); the others are
-compressed. Every index tensor reaches the device through ``staging`` (no host wait).
+compressed. Every index tensor reaches the device through ``staging`` (no host wait). Policies
+that observe decode (their scores read state the forward in flight writes) score after the fence.
 
 Under tensor parallelism the ranks agree on each chunk's outcome, and on each spread group's,
 just before its commit (tp_lockstep.FailureAgreement): one failed on any rank is undone on every
@@ -39,25 +48,23 @@ import time
 import torch
 
 from sgl_kara import _sglang as adapter
-from sgl_kara import env
 from sgl_kara.mem_cache.compaction import (
     CompactionPlan,
     OutOfSlots,
     prepare_compaction,
 )
 from sgl_kara.memory_plan import event_chunk
+from sgl_kara.scheduler.spread import ScoringJob
 
 logger = logging.getLogger(__name__)
-
-FAULT_STAGES = ("score", "commit")  # KARA_INJECT_FAULT_AT: before scoring or the commit
 
 
 class EventRunner:
     """``parts``: the pools (_sglang.SchedulerParts); ``scorer``: scoring.Scorer; ``forward``:
     the device offsets; ``recorder``: the eviction record or None; ``stats`` / ``metrics``:
     counters; ``staging``: host-to-device index copies; ``agreement``: the tensor-parallel
-    ranks' agreement on each chunk's outcome (tp_lockstep.FailureAgreement; None: one rank),
-    ``tp_rank`` this rank."""
+    ranks' agreement on each chunk's outcome (tp_lockstep.FailureAgreement; None: one rank);
+    ``diagnostics``: injected faults (sgl_kara/diagnostics; None: none)."""
 
     def __init__(
         self,
@@ -71,7 +78,7 @@ class EventRunner:
         recorder=None,
         check: bool = False,
         agreement=None,
-        tp_rank: int = 0,
+        diagnostics=None,
     ):
         self.check = check  # the kernels verify slot values (KARA_CHECK_INTEGRITY)
         self.policy = policy
@@ -83,12 +90,14 @@ class EventRunner:
         self.metrics = metrics
         self.recorder = recorder
         self.agreement = agreement
-        self.tp_rank = tp_rank
+        self.diagnostics = diagnostics
         self.agreed = False  # this attempt's outcome told to the other TP ranks
 
     # -------------------------------------------------------------------------- events
-    def run(self, batch, jobs) -> int:
-        """Compress ``jobs``; returns the KV slots freed."""
+    def run(self, batch, jobs, fence=None, settled=None) -> int:
+        """Compress ``jobs``; returns the KV slots freed. ``fence()`` orders what follows after
+        the forward in flight (None: nothing to order); ``settled(job)``: the rows of the job's
+        request no forward in flight writes (None: all of them)."""
         tic = time.perf_counter()
         cuda = self.parts.req_to_token.device.type == "cuda"
         if cuda:  # allocator statistics: host-side, no wait
@@ -104,9 +113,12 @@ class EventRunner:
                 self.parts.recompute_tokens, group[0].region.query_len or 1
             )
             pending += [group[i : i + per] for i in range(0, len(group), per)]
+        pending = self._settle(pending, settled)
+        if fence is not None:
+            fence()
         pending.reverse()
         while pending:
-            chunk, short = self._fit(pending.pop())
+            chunk, short = self._fit(pending.pop(), evict=False)
             if short:
                 self.stats.skipped_no_memory += len(short)
             if not chunk:
@@ -140,10 +152,48 @@ class EventRunner:
                 self.metrics.record_event(done, dropped)
         return dropped
 
-    def _fit(self, jobs) -> tuple[list, list]:
+    def _settle(self, chunks, settled) -> list:
+        """Before the fence: each chunk's jobs fitted to the pool as it is (no credit for what
+        earlier chunks free; a job left out is fitted again after the fence, and scored then),
+        the radix tree evicted for those that fit, and their query windows scored as far as
+        their rows are settled (added to ``state.scoring``, as spread parts are). Returns the
+        chunks, every job in them."""
+        parts = self.parts
+        free = parts.available() + parts.evictable()
+        need = 0
+        early = []
+        for chunk in chunks:
+            for job in chunk:
+                n = job.fresh_slots(parts.page_size)
+                if n <= free:
+                    free -= n
+                    need += n
+                    early.append(job)
+        parts.reserve(need)
+        policy = self.policy
+        if not policy.needs_queries or policy.observes_decode:
+            return chunks  # scores from no queries, or from state the forward writes
+        parts_now = []
+        for job in early:
+            s = job.state.scoring
+            if s is None or not s.covers(job.region):
+                s = job.state.scoring = ScoringJob(job.region)
+            r = job.region
+            end = r.query_start + r.query_len
+            if settled is not None:
+                end = min(end, settled(job))
+            n = end - (r.query_start + s.done)
+            if n > 0 and (policy.additive or n == s.remaining):
+                parts_now.append((job, n))
+        if parts_now:
+            self.advance(parts_now, spread=False)
+        return chunks
+
+    def _fit(self, jobs, evict: bool = True) -> tuple[list, list]:
         """(jobs whose fresh slots fit the pool now, in order; the rest). Read per chunk: a
-        compacted chunk frees more slots than it took."""
-        free = self.parts.available() + self.parts.evictable()
+        compacted chunk frees more slots than it took. ``evict``: count what the radix tree
+        could give (after the fence nothing is evicted: the slots were reserved before it)."""
+        free = self.parts.available() + (self.parts.evictable() if evict else 0)
         fit, short = [], []
         for job in jobs:
             need = job.fresh_slots(self.parts.page_size)
@@ -177,7 +227,7 @@ class EventRunner:
         parts = self.parts
         M, K = jobs[0].region.length, jobs[0].region.keep
         rows, starts, region_slots = self._region_slots(jobs, M)
-        self._inject_fault("score", jobs)
+        self._inject_fault("score", jobs)  # before the rest of the window is scored
         scores = self._complete_scores(jobs, rows, region_slots)  # [B, L, H_kv, M]
         kept = self.policy.select(scores, K)
         lengths = [j.length for j in jobs]
@@ -199,7 +249,7 @@ class EventRunner:
             k_bufs,
             v_bufs,
             parts.alloc,
-            parts.free,
+            parts.free_page_ids,
             parts.page_size,
             check=self.check,
         )
@@ -224,10 +274,10 @@ class EventRunner:
             self._inject_fault("commit", jobs)
             self._agree()
         except BaseException:
-            prepared.abort(parts.free)
+            prepared.abort(parts.free_page_ids)
             raise
         # ---- commit: index writes and host bookkeeping only
-        dropped = prepared.commit(parts.req_to_token, parts.free)
+        dropped = prepared.commit(parts.req_to_token, parts.free_page_ids)
         for b, j in enumerate(jobs):
             if relaid[b] is not None:
                 j.state.policy_state = relaid[b]
@@ -263,17 +313,8 @@ class EventRunner:
             self.agreement.failed_ranks(True)
 
     def _inject_fault(self, stage: str, jobs) -> None:
-        fault = env.inject_fault_rid_prefix()
-        rank = env.inject_fault_tp_rank()
-        if (
-            fault
-            and env.inject_fault_stage() == stage
-            and (rank is None or rank == self.tp_rank)
-            and any(str(adapter.rid(j.req)).startswith(fault) for j in jobs)
-        ):
-            raise RuntimeError(
-                f"injected fault at {stage} (KARA_INJECT_FAULT_RID_PREFIX)"
-            )
+        if self.diagnostics is not None:
+            self.diagnostics.fault(stage, [j.req for j in jobs])
 
     def _shrink(self, batch, jobs, rows: torch.Tensor, dropped: int, keep: int) -> None:
         for j in jobs:
@@ -320,10 +361,11 @@ class EventRunner:
                 out.append(s.scores if part is None else s.scores + part)
         return torch.stack(out)
 
-    def advance(self, chunks) -> int:
+    def advance(self, chunks, spread: bool = True) -> int:
         """Score ``chunks`` [(job, n)]: the next ``n`` queries of each job's upcoming window,
         added to its ``state.scoring``; returns the queries scored. A chunk that fails is
-        dropped with its job (scored whole at the event instead)."""
+        dropped with its job (scored whole at the event instead). ``spread``: parts of windows
+        ahead of their events (counted as such), else an event's settled queries."""
         tic = time.perf_counter()
         groups: dict[tuple, list] = {}
         for job, n in chunks:
@@ -350,11 +392,12 @@ class EventRunner:
                 j.state.scoring.add(got[b], n)
             scored += n * len(group)
         seconds = time.perf_counter() - tic
-        self.stats.compression_seconds += seconds
-        self.stats.spread_seconds += seconds
-        self.stats.spread_queries += scored
-        if self.metrics is not None:
-            self.metrics.seconds.inc(seconds)
+        if spread:  # an event's own scoring counts in its run's time
+            self.stats.compression_seconds += seconds
+            self.stats.spread_seconds += seconds
+            self.stats.spread_queries += scored
+            if self.metrics is not None:
+                self.metrics.seconds.inc(seconds)
         return scored
 
 

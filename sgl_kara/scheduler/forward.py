@@ -11,6 +11,13 @@ carry over, extra attributes would not, so the per-forward side data lives here:
                                                      stop after the last layer's (ScoringComplete);
                                                      decode: queries -> ring; observer -> policy
 
+Inside a recompute forward nothing of Kara's raises through the model but ``ScoringComplete``
+at the last scored layer: a scoring failure (device memory, a kernel) is kept on the pass and
+raised once the forward has left the model. Under tensor parallelism the forward all-reduces
+at every layer, so a rank that left it early would leave the others waiting in a collective;
+every rank instead runs it to the same layer, and the ranks then agree on the failure before
+any commit (tp_lockstep.FailureAgreement), which names the rank that failed.
+
 ``offsets`` [req slots] (device) mirrors every running request's ``state.pos_offset`` at its row:
 ``sync_offset`` writes it when a request is first seen in a row (a new request, or one
 re-prefilled after a retraction: ``state.offset_row`` is reset with its row) and the event code
@@ -30,9 +37,17 @@ from sgl_kara.scheduler.recompute import ScoringComplete
 
 class ForwardContext:
     def __init__(
-        self, policy, ring, req_to_token: torch.Tensor, keys_of, start_layer, table
+        self,
+        policy,
+        ring,
+        req_to_token: torch.Tensor,
+        keys_of,
+        start_layer,
+        table,
+        diagnostics=None,
     ):
         self.policy = policy
+        self.diagnostics = diagnostics  # injected faults (sgl_kara/diagnostics)
         self.ring = ring
         self.req_to_token = req_to_token
         self.keys_of = keys_of
@@ -121,14 +136,25 @@ class ForwardContext:
                 "extend of a compressed request"
             )
 
+    def _score_layer(self, scoring, layer_id: int, q, heads: int, head_dim: int):
+        if self.diagnostics is not None and layer_id == scoring.last_layer // 2:
+            self.diagnostics.fault(
+                "recompute", adapter.batch_requests(self.scoring_batch) or []
+            )
+        qv = q.reshape(scoring.B, q.shape[0] // scoring.B, heads, head_dim)
+        scoring.score_layer(layer_id, qv)
+
     def on_attention(self, original, layer, q, k, v, forward_batch, save_kv_cache):
         """``original(layer, q, k, v, fb, save_kv_cache)``: SGLang's attention call."""
         layer_id, heads, head_dim = adapter.attention_layer(layer)
         scoring = self.scoring
         if scoring is not None:
-            qv = q.reshape(scoring.B, q.shape[0] // scoring.B, heads, head_dim)
-            scoring.score_layer(layer_id, qv)
-            if scoring.complete:
+            if scoring.error is None:
+                try:
+                    self._score_layer(scoring, layer_id, q, heads, head_dim)
+                except Exception as e:  # noqa: BLE001 - raised once the forward is left
+                    scoring.error = e
+            if layer_id == scoring.last_layer:
                 raise ScoringComplete  # the rest of the forward feeds no score
             # The attention itself sees the window's real slots (a backend that reads the
             # extend tokens' K/V back from the pool finds them there); the rest of the layer,

@@ -187,12 +187,14 @@ def plan_chunks(
     now_of,
     on_protected=None,
     least: int = spread.MIN_CHUNK,
+    in_flight: int = 0,
 ) -> list[tuple[Job, int]]:
     """This step's spread scoring: ``[(Job, n)]``, the next ``n`` queries of each running
     request's upcoming window (a job is opened on the request's row state the first step its
     keys are all decoded). ``now_of(req, state)``: the count the policy's due steps are in (the
     request's own decoded tokens, or the scheduler's step under ``--kara-phase server``);
-    ``least``: the part size (spread.part_size)."""
+    ``least``: the part size (spread.part_size); ``in_flight``: a row's newest rows a forward
+    in flight still writes (SGLang's overlap scheduler: 1), never scored ahead."""
     out = []
     for i, req in enumerate(reqs):
         state = state_of(req)
@@ -226,7 +228,7 @@ def plan_chunks(
             continue  # not one of its scoring steps
         n = spread.chunk(
             job.remaining,
-            spread.decoded(region, row.length, job.done),
+            spread.decoded(region, row.length - in_flight, job.done),
             steps_left // job.stride,
             cap,
             least if not cap else 1,
@@ -241,12 +243,22 @@ class Planner:
     running requests and their state.
 
     ``cfg``: phase, spread_max, max_seqs; ``spreading``: spread scoring on for this policy;
-    ``slack``: rows admission charges for a capped spread; ``part``: spread part size."""
+    ``slack``: rows admission charges for a capped spread; ``part``: spread part size;
+    ``in_flight``: a running request's newest rows a forward in flight writes while the step
+    is planned (SGLang's overlap scheduler: 1)."""
 
     def __init__(
-        self, policy, cfg, page_size: int, spreading: bool, slack: int, part: int
+        self,
+        policy,
+        cfg,
+        page_size: int,
+        spreading: bool,
+        slack: int,
+        part: int,
+        in_flight: int = 0,
     ):
         self.policy = policy
+        self.in_flight = in_flight
         self.phase = cfg.phase
         self.cap = cfg.spread_max
         self.max_seqs = cfg.max_seqs
@@ -274,7 +286,12 @@ class Planner:
             self.now(step),
             self.on_protected,
             self.part,
+            self.in_flight,
         )
+
+    def settled(self, job) -> int:
+        """Rows of a job's request that no forward in flight writes."""
+        return job.length - self.in_flight
 
     def due_jobs(self, reqs, state_of, step: int) -> list[Job]:
         """The jobs of the requests due at this step (before the spread rule)."""

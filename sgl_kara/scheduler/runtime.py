@@ -34,6 +34,7 @@ import torch
 
 from sgl_kara import _sglang as adapter
 from sgl_kara import env
+from sgl_kara.diagnostics import Diagnostics
 from sgl_kara.memory_plan import DEFAULT_RECOMPUTE_TOKENS
 from sgl_kara.model_shape import ModelShape
 from sgl_kara.policies import base as policy_base
@@ -94,8 +95,12 @@ class KaraStats:
     # ... and the time it took (part of compression_seconds)
     spread_seconds: float = 0.0
     event_max_seconds: float = 0.0  # the longest Kara work in one decode step
-    sync_violations: int = 0  # KARA_CHECK_SYNC: host waits a GPU would have had
+    # KARA_CHECK_SYNC: host waits a GPU would have had after the step's fence (on the forward
+    # in flight), and SGLang's before it (on the schedule stream only)
+    sync_violations: int = 0
     sync_examples: list = field(default_factory=list)
+    sync_pre_fence_waits: int = 0
+    sync_pre_fence_examples: list = field(default_factory=list)
     # KARA_CHECK_TP_PLAN: gathers at which every rank's digest agreed
     tp_plan_checks: int = 0
 
@@ -128,6 +133,7 @@ class KaraRuntime:
         ).kv_heads
         first_head = tp_rank * model_heads // tp_size
         self.plan_check = PlanDigest.from_env(tp_rank, tp_size, tp_group)
+        self.diagnostics = Diagnostics.from_env(tp_rank, tp_size)
         agreement = None
         if tp_size > 1:
             agreement = FailureAgreement(tp_rank, tp_size, tp_group)
@@ -144,6 +150,7 @@ class KaraRuntime:
             parts.keys,
             parts.layer_ids[0],
             self.table,
+            self.diagnostics,
         )
         spreading = spread.spreads(self.policy, cfg.spread)
         # rows admission charges for a capped spread
@@ -155,6 +162,7 @@ class KaraRuntime:
             spreading,
             self.slack,
             spread.part_size(device.type),
+            in_flight=1 if parts.overlap else 0,
         )
         self.scorer = Scorer(
             self.policy,
@@ -179,7 +187,7 @@ class KaraRuntime:
             self.recorder,
             check=self.check,
             agreement=agreement,
-            tp_rank=tp_rank,
+            diagnostics=self.diagnostics,
         )
         self.integrity = None
         if self.check:
@@ -294,7 +302,7 @@ class KaraRuntime:
         if not reqs:
             return
         tic = time.perf_counter()
-        with self._sync_check(batch):
+        with self._diagnosed(batch):
             self._observe(reqs)
             self.decode_steps += 1
             freed = self._step(batch, reqs)
@@ -326,15 +334,15 @@ class KaraRuntime:
 
     def _step(self, batch, reqs) -> int:
         """This step's compression work: spread parts, then the due event. Returns the KV slots
-        freed."""
+        freed. Work that reads only settled rows (scoring, SGLang's eviction) runs before the
+        fence; what rewrites rows and slots the forward in flight reads runs after it."""
         step = self.decode_steps
         chunks = self.planner.chunks(reqs, self.state_of, step)
         if self.plan_check is not None:
             self.plan_check.spread(chunks)
         if chunks:
             self._lockstep()
-            self._fence()
-            self.events.advance(chunks)
+            self.events.advance(chunks)  # settled rows only (plan.plan_chunks)
         jobs = self.planner.jobs(reqs, self.state_of, step)
         deferring = self.cfg.trigger in DEFERRING
         if jobs and deferring and not self._memory_binds(reqs, jobs):
@@ -346,8 +354,7 @@ class KaraRuntime:
         limit = MAX_PRESSURE_PASSES if deferring else MAX_CATCH_UP_PASSES
         while jobs:
             jobs = self._lockstep(jobs)
-            self._fence()
-            freed += self.events.run(batch, jobs)
+            freed += self.events.run(batch, jobs, self._fence, self.planner.settled)
             if self.integrity is not None:
                 self.integrity.check(reqs)
             # Catch-up: a request still due after its compression (re-prefilled after a
@@ -362,9 +369,17 @@ class KaraRuntime:
                 break
         return freed
 
+    def _diagnosed(self, batch):
+        """The step under the diagnostics asked for (sgl_kara/diagnostics; none: as it is)."""
+        if self.diagnostics is None:
+            return contextlib.nullcontext()
+        return self.diagnostics.step(self, batch)
+
     def _lockstep(self, jobs=None):
         """KARA_CHECK_TP_PLAN: the ranks agree on the plan so far, and on the event's ``jobs``,
         before work that may enter a collective (tp_lockstep.py). Returns the jobs to run."""
+        if jobs is not None and self.diagnostics is not None:
+            jobs = self.diagnostics.planned(jobs)
         if self.plan_check is not None:
             if jobs is not None:
                 jobs = self.plan_check.planned(jobs, self.parts.page_size)
@@ -375,10 +390,13 @@ class KaraRuntime:
     def _fence(self) -> None:
         """Under SGLang's overlap scheduler on CUDA the previous batch's forward may still run on
         the forward stream while this step is planned, reading the rows and slots an event
-        rewrites and writing the ring / observer state it reads: order this step's event work
-        after it on the device (stream order, as SGLang's own barrier does; the host does not
-        wait: every copy of the step is staged, staging.py). The next forward waits for this
-        stream (SGLang's run_batch)."""
+        rewrites and writing the ring / observer state and the newest row it reads: order this
+        step's event work after it on the device (stream order, as SGLang's own barrier does;
+        the host does not wait: every copy of the step is staged, staging.py, and pages are
+        freed by id). The next forward waits for this stream (SGLang's run_batch). A host wait
+        before the fence waits for the schedule stream only, not for that forward."""
+        if self.diagnostics is not None:
+            self.diagnostics.fenced()
         if self.parts.forward_stream is not None:
             torch.cuda.current_stream().wait_stream(self.parts.forward_stream)
 
@@ -408,47 +426,3 @@ class KaraRuntime:
         self.stats.recompute_fallbacks += windows
         if self.metrics is not None:
             self.metrics.fallbacks.inc(windows)
-
-    @contextlib.contextmanager
-    def _sync_check(self, batch):
-        """KARA_CHECK_SYNC: count what would make the host wait on a GPU (sync_check.py)."""
-        if not env.check_sync():
-            yield
-            return
-        from sgl_kara.scheduler.sync_check import EXAMPLES, SyncCheck
-
-        parts = self.parts
-        device = [parts.req_to_token, self.forward.offsets]
-        device += [parts.keys(i) for i in parts.layer_ids]
-        device += [parts.values(i) for i in parts.layer_ids]
-        device += adapter.batch_device_tensors(batch)
-        if self.ring is not None:
-            device += [*self.ring.buffers.values(), self.ring.row_of]
-        for req in adapter.running_requests(batch):
-            state = self.table.get(req)
-            if state is not None:
-                device += _tensors_in(state.policy_state)
-                scores = getattr(state.scoring, "scores", None)
-                if scores is not None:
-                    device.append(scores)
-        check = SyncCheck(device)
-        self.staging.on_copy = check.staged
-        try:
-            with check:
-                yield
-        finally:
-            self.staging.on_copy = None
-            self.stats.sync_violations += check.violations
-            room = EXAMPLES - len(self.stats.sync_examples)
-            self.stats.sync_examples += check.examples[: max(0, room)]
-
-
-def _tensors_in(d) -> list:
-    """Tensors in nested dicts (a policy's per-request state)."""
-    out = []
-    for v in d.values():
-        if isinstance(v, dict):
-            out += _tensors_in(v)
-        elif isinstance(v, torch.Tensor):
-            out.append(v)
-    return out

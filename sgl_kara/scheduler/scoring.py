@@ -41,6 +41,10 @@ class ScoringPass:
         self.B, self.M = slots.shape
         self.scores: torch.Tensor | None = None
         self.seen: set[int] = set()
+        self.last_layer = max(layer_ids)
+        # a recompute forward's failure inside the model, raised once the forward has left it
+        # (under tensor parallelism every rank runs the forward to the same layer: forward.py)
+        self.error: BaseException | None = None
         # A recompute forward: the window tokens' logical positions and pool slots, [B * n].
         self.positions: torch.Tensor | None = None
         self.window_slots: torch.Tensor | None = None
@@ -65,10 +69,6 @@ class ScoringPass:
             )
         self.scores[:, self.layer_index[layer_id]] = s
         self.seen.add(layer_id)
-
-    @property
-    def complete(self) -> bool:
-        return len(self.seen) == len(self.layer_index)
 
     def score_without_queries(self) -> torch.Tensor:
         for lid in self.layer_index:
@@ -229,6 +229,8 @@ class Scorer:
             sub = jobs[i : i + per]
             scoring = self.scoring_pass(sub, region_slots[i : i + per])
             self._recompute(sub, rows[i : i + per], scoring, q_lo[i : i + per], n)
+            if scoring.error is not None:
+                raise scoring.error
             out.append(scoring.result())
         return out[0] if len(out) == 1 else torch.cat(out)
 

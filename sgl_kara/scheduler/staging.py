@@ -7,28 +7,30 @@ overlap scheduler would lose exactly the steps Kara works on. ``DeviceStaging.to
 writes the values into a pinned host buffer and copies it with ``non_blocking=True``: the copy
 is queued on the stream like any kernel and the host goes on.
 
-    pinned ring    SLOTS buffers, each grown on demand and reused; slot i is written again only
-                   after the copy that last read it completed (its CUDA event; by then long
-                   done, so the host does not wait in practice)
+    pinned buffers   a pool, each buffer with the CUDA event of the copy that last read it; a
+                     copy takes a buffer whose copy has completed (``Event.query()``: asked, never
+                     waited for), else a new one -- so a step with more copies than the pool
+                     holds, or copies still queued behind the forward in flight, never waits
+                     for its own earlier copies; the pool holds at most what the busiest step
+                     needed, and a buffer too small for the values is replaced, not waited on
 
 On a CPU the host tensor is the device tensor. Every host-to-device copy of a Kara step goes
-through here (``KARA_CHECK_SYNC``, scheduler/sync_check.py, fails any other).
+through here (``KARA_CHECK_SYNC``, sgl_kara/diagnostics/sync_check.py, fails any other).
 """
 
 from __future__ import annotations
 
 import torch
 
-SLOTS = 8
+MIN_BYTES = 4096
 
 
 class DeviceStaging:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self._buffers: list[torch.Tensor | None] = [None] * SLOTS
-        self._events: list = [None] * SLOTS
-        self._next = 0
+        # [pinned uint8 buffer, the event of the copy that last read it (None: never read)]
+        self._pool: list[list] = []
         self.on_copy = None  # (host, device) -> None: the sync check's record of a copy
 
     def to_device(self, values, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -38,21 +40,37 @@ class DeviceStaging:
             if self.on_copy is not None:
                 self.on_copy(host)
             return host
-        n = host.numel()
-        slot = self._next
-        self._next = (slot + 1) % SLOTS
-        event = self._events[slot]
-        if event is not None:
-            event.synchronize()  # the copy that last read this buffer (already complete)
-        nbytes = n * host.element_size()
-        buf = self._buffers[slot]
-        if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(max(nbytes, 4096), dtype=torch.uint8, pin_memory=True)
-            self._buffers[slot] = buf
-        pinned = buf[:nbytes].view(dtype).view(host.shape)
+        nbytes = host.numel() * host.element_size()
+        entry = self._free_buffer(nbytes)
+        pinned = entry[0][:nbytes].view(dtype).view(host.shape)
         pinned.copy_(host)
         out = pinned.to(self.device, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self._events[slot] = event
+        entry[1] = event
         return out
+
+    def _free_buffer(self, nbytes: int) -> list:
+        """A pool entry no queued copy reads, holding at least ``nbytes`` (the host never
+        waits: a busy pool grows)."""
+        idle = [e for e in self._pool if e[1] is None or e[1].query()]
+        fits = [e for e in idle if e[0].numel() >= nbytes]
+        if fits:
+            return min(fits, key=lambda e: e[0].numel())
+        buf = self._pinned(max(nbytes, MIN_BYTES))
+        if idle:  # replace the largest idle buffer that is too small
+            entry = max(idle, key=lambda e: e[0].numel())
+            entry[0], entry[1] = buf, None
+            return entry
+        entry = [buf, None]
+        self._pool.append(entry)
+        return entry
+
+    @staticmethod
+    def _pinned(nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    @property
+    def buffers(self) -> int:
+        """Pinned buffers held (the most copies one step had in flight at once)."""
+        return len(self._pool)

@@ -25,9 +25,8 @@ and the first gather after a divergence sees it on every rank at once: each rank
 tie), SGLang's scheduler stops the server, and no rank is left waiting in a collective the
 others never enter.
 
-``KARA_INJECT_TP_DIVERGENCE=r`` (tests): TP rank ``r`` drops a job from the first event it
-runs, a real divergence the check must stop; ``r:prefix``: from the first event that holds a
-request whose rid starts with ``prefix`` (that request's job).
+``KARA_INJECT_TP_DIVERGENCE`` (tests, sgl_kara/diagnostics/faults.py) makes one rank's plan
+differ, a real divergence the check must stop.
 """
 
 from __future__ import annotations
@@ -74,9 +73,8 @@ class FailureAgreement:
 
 
 class PlanDigest:
-    def __init__(self, rank: int, size: int, group, inject: str | None = None):
+    def __init__(self, rank: int, size: int, group):
         self.rank, self.size, self.group = rank, size, group
-        self.inject = inject  # rid prefix of the job this rank drops once (tests)
         self.hash = hashlib.blake2b(digest_size=8)
         self.gathers = 0
 
@@ -85,15 +83,8 @@ class PlanDigest:
         """The check where ``KARA_CHECK_TP_PLAN`` asks for it and there are several ranks."""
         if size <= 1 or not env.check_tp_plan():
             return None
-        armed, prefix = env.inject_tp_divergence()
-        inject = prefix if armed == rank else None
-        logger.info(
-            "sgl_kara: TP plan check on (rank %d of %d)%s",
-            rank,
-            size,
-            "" if inject is None else "; a divergence is injected here",
-        )
-        return cls(rank, size, group, inject=inject)
+        logger.info("sgl_kara: TP plan check on (rank %d of %d)", rank, size)
+        return cls(rank, size, group)
 
     # ------------------------------------------------------------------ what is folded in
     def fold(self, *items) -> None:
@@ -101,20 +92,6 @@ class PlanDigest:
 
     def planned(self, jobs: list, page_size: int) -> list:
         """The jobs (plan.Job) an event is about to run: folded in; returned as it runs them."""
-        if self.inject is not None:
-            drop = next(
-                (j for j in jobs if str(adapter.rid(j.req)).startswith(self.inject)),
-                None,
-            )
-            if drop is not None:
-                self.inject = None
-                logger.warning(
-                    "sgl_kara: KARA_INJECT_TP_DIVERGENCE: TP rank %d drops request %s "
-                    "from its event plan",
-                    self.rank,
-                    adapter.rid(drop.req),
-                )
-                jobs = [j for j in jobs if j is not drop]
         self.fold(
             "event",
             [
