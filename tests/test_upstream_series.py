@@ -47,6 +47,10 @@ MARKERS = {
         "from sglang.srt.sampling import sampling_params",
         'hasattr(sampling_params, "register_custom_params_validator")',
     ),
+    4: (
+        "from sglang.srt.managers.scheduler import Scheduler",
+        'hasattr(Scheduler, "pre_decode_step")',
+    ),
 }
 
 
