@@ -113,7 +113,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
     ap.add_argument("--check-requests", type=int, default=5)
     ap.add_argument(
-        "--requests", type=int, default=None, help="per workload (default: all)"
+        "--requests",
+        type=int,
+        default=None,
+        help="independent: the first N requests (default: all, 150 problems in 15)",
+    )
+    ap.add_argument(
+        "--chained-requests",
+        type=int,
+        default=15,
+        help="chained: the first N requests of 12 problems (15: 180 graded problems)",
     )
     ap.add_argument("--max-new-tokens", type=int, default=3072)
     ap.add_argument(
@@ -131,9 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     common = ["--model", args.model, "--max-new-tokens", str(args.max_new_tokens)]
-    if args.requests:
-        common += ["--requests", str(args.requests)]
     common += args.extra
+    requests = {"independent": args.requests, "chained": args.chained_requests}
 
     def cell(workload: str, config: str, dtype: str) -> None:
         if args.only and config not in args.only:
@@ -151,6 +159,11 @@ def main(argv: list[str] | None = None) -> None:
                 "--out",
                 out,
                 *common,
+                *(
+                    ["--requests", str(requests[workload])]
+                    if requests[workload]
+                    else []
+                ),
             ],
         )
 

@@ -47,7 +47,6 @@ import asyncio
 import gzip
 import json
 import os
-import sys
 import time
 
 from bench.reasoning import stats
@@ -473,7 +472,7 @@ def report(args) -> list[dict]:
             f"| {fmt(r['tok_s'], '.1f')} | {fmt(r['tok_cpu_s'], '.1f')} |"
         )
     from bench.models.qwen_coder import RECIPES
-    from bench.record import stamp
+    from bench.reasoning.long_answers import run_lines
 
     model = getattr(args, "model", None)
     model = (
@@ -481,19 +480,11 @@ def report(args) -> list[dict]:
         if model in RECIPES
         else args.model_path
     )
-    runs = []  # the commands that wrote OUT, from their run records (this one if none)
-    for fname in sorted(os.listdir(args.out), key=lambda n: (len(n), n)):
-        if fname.startswith("run") and fname.endswith(".json"):
-            with open(os.path.join(args.out, fname)) as f:
-                rec = json.load(f)
-            runs.append(f"command: {rec['command']}  ({fname}, {rec['date'][:10]})")
-    runs = runs or [
-        f"command: {' '.join(['python -m bench.reasoning.gsm8k', *sys.argv[1:]])}"
-    ]
+    runs, stamp_lines = run_lines(args.out, "bench.reasoning.gsm8k")
     with open(os.path.join(args.out, "gsm8k.md"), "w") as f:
         f.write(
             "\n".join(runs)
-            + f"\n{stamp()}\nmodel: {model}\n\n"
+            + f"\n{stamp_lines}\nmodel: {model}\n\n"
             + "\n".join(lines)
             + "\n"
         )
@@ -634,9 +625,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     os.makedirs(args.out, exist_ok=True)
     if args.regrade:
         regrade(args.out)
-    args.model_path = model_path(args.model)
-    if args.report or args.regrade:
+    if (
+        args.report or args.regrade
+    ):  # the table names the model; no need for its weights
+        args.model_path = args.model
         return report(args)
+    args.model_path = model_path(args.model)
 
     from bench.reasoning import data
     from bench.record import RunRecord

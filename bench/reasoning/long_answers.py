@@ -866,25 +866,14 @@ def report(args) -> list[dict]:
             f"\\* graded by another grader than this one ({current}): "
             "`python -m bench.reasoning.long_answers --regrade DIR` grades it again",
         ]
-    from bench.record import stamp
-
-    runs = []
-    for fname in sorted(os.listdir(args.out), key=lambda n: (len(n), n)):
-        if fname.startswith("run") and fname.endswith(".json"):
-            with open(os.path.join(args.out, fname)) as fh:
-                rec = json.load(fh)
-            runs.append(f"command: {rec['command']}  ({fname}, {rec['date'][:10]})")
-    runs = runs or [
-        "command: "
-        + " ".join(["python -m bench.reasoning.long_answers", *sys.argv[1:]])
-    ]
+    runs, stamp_lines = run_lines(args.out, "bench.reasoning.long_answers")
     dtypes = sorted(
         {str(res.get("engine_options", {}).get("dtype")) for res in results.values()}
     )
     with open(os.path.join(args.out, "long_answers.md"), "w") as fh:
         fh.write(
             "\n".join(runs)
-            + f"\n{stamp()}\nmodel: {args.model} ({', '.join(dtypes)})\n"
+            + f"\n{stamp_lines}\nmodel: {args.model} ({', '.join(dtypes)})\n"
             + f"first problems: positions 1-{args.early} of each request\n\n"
             + "\n".join(lines)
             + "\n"
@@ -893,6 +882,27 @@ def report(args) -> list[dict]:
         json.dump(rows, fh, indent=1)
     print("\n".join(lines), flush=True)
     return rows
+
+
+def run_lines(out: str, module: str) -> tuple[list[str], str]:
+    """(a ``command:`` line per run record in ``out``, with its date and machine; the ``date:``
+    and ``machine:`` lines of the latest) -- the table says where its figures were measured, not
+    where it was last rewritten. Without a record: this command, today, this machine."""
+    from bench.record import stamp
+
+    runs, last = [], None
+    for fname in sorted(os.listdir(out), key=lambda n: (len(n), n)):
+        if fname.startswith("run") and fname.endswith(".json"):
+            with open(os.path.join(out, fname)) as fh:
+                rec = json.load(fh)
+            machine = rec.get("machine", {}).get("text", "?")
+            runs.append(
+                f"command: {rec['command']}  ({fname}, {rec['date'][:10]}, {machine})"
+            )
+            last = rec
+    if last is None:
+        return ["command: " + " ".join(["python -m " + module, *sys.argv[1:]])], stamp()
+    return runs, f"date: {last['date'][:10]}\nmachine: {last['machine']['text']}"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -1031,6 +1041,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         problems=sum(map(len, requests)),
         prompt_tokens=[len(p) for p in prompts],
         grader=grader_digest(),
+        independent_problems=args.problems,
         **{
             k: getattr(args, k)
             for k in (
@@ -1047,7 +1058,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "band_ratio",
                 "omp_threads",
                 "per_request",
-                "problems",
                 "instances",
             )
         },
