@@ -51,6 +51,10 @@ MARKERS = {
         "from sglang.srt.managers.scheduler import Scheduler",
         'hasattr(Scheduler, "pre_decode_step")',
     ),
+    5: (
+        "import importlib.util",
+        'importlib.util.find_spec("sglang.srt.managers.retraction_policy") is not None',
+    ),
 }
 
 
