@@ -23,6 +23,11 @@ policy), retention 1.0 against plain SGLang at TP 2, shared system prompts / ``n
 per-request options; a server under SGLang's forced retractions (every 3 forward passes) for a
 request alone against the reference, a retraction storm with aborts, and a fault on rank 1 only
 that fails its request on both ranks while the server keeps serving.
+
+Integration tier too, a TP 2 server as production runs it (overlap on, no plan digest, no
+integrity checks, recomputed queries at page 16): a fault injected on rank 1 inside the recompute
+forward ends that request with an error naming rank 1 within a bounded time, the other request
+completes compressed, the pool is whole and the server keeps serving.
 """
 
 from __future__ import annotations
@@ -601,3 +606,61 @@ def test_a_fault_on_one_rank_fails_the_request_on_both(storm_server):
     assert "Kara compression failed for request faulty-0" in log
     assert "injected fault at commit" in log  # on rank 1
     assert "PlanDivergence" not in log  # the ranks agreed: no divergence followed
+
+
+# ------------------------------------------------------------------ as production runs: no checks
+@pytest.fixture(scope="module")
+def production_tp2(tiny_llama):
+    """TP 2 as a user runs it: SGLang's overlap scheduler on, no plan digest, no integrity
+    checks; recomputed queries at page 16, a fault armed inside the recompute forward on rank 1
+    for requests named ``faulty``."""
+    srv = Server(
+        [
+            "--model-path",
+            tiny_llama,
+            "--tp-size",
+            "2",
+            *KARA_ARGS,
+            "--max-total-tokens",
+            "4096",
+            "--max-running-requests",
+            "8",
+            "--random-seed",
+            "0",
+        ],
+        timeout=600,
+        env={
+            "KARA_INJECT_FAULT_RID_PREFIX": "faulty",
+            "KARA_INJECT_FAULT_AT": "recompute",
+            "KARA_INJECT_FAULT_TP_RANK": "1",
+        },
+    )
+    yield srv
+    srv.stop()
+
+
+def test_a_fault_inside_the_recompute_forward_on_one_rank_names_it(production_tp2):
+    """A failure on rank 1 inside the recompute forward's collectives: rank 1 runs the forward to
+    the layer every rank stops at, the ranks agree on the failure, and the request ends with an
+    error naming rank 1 within a bounded time -- no rank waits in a collective the other left.
+    The other request, compressed alongside, completes; the pool is whole after; nothing here
+    ran the plan digest or an integrity check (the overlapped path as production runs it)."""
+    tic = time.time()
+    with ThreadPoolExecutor(2) as pool:
+        futs = [
+            pool.submit(_sampled, production_tp2, rid, 120)
+            for rid in ("faulty-0", "ok-0")
+        ]
+        faulty, ok = [f.result(timeout=180) for f in futs]
+    assert time.time() - tic < 180
+    assert faulty["status"] == 500, faulty
+    assert "KV compression failed: failed on tensor-parallel rank 1" in faulty["text"]
+    assert ok["status"] == 200, ok
+    assert ok["meta_info"]["completion_tokens"] == 120
+    assert ok["meta_info"]["kara"]["compressions"] >= 2, ok["meta_info"]["kara"]
+    assert "integrity_checks" not in ok["meta_info"]["kara"]  # no checks ran
+    stats = _pool_whole(production_tp2)
+    assert stats["failed_requests"] >= 1 and stats["tp_plan_checks"] == 0, stats
+    log = production_tp2.log_text()
+    assert "injected fault at recompute on tensor-parallel rank 1" in log
+    assert _sampled(production_tp2, "after-0", 40)["status"] == 200  # still serving

@@ -8,9 +8,11 @@ events with no communication (docs/TENSOR_PARALLEL.md). Two things here keep it 
 fails on one rank only (device memory, a kernel error) must fail on every rank, or one rank
 rewrites a row the others leave as it was. Before a chunk commits, the ranks all-reduce one flag
 per rank over SGLang's TP CPU group: a chunk failed anywhere is undone everywhere, and the retry
-that finds the failing request runs alike on every rank. Failures before scoring (nothing there reads
-rank-local data) and inside a recompute forward's collectives (SGLang's own forward has the same
-limit) are outside what it can agree on.
+that finds the failing request runs alike on every rank. A failure of Kara's scoring inside a
+recompute forward is held until every rank has left the forward at the same layer
+(scheduler/forward.py), then agreed on like any other; a failure of SGLang's own code inside
+that forward on one rank is outside what it can agree on (SGLang's own forwards have the same
+limit: the rank's scheduler process ends, and the server with it).
 
 ``PlanDigest`` (``KARA_CHECK_TP_PLAN=1``; on in every TP test) verifies the lockstep while
 serving: each rank folds what it is about to run into a running digest -- the requests,
