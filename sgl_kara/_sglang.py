@@ -621,7 +621,8 @@ class SchedulerParts:
     tp_group: object | None = None  # the TP group's CPU (gloo) side
 
     @classmethod
-    def of(cls, scheduler, default_recompute_tokens: int) -> SchedulerParts:
+    def of(cls, scheduler, recompute_tokens_of) -> SchedulerParts:
+        """``recompute_tokens_of(chunked_prefill_size)``: tokens per recompute forward."""
         allocator = scheduler.token_to_kv_pool_allocator
         kv_pool = allocator.get_kvcache()
         runner = scheduler.tp_worker.model_runner
@@ -647,7 +648,7 @@ class SchedulerParts:
             overlap=overlap,
             max_running=int(scheduler.max_running_requests),
             pool_tokens=int(scheduler.max_total_num_tokens),
-            recompute_tokens=chunk if chunk and chunk > 0 else default_recompute_tokens,
+            recompute_tokens=recompute_tokens_of(chunk),
             metrics=bool(server_arg(args, "enable_metrics", False)),
             server_args=args,
             tp_rank=tp_rank,

@@ -11,11 +11,18 @@ the pool alone:
                    (the recompute token budget over the query window: events are scored,
                    selected and compacted a chunk at a time, scheduler/events.py) x layers x
                    H_kv x region entries x EVENT_BYTES_PER_SCORE
-    spread_scores  ``--kara-spread even``: the partial scores of every upcoming window being
-                   scored, float32 [layers, H_kv, region] per request, for at most the running
+    spread_scores  the partial scores of every window scored ahead of its compaction (``--kara-
+                   spread even``'s parts, and an event's settled queries, scored before the step's
+                   fence), float32 [layers, H_kv, region] per request, for at most the running
                    requests and at most as many as the pool holds whole regions
     observer       a decode observer's state and workspace (H2O: ``policies/h2o.py``
                    ``observer_bytes``)
+    recompute_activations
+                   a policy that scores with queries: one recompute forward's activations
+                   (``recompute_tokens`` tokens through a layer: the residual stream, q / k / v,
+                   the attention output, the MLP's gate, up and activation), held by the caching
+                   allocator's pool of the stream the forward runs on (the schedule stream:
+                   SGLang plans its own forward's activations on the forward stream only)
 
 On CUDA the sum is taken from the KV pool's share of the GPU (``reserve_device_memory``: a lower
 ``--mem-fraction-static``); on CPU it joins the RAM check of the CPU serving kit.
@@ -43,6 +50,20 @@ EVENT_BYTES_PER_SCORE = 32
 SPREAD_BYTES_PER_SCORE = 4  # a spread job's float32 partial sum
 # SGLang's token budget of one forward when --chunked-prefill-size does not set it.
 DEFAULT_RECOMPUTE_TOKENS = 8192
+# Most tokens one recompute forward takes (and one event chunk's query windows): its activations
+# are planned beside the pool; on a GPU a forward of this many tokens is far past the roofline
+# ridge (docs/GPU.md, "Scoring cost on a GPU"), so splitting a larger budget costs no weight read
+# that matters.
+MAX_RECOMPUTE_TOKENS = 2048
+
+
+def recompute_tokens(chunked_prefill_size: int | None) -> int:
+    """Tokens per recompute forward: SGLang's chunked-prefill budget (its default when unset),
+    at most MAX_RECOMPUTE_TOKENS."""
+    budget = (
+        chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else 0
+    )
+    return min(budget or DEFAULT_RECOMPUTE_TOKENS, MAX_RECOMPUTE_TOKENS)
 
 
 @dataclass(frozen=True)
@@ -56,7 +77,10 @@ class KaraFootprint:
     recompute_tokens: int  # tokens per recompute forward and per event chunk's queries
     ring_rows: int = 0
     ring_capacity: int = 0
-    spread: bool = False
+    spread: bool = False  # windows are scored ahead (spread parts, settled queries)
+    recomputes: bool = (
+        False  # the policy scores with queries (a recompute forward may run)
+    )
 
     @property
     def event_requests(self) -> int:
@@ -93,6 +117,11 @@ def kara_memory(
         else 0,
         "observer": observer(shape, itemsize, plan.pool_tokens, plan.running)
         if observer is not None
+        else 0,
+        "recompute_activations": plan.recompute_tokens
+        * shape.activation_elements_per_token()
+        * itemsize
+        if plan.recomputes
         else 0,
     }
 

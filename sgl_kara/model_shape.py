@@ -43,6 +43,10 @@ class ModelShape:
     mla_rank: int = 0
     other_layers: tuple = ()
     tp_size: int = 1  # the tensor-parallel degree this shape is one rank of
+    hidden: int = 0  # the residual stream's width (every rank holds it whole)
+    intermediate: int = (
+        0  # the MLP's width a token passes through on this rank (MoE: its experts')
+    )
 
     @classmethod
     def from_model_path(
@@ -103,6 +107,10 @@ class ModelShape:
         vocab = int(getattr(text, "vocab_size", 0) or 0)
         hidden = int(getattr(text, "hidden_size", 0) or 0)
         others = {k for k in kinds if k not in ("full_attention", *LOCAL_LAYER_KINDS)}
+        dense = int(getattr(text, "intermediate_size", 0) or 0)
+        experts = int(getattr(text, "num_experts_per_tok", 0) or 0) * int(
+            getattr(text, "moe_intermediate_size", 0) or 0
+        )
         return cls(
             layers=int(text.num_hidden_layers),
             q_heads=q_heads,
@@ -119,6 +127,8 @@ class ModelShape:
             local_window=int(window or 0) if local else 0,
             mla_rank=int(getattr(text, "kv_lora_rank", 0) or 0),
             other_layers=tuple(sorted(others)),
+            hidden=hidden,
+            intermediate=max(dense, experts),
         )
 
     def per_rank(self, tp_size: int) -> ModelShape:
@@ -134,6 +144,7 @@ class ModelShape:
             parameters=-(-self.parameters // tp_size),
             lm_head_elements=-(-self.lm_head_elements // tp_size),
             tp_size=tp_size,
+            intermediate=-(-self.intermediate // tp_size),
         )
 
     def itemsize(self, dtype: str | None) -> int:
@@ -149,6 +160,13 @@ class ModelShape:
         return ring_bytes(
             rows, capacity, [(self.q_heads, self.head_dim)] * self.layers, itemsize
         )
+
+    def activation_elements_per_token(self) -> int:
+        """Elements a token's forward holds at once through one layer on this rank: the
+        residual, the hidden state and its norm (3 hidden), q, k and v and the attention output
+        ((2 H_q + 2 H_kv) D), the MLP's gate and up and their product (3 intermediate)."""
+        attention = (2 * self.q_heads + 2 * self.kv_heads) * self.head_dim
+        return 3 * self.hidden + attention + 3 * self.intermediate
 
     def weight_bytes(self, itemsize: int) -> int:
         """Bytes of the weights served at ``itemsize`` per element."""

@@ -20,12 +20,12 @@ from sgl_kara.config import KaraConfig
 from sgl_kara.memory_plan import (
     CPU_RING_SHARE,
     CUDA_RING_SHARE,
-    DEFAULT_RECOMPUTE_TOKENS,
     KaraFootprint,
     NoPoolLeft,
     available_ram_bytes,
     device_share,
     plan_text,
+    recompute_tokens,
     sglang_max_running,
 )
 from sgl_kara.model_shape import ModelShape, ring_rows
@@ -386,15 +386,17 @@ def footprint(
     )
     chunk = getattr(server_args, "chunked_prefill_size", None)
     rows = planned_ring_rows(server_args, cfg) if cfg.query_source == "capture" else 0
+    policy = cfg.policy_class
     return KaraFootprint(
         pool_tokens=pool_tokens,
         running=int(running),
         region_tokens=region_tokens(cfg),
         query_tokens=query_tokens(cfg),
-        recompute_tokens=chunk if chunk and chunk > 0 else DEFAULT_RECOMPUTE_TOKENS,
+        recompute_tokens=recompute_tokens(chunk),
         ring_rows=rows,
         ring_capacity=cfg.query_ring_capacity,
-        spread=spreads(cfg),
+        spread=spreads(cfg) or (policy.needs_queries and not policy.observes_decode),
+        recomputes=policy.needs_queries,
     )
 
 

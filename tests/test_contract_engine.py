@@ -42,7 +42,10 @@ def test_recompute_pass_is_split_by_chunked_prefill_size(tokens, jobs, forwards)
 
     def scoring_pass(sub, slots):
         return SimpleNamespace(
-            jobs=sub, slots=slots, result=lambda: slots[:, None, None, :].float()
+            jobs=sub,
+            slots=slots,
+            result=lambda: slots[:, None, None, :].float(),
+            error=None,
         )
 
     def recompute(sub, rows, scoring, q_lo, n):

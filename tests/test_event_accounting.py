@@ -23,11 +23,13 @@ def _runner(compress, free=1000, recompute_tokens=8192):
         page_size=1,
         available=lambda: free,
         evictable=lambda: 0,
+        reserve=lambda n: None,
         recompute_tokens=recompute_tokens,
         req_to_token=torch.zeros(2, 8, dtype=torch.int32),
     )
     rt = SimpleNamespace(stats=KaraStats(), parts=parts)
-    runner = EventRunner(None, parts, None, None, DeviceStaging("cpu"), rt.stats)
+    policy = SimpleNamespace(needs_queries=False, observes_decode=False)
+    runner = EventRunner(policy, parts, None, None, DeviceStaging("cpu"), rt.stats)
     runner._compress = compress
     return rt, runner
 

@@ -35,7 +35,7 @@ import torch
 from sgl_kara import _sglang as adapter
 from sgl_kara import env
 from sgl_kara.diagnostics import Diagnostics
-from sgl_kara.memory_plan import DEFAULT_RECOMPUTE_TOKENS
+from sgl_kara.memory_plan import recompute_tokens
 from sgl_kara.model_shape import ModelShape
 from sgl_kara.policies import base as policy_base
 from sgl_kara.policies.base import RowView
@@ -112,9 +112,7 @@ class KaraRuntime:
     def __init__(self, cfg, scheduler):
         self.cfg = cfg
         self.policy = cfg.make_policy()
-        parts = self.parts = adapter.SchedulerParts.of(
-            scheduler, DEFAULT_RECOMPUTE_TOKENS
-        )
+        parts = self.parts = adapter.SchedulerParts.of(scheduler, recompute_tokens)
         self.table = RequestTable()
         self.stats = KaraStats()
         self.metrics = None
