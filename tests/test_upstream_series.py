@@ -55,6 +55,14 @@ MARKERS = {
         "import importlib.util",
         'importlib.util.find_spec("sglang.srt.managers.retraction_policy") is not None',
     ),
+    6: (
+        "from sglang.srt.layers import radix_attention",
+        'hasattr(radix_attention, "register_attention_observer")',
+    ),
+    7: (
+        "from sglang.srt.model_executor.forward_batch_info import ForwardBatch",
+        'hasattr(ForwardBatch, "kv_already_cached")',
+    ),
 }
 
 
