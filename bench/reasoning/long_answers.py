@@ -1032,7 +1032,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ) as fh:
         json.dump(requests, fh)  # the problems as asked, golds included
     record = RunRecord(args.out, argv, name=gsm8k._record_path(args.out))
+    import sgl_kara
+
     record.note(
+        code=os.path.dirname(os.path.dirname(os.path.abspath(sgl_kara.__file__))),
         workload=args.workload,
         problems_from=f"GSM8K test problems ({data.PACKAGE}=={data.VERSION}) and "
         f"{args.instances} template instances (seed {args.instance_seed}), shuffle seed "
