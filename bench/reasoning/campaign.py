@@ -6,7 +6,7 @@ both workloads, most informative first, one engine (model load) per configuratio
     OUT/independent-<dtype>/    bench.reasoning.long_answers --workload independent
     OUT/chained-<dtype>/        bench.reasoning.long_answers --workload chained
     OUT/dtype-check/decision.md bfloat16 against float32 on the same problems, and the choice
-    OUT/campaign.log            what ran when
+    OUT/campaign.txt            what ran when
 
 Order: independent full KV in bfloat16 (also the check's bfloat16 side), the check in float32, the
 decision; then independent Kara and StreamingLLM, chained full KV, Kara and StreamingLLM, then
@@ -82,7 +82,7 @@ def plan(first: tuple[str, ...] = FIRST) -> list[tuple[str, str]]:
 def log(out: str, message: str) -> None:
     line = f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC  {message}"
     print(line, flush=True)
-    with open(os.path.join(out, "campaign.log"), "a") as f:
+    with open(os.path.join(out, "campaign.txt"), "a") as f:
         f.write(line + "\n")
 
 
