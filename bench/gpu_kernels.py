@@ -1,6 +1,7 @@
 """Every Triton kernel of sgl_kara at serving shapes on one GPU, without SGLang.
 
-    python bench/gpu_kernels.py --out DIR           # CUDA: Llama-3-8B, Qwen3-8B, Qwen3-0.6B shapes
+    python bench/gpu_kernels.py --out DIR           # CUDA: Llama-3-8B, Qwen3-8B, Qwen3-0.6B shapes,
+                                                    # and Qwen3-8B / Llama-3-70B ranks at TP 2 and 8
     python bench/gpu_kernels.py --small --out DIR   # tiny shapes, Triton interpreter on CPU
     python -m bench.gpu_kernels --small --reference --out DIR   # + each kernel timed against its reference
 
@@ -8,13 +9,15 @@
 runs where only torch, triton and this repository are at hand.)
 
 Imports torch, triton and sgl_kara's kernels, policies, compaction and warm-up only (none of them
-imports SGLang), so it runs in a venv that has torch and triton alone. For each model shape
-(bf16; Kara's W = 512, U = 32, r = 0.25: regions of 480 keys keeping 120; SnapKV's default
-threshold region; B requests per event, as many as a quarter of the free device memory holds,
-at most 64) it runs the start-up warm-up (scheduler/warm_up.py), then each kernel once against its
-torch reference -- compaction and slot copies bit-exact against the kernels' documented effect,
-scores within the dtype's tolerance (TOL) of the fp32 torch reference -- and times it (CUDA
-events, median of REPS). It reports achieved GB/s (compulsory bytes: what the kernel must read
+imports SGLang), so it runs in a venv that has torch and triton alone. For each shape (SHAPES: the
+models served on one GPU, and one tensor-parallel rank of Qwen3-8B and Llama-3-70B at TP 2 and 8,
+whose query and KV heads are the model's divided by TP, at least one KV head; bf16; Kara's
+W = 512, U = 32, r = 0.25: regions of 480 keys keeping 120, and a spread part of PART_SIZE["cuda"]
+= 256 queries against them; SnapKV's default threshold region; B requests per event, as many as a
+quarter of the free device memory holds, at most 64) it runs the start-up warm-up
+(scheduler/warm_up.py), then each kernel once against its torch reference -- compaction and slot
+copies bit-exact against the kernels' documented effect, scores within the dtype's tolerance (TOL)
+of the fp32 torch reference -- and times it (CUDA events, median of REPS). It reports achieved GB/s (compulsory bytes: what the kernel must read
 and write) against the GPU's nominal memory bandwidth and a measured device copy, and whether any
 launch after the warm-up compiled a kernel. Beside the kernels, the attention of a recompute forward
 (the extend pass that recomputes a window's queries) at the shapes bench/scoring_cost.py prices
@@ -46,17 +49,55 @@ MODELS = {
     "Qwen3-0.6B": dict(layers=28, q_heads=16, kv_heads=8, head_dim=128),
 }
 SMALL_MODELS = {"tiny-gqa": dict(layers=2, q_heads=4, kv_heads=2, head_dim=16)}
+# Models served with tensor parallelism (their published configs) and the tensor-parallel sizes
+# whose per-rank shapes run here beside MODELS (TP 1 of these is a shape of MODELS' kind: 8 KV
+# heads, query heads a multiple of 16).
+TP_MODELS = {
+    "Qwen3-8B": dict(layers=36, q_heads=32, kv_heads=8, head_dim=128),
+    "Llama-3-70B": dict(layers=80, q_heads=64, kv_heads=8, head_dim=128),
+}
+RANK_TPS = (2, 8)
+
+
+def per_rank(spec: dict, tp: int) -> dict:
+    """One tensor-parallel rank's shape: q_heads / tp query heads and max(1, kv_heads / tp) KV
+    heads (SGLang replicates a KV head over the ranks when tp exceeds the KV heads)."""
+    if tp < 1 or spec["q_heads"] % tp:
+        raise ValueError(
+            f"tp must divide the query heads ({spec['q_heads']}), got {tp}"
+        )
+    return dict(
+        spec, q_heads=spec["q_heads"] // tp, kv_heads=max(1, spec["kv_heads"] // tp)
+    )
+
+
+RANK_SHAPES = {
+    f"{name} TP{tp}": per_rank(spec, tp)
+    for name, spec in TP_MODELS.items()
+    for tp in RANK_TPS
+}
+SHAPES = {**MODELS, **RANK_SHAPES}  # what a CUDA run covers
 KARA = dict(window=512, buffer=32, retention=0.25, period=128)
 SMALL_KARA = dict(window=32, buffer=4, retention=0.25, period=8)
 SNAPKV = dict(threshold=1280, budget=1024, window=32)
 SMALL_SNAPKV = dict(threshold=40, budget=20, window=4)
 MAX_BATCH, SMALL_BATCH = 64, 3
 # The attention of a recompute forward (the extend pass that scores a window from recomputed
-# queries): (requests, query tokens each, cached context each). A spread part (a few requests x
-# 32 queries), the parts of one step at 256 running, one whole window, the windows of a server
-# due step; contexts of an H100's pool shared by 64 / 256 requests (bench/scoring_cost.py).
-RECOMPUTE = [(3, 32, 6144), (9, 32, 1536), (1, 512, 6144), (16, 512, 6144)]
+# queries): (requests, query tokens each, cached context each). Spread parts of 32 queries (the
+# CPU's part size: a few requests' parts, the parts of one step at 256 running) and of 256 (CUDA's:
+# a forward carries 292 query tokens at 64 running, 416 at 256), one whole window, the windows of
+# a server due step; contexts of an H100's pool shared by 64 / 256 requests
+# (bench/scoring_cost.py).
+RECOMPUTE = [
+    (3, 32, 6144),
+    (9, 32, 1536),
+    (1, 256, 6144),
+    (2, 256, 1536),
+    (1, 512, 6144),
+    (16, 512, 6144),
+]
 SMALL_RECOMPUTE = [(2, 4, 40), (1, 16, 40)]
+SMALL_PART = 8  # queries of a spread part at the small shapes (W = 32)
 TAIL = 64  # rows per request moved by slot copies (a page-aligned tail)
 REPS, SMALL_REPS = 10, 0  # 0: the first (checked) launch is the only one
 # max |kernel - reference| / max |reference| per query dtype (fp32 accumulation in both).
@@ -64,9 +105,9 @@ TOL = {"float32": 1e-4, "bfloat16": 2e-3, "float16": 2e-3}
 # Pessimistic rates for the time bound (an H100 does better on each).
 EST_BYTES_PER_S = 0.5e12
 EST_FLOPS_PER_S = 10e12
-# per compiled specialisation (measured ~0.5-2 s for kernels this size)
+# per compiled specialisation (measured ~0.5-2 s for kernels this size); specialisations() counts
+# them over the shapes
 EST_COMPILE_S = 4.0
-SPECIALISATIONS = 15  # per model: warm-up (both policies, slot-copy classes), mixed dtypes, staged copy
 EST_START_S = 20.0  # CUDA context, imports
 
 
@@ -83,11 +124,21 @@ def snapkv_shape(small: bool) -> tuple[int, int, int]:
     return o["window"], o["threshold"] + 1 - o["window"], o["budget"] - o["window"]
 
 
+def part_size(small: bool) -> int:
+    """Queries of a spread part: CUDA's (scheduler/spread.py's PART_SIZE), or SMALL_PART."""
+    if small:
+        return SMALL_PART
+    from sgl_kara.scheduler.spread import PART_SIZE
+
+    return PART_SIZE["cuda"]
+
+
 def plan(small: bool, batch: int | None = None) -> list[dict]:
     """One row per (model, kernel): shapes, compulsory bytes and FLOPs of one launch."""
-    models = SMALL_MODELS if small else MODELS
+    models = SMALL_MODELS if small else SHAPES
     b = batch or (SMALL_BATCH if small else MAX_BATCH)
     w, m, k = kara_shape(small)
+    part = part_size(small)
     sw, sm, _ = snapkv_shape(small)
     rows = []
     for name, s in models.items():
@@ -100,6 +151,13 @@ def plan(small: bool, batch: int | None = None) -> list[dict]:
                 B=b,
                 bytes=b * (w * hq * d * item + m * row),
                 flops=2 * 2 * b * hq * w * m * d,
+            ),
+            dict(
+                model=name,
+                kernel=PART_KERNEL,
+                B=b,
+                bytes=b * (part * hq * d * item + m * row),
+                flops=2 * 2 * b * hq * part * m * d,
             ),
             dict(
                 model=name,
@@ -150,6 +208,9 @@ def plan(small: bool, batch: int | None = None) -> list[dict]:
     return rows
 
 
+PART_KERNEL = "kara window scores, a spread part"
+
+
 def recompute_kernel(requests: int, queries: int, context: int) -> str:
     return f"recompute attention {requests} x {queries} over {context} (torch sdpa)"
 
@@ -164,16 +225,62 @@ def pool_bytes(spec: dict, slots: int) -> int:
     return 2 * spec["layers"] * slots * spec["kv_heads"] * spec["head_dim"] * 2
 
 
+def _int_class(n: int) -> str:
+    """Triton's specialisation of an integer argument: equal to 1, divisible by 16, or neither."""
+    return "1" if n == 1 else "16" if n % 16 == 0 else "-"
+
+
+def specialisations(
+    shapes,
+    score_dtypes=(("bf16", "bf16"), ("fp16", "bf16")),
+    slot_dtypes=("int64",),
+) -> set[tuple]:
+    """The kernels Triton compiles for ``shapes`` (dicts of layers, q_heads, kv_heads, head_dim;
+    a bf16 pool): one per kernel, argument dtypes, constexprs and class (``_int_class``) of each
+    specialised integer. Scores (``score_dtypes``: (queries, keys); ``slot_dtypes``: the region
+    slots' index dtype) specialise on the query heads, the group and (the second pass) the KV
+    heads; compaction on the layers and the KV heads; the slot copies on a slot's row (KV heads x
+    head dim) and their block. What varies per event (window, region, kept and slot counts, their
+    strides) is never specialised (``do_not_specialize``), nor are the strides that are multiples
+    of the head dim (always divisible by 16)."""
+    keys = set()
+    for s in shapes:
+        L, hq, hkv, d = s["layers"], s["q_heads"], s["kv_heads"], s["head_dim"]
+        group = hq // hkv
+        for qd, kd in score_dtypes:
+            for sd in slot_dtypes:
+                keys.add(("lse", qd, kd, sd, _int_class(hq), _int_class(group), d))
+                keys.add(
+                    (
+                        "colsum",
+                        qd,
+                        kd,
+                        sd,
+                        _int_class(hq),
+                        _int_class(hkv),
+                        _int_class(group),
+                        d,
+                    )
+                )
+        keys.add(("compact", d, _int_class(L), _int_class(hkv)))
+        row = hkv * d
+        block = min(1024, 1 << (row - 1).bit_length())
+        for kernel in ("copy_rows", "gather_rows", "scatter_rows"):
+            keys.add((kernel, block, _int_class(row)))
+    return keys
+
+
 def estimate_seconds(small: bool = False, batch: int | None = None) -> float:
     """Upper bound of a CUDA run: start-up, per model the pool's initialisation, the references
     (a few x the kernel's bytes, FLOPs at a pessimistic fp32 rate), REPS + 2 launches per kernel,
-    and every specialisation compiled once (warm-up, plus the mixed-dtype scores)."""
+    and every specialisation compiled once (``specialisations``: warm-up and events, plus the
+    mixed-dtype scores)."""
     b = batch or MAX_BATCH
     total = EST_START_S
-    models = SMALL_MODELS if small else MODELS
+    models = SMALL_MODELS if small else SHAPES
     for spec in models.values():
         total += 3 * pool_bytes(spec, pool_slots(small, b)) / EST_BYTES_PER_S
-        total += SPECIALISATIONS * EST_COMPILE_S
+    total += len(specialisations(models.values())) * EST_COMPILE_S
     for r in plan(small, b):
         total += (REPS + 2 + 4) * r["bytes"] / EST_BYTES_PER_S + (REPS + 2 + 2) * r[
             "flops"
@@ -291,7 +398,7 @@ def choose_batch(small: bool) -> int:
     if small or not torch.cuda.is_available():
         return SMALL_BATCH if small else MAX_BATCH
     free = torch.cuda.mem_get_info()[0]
-    spec = max(MODELS.values(), key=lambda s: s["layers"])
+    spec = max(SHAPES.values(), key=lambda s: pool_bytes(s, 1))
     b = MAX_BATCH
     while b > 1 and pool_bytes(spec, pool_slots(False, b)) > free / 4:
         b //= 2
@@ -386,11 +493,11 @@ def run_model(
         ms = timed(lambda: policy.score(inp), first)
         return err, first, ms
 
-    # Kara scores (bf16 queries and keys); the fp16-query case runs after the event launches.
-    kreg = [Region(0, m, k, 0, w)] * batch
-
-    def kara_scores(kernel, qd):
-        q = torch.randn(batch, w, hq, d, device=dev, generator=g).to(qd)
+    # Kara scores (bf16 queries and keys) of n queries (a window, a spread part); the fp16-query
+    # case runs after the event launches.
+    def kara_scores(kernel, qd, n=w):
+        q = torch.randn(batch, n, hq, d, device=dev, generator=g).to(qd)
+        kreg = [Region(0, m, k, 0, n)] * batch
         err, first, ms = scores_check(
             kara, q, region, kreg, lambda: window_scores_paged_ref(q, kb[0], region)
         )
@@ -398,6 +505,8 @@ def run_model(
         record(kernel, err <= tol, first, ms, rel_err=err, tol=tol)
 
     kara_scores("kara window scores", dtype)
+    # A spread part: its queries against the whole region (an event launch: the warm-up's kernel).
+    kara_scores(PART_KERNEL, dtype, part_size(small))
     # SnapKV scores: its observation window against its first due region.
     sregion = blocks[:, :sm]
     q = torch.randn(batch, sw, hq, d, device=dev, dtype=dtype, generator=g)
@@ -757,7 +866,7 @@ def main(argv=None) -> int:
         head["nominal_gb_s"] = None if nominal is None else round(nominal / 1e9)
         head["copy_gb_s"] = round(measured_copy_bandwidth(timer, 1 << 30) / 1e9)
     rows = []
-    for name, spec in (SMALL_MODELS if args.small else MODELS).items():
+    for name, spec in (SMALL_MODELS if args.small else SHAPES).items():
         try:
             rows += run_model(name, spec, args.small, batch, timer, head["reps"], dev)
             rows += run_recompute(name, spec, args.small, timer, head["reps"], dev)

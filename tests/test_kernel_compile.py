@@ -14,11 +14,14 @@ of the scoring kernels, which the Triton interpreter never takes (it widens bf16
 compiled and must lower to tensor-core MMAs on that dtype.
 
 Matrix: fp16 and bf16 models (queries and pool in the model's dtype), head dims 64 / 128 / 256
-(``bench/gpu_kernels.py``'s three serving shapes at 128, plus a 64 and a 256 shape), the mixed
+(``bench/gpu_kernels.py``'s shapes at 128 -- three models on one GPU, and one rank of Qwen3-8B and
+Llama-3-70B at TP 2 and 8: 16 / 32 query heads over 4 KV heads, 4 / 8 over one -- plus a 64 and a
+256 shape), whole windows and spread parts of ``PART_SIZE["cuda"]`` queries, the mixed
 fp16-query / bf16-pool scores at bench's shapes (head dim 128: the fp32-dot branch, whose compile
 is the slowest), compaction of every model's layer count, slot copies both disjoint and staged.
 fp32 models, fp8 pools and the mixed scores at head dims 64 / 256 are left out (the one-minute
-budget of the default suite on two cores). One worker process per target, both at once, each with
+budget of the default suite on two cores). The kernels compiled for bench's bf16 launches are
+the ones ``bench/gpu_kernels.specialisations`` counts for its time bound. One worker process per target, both at once, each with
 a fresh Triton cache (nothing carried between runs). A worker is
 ``python tests/test_kernel_compile.py --arch 90 --out FILE``. Every ``@triton.jit`` function of
 ``sgl_kara.kernels`` must be reached by some launch: a kernel added without a launcher in the
@@ -59,7 +62,7 @@ WORKER_TIMEOUT_S = 300
 def _models() -> dict:
     from bench import gpu_kernels
 
-    return {**gpu_kernels.MODELS, **EXTRA_MODELS}
+    return {**gpu_kernels.SHAPES, **EXTRA_MODELS}
 
 
 def _launch_matrix(case: list) -> list[dict]:
@@ -75,6 +78,7 @@ def _launch_matrix(case: list) -> list[dict]:
 
     dev, b = "meta", gk.MAX_BATCH
     w, m, k = gk.kara_shape(False)
+    part = gk.part_size(False)
     sw, sm, _ = gk.snapkv_shape(False)
     slots = gk.pool_slots(False, b)
     errors = []
@@ -110,9 +114,9 @@ def _launch_matrix(case: list) -> list[dict]:
                     page_size=64,
                 )
             # bench's mixed case (fp16 queries, bf16 pool: a --kv-cache-dtype) at its shapes
-            mixed = dtype == torch.bfloat16 and name in gk.MODELS
+            mixed = dtype == torch.bfloat16 and name in gk.SHAPES
             for qd in (dtype, torch.float16) if mixed else (dtype,):
-                for qw, qm in ((w, m), (sw, sm)):
+                for qw, qm in ((w, m), (part, m), (sw, sm)):
                     run(
                         f"{tag} scores q {str(qd).split('.')[-1]} W={qw} M={qm}",
                         window_scores_paged,
@@ -323,6 +327,23 @@ def test_mixed_dtype_scores_take_the_exact_fp32_dot(compiled, arch):
     assert ("*fp16", 128) in scores, sorted(scores)
     for by_kernel in scores.values():
         assert not any({"bf16", "f16"} & set(m) for m in by_kernel.values())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bench_time_bound_counts_every_compile(compiled, arch):
+    """bench/gpu_kernels.py bounds its run by the kernels it compiles (``specialisations``, from
+    Triton's rules restated): exactly the ones Triton compiled here for its bf16 shapes."""
+    from bench import gpu_kernels as gk
+
+    tags = tuple(f"{name} bfloat16 " for name in gk.SHAPES)
+    bench = [
+        c
+        for c in compiled[arch]["compiled"]
+        if any(case.startswith(tags) for case in c["cases"])
+    ]
+    assert len(bench) == len(gk.specialisations(gk.SHAPES.values())), sorted(
+        (c["kernel"], str(c["constexprs"])) for c in bench
+    )
 
 
 @pytest.mark.parametrize("arch", ARCHS)
