@@ -63,6 +63,14 @@ MARKERS = {
         "from sglang.srt.model_executor.forward_batch_info import ForwardBatch",
         'hasattr(ForwardBatch, "kv_already_cached")',
     ),
+    8: (
+        "from sglang.srt.mem_cache.memory_pool import ReqToTokenPool",
+        'hasattr(ReqToTokenPool, "enable_position_offsets")',
+    ),
+    9: (
+        "from sglang.srt.managers.schedule_batch import ScheduleBatch",
+        'hasattr(ScheduleBatch, "release_kv_tail")',
+    ),
 }
 
 
