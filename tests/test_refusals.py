@@ -474,8 +474,9 @@ def test_cpu_memory_check_counts_karas_event_and_observer_memory(
     """The RAM check adds one event chunk's scores (32 bytes per region entry, layer and KV head,
     for as many requests as one recompute forward's token budget scores, at most the running
     ones), the spread jobs' partial scores (4 bytes per entry, for every running request holding
-    a whole region) and H2O's observer memory; a machine that holds everything but that is
-    refused, naming it."""
+    a whole region), one recompute forward's activations (a policy that scores with queries)
+    and H2O's observer memory; a machine that holds everything but that is refused, naming
+    it."""
     from sgl_kara.cpu import server as cpu_server
     from sgl_kara.cpu.memory import MemoryConfigError, check_cpu_fit
     from sgl_kara.model_shape import ModelShape
@@ -510,16 +511,26 @@ def test_cpu_memory_check_counts_karas_event_and_observer_memory(
     h2o = KaraConfig.build(policy="h2o")
     prepare(args(), h2o)
     region = h2o.options.threshold + 1  # C_max + 1 entries per request
-    chunk = min(8, 8192 // h2o.options.window)  # requests one recompute budget scores
+    budget = 2048  # tokens of one recompute forward (memory_plan.MAX_RECOMPUTE_TOKENS)
+    chunk = min(8, budget // h2o.options.window)  # requests one recompute budget scores
     scores = chunk * region * per_entry * 32
     observer = H2OPolicy.observer_bytes(shape, 4, 4096, 8)
     assert seen["kara_workspace"] == scores + observer and observer > 0
     kara = KaraConfig.build(policy="kara", query_source="recompute")
     prepare(args(), kara)
     window = kara.options.window
-    event = min(8, 8192 // window) * window * per_entry * 32
+    event = min(8, budget // window) * window * per_entry * 32
     spread = min(8, 4096 // window) * window * per_entry * 4  # --kara-spread even
-    assert seen["kara_workspace"] == event + spread
+    # the recompute forward through one layer: residual, hidden and its norm, q / k / v and the
+    # attention output, the MLP's gate, up and product (float32), from the model's config
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(tiny_llama)
+    d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    heads = 2 * c.num_attention_heads + 2 * c.num_key_value_heads
+    per_token = 3 * c.hidden_size + heads * d + 3 * c.intermediate_size
+    activations = budget * per_token * 4
+    assert seen["kara_workspace"] == event + spread + activations
     without = sum(check_cpu_fit(shape, 4, 4096, 0, 0, 1 << 40).values())
     check_cpu_fit(
         shape,

@@ -237,6 +237,7 @@ def _fault_scenario(rank: int, group, layout: str, agree: str) -> dict:
     from test_event_transaction import plan, world
 
     from sgl_kara.scheduler.events import EventRunner
+    from sgl_kara.diagnostics import Diagnostics
     from sgl_kara.scheduler.scoring import Scorer
     from sgl_kara.scheduler.staging import DeviceStaging
     from sgl_kara.scheduler.tp_lockstep import FailureAgreement
@@ -248,16 +249,6 @@ def _fault_scenario(rank: int, group, layout: str, agree: str) -> dict:
             r.kara.budget = 12
     victim = reqs[1]
     staging = DeviceStaging("cpu")
-    runner = EventRunner(
-        rt.policy,
-        rt.parts,
-        Scorer(rt.policy, rt.parts, rt.forward, None, staging),
-        rt.forward,
-        staging,
-        rt.stats,
-        agreement=FailureAgreement(rank, 2, group) if agree == "agreed" else None,
-        tp_rank=rank,
-    )
     fault = {
         "KARA_INJECT_FAULT_RID_PREFIX": victim.rid,
         "KARA_INJECT_FAULT_AT": "commit",
@@ -265,6 +256,16 @@ def _fault_scenario(rank: int, group, layout: str, agree: str) -> dict:
     }
     os.environ.update(fault)
     try:
+        runner = EventRunner(
+            rt.policy,
+            rt.parts,
+            Scorer(rt.policy, rt.parts, rt.forward, None, staging),
+            rt.forward,
+            staging,
+            rt.stats,
+            agreement=FailureAgreement(rank, 2, group) if agree == "agreed" else None,
+            diagnostics=Diagnostics.from_env(rank, 2),
+        )
         runner.run(batch, plan(rt, reqs))
     finally:
         for name in fault:
