@@ -3,7 +3,7 @@ variables (read at call time, so a test or a spawned process sees the value its 
 
 | variable | type | default | meaning |
 |---|---|---|---|
-| KARA_SERVE | bool | 0 | this process and the SGLang processes it starts serve with sgl_kara: the plugin registers its hooks (set by sgl_kara's launcher and Engine; unset, the plugin only puts RoPE on its CPU path) |
+| KARA_SERVE | bool | 0 | this process and the SGLang processes it starts serve with sgl_kara: the plugin registers its hooks (set by sgl_kara's launcher and Engine; unset, on a machine without CUDA the plugin only puts RoPE on its CPU path and lets `--tp-size` start there) |
 | KARA_CPU_KERNELS | bool | KARA_SERVE on a machine without CUDA | the CPU speed-ups of sgl_kara/cpu in this process (decode and window-extend attention, packed linear); 1 opts plain SGLang in, or asks for them where CUDA is present |
 | KARA_CACHE | path | $XDG_CACHE_HOME/sgl_kara or ~/.cache/sgl_kara | converted default model |
 | KARA_FORK | bool | 1 | launcher on CPU: fork SGLang's workers instead of spawn |
