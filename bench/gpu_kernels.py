@@ -529,21 +529,10 @@ def run_model(
     del q
 
     # compact_kv: kept entries of every layer and head into fresh slots, bit-exact.
-    kept = torch.sort(
-        torch.rand(batch, L, hkv, m, device=dev, generator=g).argsort(-1)[..., :k], -1
-    ).values
-    src = torch.gather(region[:, None, None, :].expand(-1, L, hkv, -1), 3, kept)
-    heads = torch.arange(hkv, device=dev)[None, :, None]
-    want = [
-        (buf[src[:, layer_id], heads], buf)
-        for layer_id in range(L)
-        for buf in (kb[layer_id], vb[layer_id])
-    ]
+    src = kept_sources(region, L, hkv, k, g)
+    want = compaction_expected(kb, vb, src)
     _, first = timer.once(lambda: compact_kv(kb, vb, src, dst))
-    exact = all(
-        torch.equal(buf[dst[:, None, :].expand(-1, hkv, -1), heads], x)
-        for x, buf in want
-    )
+    exact = compaction_matches(want, dst)
     del want
     ms = timed(
         lambda: compact_kv(kb, vb, src, dst), first
@@ -551,9 +540,9 @@ def run_model(
     record("compact_kv", exact, first, ms)
 
     # copy_slots: tails to fresh pages (disjoint), then an overlapping shift (staged).
-    want = [(buf[tail_src].clone(), buf) for buf in kb + vb]
+    want = copy_expected(kb, vb, tail_src)
     _, first = timer.once(lambda: copy_slots(kb, vb, tail_src, tail_dst, disjoint=True))
-    exact = all(torch.equal(buf[tail_dst], x) for x, buf in want)
+    exact = copy_matches(want, tail_dst)
     ms = timed(lambda: copy_slots(kb, vb, tail_src, tail_dst, disjoint=True), first)
     record("copy_slots disjoint", exact, first, ms)
     # Every launch so far is one an event makes: each must have found its kernel compiled by the
@@ -577,9 +566,9 @@ def run_model(
     )
     kara_scores("kara window scores, fp16 queries / bf16 keys", torch.float16)
     shift_src, shift_dst = tail_src, torch.roll(tail_src, 1)  # dst overlaps src
-    want = [(buf[shift_src].clone(), buf) for buf in kb + vb]
+    want = copy_expected(kb, vb, shift_src)
     _, first = timer.once(lambda: copy_slots(kb, vb, shift_src, shift_dst))
-    exact = all(torch.equal(buf[shift_dst], x) for x, buf in want)
+    exact = copy_matches(want, shift_dst)
     del want
     ms = timed(lambda: copy_slots(kb, vb, shift_src, shift_dst), first)
     record("copy_slots staged", exact, first, ms)
@@ -590,6 +579,60 @@ def run_model(
     if dev == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+# ------------------------------------------------------------------ data movement, exactly
+def kept_sources(region, layers: int, hkv: int, keep: int, g):
+    """[B, layers, hkv, keep] int64 source slots of a compaction: per request, layer and head,
+    ``keep`` random entries of the request's ``region`` [B, M] slots, in ascending order (what
+    a selection hands compaction)."""
+    import torch
+
+    b, m = region.shape
+    kept = torch.sort(
+        torch.rand(b, layers, hkv, m, device=region.device, generator=g).argsort(-1)[
+            ..., :keep
+        ],
+        -1,
+    ).values
+    return torch.gather(
+        region.long()[:, None, None, :].expand(-1, layers, hkv, -1), 3, kept
+    )
+
+
+def compaction_expected(kb, vb, src) -> list:
+    """What ``compact_kv(kb, vb, src, dst)`` must leave at ``dst``: per layer and buffer, each
+    head's kept entries [B, H_kv, K, D], read before the launch."""
+    import torch
+
+    heads = torch.arange(src.shape[2], device=src.device)[None, :, None]
+    return [
+        (buf[src[:, layer_id], heads], buf)
+        for layer_id in range(src.shape[1])
+        for buf in (kb[layer_id], vb[layer_id])
+    ]
+
+
+def compaction_matches(expected: list, dst) -> bool:
+    """Every buffer holds, at the destination slots [B, K], bit for bit what it should."""
+    import torch
+
+    hkv = expected[0][0].shape[1]
+    heads = torch.arange(hkv, device=dst.device)[None, :, None]
+    rows = dst.long()[:, None, :].expand(-1, hkv, -1)
+    return all(torch.equal(buf[rows, heads], x) for x, buf in expected)
+
+
+def copy_expected(kb, vb, src) -> list:
+    """What ``copy_slots(kb, vb, src, dst)`` must leave at ``dst``: the rows of ``src`` of every
+    buffer, read before the launch."""
+    return [(buf[src].clone(), buf) for buf in (*kb, *vb)]
+
+
+def copy_matches(expected: list, dst) -> bool:
+    import torch
+
+    return all(torch.equal(buf[dst], x) for x, buf in expected)
 
 
 def run_recompute(
