@@ -21,9 +21,9 @@ fp16-query / bf16-pool scores at bench's shapes (head dim 128: the fp32-dot bran
 is the slowest), compaction of every model's layer count, slot copies both disjoint and staged.
 fp32 models, fp8 pools and the mixed scores at head dims 64 / 256 are left out (the one-minute
 budget of the default suite on two cores). The kernels compiled for bench's bf16 launches are
-the ones ``bench/gpu_kernels.specialisations`` counts for its time bound. One worker process per target, both at once, each with
-a fresh Triton cache (nothing carried between runs). A worker is
-``python tests/test_kernel_compile.py --arch 90 --out FILE``. Every ``@triton.jit`` function of
+the ones ``specialisations()`` of bench/gpu_kernels.py counts for its time bound. One worker
+process per target, both at once, each with a fresh Triton cache (nothing carried between runs).
+A worker is ``python tests/test_kernel_compile.py --arch 90 --out FILE``. Every ``@triton.jit`` function of
 ``sgl_kara.kernels`` must be reached by some launch: a kernel added without a launcher in the
 matrix fails the test.
 """
