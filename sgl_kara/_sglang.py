@@ -108,6 +108,164 @@ TARGET_VALIDATE_REQUEST = _target(
 # processes of a compressing server only (scheduler/kara_scheduler.py, patches/scheduler.md).
 TARGET_SCHEDULER = _target(_SCHEDULER, "(self, server_args, port_args)")
 
+# ------------------------------------------------------------------------------- extension points
+# SGLang's own extension points for what a hook stands in for (patches/upstream: one PR each).
+# Each is found by the public name its patch adds, never by version string; where the installed
+# SGLang has it, sgl_kara uses it and registers no hook for that touch point (plugin.py).
+EXTENSION_POINTS = {
+    # touch point: (patch, module, name)
+    "input_ids": (
+        "0001",
+        "sglang.srt.managers.tokenizer_manager",
+        "validate_input_ids_in_vocab",
+    ),
+    "request_info": (
+        "0002",
+        "sglang.srt.managers.io_struct",
+        "RequestLevelCustomizedInfo",
+    ),
+    "custom_params": (
+        "0003",
+        "sglang.srt.sampling.sampling_params",
+        "register_custom_params_validator",
+    ),
+    "decode_step": ("0004", _SCHEDULER, "pre_decode_step"),
+    "retraction": (
+        "0005",
+        "sglang.srt.managers.retraction_policy",
+        "register_retraction_policy",
+    ),
+    "attention": (
+        "0006",
+        "sglang.srt.layers.radix_attention",
+        "register_attention_observer",
+    ),
+    "cached_extend": ("0007", _FB, "kv_already_cached"),
+    "positions": (
+        "0008",
+        "sglang.srt.mem_cache.memory_pool.ReqToTokenPool",
+        "enable_position_offsets",
+    ),
+    "kv_tail": (
+        "0009",
+        "sglang.srt.managers.schedule_batch.ScheduleBatch",
+        "release_kv_tail",
+    ),
+}
+_FOUND: dict[str, bool] = {}
+
+
+# Adapter functions that serve one side of a touch point only: a hook's (not used where SGLang
+# has the extension point) and an extension point's (used only where SGLang has it). The rest
+# serve both. tests/test_adapter_surface.py counts the names each side touches.
+HOOK_PATH = {
+    "drop_rows": "kv_tail",
+    "shrink_lengths": "kv_tail",
+    "kv_writes_to": "cached_extend",
+    "_run_stopped": "cached_extend",
+    "batch_kind": "positions",  # the init_new hook (kept until 0006, 0007 and 0008 exist)
+    "batch_rows": "positions",
+    "host_lengths": "positions",
+    "positions": "positions",
+    "set_positions": "positions",
+    "add_internal_state": "decode_step",
+    "vocab_size": "input_ids",
+}
+EXTENSION_PATH = {
+    "release_kv_tail": "kv_tail",
+    "_run_cached_extend": "cached_extend",
+    "forward_view": "attention",
+    "position_offsets": "positions",
+}
+
+
+def _resolve(path: str):
+    """The module, or the class inside it, at a dotted path (None: not there)."""
+    import importlib
+
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name, None)
+            if obj is None:
+                return None
+        return obj
+    return None
+
+
+def _sglang_defines(owner, name: str) -> bool:
+    """Does SGLang's own code define ``name`` on ``owner`` (a module, or a class: some class of
+    SGLang's in its MRO must hold it -- sgl_kara's subclasses, which may stand in for SGLang's
+    classes once a hook replaced them, do not count)?"""
+    if owner is None:
+        return False
+    if not isinstance(owner, type):
+        return hasattr(owner, name)
+    return any(
+        cls.__module__.startswith("sglang.")
+        and (name in vars(cls) or name in getattr(cls, "__dataclass_fields__", {}))
+        for cls in owner.__mro__
+    )
+
+
+def has_extension(point: str) -> bool:
+    """Does the installed SGLang have this touch point's extension point?"""
+    if point not in _FOUND:
+        _, path, name = EXTENSION_POINTS[point]
+        _FOUND[point] = _sglang_defines(_resolve(path), name)
+    return _FOUND[point]
+
+
+def touch_points() -> dict[str, str]:
+    """Each touch point and what serves it here: SGLang's extension point (its patch) or
+    sgl_kara's hook."""
+    return {
+        point: f"extension point ({patch})" if has_extension(point) else "hook"
+        for point, (patch, _, _) in EXTENSION_POINTS.items()
+    }
+
+
+def register_custom_params_validator(key: str, validator) -> None:
+    """SGLang's ``custom_params`` validator registry (0003); a key registered already (a process
+    whose plugin registered again) is left as it is."""
+    from sglang.srt.sampling import sampling_params
+
+    try:
+        sampling_params.register_custom_params_validator(key, validator)
+    except ValueError:
+        pass
+
+
+def retraction_policy_base():
+    """SGLang's ``RetractionPolicy`` (0005)."""
+    from sglang.srt.managers.retraction_policy import RetractionPolicy
+
+    return RetractionPolicy
+
+
+def registered_retraction_policies() -> list[str]:
+    from sglang.srt.managers.retraction_policy import registered_retraction_policies
+
+    return registered_retraction_policies()
+
+
+def register_retraction_policy(name: str, policy) -> None:
+    from sglang.srt.managers.retraction_policy import register_retraction_policy
+
+    register_retraction_policy(name, policy)
+
+
+def retraction_policy(name: str):
+    """The retraction policy SGLang has registered as ``name``."""
+    from sglang.srt.managers.retraction_policy import get_retraction_policy
+
+    return get_retraction_policy(name)
+
+
 # SGLang methods that sgl_kara's subclasses override (KaraScheduler, the output streamer and
 # prefill adder it returns, the "kara" radix cache), and the process function it wraps.
 OVERRIDDEN = (
@@ -171,7 +329,9 @@ ATTRIBUTES = {
         "extend_lens",
         "extend_num_tokens",
         "extend_logprob_start_lens",
+        "return_logprob",
         "sampling_info",
+        "release_kv_tail",  # patches/upstream 0009
     ],
     "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo": [
         "from_schedule_batch",
@@ -181,6 +341,13 @@ ATTRIBUTES = {
         "init_new",
         "positions",
         "out_cache_loc",
+        # an attention observer's view of a forward (patches/upstream 0006)
+        "forward_mode",
+        "req_pool_indices",
+        "rids",
+        "seq_lens_cpu",
+        # SGLang's cached extend (patches/upstream 0007)
+        "kv_already_cached",
     ],
     "sglang.srt.model_executor.forward_batch_info.ForwardMode": [
         "EXTEND",
@@ -189,8 +356,6 @@ ATTRIBUTES = {
     ],
     "sglang.srt.layers.radix_attention.RadixAttention": [
         "layer_id",
-        "tp_q_head_num",
-        "qk_head_dim",
         "sliding_window_size",
     ],
     "sglang.srt.managers.scheduler.Scheduler": [
@@ -199,7 +364,6 @@ ATTRIBUTES = {
         "tree_cache",
         "tp_worker",
         "model_config",
-        "server_args",
         "max_running_requests",
         "max_total_num_tokens",
         "waiting_queue",
@@ -221,7 +385,10 @@ ATTRIBUTES = {
         "prefill_cuda_graph_runner",
         "decode_cuda_graph_runner",
     ],
-    "sglang.srt.mem_cache.memory_pool.ReqToTokenPool": ["req_to_token"],
+    "sglang.srt.mem_cache.memory_pool.ReqToTokenPool": [
+        "req_to_token",
+        "enable_position_offsets",  # patches/upstream 0008
+    ],
     "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool": [
         "get_key_buffer",
         "get_value_buffer",
@@ -241,8 +408,12 @@ ATTRIBUTES = {
     "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache": ["evictable_size"],
     "sglang.srt.managers.io_struct.GetInternalStateReqOutput": ["internal_state"],
     "sglang.srt.configs.model_config.ModelConfig": ["vocab_size", "hf_config"],
-    # engine.py: the shut-down engine's event-loop tasks
-    "sglang.srt.entrypoints.engine.Engine": ["tokenizer_manager", "loop"],
+    # engine.py: the engine's shutdown and the shut-down engine's event-loop tasks
+    "sglang.srt.entrypoints.engine.Engine": ["shutdown", "tokenizer_manager", "loop"],
+    # the recompute batch's (speculative decoding is refused with compression)
+    "sglang.srt.speculative.spec_info.SpeculativeAlgorithm": ["NONE"],
+    # this scheduler's data-parallel rank
+    "sglang.srt.runtime_context.ParallelContext": ["dp_rank"],
     "sglang.srt.managers.tokenizer_manager.TokenizerManager": [
         "asyncio_tasks",
         "event_loop",
@@ -272,8 +443,10 @@ SERVER_ARGS = (
     "cuda_graph_backend_decode",
     "disable_decode_cuda_graph",
     "disable_cuda_graph",
-    # the radix backend (set to "kara")
+    # the radix backend (set to "kara"), the retraction policy (set to Kara's, where SGLang has
+    # the registry: patches/upstream 0005)
     "radix_cache_backend",
+    "retraction_policy",
     # features refused with compression (startup._UNSUPPORTED)
     "speculative_algorithm",
     "enable_dp_attention",
@@ -494,6 +667,9 @@ def recompute_batch(scheduler, extend: ExtendRows):
     batch.extend_lens = [n] * len(extend.reqs)
     batch.extend_num_tokens = n * len(extend.reqs)
     batch.extend_logprob_start_lens = [n] * len(extend.reqs)
+    # no logits are wanted (a cached extend runs to its end: patches/upstream 0007), whatever
+    # the requests asked of their own forwards
+    batch.return_logprob = False
     # Nothing is sampled (the pass stops at the last layer's queries), but SGLang reads the
     # batch's sampling info while it prepares a forward: its own, with no watermark state.
     batch.sampling_info = SamplingBatchInfo.from_schedule_batch(
@@ -537,27 +713,26 @@ def kv_writes_to(forward_batch, slots: torch.Tensor):
         forward_batch.out_cache_loc = saved
 
 
-def attention_layer(layer) -> tuple[int, int, int]:
-    """(layer_id, query heads on this rank, head dim) of a RadixAttention layer."""
-    return layer.layer_id, layer.tp_q_head_num, layer.qk_head_dim
+def attention_layer(layer) -> int:
+    """The layer_id of a RadixAttention layer (its heads and head dim: SchedulerParts)."""
+    return layer.layer_id
 
 
-def attention_layers(model) -> dict[int, tuple[int, int]]:
-    """layer_id -> (query heads on this rank, head dim) of the model's attention layers."""
-    return {
-        m.layer_id: (m.tp_q_head_num, m.qk_head_dim)
-        for m in model.modules()
-        if isinstance(m, RadixAttention)
-    }
+def attention_layers(model) -> list[int]:
+    """The layer ids of the model's attention layers, in order."""
+    return sorted(
+        layer.layer_id for layer in model.modules() if isinstance(layer, RadixAttention)
+    )
 
 
 def sliding_windows(model) -> list[int]:
     """Sliding windows the model's attention layers apply (empty: global attention)."""
     return sorted(
         {
-            m.sliding_window_size
-            for m in model.modules()
-            if isinstance(m, RadixAttention) and (m.sliding_window_size or -1) >= 0
+            layer.sliding_window_size
+            for layer in model.modules()
+            if isinstance(layer, RadixAttention)
+            and (layer.sliding_window_size or -1) >= 0
         }
     )
 
@@ -590,6 +765,11 @@ def model_hf_config(scheduler):
     return scheduler.model_config.hf_config
 
 
+def _text_config(config):
+    """The text model's transformers config (a multimodal model nests it)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def decode_graphs_captured(model_runner) -> bool:
     return getattr(model_runner, "decode_cuda_graph_runner", None) is not None
 
@@ -607,6 +787,8 @@ class SchedulerParts:
     model_runner: object
     model: object
     dtype: torch.dtype
+    q_heads: int  # query heads of an attention layer on this rank
+    head_dim: int  # of queries and keys (an MHA pool: refused otherwise)
     forward_stream: object | None  # the overlapped forward's stream (CUDA, overlap on)
     overlap: bool
     max_running: int
@@ -621,29 +803,35 @@ class SchedulerParts:
     tp_group: object | None = None  # the TP group's CPU (gloo) side
 
     @classmethod
-    def of(cls, scheduler, recompute_tokens_of) -> SchedulerParts:
-        """``recompute_tokens_of(chunked_prefill_size)``: tokens per recompute forward."""
+    def of(cls, scheduler, server_args, recompute_tokens_of) -> SchedulerParts:
+        """``server_args``: the scheduler's (its constructor's argument);
+        ``recompute_tokens_of(chunked_prefill_size)``: tokens per recompute forward."""
         allocator = scheduler.token_to_kv_pool_allocator
         kv_pool = allocator.get_kvcache()
         runner = scheduler.tp_worker.model_runner
         req_to_token = scheduler.req_to_token_pool.req_to_token
-        args = scheduler.server_args
+        args = server_args
         overlap = bool(getattr(scheduler, "enable_overlap", False))
         stream = None
         if overlap and req_to_token.device.type == "cuda":
             stream = scheduler.forward_stream
         chunk = server_arg(args, "chunked_prefill_size")
         tp_rank, tp_size, tp_group = tensor_parallel(scheduler)
+        layer_ids = attention_layers(runner.model)
         return cls(
             scheduler=scheduler,
             allocator=allocator,
             kv_pool=kv_pool,
             req_to_token=req_to_token,
             page_size=int(allocator.page_size),
-            layer_ids=sorted(attention_layers(runner.model)),
+            layer_ids=layer_ids,
             model_runner=runner,
             model=runner.model,
             dtype=runner.dtype,
+            # the model's query heads split over the ranks; the head dim the pool stores
+            q_heads=_text_config(model_hf_config(scheduler)).num_attention_heads
+            // tp_size,
+            head_dim=int(kv_pool.get_key_buffer(layer_ids[0]).shape[-1]),
             forward_stream=stream,
             overlap=overlap,
             max_running=int(scheduler.max_running_requests),
@@ -692,9 +880,28 @@ class SchedulerParts:
         return len(self.scheduler.waiting_queue)
 
     def run_eager(self, batch, stop) -> None:
-        """One forward of ``batch`` outside any CUDA graph (a replayed prefill graph would never
-        call the attention hook, and was recorded with K/V writes on), ended early by ``stop``
-        (an exception the attention hook raises once the pass has what it needs)."""
+        """One forward of ``batch``, an extend over rows whose K/V are cached, outside any CUDA
+        graph: SGLang's cached extend where it has one (patches/upstream 0007), else one ended
+        early by ``stop``."""
+        if has_extension("cached_extend"):
+            self._run_cached_extend(batch)
+        else:
+            self._run_stopped(batch, stop)
+
+    def _run_cached_extend(self, batch) -> None:
+        """The forward batch says its K/V are cached: SGLang writes none and replays no prefill
+        graph; the forward runs to its end."""
+        forward_batch = ForwardBatch.init_new(
+            batch, self.model_runner, return_hidden_states_before_norm=False
+        )
+        forward_batch.kv_already_cached = True
+        with torch.inference_mode():
+            self.model_runner.forward(forward_batch)
+
+    def _run_stopped(self, batch, stop) -> None:
+        """The prefill graph runner held back (a replayed graph would never call the attention
+        hook, and was recorded with K/V writes on); the forward ended early by ``stop`` (an
+        exception the attention hook raises once the pass has what it needs)."""
         runner = self.model_runner
         graphs, runner.prefill_cuda_graph_runner = (
             runner.prefill_cuda_graph_runner,
@@ -710,6 +917,53 @@ class SchedulerParts:
             pass
         finally:
             runner.prefill_cuda_graph_runner = graphs
+
+    def position_offsets(self) -> torch.Tensor | None:
+        """[rows] int64: SGLang's per-row position offsets, which ForwardBatch.init_new adds to
+        every forward's positions (patches/upstream 0008); None where SGLang has none."""
+        if not has_extension("positions"):
+            return None
+        return self.scheduler.req_to_token_pool.enable_position_offsets()
+
+
+def release_kv_tail(batch, index: int, start: int, slots, stop: int | None) -> int:
+    """SGLang's tail release (patches/upstream 0009): row positions [start, stop) of the
+    batch's request ``index`` (stop None: the whole tail) become ``slots``, the old ones freed,
+    the rest moved down; the request's and the batch's lengths shrink. Returns the drop."""
+    return batch.release_kv_tail(index, start, slots, stop)
+
+
+def attention_observer_base():
+    """SGLang's ``AttentionObserver`` (patches/upstream 0006)."""
+    from sglang.srt.layers.radix_attention import AttentionObserver
+
+    return AttentionObserver
+
+
+def register_attention_observer(observer):
+    """Call ``observer`` around every eager attention layer; returns its removal."""
+    from sglang.srt.layers import radix_attention
+
+    return radix_attention.register_attention_observer(observer)
+
+
+def forward_view(forward_batch) -> tuple[str, torch.Tensor, torch.Tensor, list, object]:
+    """(kind, rows [B] device, positions [T] device, request ids, host lengths [B] or None) of
+    a forward batch, as an attention observer reads it."""
+    mode = forward_batch.forward_mode
+    kind = "idle" if mode.is_idle() else "decode" if mode.is_decode() else "extend"
+    return (
+        kind,
+        forward_batch.req_pool_indices,
+        forward_batch.positions,
+        forward_batch.rids,
+        forward_batch.seq_lens_cpu,
+    )
+
+
+def shutdown_engine(engine) -> None:
+    """SGLang's own shutdown of an Engine."""
+    engine.shutdown()
 
 
 def release_loop_tasks(engine) -> None:

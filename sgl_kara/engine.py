@@ -68,8 +68,13 @@ def release_loop_tasks(engine) -> None:
 def shutdown_cleanly(engine, shutdown=None) -> None:
     """The engine's own shutdown, then ``release_loop_tasks``: what ``sgl_kara.Engine.shutdown``
     does, for a plain ``sglang.Engine`` too (benchmarks, tests)."""
+    from sgl_kara import _sglang as adapter
+
     try:
-        (shutdown or engine.shutdown)()
+        if shutdown is not None:
+            shutdown()
+        else:
+            adapter.shutdown_engine(engine)
     finally:
         release_loop_tasks(engine)
 

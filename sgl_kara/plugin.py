@@ -38,6 +38,8 @@ from sgl_kara.process import STATE
 
 logger = logging.getLogger(__name__)
 
+KEY = "kara"  # custom_params.kara
+
 # The plugin's parts, in registration order (process.STATE.parts holds those registered).
 PARTS = ("serving", "rope", "parallel", "cpu_kernels", "report", "trace")
 CPU_PARTS = ("rope", "parallel", "cpu_kernels", "report")
@@ -88,8 +90,10 @@ def register() -> None:
                     BACKEND_NAME, kara_radix_cache_factory
                 )
             STATE.recompute_in_flight = recompute_in_flight  # for the CPU kit
+            register_extensions()
         for target, hook, hook_type in HOOKS[part]():
             adapter.register_hook(target, hook, hook_type)
+            STATE.hooks.append(target)
 
 
 def serve() -> None:
@@ -123,36 +127,58 @@ def serving():
 
 
 def serving_hooks() -> list:
+    """Kara's hooks, each only where the installed SGLang has no extension point for its touch
+    point (``_sglang.has_extension``; patches/upstream: where it has one, ``register_extensions``
+    and the scheduler's overrides use it instead)."""
     from sgl_kara import _sglang as adapter
     from sgl_kara.scheduler.output import unwrap_meta_hook
 
-    return [
-        (
-            adapter.TARGET_UPDATE_RUNNING_BATCH,
-            _decode_step_hook,
-            adapter.HookType.BEFORE,
-        ),
-        (adapter.TARGET_GET_INTERNAL_STATE, _kara_state_hook, adapter.HookType.AFTER),
-        (adapter.TARGET_INIT_NEW, _init_new_hook, adapter.HookType.AROUND),
-        (adapter.TARGET_ATTENTION, _attention_hook, adapter.HookType.AROUND),
-        (
-            adapter.TARGET_RESET_FOR_RETRACT,
-            _reset_for_retract_hook,
-            adapter.HookType.AFTER,
-        ),
-        (
-            adapter.TARGET_RETRACTION_ORDER,
-            _retraction_order_hook,
-            adapter.HookType.AROUND,
-        ),
-        (adapter.TARGET_META_INFO, unwrap_meta_hook, adapter.HookType.AROUND),
-        (adapter.TARGET_SAMPLING_VERIFY, _verify_hook, adapter.HookType.AFTER),
-        (
-            adapter.TARGET_VALIDATE_REQUEST,
-            _validate_input_ids_hook,
-            adapter.HookType.AFTER,
-        ),
-    ]
+    has = adapter.has_extension
+    H = adapter.HookType
+    hooks = []
+    if not has("decode_step"):
+        hooks += [
+            (adapter.TARGET_UPDATE_RUNNING_BATCH, _decode_step_hook, H.BEFORE),
+            (adapter.TARGET_GET_INTERNAL_STATE, _kara_state_hook, H.AFTER),
+        ]
+    if not (has("attention") and has("cached_extend") and has("positions")):
+        hooks.append((adapter.TARGET_INIT_NEW, _init_new_hook, H.AROUND))
+    if not (has("attention") and has("cached_extend")):
+        hooks.append((adapter.TARGET_ATTENTION, _attention_hook, H.AROUND))
+    if not has("retraction"):
+        hooks += [
+            (adapter.TARGET_RESET_FOR_RETRACT, _reset_for_retract_hook, H.AFTER),
+            (adapter.TARGET_RETRACTION_ORDER, _retraction_order_hook, H.AROUND),
+        ]
+    if not has("request_info"):
+        hooks.append((adapter.TARGET_META_INFO, unwrap_meta_hook, H.AROUND))
+    if not has("custom_params"):
+        hooks.append((adapter.TARGET_SAMPLING_VERIFY, _verify_hook, H.AFTER))
+    if not has("input_ids"):
+        hooks.append(
+            (adapter.TARGET_VALIDATE_REQUEST, _validate_input_ids_hook, H.AFTER)
+        )
+    return hooks
+
+
+def register_extensions() -> None:
+    """The serving part's registrations in SGLang's own registries, where it has them:
+    ``custom_params.kara``'s validator (0003), the ``kara`` retraction policy (0005)."""
+    from sgl_kara import _sglang as adapter
+
+    if adapter.has_extension("custom_params"):
+        adapter.register_custom_params_validator(KEY, _validate_kara_params)
+    if adapter.has_extension("retraction"):
+        from sgl_kara.scheduler.retraction import register_policy
+
+        register_policy()
+
+
+def _validate_kara_params(value, sampling_params) -> None:
+    """SGLang's validator registry: ``custom_params.kara`` checked in the tokenizer (a 400)."""
+    from sgl_kara.request_options import validate
+
+    validate({KEY: value})
 
 
 def trace_hooks() -> list:
@@ -319,25 +345,16 @@ def _validate_input_ids_hook(result, manager, obj, input_ids, *args, **kwargs):
 
 
 def _reset_for_retract_hook(result, req, *args, **kwargs):
-    rt = _active()
-    if rt is not None:
-        rt.on_retract(req)
+    """AFTER ``Req.reset_for_retract``: the retracted request's rows are exact again."""
+    from sgl_kara.scheduler.retraction import on_retract
+
+    on_retract(req)
     return result
 
 
 def _retraction_order_hook(original, reqs, **kwargs):
-    """Retract uncompressed requests first (Zipage §4.4): the loop pops from the end.
+    """AROUND ``ScheduleBatch._get_decode_retraction_order``: Kara's order
+    (scheduler/retraction.py)."""
+    from sgl_kara.scheduler.retraction import kara_order
 
-    Among uncompressed requests, those already retracted more often are kept first: a request
-    that was just re-prefilled is uncompressed again until its catch-up compression, and would
-    otherwise be retracted again and again while the others never are."""
-    order = original(reqs=reqs, **kwargs)
-    rt = _active()
-    if rt is None:
-        return order
-    states = [rt.table.get(r) for r in reqs]
-    compressed = [i for i in order if states[i] is not None and states[i].compressions]
-    done = set(compressed)
-    plain = [i for i in order if i not in done]
-    plain.sort(key=lambda i: -(states[i].retractions if states[i] else 0))  # stable
-    return compressed + plain
+    return kara_order(original(reqs=reqs, **kwargs), reqs)

@@ -20,6 +20,9 @@ class ProcessState:
         # The plugin's parts whose hooks are in SGLang's registry (plugin.PARTS), and
         # "packed_linear" when the cpu_kernels part included the linear hooks.
         self.parts: set[str] = set()
+        # The core's hook targets registered in this process (the serving and trace parts),
+        # each once: /server_info lists them (none where SGLang has every extension point)
+        self.hooks: list[str] = []
         # set in the process that validates requests (launcher / Engine)
         self.serving_policy: str | None = None
         self.runtime: Any = None  # the KaraRuntime of this scheduler process (None: the hooks stay inert)

@@ -232,7 +232,9 @@ def keep_decode_eager(server_args, cfg: KaraConfig) -> bool:
             f"{flag} asks for decode CUDA graphs ({backend}), which {why} cannot use: a replayed graph never calls "
             f"Kara's attention hook. Drop {flag} (decode graphs are then turned off for it) or use {alternative}"
         )
-    server_args.disable_decode_cuda_graph = True
+    from sgl_kara import _sglang as adapter
+
+    adapter.set_server_arg(server_args, "disable_decode_cuda_graph", True)
     return True
 
 
@@ -347,7 +349,16 @@ def prepare_server_args(
             f"{cfg.policy}: Kara needs its own backend ('kara') so compressed KV never "
             "enters the tree"
         )
-    server_args.radix_cache_backend = "kara"
+    from sgl_kara import _sglang as adapter
+
+    adapter.set_server_arg(server_args, "radix_cache_backend", "kara")
+    if adapter.has_extension("retraction"):
+        # SGLang's retraction-policy registry (patches/upstream 0005): Kara's order over the
+        # policy the user chose (scheduler/retraction.py)
+        from sgl_kara.scheduler.retraction import policy_name
+
+        base = getattr(server_args, "retraction_policy", None) or "length"
+        adapter.set_server_arg(server_args, "retraction_policy", policy_name(base))
     # SGLang's overlap scheduler stays as the user set it (on by default): events are ordered
     # after the overlapped forward (scheduler/runtime.py) and count a request's tokens the same
     # way under both schedulers (scheduler/plan.py decoded_tokens).
@@ -545,7 +556,9 @@ def reserve_device_memory(
     args = server_args
     if getattr(resolved, "chunked_prefill_size", None):
         args = copy.copy(server_args)
-        args.chunked_prefill_size = resolved.chunked_prefill_size
+        adapter.set_server_arg(
+            args, "chunked_prefill_size", resolved.chunked_prefill_size
+        )
 
     def plan_for(pool_tokens: int) -> KaraFootprint:
         if server_args.max_total_tokens:
@@ -563,7 +576,7 @@ def reserve_device_memory(
             "a larger --tp-size"
         ) from None
     lowered = round(fraction - share, 3)
-    server_args.mem_fraction_static = lowered
+    adapter.set_server_arg(server_args, "mem_fraction_static", lowered)
     logger.info(
         "sgl_kara memory plan: %s beside the KV pool: --mem-fraction-static %s -> %s",
         plan_text(sizes),

@@ -11,9 +11,22 @@ interpreter, SGLang's strict memory checks for every engine the tests start).
 
 from __future__ import annotations
 
-import pytest
-import support
-from support import (  # noqa: F401  (names tests/gpu_checks.py and some test files import from here)
+import os
+import sys
+
+# KARA_TEST_PATCHED_SGLANG=1: the session runs on SGLang with the upstream series applied
+# (patches/upstream; tests/patched_sglang.py), before anything imports SGLang: the patched tree
+# first on this process's path and on every child's (engines, servers, the fork server).
+if os.environ.get("KARA_TEST_PATCHED_SGLANG") == "1":
+    import patched_sglang
+
+    _TREE = patched_sglang.build()
+    sys.path.insert(0, str(_TREE / "python"))
+    os.environ["PYTHONPATH"] = patched_sglang.env(_TREE)["PYTHONPATH"]
+
+import pytest  # noqa: E402
+import support  # noqa: E402
+from support import (  # noqa: F401, E402  (names tests/gpu_checks.py and some test files import from here)
     PROXY_MODEL,
     Server,
     engine_env,
@@ -21,8 +34,8 @@ from support import (  # noqa: F401  (names tests/gpu_checks.py and some test fi
     free_port,
     start_engine,
 )
-from support import release_tasks_on_shutdown as _release_tasks_on_shutdown  # noqa: F401
-from support import track as _track  # noqa: F401
+from support import release_tasks_on_shutdown as _release_tasks_on_shutdown  # noqa: F401, E402
+from support import track as _track  # noqa: F401, E402
 
 # Small engines: a bounded KV pool, few requests; SGLang's overlap scheduler on (its default), as
 # for users: compression runs under it (tests/test_overlap.py compares with it off).

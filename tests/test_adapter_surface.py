@@ -1,15 +1,26 @@
 """The SGLang surface the package touches, derived from its code (AST) and held to what the
 adapters declare (sgl_kara/_sglang.py for the core, sgl_kara/cpu/_sglang.py for the CPU kit).
 
-- Outside the adapters, no module reads or writes an attribute that only SGLang's runtime objects
-  have: every ``req.kv.kv_committed_len`` goes through the adapter.
-- In an adapter, every attribute its code touches on an SGLang object is declared (its
-  ``ATTRIBUTES``, or ``SERVER_ARGS`` for ServerArgs fields), and every declared one is used.
-- The ServerArgs fields the start-up reads (``server_args.x``, ``getattr(server_args, "x")``, the
-  refusal table) are the declared public flags.
-- No private SGLang attribute is written but the ones patches/ justifies.
-- The core's runtime-object surface stays within the size patches/README.md accounts for, each
-  name in its table.
+The core is derived by object: in its adapter every attribute read or written on an SGLang object
+counts -- a variable named for one (``req``, ``batch``, ``scheduler``, ...; every adapter
+function names its parameters so), an attribute whose value is one (``req.kv``,
+``scheduler.tree_cache``, SchedulerParts' ``self.allocator``), a class imported from SGLang
+(``ForwardMode.EXTEND``), what an SGLang function returns -- and every name given to ``getattr``
+/ ``setattr`` / ``hasattr`` on one; names sgl_kara also defines (``reqs``, ``seq_lens``,
+``positions``) are told apart by the object they are read from, not hidden.
+
+- Outside the adapters no module of the core touches an SGLang object: nothing is read from a
+  variable or a field of sgl_kara's that holds one (``job.req.rid`` goes through the adapter).
+- The core's adapter declares exactly what it touches (ATTRIBUTES; ServerArgs fields in
+  SERVER_ARGS), the kit's every SGLang-only name it touches.
+- Every ServerArgs write goes through the adapter (``set_server_arg``); the start-up reads only
+  the declared flags.
+- No private attribute is written on an SGLang object outside the CPU kit; the kit's, each with
+  its note in patches/.
+- The size: patches/README.md accounts for every declared name. The product needs the core at
+  60 names or fewer on plain SGLang 0.5.23 and 25 or fewer with the upstream series applied
+  (patches/upstream); ``test_the_core_surface_is_what_the_product_needs`` states that and fails
+  (an expected failure, strict) while the code is over it.
 """
 
 from __future__ import annotations
@@ -27,21 +38,220 @@ import sgl_kara
 ROOT = Path(sgl_kara.__file__).parent
 CORE_ADAPTER = ROOT / "_sglang.py"
 KIT_ADAPTER = ROOT / "cpu" / "_sglang.py"
-# Private attributes written on SGLang objects, each with its note in patches/.
-PRIVATE_WRITES = {"_is_cpu": "patches/cpu.md"}
-# The core's runtime-object surface: patches/README.md, "The SGLang surface", gives every name's
-# reason. Growing it is a decision, taken there.
-CORE_SURFACE_LIMIT = 80
+# Private attributes written on SGLang objects (by the CPU kit only), each with its note.
+PRIVATE_WRITES = {
+    "_is_cpu": "patches/cpu.md",
+    "_sgl_kara_decode_rows": "patches/cpu_decode_attention.md",
+    "_sgl_kara_decode_bufs": "patches/cpu_decode_attention.md",
+}
+# What the product needs of the core's surface: SGLang runtime-object names touched on plain
+# 0.5.23, and with the upstream series applied (patches/upstream/README.md). Not raised to meet
+# the code.
+CORE_SURFACE_PLAIN = 60
+CORE_SURFACE_PATCHED = 25
 SERVER_ARGS_LIMIT = 32
+
+# Variables of the core's adapter that hold SGLang objects, and attributes whose value is an
+# SGLang object too (so a chain ``req.kv.kv_committed_len`` counts both of its names).
+SGLANG_VARIABLES = {
+    "req",
+    "batch",
+    "forward_batch",
+    "scheduler",
+    "layer",
+    "model",
+    "runner",
+    "model_runner",
+    "allocator",
+    "manager",
+    "tokenizer_manager",
+    "engine",
+    "result",
+    "params",
+    "mode",
+    "pool",
+    "reporter",
+}
+# SGLang objects that are torch modules: torch's own methods on them are not SGLang's names.
+TORCH_MODULES = {"model"}
+HOLDS_SGLANG = {
+    "kv",
+    "sampling_params",
+    "sampling_info",
+    "tp_worker",
+    "model_runner",
+    "token_to_kv_pool_allocator",
+    "req_to_token_pool",
+    "tree_cache",
+    "model_config",
+    "metrics_reporter",
+    "tokenizer_manager",
+    "forward_mode",
+    # SchedulerParts' fields holding SGLang's objects (``self.<field>`` in the adapter)
+    "scheduler",
+    "allocator",
+    "kv_pool",
+    "model",
+}
+# Where the core outside its adapter keeps an SGLang object in a field of its own.
+KARA_FIELDS_HOLDING_SGLANG = {
+    "req",
+    "scheduler",
+    "scoring_batch",
+    "kv_pool",
+    "allocator",
+}
+# The core's modules, outside the adapter, whose variables of these names are sgl_kara's own (a
+# policy's layer index, a Region named ``req``-less): listed, not guessed.
+OWN_VARIABLES = {
+    "policies": {"layer", "model", "params", "mode", "result"},
+    "kernels": {"layer", "model", "params", "mode", "result", "pool"},
+    "config.py": {"params", "mode"},
+    "model_shape.py": {"model", "params"},
+    "memory_plan.py": {"model", "pool"},
+}
+SERVER_ARGS_OBJECTS = {"server_args", "resolved", "args", "probe"}
 
 
 def _modules(pattern="**/*.py"):
     return sorted(p for p in ROOT.glob(pattern) if "__pycache__" not in p.parts)
 
 
+def _core_modules():
+    return [
+        p
+        for p in _modules()
+        if p != CORE_ADAPTER and "cpu" not in p.relative_to(ROOT).parts
+    ]
+
+
+def _declared(adapter) -> dict[str, set[str]]:
+    return {owner: set(names) for owner, names in adapter.ATTRIBUTES.items()}
+
+
+@pytest.fixture(scope="module")
+def adapters():
+    from sgl_kara import _sglang as core
+    from sgl_kara.cpu import _sglang as kit
+
+    return core, kit
+
+
+# ------------------------------------------------------------------ the core, by object
+def _sglang_imports(tree) -> tuple[set[str], set[str]]:
+    """(classes and objects, functions) a file imports from SGLang."""
+    objects, functions = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+            "sglang"
+        ):
+            for a in node.names:
+                name = a.asname or a.name
+                (objects if name[:1].isupper() else functions).add(name)
+    return objects, functions
+
+
+def _is_sglang(expr, objects: set[str], functions: set[str]) -> bool:
+    """Does ``expr`` (in the core's adapter) evaluate to an SGLang object?"""
+    if isinstance(expr, ast.Name):
+        return expr.id in SGLANG_VARIABLES or expr.id in objects
+    if isinstance(expr, ast.Attribute):
+        if isinstance(expr.value, ast.Name) and expr.value.id == "self":
+            return expr.attr in HOLDS_SGLANG
+        return expr.attr in HOLDS_SGLANG and _is_sglang(expr.value, objects, functions)
+    if isinstance(expr, ast.Call):  # what an SGLang function returns
+        return isinstance(expr.func, ast.Name) and expr.func.id in functions
+    return False
+
+
+def _reflective(node) -> tuple[ast.AST, str] | None:
+    """(object, name) of ``getattr`` / ``setattr`` / ``hasattr(object, "name", ...)``."""
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in ("getattr", "setattr", "hasattr")
+        and len(node.args) >= 2
+        and isinstance(node.args[1], ast.Constant)
+        and isinstance(node.args[1].value, str)
+    ):
+        return node.args[0], node.args[1].value
+    return None
+
+
+def core_touches() -> dict[str, set[int]]:
+    """Every SGLang attribute name the core's adapter touches -> its lines."""
+    tree = ast.parse(CORE_ADAPTER.read_text())
+    objects, functions = _sglang_imports(tree)
+    out: dict[str, set[int]] = {}
+    for node in ast.walk(tree):
+        found = None
+        if isinstance(node, ast.Attribute):
+            found = (node.value, node.attr)
+        else:
+            found = _reflective(node)
+        if found is None or not _is_sglang(found[0], objects, functions):
+            continue
+        obj, name = found
+        torch_module = (isinstance(obj, ast.Name) and obj.id in TORCH_MODULES) or (
+            isinstance(obj, ast.Attribute) and obj.attr in TORCH_MODULES
+        )
+        if torch_module and name in TORCH_MODULE_NAMES:
+            continue
+        out.setdefault(name, set()).add(node.lineno)
+    return out
+
+
+TORCH_MODULE_NAMES = set(dir(torch.nn.Module))
+
+
+def test_the_core_adapter_declares_exactly_what_it_touches(adapters):
+    """Every SGLang name the adapter's code touches is declared (ATTRIBUTES; ServerArgs fields
+    in SERVER_ARGS), and every declared runtime name is touched."""
+    core, _ = adapters
+    touched = core_touches()
+    assert {"kv_committed_len", "reqs", "seq_lens", "positions"} <= set(touched)
+    declared = set().union(*_declared(core).values())
+    missing = sorted(set(touched) - declared - set(core.SERVER_ARGS))
+    assert not missing, {n: sorted(touched[n]) for n in missing}
+    stale = sorted(declared - set(touched))
+    assert not stale, f"declared in ATTRIBUTES, never touched: {stale}"
+
+
+def _outside_touches(path: Path) -> list[str]:
+    """Attribute accesses, and reflective ones, on what holds an SGLang object: a variable
+    named for one, or a field of sgl_kara's that keeps one (``job.req``)."""
+    rel = path.relative_to(ROOT)
+    own = set()
+    for key, names in OWN_VARIABLES.items():
+        if str(rel) == key or rel.parts[0] == key:
+            own |= names
+    variables = SGLANG_VARIABLES - own
+    tree = ast.parse(path.read_text())
+    bad = []
+    for node in ast.walk(tree):
+        found = (node.value, node.attr) if isinstance(node, ast.Attribute) else None
+        found = found or _reflective(node)
+        if found is None:
+            continue
+        target, name = found
+        held = (isinstance(target, ast.Name) and target.id in variables) or (
+            isinstance(target, ast.Attribute)
+            and target.attr in KARA_FIELDS_HOLDING_SGLANG
+        )
+        if held:
+            bad.append(f"{rel}:{node.lineno} .{name}")
+    return bad
+
+
+def test_the_core_reads_sglang_objects_only_through_its_adapter():
+    bad = [hit for path in _core_modules() for hit in _outside_touches(path)]
+    assert not bad, bad
+
+
+# ------------------------------------------------------------------ the CPU kit
 def _kara_names() -> set[str]:
     """Names sgl_kara itself defines as attributes: its functions, methods, class attributes,
-    dataclass fields and ``self.x`` assignments (a name both sides use cannot be told apart)."""
+    dataclass fields and ``self.x`` assignments."""
     names = set()
     for path in _modules():
         for node in ast.walk(ast.parse(path.read_text())):
@@ -69,10 +279,6 @@ def _generic_names() -> set[str]:
     return names | set(dir(builtins))
 
 
-def _declared(adapter) -> dict[str, set[str]]:
-    return {owner: set(names) for owner, names in adapter.ATTRIBUTES.items()}
-
-
 def _attributes(path: Path) -> list[tuple[int, str, bool]]:
     """(line, attribute, is a write) of every ``x.attr`` not rooted at an imported module."""
     tree = ast.parse(path.read_text())
@@ -98,108 +304,94 @@ def _attributes(path: Path) -> list[tuple[int, str, bool]]:
     return out
 
 
-def _getattr_names(path: Path, objects: set[str]) -> set[str]:
-    """Names read with ``getattr(obj, "name", ...)`` on a variable named in ``objects``."""
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Name)
-            and node.func.id in ("getattr", "setattr", "hasattr")
-            and len(node.args) >= 2
-            and isinstance(node.args[0], ast.Name)
-            and node.args[0].id in objects
-            and isinstance(node.args[1], ast.Constant)
-        ):
-            out.add(node.args[1].value)
-    return out
-
-
-@pytest.fixture(scope="module")
-def adapters():
-    from sgl_kara import _sglang as core
-    from sgl_kara.cpu import _sglang as kit
-
-    return core, kit
-
-
-def _sglang_only(core, kit) -> set[str]:
-    names = set().union(*_declared(core).values(), *_declared(kit).values())
-    return names - _kara_names() - _generic_names()
-
-
-def _touches(path: Path, names: set[str], server_args: set[str]) -> list[str]:
-    """``path``'s attribute accesses named in ``names`` (a ServerArgs field read on a server-args
-    variable is a flag, not a runtime object)."""
-    tree = ast.parse(path.read_text())
-    flags = set()
-    for node in ast.walk(tree):
-        if (
-            isinstance(node, ast.Attribute)
-            and isinstance(node.value, ast.Name)
-            and node.value.id in SERVER_ARGS_OBJECTS
-            and node.attr in server_args
-        ):
-            flags.add((node.lineno, node.attr))
-    return [
-        f"{path.relative_to(ROOT)}:{line} .{attr}"
-        for line, attr, _ in _attributes(path)
-        if attr in names and (line, attr) not in flags
-    ]
-
-
-def test_the_core_reads_sglang_objects_only_through_its_adapter(adapters):
-    core, kit = adapters
-    sglang_only = _sglang_only(core, kit)
-    assert "kv_committed_len" in sglang_only and "req_pool_idx" in sglang_only
-    bad = []
-    for path in _modules():
-        if path == CORE_ADAPTER or "cpu" in path.relative_to(ROOT).parts:
-            continue
-        bad += _touches(path, sglang_only, set(core.SERVER_ARGS))
-    assert not bad, bad
-
-
 def test_the_cpu_kit_touches_only_what_its_adapter_declares(adapters):
     """The kit's hooks work on SGLang's layers directly (packed weights, the torch_native
-    backend): each name it touches is declared in the kit's adapter."""
+    backend): each SGLang-only name it touches is declared in the kit's adapter."""
     core, kit = adapters
-    sglang_only = _sglang_only(core, kit) - set().union(*_declared(kit).values())
+    names = set().union(*_declared(core).values(), *_declared(kit).values())
+    sglang_only = names - _kara_names() - _generic_names()
+    sglang_only -= set().union(*_declared(kit).values())
     bad = []
     for path in _modules("cpu/*.py"):
-        if path != KIT_ADAPTER:
-            bad += _touches(path, sglang_only, set(core.SERVER_ARGS))
+        if path == KIT_ADAPTER:
+            continue
+        flags = {  # a ServerArgs field read on a server-args variable is a flag
+            (node.lineno, node.attr)
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in SERVER_ARGS_OBJECTS
+            and node.attr in core.SERVER_ARGS
+        }
+        bad += [
+            f"{path.relative_to(ROOT)}:{line} .{attr}"
+            for line, attr, _ in _attributes(path)
+            if attr in sglang_only and (line, attr) not in flags
+        ]
     assert not bad, bad
 
 
-SERVER_ARGS_OBJECTS = {"server_args", "resolved", "args", "probe"}
-
-
-@pytest.mark.parametrize("which", ["core", "cpu"])
-def test_every_sglang_attribute_an_adapter_touches_is_declared(adapters, which):
-    core, kit = adapters
-    adapter, path = (core, CORE_ADAPTER) if which == "core" else (kit, KIT_ADAPTER)
-    declared = set().union(*_declared(adapter).values()) | set(core.SERVER_ARGS)
-    own = _kara_names() | _generic_names()
-    touched = {attr for _, attr, _ in _attributes(path)} - own
-    touched |= _getattr_names(path, {"req", "batch", "scheduler", "engine", "manager"})
-    missing = sorted(touched - declared - own)
-    assert not missing, f"declare these in {path.relative_to(ROOT)}: {missing}"
-
-
-def test_every_declared_attribute_is_used(adapters):
-    """A declared name no code of the package touches is stale (the declaration lies)."""
-    core, kit = adapters
-    code = "\n".join(p.read_text() for p in _modules())
+def test_every_declared_kit_attribute_is_used(adapters):
+    """A declared name no code of the kit touches is stale (the declaration lies)."""
+    _, kit = adapters
+    code = "\n".join(p.read_text() for p in _modules("cpu/*.py"))
     stale = [
         f"{owner}.{name}"
-        for adapter in (core, kit)
-        for owner, names in adapter.ATTRIBUTES.items()
+        for owner, names in kit.ATTRIBUTES.items()
         for name in names
         if f".{name}" not in code
         and f'"{name}"' not in code.replace(f'"{name}",\n', "")
     ]
     assert not stale, stale
+
+
+# ------------------------------------------------------------------ ServerArgs
+def _server_args_writes(path: Path) -> list[str]:
+    """Writes to a ServerArgs variable's fields: ``args.x = ...``, ``setattr(args, ...)``."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in SERVER_ARGS_OBJECTS
+        ):
+            out.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr} =")
+        found = _reflective(node)
+        if (
+            found is not None
+            and node.func.id == "setattr"
+            and isinstance(found[0], ast.Name)
+            and found[0].id in SERVER_ARGS_OBJECTS
+        ):
+            out.append(f"{path.relative_to(ROOT)}:{node.lineno} setattr {found[1]}")
+    return out
+
+
+def test_every_server_args_write_goes_through_the_adapter():
+    """Outside ``_sglang.set_server_arg`` (which writes a declared field by name) no module
+    writes a ServerArgs field."""
+    writes = [hit for path in _modules() for hit in _server_args_writes(path)]
+    assert not writes, writes
+    tree = ast.parse(CORE_ADAPTER.read_text())
+    setter = next(
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.FunctionDef) and n.name == "set_server_arg"
+    )
+    assert any(
+        isinstance(n, ast.Call) and getattr(n.func, "id", None) == "setattr"
+        for n in ast.walk(setter)
+    )
+
+
+def _getattr_names(path: Path, objects: set[str]) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        found = _reflective(node)
+        if found and isinstance(found[0], ast.Name) and found[0].id in objects:
+            out.add(found[1])
+    return out
 
 
 def test_server_args_read_by_the_start_up_are_the_declared_flags(adapters):
@@ -231,37 +423,159 @@ def test_server_args_read_by_the_start_up_are_the_declared_flags(adapters):
 
     fields = set(ServerArgs.__annotations__)
     assert set(core.SERVER_ARGS) <= fields, set(core.SERVER_ARGS) - fields
+    assert len(core.SERVER_ARGS) <= SERVER_ARGS_LIMIT, len(core.SERVER_ARGS)
 
 
-def test_no_private_sglang_attribute_is_written_without_its_note(adapters):
-    written = {}
+# ------------------------------------------------------------------ private writes
+def _private_writes(path: Path) -> dict[str, list[str]]:
+    """Private attributes written (``x._y = ...``, ``setattr(x, "_y", ...)``, a name held in a
+    constant too) on anything but ``self`` / ``cls``."""
+    tree = ast.parse(path.read_text())
+    constants = {
+        t.id: n.value.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
+        for t in n.targets
+        if isinstance(t, ast.Name) and isinstance(n.value.value, str)
+    }
+    out: dict[str, list[str]] = {}
+    for node in ast.walk(tree):
+        name = None
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and not (
+                isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            )
+        ):
+            name = node.attr
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "setattr"
+            and len(node.args) >= 2
+            and not (
+                isinstance(node.args[0], ast.Name)
+                and node.args[0].id in ("self", "cls")
+            )
+        ):
+            arg = node.args[1]
+            if isinstance(arg, ast.Constant):
+                name = arg.value
+            elif isinstance(arg, ast.Name):
+                name = constants.get(arg.id)
+        if isinstance(name, str) and name.startswith("_") and not name.startswith("__"):
+            out.setdefault(name, []).append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    return out
+
+
+def test_no_private_sglang_attribute_is_written_outside_the_kit_or_without_its_note():
+    core, kit = {}, {}
     for path in _modules():
-        for line, attr, store in _attributes(path):
-            if store and attr.startswith("_") and not attr.startswith("__"):
-                written.setdefault(attr, []).append(f"{path.relative_to(ROOT)}:{line}")
+        into = kit if "cpu" in path.relative_to(ROOT).parts else core
+        for name, where in _private_writes(path).items():
+            into.setdefault(name, []).extend(where)
     own = _kara_names()
-    private = {a: where for a, where in written.items() if a not in own}
-    assert set(private) <= set(PRIVATE_WRITES), private
+    assert not {n: w for n, w in core.items() if n not in own}, core
+    assert set(kit) <= set(PRIVATE_WRITES), set(kit) - set(PRIVATE_WRITES)
     for note in PRIVATE_WRITES.values():
         assert (ROOT.parent / note).is_file(), note
 
 
-def test_the_declared_surface_is_the_one_patches_accounts_for(adapters):
-    core, kit = adapters
-    runtime = sum(len(v) for v in core.ATTRIBUTES.values())
-    assert runtime <= CORE_SURFACE_LIMIT, runtime
-    assert len(core.SERVER_ARGS) <= SERVER_ARGS_LIMIT, len(core.SERVER_ARGS)
+# ------------------------------------------------------------------ the size
+def _touches_by_function() -> dict[str, set[str]]:
+    """The SGLang names each function of the core's adapter touches ("" : module level)."""
+    tree = ast.parse(CORE_ADAPTER.read_text())
+    lines = core_touches()
+    by_line: dict[int, set[str]] = {}
+    for name, lns in lines.items():
+        for ln in lns:
+            by_line.setdefault(ln, set()).add(name)
+    spans = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            spans.append((node.lineno, node.end_lineno, node.name))
+    out: dict[str, set[str]] = {}
+    for line, names in by_line.items():
+        inner = [s for s in spans if s[0] <= line <= s[1]]
+        owner = min(inner, key=lambda s: s[1] - s[0])[2] if inner else ""
+        out.setdefault(owner, set()).update(names)
+    return out
+
+
+def surface(core) -> dict[str, int]:
+    """The core's SGLang runtime-object names, counted per owner that declares them: all
+    declared; on plain SGLang 0.5.23 (what every function but an extension point's touches); with
+    the series applied (what every function but a hook's touches)."""
+    by_function = _touches_by_function()
+    owners: dict[str, int] = {}
+    for names in core.ATTRIBUTES.values():
+        for n in names:
+            owners[n] = owners.get(n, 0) + 1
+
+    def count(skip) -> int:
+        names = set().union(
+            *(v for f, v in by_function.items() if f not in skip), set()
+        )
+        return sum(owners.get(n, 0) for n in names)
+
+    return {
+        "declared": sum(owners.values()),
+        "plain": count(core.EXTENSION_PATH),
+        "patched": count(core.HOOK_PATH),
+    }
+
+
+def test_the_sides_of_the_touch_points_are_adapter_functions(adapters):
+    """HOOK_PATH / EXTENSION_PATH name functions of the adapter, each of a known touch point,
+    and every name an extension point's function touches is one its patch adds or one the
+    hook side touches too (nothing else of SGLang's is reached only through a patch)."""
+    core, _ = adapters
+    defined = {
+        n.name
+        for n in ast.walk(ast.parse(CORE_ADAPTER.read_text()))
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
+    for side in (core.HOOK_PATH, core.EXTENSION_PATH):
+        assert set(side) <= defined, set(side) - defined
+        assert set(side.values()) <= set(core.EXTENSION_POINTS), side
+    sizes = surface(core)
+    assert sizes["plain"] <= sizes["declared"] and sizes["patched"] <= sizes["declared"]
+    by_function = _touches_by_function()
+    assert by_function.get("release_kv_tail") == {
+        "release_kv_tail"
+    }  # derived, not listed
+
+
+def test_patches_accounts_for_every_declared_name(adapters):
+    core, _ = adapters
     index = (ROOT.parent / "patches" / "README.md").read_text()
     index = index[index.index("## The SGLang surface") :]
-    for owner in core.ATTRIBUTES:
-        assert owner.rsplit(".", 1)[-1] in index, f"patches/README.md misses {owner}"
     for owner, names in core.ATTRIBUTES.items():
         row = next(
             (
                 line
                 for line in index.splitlines()
-                if f"`{owner.rsplit('.', 1)[-1]}`" in line
+                if line.startswith(f"| `{owner.rsplit('.', 1)[-1]}` |")
             ),
             "",
         )
-        assert all(n in row for n in names), (owner, row)
+        assert row, f"patches/README.md misses {owner}"
+        missing = [n for n in names if n not in row]
+        assert not missing, (owner, missing)
+    sizes = surface(core)
+    for key in ("declared", "plain", "patched"):
+        assert f"**{sizes[key]}**" in index, (key, sizes[key])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the core touches more SGLang names than the product needs, on plain 0.5.23 and "
+    "with the series applied: patches/README.md, 'The SGLang surface', says which and where "
+    "each would go",
+)
+def test_the_core_surface_is_what_the_product_needs(adapters):
+    core, _ = adapters
+    sizes = surface(core)
+    assert sizes["plain"] <= CORE_SURFACE_PLAIN, sizes
+    assert sizes["patched"] <= CORE_SURFACE_PATCHED, sizes

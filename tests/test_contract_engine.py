@@ -21,6 +21,9 @@ from sgl_kara.scheduler.plan import Job
 from sgl_kara.scheduler.scoring import Scorer
 from sgl_kara.scheduler.staging import DeviceStaging
 
+# the tier run on SGLang with the upstream series applied too (docs/TESTING.md)
+pytestmark = pytest.mark.patched
+
 BASELINES = ["snapkv", "streaming", "h2o", "rkv"]
 
 

@@ -151,7 +151,9 @@ def test_recompute_pass_writes_no_kv_with_fused_rope_write(sglang_context):
     req_to_token[2] = torch.arange(101, 165)  # row 2: slots 101..164
     policy = KaraPolicy(KaraOptions(window=16, buffer=4, period=4))
     table = RequestTable()
-    ctx = ForwardContext(policy, None, req_to_token, pool.get_key_buffer, 0, table)
+    ctx = ForwardContext(
+        policy, None, req_to_token, pool.get_key_buffer, 0, table, heads=(HQ, D)
+    )
     mr = FusedRopeModel(ctx, pool)
     scheduler = types.SimpleNamespace(
         req_to_token_pool=types.SimpleNamespace(
@@ -411,7 +413,9 @@ def _event_launches(policy, pool, q_dtype, page: int, tails: list[int], prompt: 
             region=M,
             kept=kept,
         )
-        compact_rows(plan, req_to_token, pool.k, pool.v, alloc.alloc, alloc.free_page_ids, page)
+        compact_rows(
+            plan, req_to_token, pool.k, pool.v, alloc.alloc, alloc.free_page_ids, page
+        )
 
 
 @pytest.mark.parametrize(

@@ -381,7 +381,7 @@ def test_the_scheduler_allocates_the_ring_within_the_start_up_plan(
     """On CUDA the ring's rows come from the scheduler's limits and must not outgrow the rows the
     start-up plan took from the pool (--max-running-requests / --kara-query-ring-rows); a larger
     ring is refused before it is allocated."""
-    from sgl_kara._sglang import RadixAttention
+    from sgl_kara._sglang import RadixAttention, attention_layers
     from sgl_kara.config import KaraConfig
     from sgl_kara.model_shape import ModelShape, ring_bytes
     from sgl_kara.scheduler.ring import make_ring
@@ -414,17 +414,20 @@ def test_the_scheduler_allocates_the_ring_within_the_start_up_plan(
         cuda_table = types.SimpleNamespace(
             device=torch.device("cuda"), shape=(running + 1, 64)
         )
-        parts = types.SimpleNamespace(
+        model = torch.nn.ModuleList(
+            RadixAttention(
+                shape.q_heads, shape.head_dim, 1.0, shape.kv_heads, layer_id=i
+            )
+            for i in range(shape.layers)
+        )
+        parts = types.SimpleNamespace(  # SchedulerParts as the adapter reads the model
             max_running=running,
             pool_tokens=pool,
             server_args=server_args,
             dtype=torch.bfloat16,
-            model=torch.nn.ModuleList(
-                RadixAttention(
-                    shape.q_heads, shape.head_dim, 1.0, shape.kv_heads, layer_id=i
-                )
-                for i in range(shape.layers)
-            ),
+            layer_ids=attention_layers(model),
+            q_heads=shape.q_heads,
+            head_dim=shape.head_dim,
             req_to_token=cuda_table,
         )
         return make_ring(parts, cfg, cfg.make_policy().query_capacity())

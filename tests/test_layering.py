@@ -164,9 +164,19 @@ def _adapters():
 
 @pytest.mark.parametrize("which", [0, 1], ids=["core", "cpu"])
 def test_every_sglang_touch_point_exists(which):
+    """Every declared name exists in the installed SGLang; an extension point's own name (each
+    patch's marker, patches/upstream) exists exactly where the installed SGLang has the patch."""
     adapter = _adapters()[which]
+    points = getattr(adapter, "EXTENSION_POINTS", {})
+    markers = {(path, name): point for point, (_, path, name) in points.items()}
     missing = []
     for path, names in adapter.ATTRIBUTES.items():
+        for n in names:
+            if (path, n) in markers:  # SGLang has it where it has the patch
+                assert adapter.has_extension(markers[path, n]) == _has_attribute(
+                    pkgutil.resolve_name(path), n
+                ), (path, n)
+        names = [n for n in names if (path, n) not in markers]
         try:
             owner = importlib.import_module(path)
         except ImportError:

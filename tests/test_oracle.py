@@ -28,6 +28,9 @@ from oracle import (
     shared_engine,
 )
 
+# the tier run on SGLang with the upstream series applied too (docs/TESTING.md)
+pytestmark = pytest.mark.patched
+
 # The shared engines' configurations (tests/oracle.py ``shared_engine``), each checked against the
 # masked reference and, at retention 1.0 per request, against plain SGLang's tokens. The parameters
 # are module-scoped: pytest runs one configuration's tests together, on one engine start.

@@ -17,6 +17,9 @@ from oracle import check_policy_through_engine, shared_engine, small_options
 
 from sgl_kara.policies import base
 
+# the tier run on SGLang with the upstream series applied too (docs/TESTING.md)
+pytestmark = pytest.mark.patched
+
 
 # Kara first: its engine is the oracle's Llama capture engine, still in the session's pool after
 # tests/test_oracle.py.

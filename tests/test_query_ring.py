@@ -149,18 +149,22 @@ def test_start_up_plan_and_allocated_ring_agree(
     monkeypatch.setattr(support, "available_ram_bytes", lambda: 1 << 40)
     resolved = prepare(args, cfg)
 
-    # the scheduler side, on a model of the same shape (SGLang's own attention layers)
+    # the scheduler side, on a model of the same shape (SGLang's own attention layers, read as
+    # the adapter reads them)
+    from sgl_kara import _sglang as adapter
+
+    model = torch.nn.ModuleList(
+        RadixAttention(shape.q_heads, shape.head_dim, 1.0, shape.kv_heads, layer_id=i)
+        for i in range(shape.layers)
+    )
     parts = types.SimpleNamespace(
         max_running=running,
         pool_tokens=pool,
         dtype=torch.float32,
         server_args=args,
-        model=torch.nn.ModuleList(
-            RadixAttention(
-                shape.q_heads, shape.head_dim, 1.0, shape.kv_heads, layer_id=i
-            )
-            for i in range(shape.layers)
-        ),
+        layer_ids=adapter.attention_layers(model),
+        q_heads=shape.q_heads,
+        head_dim=shape.head_dim,
         req_to_token=torch.zeros(running + 1, 8, dtype=torch.int32),
     )
     capacity = resolved.make_policy().query_capacity()

@@ -771,6 +771,7 @@ def run_retraction_storm(
     )
 
 
+@pytest.mark.patched
 def test_retraction_storm(tiny_llama):
     figures = run_retraction_storm(
         tiny_llama, n_requests=8, gen=120, interval=3, max_total_tokens=500

@@ -64,6 +64,7 @@ def test_query_sources_agree_on_first_window(compressing_engine):
         assert err < 2e-2, err
 
 
+@pytest.mark.patched
 def test_parallel_samples_share_prompt_and_cache_hit(compressing_engine):
     prompt = "Let x = 3. Let y = x + 4, so y = 7. Then z = y - 2 = 5. The answer"
     params = {"max_new_tokens": 200, "temperature": 0.8, "ignore_eos": True, "n": 4}
@@ -96,6 +97,7 @@ def test_flush_leaves_every_slot_free(compressing_engine):
 
 
 @pytest.mark.integration  # a retraction scenario on an engine of its own (docs/TESTING.md, tiers)
+@pytest.mark.patched
 def test_tight_pool_retracts_and_completes(tiny_llama):
     """Over-admission under pressure: natural retraction, then every request still completes.
 

@@ -59,7 +59,7 @@ HOST_READS = {"item", "tolist", "cpu", "numpy"}
 ALLOWED = {
     "scheduler/scoring.py": {"_crosscheck"},
     "scheduler/ring.py": {"check", "make_ring"},
-    "scheduler/forward.py": {"check_offsets", "on_forward_batch"},
+    "scheduler/forward.py": {"check_offsets", "on_forward_batch", "_decode_side_data"},
     "mem_cache/compaction.py": {"host_rows", "slots_of_regions"},
     "kernels/compact.py": {"pointer_table"},
     "_sglang.py": {"shrink_lengths"},

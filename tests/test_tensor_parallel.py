@@ -236,8 +236,8 @@ def _fault_scenario(rank: int, group, layout: str, agree: str) -> dict:
     and plans; a fault injected just before the commit of the victim's group, on rank 1 only."""
     from test_event_transaction import plan, world
 
-    from sgl_kara.scheduler.events import EventRunner
     from sgl_kara.diagnostics import Diagnostics
+    from sgl_kara.scheduler.events import EventRunner
     from sgl_kara.scheduler.scoring import Scorer
     from sgl_kara.scheduler.staging import DeviceStaging
     from sgl_kara.scheduler.tp_lockstep import FailureAgreement

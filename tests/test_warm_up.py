@@ -70,7 +70,9 @@ def event_launches(
             kept=kept,
             row_ids=[row for row, *_ in group],
         )
-        compact_rows(plan, req_to_token, pool.k, pool.v, alloc.alloc, alloc.free_page_ids, page)
+        compact_rows(
+            plan, req_to_token, pool.k, pool.v, alloc.alloc, alloc.free_page_ids, page
+        )
 
 
 def states(protected: int, **fields):

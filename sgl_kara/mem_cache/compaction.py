@@ -97,7 +97,17 @@ class PreparedCompaction:
     writes: list
     old: torch.Tensor
     fresh: torch.Tensor
+    # per request (start, fresh slots, stop or None): rows [start, stop) (None: the whole tail)
+    # replaced by the fresh slots, the rows after stop moved down -- the same change as
+    # ``writes`` and ``old``, for an owner of the rows that applies it (SGLang's
+    # ``release_kv_tail``)
+    ranges: list = None
     done: bool = False
+
+    def released(self) -> None:
+        """The change was applied by the rows' owner (ranges): nothing left to commit."""
+        assert not self.done, "compaction committed or aborted twice"
+        self.done = True
 
     def commit(self, req_to_token: torch.Tensor, free_pages) -> int:
         assert not self.done, "compaction committed or aborted twice"
@@ -208,7 +218,7 @@ def prepare_compaction(
             region_slots[:, None, None, :].expand(B, L, H, M), 3, plan.kept.to(device)
         )
         compact_kv(k_buffers, v_buffers, src, dst, use_triton=use_triton, check=check)
-        writes = []
+        writes, ranges = [], []
         for b, (row, a, length) in enumerate(
             zip(plan.host_rows(), plan.starts, plan.lengths)
         ):
@@ -222,10 +232,13 @@ def prepare_compaction(
                     ),
                 )
             )
+            ranges.append((a, dst[b], a + M))
     except BaseException:
         free_pages(dst.reshape(-1))
         raise
-    return PreparedCompaction(M - K, writes, region_slots.reshape(-1), dst.reshape(-1))
+    return PreparedCompaction(
+        M - K, writes, region_slots.reshape(-1), dst.reshape(-1), ranges
+    )
 
 
 def _prepare_paged(
@@ -290,7 +303,8 @@ def _prepare_paged(
         raise
     writes = [(row, s, new) for row, s, new, _ in new_rows]
     old_pages = torch.cat([page_ids(old, page) for *_, old in new_rows])
-    return PreparedCompaction(d, writes, old_pages, fresh_pages)
+    ranges = [(s, new, None) for _, s, new, _ in new_rows]
+    return PreparedCompaction(d, writes, old_pages, fresh_pages, ranges)
 
 
 def _paged_copy(

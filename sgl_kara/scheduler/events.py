@@ -207,7 +207,10 @@ class EventRunner:
     def _fail(self, job, error: Exception) -> None:
         """Finish one request with an error; its row is untouched, so SGLang frees it as usual."""
         logger.error(
-            "Kara compression failed for request %s: %s", adapter.rid(job.req), error
+            "Kara compression failed for request %s: %s",
+            adapter.rid(job.req),
+            error,
+            exc_info=error,
         )
         job.state.enabled = False
         job.state.scoring = None
@@ -277,7 +280,15 @@ class EventRunner:
             prepared.abort(parts.free_page_ids)
             raise
         # ---- commit: index writes and host bookkeeping only
-        dropped = prepared.commit(parts.req_to_token, parts.free_page_ids)
+        if adapter.has_extension("kv_tail"):
+            # SGLang's tail release (patches/upstream 0009): the rows, the old slots and the
+            # request's and batch's lengths, each request's through one call
+            for j, (start, slots, stop) in zip(jobs, prepared.ranges):
+                dropped = adapter.release_kv_tail(batch, j.index, start, slots, stop)
+            prepared.released()
+            dropped = prepared.dropped
+        else:
+            dropped = prepared.commit(parts.req_to_token, parts.free_page_ids)
         for b, j in enumerate(jobs):
             if relaid[b] is not None:
                 j.state.policy_state = relaid[b]
@@ -317,15 +328,20 @@ class EventRunner:
             self.diagnostics.fault(stage, [j.req for j in jobs])
 
     def _shrink(self, batch, jobs, rows: torch.Tensor, dropped: int, keep: int) -> None:
+        released = adapter.has_extension("kv_tail")  # SGLang shrank its lengths itself
         for j in jobs:
-            adapter.drop_rows(j.req, dropped)
+            if not released:
+                adapter.drop_rows(j.req, dropped)
             j.state.pos_offset += dropped
             j.state.frontier = j.region.start + keep
             j.state.compressions += 1
         if dropped:
             self.forward.add_offset(rows, dropped)
-            index = [j.index for j in jobs]
-            adapter.shrink_lengths(batch, index, dropped, self.staging.to_device(index))
+            if not released:
+                index = [j.index for j in jobs]
+                adapter.shrink_lengths(
+                    batch, index, dropped, self.staging.to_device(index)
+                )
 
     # -------------------------------------------------------------------------- scores
     def _complete_scores(self, jobs, rows, region_slots) -> torch.Tensor:

@@ -11,6 +11,14 @@ carry over, extra attributes would not, so the per-forward side data lives here:
                                                      stop after the last layer's (ScoringComplete);
                                                      decode: queries -> ring; observer -> policy
 
+Where SGLang has the extension points (patches/upstream) the same work runs through them and no
+hook is registered (plugin.serving_hooks): SGLang adds each row's offset to positions itself
+(0008: ``offsets`` is then SGLang's tensor, which Kara keeps at every row's ``pos_offset``);
+``KaraObserver`` (0006) is called before each eager attention layer (recompute: the layer's
+queries scored) and after it (decode: queries to the ring, the policy's observer), reading the
+forward's rows, positions and requests from the forward batch; the recompute forward is SGLang's
+cached extend (0007: no K/V written, no exception, it runs to its end).
+
 Inside a recompute forward nothing of Kara's raises through the model but ``ScoringComplete``
 at the last scored layer: a scoring failure (device memory, a kernel) is kept on the pass and
 raised once the forward has left the model. Under tensor parallelism the forward all-reduces
@@ -45,16 +53,26 @@ class ForwardContext:
         start_layer,
         table,
         diagnostics=None,
+        offsets: torch.Tensor | None = None,
+        heads: tuple[int, int] = (1, 1),
     ):
         self.policy = policy
+        self.q_heads, self.head_dim = heads  # of every attention layer on this rank
         self.diagnostics = diagnostics  # injected faults (sgl_kara/diagnostics)
         self.ring = ring
         self.req_to_token = req_to_token
         self.keys_of = keys_of
         self.start_layer = start_layer
         self.table = table
-        self.offsets = torch.zeros(
-            req_to_token.shape[0], dtype=torch.int64, device=req_to_token.device
+        # SGLang's own per-row offsets, which it adds to positions (patches/upstream 0008), or
+        # Kara's, which the init_new hook adds
+        self.sglang_offsets = offsets is not None
+        self.offsets = (
+            offsets
+            if offsets is not None
+            else torch.zeros(
+                req_to_token.shape[0], dtype=torch.int64, device=req_to_token.device
+            )
         )
         # (ring rows [T], logical positions [T]) of the decode forward
         self.capture = None
@@ -119,17 +137,10 @@ class ForwardContext:
                 )
                 return
             pos = adapter.positions(forward_batch)
-            pos = pos + self.offsets[rows].to(pos.dtype)
-            adapter.set_positions(forward_batch, pos)
-            if self.ring is not None:
-                self.capture = (self.ring.rows_for(rows), pos.to(torch.int64))
-            if self.policy is not None and self.policy.observes_decode:
-                # Lengths from the host (the batch's CPU lengths: reading the device ones would
-                # make the host wait at every decode step); the rows in one gather, each
-                # request's slots a view of it (every layer's observer gets the same list).
-                lens = adapter.host_lengths(batch).tolist()
-                table = self.req_to_token[rows, : max(lens)].to(torch.int64)
-                self.observed = ([table[i, :n] for i, n in enumerate(lens)], states)
+            if not self.sglang_offsets:
+                pos = pos + self.offsets[rows].to(pos.dtype)
+                adapter.set_positions(forward_batch, pos)
+            self._decode_side_data(rows, pos, adapter.host_lengths(batch), states)
         else:
             # Only requests never compressed (or reset by retraction) are ever extended.
             assert not any(s is not None and s.pos_offset for s in states), (
@@ -144,9 +155,81 @@ class ForwardContext:
         qv = q.reshape(scoring.B, q.shape[0] // scoring.B, heads, head_dim)
         scoring.score_layer(layer_id, qv)
 
+    def _decode_side_data(self, rows, pos, host_lengths, states) -> None:
+        """A decode forward's capture rows and, for a decode observer, each request's slots:
+        lengths from the host (the batch's CPU lengths: reading the device ones would make the
+        host wait at every decode step), the rows in one gather, each request's slots a view of
+        it (every layer's observer gets the same list)."""
+        if self.ring is not None:
+            self.capture = (self.ring.rows_for(rows), pos.to(torch.int64))
+        if self.policy is not None and self.policy.observes_decode:
+            lens = host_lengths.tolist()
+            table = self.req_to_token[rows, : max(lens)].to(torch.int64)
+            self.observed = ([table[i, :n] for i, n in enumerate(lens)], states)
+
+    # -- SGLang's attention observers (patches/upstream 0006 / 0007) -----------------------
+    def observer(self):
+        """An AttentionObserver of SGLang's calling this context around every eager attention
+        layer."""
+        context = self
+
+        class KaraObserver(adapter.attention_observer_base()):
+            def before_attention(self, layer, q, k, v, forward_batch):
+                context.before_attention(layer, q, forward_batch)
+
+            def after_attention(self, layer, q, output, forward_batch):
+                context.after_attention(layer, q)
+
+        return KaraObserver()
+
+    def before_attention(self, layer, q, forward_batch) -> None:
+        layer_id, heads, head_dim = self._layer(layer)
+        scoring = self.scoring
+        if scoring is not None:  # Kara's recompute forward: this layer's queries scored
+            self.kind = "recompute"
+            if scoring.error is None:
+                try:
+                    self._score_layer(scoring, layer_id, q, heads, head_dim)
+                except Exception as e:  # noqa: BLE001 - raised once the forward is left
+                    scoring.error = e
+            return
+        if layer_id == self.start_layer:  # a new forward: its side data
+            self.capture = self.observed = None
+            kind, rows, pos, rids, host_lengths = adapter.forward_view(forward_batch)
+            self.kind = kind
+            if kind == "decode":
+                states = [self.table.by_rid(rid) for rid in rids]
+                rows = rows.to(torch.int64)
+                self._decode_side_data(rows, pos, host_lengths, states)
+
+    def after_attention(self, layer, q) -> None:
+        if self.scoring is None and self.kind == "decode":
+            self._after_decode_attention(*self._layer(layer), q=q)
+
+    def _layer(self, layer) -> tuple[int, int, int]:
+        """(layer_id, query heads, head dim) of an attention layer."""
+        return adapter.attention_layer(layer), self.q_heads, self.head_dim
+
+    def _after_decode_attention(self, layer_id: int, heads: int, head_dim: int, q):
+        q3 = q.reshape(q.shape[0], heads, head_dim)
+        cap = self.capture
+        if cap is not None and q.shape[0] == cap[0].shape[0]:
+            self.ring.write(layer_id, q3, *cap)
+        if self.observed is not None and q.shape[0] == len(self.observed[0]):
+            slots, states = self.observed
+            self.policy.observe(
+                ObserveInput(
+                    layer_id - self.start_layer,
+                    q3,
+                    self.keys_of(layer_id),
+                    slots,
+                    states,
+                )
+            )
+
     def on_attention(self, original, layer, q, k, v, forward_batch, save_kv_cache):
         """``original(layer, q, k, v, fb, save_kv_cache)``: SGLang's attention call."""
-        layer_id, heads, head_dim = adapter.attention_layer(layer)
+        layer_id, heads, head_dim = self._layer(layer)
         scoring = self.scoring
         if scoring is not None:
             if scoring.error is None:
@@ -163,19 +246,5 @@ class ForwardContext:
                 return original(layer, q, k, v, forward_batch, False)
         out = original(layer, q, k, v, forward_batch, save_kv_cache)
         if self.kind == "decode":
-            q3 = q.reshape(q.shape[0], heads, head_dim)
-            cap = self.capture
-            if cap is not None and q.shape[0] == cap[0].shape[0]:
-                self.ring.write(layer_id, q3, *cap)
-            if self.observed is not None and q.shape[0] == len(self.observed[0]):
-                slots, states = self.observed
-                self.policy.observe(
-                    ObserveInput(
-                        layer_id - self.start_layer,
-                        q3,
-                        self.keys_of(layer_id),
-                        slots,
-                        states,
-                    )
-                )
+            self._after_decode_attention(layer_id, heads, head_dim, q)
         return out

@@ -1,8 +1,9 @@
 """KaraScheduler: SGLang's Scheduler with Kara's runtime, prefill adder and output streamer.
 
-Its decode-step work and /server_info entry come through the plugin's hooks on
-``Scheduler.update_running_batch`` and ``get_internal_state`` (plugin.py), so every SGLang method
-is reached by one mechanism: overridden here, or hooked there.
+Its decode-step work and /server_info entry: where SGLang has the subclass points
+``pre_decode_step`` / ``extra_internal_state`` (patches/upstream 0004) they are overridden here,
+else the plugin hooks ``Scheduler.update_running_batch`` and ``get_internal_state`` (plugin.py)
+-- one mechanism per SGLang, never both.
 
 ``run_kara_scheduler_process`` is the module-level process function handed to SGLang's
 Engine / HTTP server (``run_scheduler_process_func``; processes are spawned, so it must be
@@ -30,10 +31,10 @@ logger = logging.getLogger(__name__)
 class KaraScheduler(Scheduler):
     kara_config: KaraConfig = KaraConfig()
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, server_args, port_args, *args, **kwargs):
+        super().__init__(server_args, port_args, *args, **kwargs)
         check_runtime_supported(self, self.kara_config)
-        self.kara = runtime.KaraRuntime(self.kara_config, self)
+        self.kara = runtime.KaraRuntime(self.kara_config, self, server_args)
         runtime.activate(self.kara)
         logger.info("sgl_kara: compression active, %s", self.kara_config)
 
@@ -43,12 +44,23 @@ class KaraScheduler(Scheduler):
     def get_prefill_adder_class(self):
         return make_prefill_adder(super().get_prefill_adder_class(), self.kara.charge)
 
+    # SGLang's subclass points where it has them (never called by an SGLang without them, whose
+    # scheduler is hooked instead: plugin.serving_hooks)
+    def pre_decode_step(self, batch) -> None:
+        self.kara.on_decode_step(batch)
+
+    def extra_internal_state(self) -> dict:
+        out = super().extra_internal_state()
+        out["kara"] = replica_stats(self.kara)
+        return out
+
 
 def replica_stats(runtime) -> dict:
     """A runtime's Kara counters, its DP rank and its KV pool: free slots, slots the radix
     tree holds but may evict, and the pool's size (free == pool once idle and flushed: nothing
     leaked)."""
     from sgl_kara import _sglang as adapter
+    from sgl_kara.process import STATE
 
     parts = runtime.parts
     return {
@@ -58,6 +70,10 @@ def replica_stats(runtime) -> dict:
         "free_slots": parts.available(),
         "evictable_slots": parts.evictable(),
         "pool_slots": parts.pool_tokens,
+        # each touch point served by SGLang's extension point or by sgl_kara's hook, and the
+        # hooks this scheduler process registered
+        "touch_points": adapter.touch_points(),
+        "hooks": list(STATE.hooks),
     }
 
 
@@ -72,6 +88,9 @@ def run_kara_scheduler_process(*args, kara_config: dict, **kwargs):
     adapter.register_hook(
         adapter.TARGET_SCHEDULER, KaraScheduler, adapter.HookType.REPLACE
     )
+    STATE.hooks.append(
+        adapter.TARGET_SCHEDULER
+    )  # SGLang has no other way in (patches/)
     adapter.apply_hooks()
     try:
         return adapter.run_scheduler_process(*args, **kwargs)

@@ -1,8 +1,10 @@
 """Per-request Kara stats in every response's ``meta_info["kara"]``.
 
 SGLang's supported extension point: a SchedulerOutputStreamer subclass adds request-level
-``customized_info``; the tokenizer side (plugin hook on ``update_request_meta_info``) unwraps
-the one-element list so clients read ``meta_info["kara"]["compressions"]`` directly.
+``customized_info``. Where SGLang delivers a request-level key as one value (patches/upstream
+0002) the streamer hands it the dict, else a one-element list that the tokenizer side (the
+plugin's hook on ``update_request_meta_info``) unwraps; either way clients read
+``meta_info["kara"]["compressions"]`` directly.
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ def make_output_streamer(base):
                 kara.meta(r) if kara is not None and adapter.finished(r) else None
                 for r in reqs
             ]
-            out[KEY] = [[m] if m else [] for m in metas]
+            if adapter.has_extension("request_info"):
+                out[KEY] = metas  # SGLang sends a finished request's value once
+            else:
+                out[KEY] = [[m] if m else [] for m in metas]
             return out
 
         def is_request_level_customized_info_key(self, key: str) -> bool:

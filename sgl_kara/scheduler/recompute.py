@@ -16,6 +16,11 @@ the window's real slots (forward.py). Readers of ``out_cache_loc`` in an extend 
 (unified) kernel and its ``k is None`` path read the extend tokens' K/V at ``out_cache_loc``,
 inside the attention call.
 
+Where SGLang has an extend over already-cached K/V (patches/upstream 0007: ``kv_already_cached``)
+none of this is needed: ``out_cache_loc`` is the window's own slots, SGLang writes no K/V and
+replays no prefill graph, the attention observer (0006) scores each layer's queries, and the
+forward runs to its end (about 1/L more work than stopping after the last scored layer).
+
 Host to device: the token ids, positions and rows are staged (scheduler/staging.py); SGLang's
 ``ForwardBatch.init_new`` prepares the rest of the forward as it does for any extend.
 """
@@ -63,7 +68,11 @@ def extend_rows(
         seq_lens=seq,
         device_seq_lens=staging.to_device(seq),
         positions=staging.to_device(positions),
-        out_cache_loc=torch.full(
+        # SGLang's cached extend (patches/upstream 0007) writes no K/V: the window's own slots;
+        # else the padding slot, where a fused RoPE + K/V write lands harmlessly
+        out_cache_loc=window_slots
+        if adapter.has_extension("cached_extend")
+        else torch.full(
             (n * len(jobs),), PADDING_SLOT, dtype=torch.int64, device=device
         ),
     )

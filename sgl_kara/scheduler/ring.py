@@ -17,12 +17,11 @@ def make_ring(parts, cfg, capacity: int, poison: bool = False) -> QueryRing:
     from the KV pool's share of the GPU (startup.reserve_device_memory), so the ring must not
     outgrow that plan; on CPU counted in the RAM check, and it must fit in the memory the KV
     pool left. Refused, naming the flags, otherwise. ``parts``: _sglang.SchedulerParts."""
-    from sgl_kara import _sglang as adapter
     from sgl_kara.memory_plan import available_ram_bytes, gib
     from sgl_kara.model_shape import ring_bytes, ring_rows
     from sgl_kara.startup import UnsupportedFeature, planned_ring_rows
 
-    layers = adapter.attention_layers(parts.model)
+    layers = {lid: (parts.q_heads, parts.head_dim) for lid in parts.layer_ids}
     running = parts.max_running
     rows = ring_rows(running, parts.pool_tokens, capacity, cfg.query_ring_rows)
     device, dtype = parts.req_to_token.device, parts.dtype

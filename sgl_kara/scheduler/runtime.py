@@ -109,10 +109,12 @@ class KaraRuntime:
     # KARA_CHECK_TP_PLAN under --tp-size > 1 (tp_lockstep.PlanDigest; set in __init__)
     plan_check: PlanDigest | None = None
 
-    def __init__(self, cfg, scheduler):
+    def __init__(self, cfg, scheduler, server_args):
         self.cfg = cfg
         self.policy = cfg.make_policy()
-        parts = self.parts = adapter.SchedulerParts.of(scheduler, recompute_tokens)
+        parts = self.parts = adapter.SchedulerParts.of(
+            scheduler, server_args, recompute_tokens
+        )
         self.table = RequestTable()
         self.stats = KaraStats()
         self.metrics = None
@@ -149,7 +151,18 @@ class KaraRuntime:
             parts.layer_ids[0],
             self.table,
             self.diagnostics,
+            offsets=parts.position_offsets(),
+            heads=(parts.q_heads, parts.head_dim),
         )
+        # SGLang's attention observers and cached extend (patches/upstream 0006, 0007): the
+        # forward's work through them, no hook on RadixAttention.forward (plugin.py)
+        self.remove_observer = None
+        if adapter.has_extension("attention") and adapter.has_extension(
+            "cached_extend"
+        ):
+            self.remove_observer = adapter.register_attention_observer(
+                self.forward.observer()
+            )
         spreading = spread.spreads(self.policy, cfg.spread)
         # rows admission charges for a capped spread
         self.slack = spread.slack(self.policy, cfg.spread_max) if spreading else 0
@@ -200,7 +213,7 @@ class KaraRuntime:
         from sgl_kara.kernels.compact import pointer_table
 
         parts = self.parts
-        heads = sorted({h for h, _ in adapter.attention_layers(parts.model).values()})
+        heads = [parts.q_heads]
         warm_up_kernels(
             parts.keys,
             parts.layer_ids,

@@ -100,12 +100,20 @@ class RequestTable:
 
     def __init__(self):
         self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # request id -> state, for what sees a forward batch's ids only (an attention observer)
+        self._by_rid: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     def get(self, req) -> KaraReqState | None:
         return self._states.get(req)
 
+    def by_rid(self, rid) -> KaraReqState | None:
+        return self._by_rid.get(rid)
+
     def add(self, req, state: KaraReqState) -> KaraReqState:
+        from sgl_kara import _sglang as adapter
+
         self._states[req] = state
+        self._by_rid[adapter.rid(req)] = state
         return state
 
     def __len__(self) -> int:

@@ -1,0 +1,108 @@
+"""sgl_kara on SGLang's own extension points where they exist, its hooks where they do not
+(patches/upstream: one PR each; sgl_kara/_sglang.py ``EXTENSION_POINTS``), decided by feature at
+start-up, never by version string.
+
+- Detection: every extension point is absent from the installed SGLang 0.5.23 and present in the
+  patched tree (tests/patched_sglang.py), found in a fresh interpreter of each.
+- The hooks: on plain 0.5.23 the serving part registers a hook for every touch point; with the
+  whole series applied it registers none (the scheduler's class replacement, for which SGLang has
+  no other way in, is the one hook left).
+- The engine says which it runs on: /server_info's ``touch_points`` and ``hooks`` of a running
+  scheduler, read from that process. Run on plain SGLang in the default suite and, with
+  ``KARA_TEST_PATCHED_SGLANG=1`` (the patched tier, docs/TESTING.md), on the patched one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sgl_kara import _sglang as adapter
+
+# the tier run on SGLang with the upstream series applied too (docs/TESTING.md)
+pytestmark = pytest.mark.patched
+
+PATCHED = os.environ.get("KARA_TEST_PATCHED_SGLANG") == "1"
+# The hooks Kara registers, each standing in for one extension point.
+HOOKED = {
+    adapter.TARGET_UPDATE_RUNNING_BATCH: "decode_step",
+    adapter.TARGET_GET_INTERNAL_STATE: "decode_step",
+    adapter.TARGET_INIT_NEW: "positions",
+    adapter.TARGET_ATTENTION: "attention",
+    adapter.TARGET_RESET_FOR_RETRACT: "retraction",
+    adapter.TARGET_RETRACTION_ORDER: "retraction",
+    adapter.TARGET_META_INFO: "request_info",
+    adapter.TARGET_SAMPLING_VERIFY: "custom_params",
+    adapter.TARGET_VALIDATE_REQUEST: "input_ids",
+}
+
+
+def test_this_session_runs_on_the_sglang_it_says():
+    import sglang
+
+    patched_tree = "sgl_kara_patched_sglang" in sglang.__file__
+    assert patched_tree is PATCHED, sglang.__file__
+    found = {p: adapter.has_extension(p) for p in adapter.EXTENSION_POINTS}
+    assert all(found.values()) if PATCHED else not any(found.values()), found
+
+
+def test_the_serving_hooks_are_exactly_the_missing_extension_points():
+    from sgl_kara import plugin
+
+    targets = [target for target, _, _ in plugin.serving_hooks()]
+    assert len(targets) == len(set(targets))
+    assert set(targets) <= set(HOOKED)
+    if PATCHED:
+        assert targets == [], targets
+    else:
+        assert set(targets) == set(HOOKED), set(HOOKED) - set(targets)
+
+
+def test_the_engine_reports_its_touch_points_and_hooks(tiny_llama, engines):
+    engine = engines("kara", tiny_llama, kara_window=32, kara_buffer=4, kara_period=8)
+    out = engine.generate(
+        input_ids=[[10, 11, 12, 13, 14, 15, 16, 17]],
+        sampling_params={"max_new_tokens": 48, "temperature": 0, "ignore_eos": True},
+    )
+    assert out[0]["meta_info"]["kara"]["compressions"] >= 1, out[0]["meta_info"]["kara"]
+    stats = engine.get_server_info()["internal_states"][0]["kara"]
+    points = stats["touch_points"]
+    assert set(points) == set(adapter.EXTENSION_POINTS)
+    want = "extension point" if PATCHED else "hook"
+    assert all(v.startswith(want) for v in points.values()), points
+    hooks = set(stats["hooks"])
+    assert adapter.TARGET_SCHEDULER in hooks  # no extension point stands in for it
+    if PATCHED:
+        assert hooks == {adapter.TARGET_SCHEDULER}, hooks
+    else:
+        assert set(HOOKED) <= hooks, set(HOOKED) - hooks
+
+
+@pytest.mark.integration  # builds the patched tree and starts two interpreters
+def test_each_extension_point_is_found_only_where_its_patch_is():
+    """In a fresh interpreter of each SGLang: none found on 0.5.23 as installed, every one with
+    the series applied (each patch's public name)."""
+    import patched_sglang
+
+    tree = patched_sglang.build()
+    probe = (
+        "import json; from sgl_kara import _sglang as a; "
+        "print(json.dumps({p: a.has_extension(p) for p in a.EXTENSION_POINTS}))"
+    )
+    plain_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    runs = {}
+    for name, env in (
+        ("plain", plain_env),
+        ("patched", patched_sglang.env(tree, plain_env)),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-c", probe], env=env, capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not any(runs["plain"].values()), runs["plain"]
+    assert all(runs["patched"].values()), runs["patched"]
