@@ -11,12 +11,16 @@ runtime reaches all of it through one seam, ``Diagnostics`` (None when nothing i
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 
-from sgl_kara import _sglang as adapter
 from sgl_kara import env
-from sgl_kara.diagnostics.faults import Divergence, Faults
+
+if (
+    TYPE_CHECKING
+):  # faults.py reads the adapter, imported only where faults are asked for
+    from sgl_kara.diagnostics.faults import Divergence, Faults
 
 
 class Diagnostics:
@@ -30,6 +34,8 @@ class Diagnostics:
 
     @classmethod
     def from_env(cls, tp_rank: int = 0, tp_size: int = 1) -> Diagnostics | None:
+        from sgl_kara.diagnostics.faults import Divergence, Faults
+
         sync = env.check_sync()
         faults = Faults.from_env(tp_rank)
         divergence = Divergence.from_env(tp_rank, tp_size)
@@ -79,6 +85,8 @@ class Diagnostics:
 def _device_tensors(runtime, batch) -> list:
     """What a GPU would hold of the step's inputs: the pools, rows and offsets, the batch's
     device lengths, the ring, Kara's per-request device state."""
+    from sgl_kara import _sglang as adapter
+
     parts = runtime.parts
     device = [parts.req_to_token, runtime.forward.offsets]
     device += [parts.keys(i) for i in parts.layer_ids]

@@ -31,7 +31,9 @@ class DeviceStaging:
         self.cuda = self.device.type == "cuda"
         # [pinned uint8 buffer, the event of the copy that last read it (None: never read)]
         self._pool: list[list] = []
-        self.on_copy = None  # (host, device) -> None: the sync check's record of a copy
+        self.on_copy = (
+            None  # (tensor) -> None: the sync check's record of a staged copy
+        )
 
     def to_device(self, values, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         """``values`` (a list of ints or a host tensor) as a tensor on the device."""
@@ -48,6 +50,8 @@ class DeviceStaging:
         event = torch.cuda.Event()
         event.record()
         entry[1] = event
+        if self.on_copy is not None:
+            self.on_copy(out)
         return out
 
     def _free_buffer(self, nbytes: int) -> list:
