@@ -9,8 +9,10 @@ where a policy's option names carry its prefix: Kara's are bare (``window``, ``r
 the others' are ``<policy>_<option>`` (``snapkv_budget``, ``streaming_sinks``, ...). Setting an
 option of a policy other than the selected one is an error (it would be silently ignored).
 
-Defaults follow the Kara paper (seed 000, App. B.1 / B.3): W=512, U=32, r=0.25, alpha=16 where
-valid, gamma=8, delta=128, max_seqs=30; SnapKV-threshold C_max=1280 -> N=1024, w=32, kernel 7.
+Defaults: W=512, U=32, r=0.25, alpha=min(16, K/2), gamma=8, delta=128 per request, max_seqs=30;
+SnapKV-threshold C_max=1280 -> N=1024, w=32, kernel 7. Where they follow the Kara paper's accuracy
+settings (App. B.3) or its serving settings (App. B.1), and where not: docs/CONFIGURATION.md,
+"The paper's settings and ours".
 
 This module imports nothing from SGLang, mem_cache or scheduler.
 """
@@ -52,14 +54,14 @@ def flag_name(name: str) -> str:
 
 
 COMMON_HELP = {
-    "policy": "compression policy: {policies}",
+    "policy": "compression policy: {policies} (the settings to use per workload: docs/CONFIGURATION.md, Recommended settings)",
     "query_source": f"window queries: {', '.join(QUERY_SOURCES)} (auto: capture on CPU, recompute on CUDA unless "
     "the ring is small; resolved at start-up)",
     "query_ring_rows": "capture ring rows at most (0: one per request that can run at once, bounded by the "
     "pool); auto judges the capped ring; a running request without a row is scored from a "
     "recompute forward",
     "max_seqs": "N: max requests compressed per event, unless more are overdue (their tails would outgrow "
-    "what admission charged before the next event)",
+    "what admission charged before the next event; the paper's serving: 30)",
     "trigger": f"when due events run: {', '.join(TRIGGERS)} (schedule: always, the paper's periodic policy; pressure: "
     "only while memory binds -- requests wait for admission, or the pool cannot take the running "
     "requests' growth until the next due step; headroom: only while requests wait for admission or "

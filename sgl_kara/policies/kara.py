@@ -177,22 +177,33 @@ class WindowOptions:
     W, U, r, delta and the recency band R, with their checks."""
 
     window: int = field(
-        default=512, metadata={"help": "W: tokens per compression window"}
+        default=512,
+        metadata={
+            "help": "W: tokens per compression window (the paper's accuracy runs: 256-512)"
+        },
     )
     buffer: int = field(
-        default=32, metadata={"help": "U: last tokens of a window never compressed"}
+        default=32,
+        metadata={
+            "help": "U: last tokens of a window never compressed (the paper: 32 or 64)"
+        },
     )
     retention: float = field(
         default=0.25,
-        metadata={"help": "r: fraction of the W-U compressible tokens kept, in (0, 1]"},
+        metadata={
+            "help": "r: fraction of the W-U compressible tokens kept, in (0, 1] (the paper: 0.2-0.6)"
+        },
     )
     period: int = field(
-        default=128, metadata={"help": "delta: decode steps between compression events"}
+        default=128,
+        metadata={
+            "help": "delta: a request is due every delta of its own decode steps (--kara-phase server: the scheduler's, as the paper's 128)"
+        },
     )
     recent: int = field(
         default=0,
         metadata={
-            "help": "R: a window is compressed only once R newer tokens exist (the last R + W stay exact; 0: the paper)"
+            "help": "R: a window is compressed only once R newer tokens exist, so the last R + W stay exact (0: the paper)"
         },
     )
 
@@ -243,12 +254,14 @@ class KaraOptions(WindowOptions):
     chunk_budget: int | None = field(
         default=None,
         metadata={
-            "help": "alpha: entries Token2Chunk may add (0 disables it); unset: min(16, floor(K/2)), K = ceil(r(W-U))"
+            "help": "alpha: entries Token2Chunk may add (0 disables it; the paper: 16 or 32); unset: min(16, floor(K/2)), K = ceil(r(W-U))"
         },
     )
     max_chunk: int = field(
         default=8,
-        metadata={"help": "gamma: max chunk length including both endpoints, >= 3"},
+        metadata={
+            "help": "gamma: max chunk length including both endpoints, >= 3 (the paper: 8)"
+        },
     )
     scoring: str = field(
         default="bidirectional",
