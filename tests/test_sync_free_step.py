@@ -108,7 +108,10 @@ def test_the_checker_accepts_device_side_work_and_staged_copies():
         "def step(dev, staging):\n"
         "    rows = staging.to_device([0, 2, 4])\n"
         "    offs = torch.arange(3, device=dev.device)\n"
-        "    x = dev[rows] + offs\n"
+        "    grid = dev[rows[:, None] + offs[None, :]]\n"
+        "    fresh = torch.zeros_like(dev)\n"
+        "    fresh[:3] = dev[:3]\n"
+        "    x = dev[rows] + offs + grid.sum(1)\n"
         "    dev[rows] = x.to(torch.int64)\n"
         "    return torch.cat([x, dev[:2]]).sum() * 2\n"
     )

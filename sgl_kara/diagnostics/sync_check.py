@@ -66,6 +66,8 @@ FACTORIES = (
     torch.empty_like,
     torch.full_like,
 )
+# Factories whose result is on the host unless ``device=`` says otherwise (not the *_like ones).
+NEW_TENSORS = (torch.arange, torch.zeros, torch.ones, torch.empty, torch.full)
 # Operations whose output's size depends on device values: the host reads it first.
 DATA_DEPENDENT = {
     torch.nonzero: "nonzero",
@@ -254,11 +256,14 @@ class SyncCheck(TorchFunctionMode):
 
     def _makes_host(self, func, kwargs, inputs) -> bool:
         """Is the result a host tensor made in the step from host data alone?"""
-        if func in FROM_HOST_DATA or func in FACTORIES:
+        if func in FROM_HOST_DATA or func in NEW_TENSORS:
             return kwargs.get("device") is None
+        # a *_like factory takes its input's device: host only from a host tensor (below)
         if func is Tensor.to or func in READS:
             return False
-        return bool(inputs) and all(t in self.host for t in inputs)
+        return bool(inputs) and all(
+            t in self.host and t not in self.device for t in inputs
+        )
 
     def _judge(self, func, args, kwargs, inputs, on_device, caller) -> None:
         name = getattr(func, "__name__", repr(func))

@@ -207,10 +207,10 @@ class EventRunner:
     def _fail(self, job, error: Exception) -> None:
         """Finish one request with an error; its row is untouched, so SGLang frees it as usual."""
         logger.error(
-            "Kara compression failed for request %s: %s",
-            adapter.rid(job.req),
-            error,
-            exc_info=error,
+            "Kara compression failed for request %s: %s", adapter.rid(job.req), error
+        )
+        logger.debug(
+            "Kara compression failure of %s", adapter.rid(job.req), exc_info=error
         )
         job.state.enabled = False
         job.state.scoring = None
