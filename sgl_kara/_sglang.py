@@ -230,12 +230,15 @@ def touch_points() -> dict[str, str]:
 
 
 def register_custom_params_validator(key: str, validator) -> None:
-    """SGLang's ``custom_params`` validator registry (0003); a key registered already (a process
-    whose plugin registered again) is left as it is."""
+    """SGLang's ``custom_params`` validator registry (0003), ``validator(value, params)`` run for
+    every request (``value`` None where unset); a key registered already (a process whose
+    plugin registered again) is left as it is."""
     from sglang.srt.sampling import sampling_params
 
     try:
-        sampling_params.register_custom_params_validator(key, validator)
+        sampling_params.register_custom_params_validator(
+            key, validator, every_request=True
+        )
     except ValueError:
         pass
 

@@ -175,10 +175,14 @@ def register_extensions() -> None:
 
 
 def _validate_kara_params(value, sampling_params) -> None:
-    """SGLang's validator registry: ``custom_params.kara`` checked in the tokenizer (a 400)."""
-    from sgl_kara.request_options import validate
+    """SGLang's validator registry, for every request in the tokenizer (a 400):
+    ``custom_params.kara`` where set, and beam search refused under a compression policy."""
+    from sgl_kara.request_options import check_supported, validate
 
-    validate({KEY: value})
+    if value is not None:
+        validate({KEY: value})
+    if STATE.serving_policy not in (None, "none"):
+        check_supported(sampling_params, STATE.serving_policy)
 
 
 def trace_hooks() -> list:

@@ -106,3 +106,27 @@ def test_each_extension_point_is_found_only_where_its_patch_is():
         runs[name] = json.loads(out.stdout.strip().splitlines()[-1])
     assert not any(runs["plain"].values()), runs["plain"]
     assert all(runs["patched"].values()), runs["patched"]
+
+
+def test_requests_are_refused_alike_on_hooks_and_extension_points(tiny_llama, engines):
+    """A bad ``custom_params.kara`` and beam search under compression are refused before they
+    are scheduled, with the field named, whichever serves the check (the verify hook, or
+    SGLang's validator registry run for every request)."""
+    engine = engines("kara", tiny_llama, kara_window=32, kara_buffer=4, kara_period=8)
+    with pytest.raises(ValueError, match=r"custom_params.kara.retention must be"):
+        engine.generate(
+            input_ids=[10, 11, 12],
+            sampling_params={
+                "max_new_tokens": 4,
+                "custom_params": {"kara": {"retention": 2}},
+            },
+        )
+    with pytest.raises(
+        ValueError, match=r"beam_width=2 \(beam search\) is not supported"
+    ):
+        engine.generate(
+            input_ids=[10, 11, 12],
+            sampling_params={"max_new_tokens": 4, "beam_width": 2},
+        )
+    out = engine.generate(input_ids=[10, 11, 12], sampling_params={"max_new_tokens": 4})
+    assert out["meta_info"]["completion_tokens"] == 4  # still serving
