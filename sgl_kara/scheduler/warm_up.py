@@ -103,50 +103,50 @@ def warm_up_kernels(
         for n in COPY_COUNTS:
             idx = torch.arange(n, device=dev) % half
             copy_slots(scratch_k, scratch_v, idx, half + idx, disjoint=True)
-    warm_up_step(scratch_k, scratch_v, policy, page_size, len(layer_ids))
+    warm_up_step(scratch_k, scratch_v, policy, page_size)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
 
 
-def warm_up_step(scratch_k, scratch_v, policy, page_size: int, layers: int) -> None:
-    """An event's torch operations once, on scratch rows and slots: the scores' selection, the
-    region slots' gather, the fresh slots' layout and the page ids, through compaction's own
-    prepare and abort. CUDA loads a kernel's module at its first launch (lazily, by default),
-    and loading waits for the device: the first event of a process would wait once for the
-    forward in flight (bench/gpu_check.py's step section saw it on an H200)."""
+def warm_up_step(scratch_k, scratch_v, policy, page_size: int) -> None:
+    """An event's torch operations once, on scratch rows and slots of one layer: the scores'
+    selection, the region slots' gather, the fresh slots' layout and the page ids, through
+    compaction's own prepare and abort. CUDA loads a kernel's module at its first launch
+    (lazily, by default), and loading waits for the device: the first event of a process would
+    wait once for the forward in flight (bench/gpu_check.py's step section saw it on an H200).
+    ``scratch_k`` / ``scratch_v``: the warm-up's scratch buffers (their shape and dtype)."""
     from sgl_kara.mem_cache.compaction import CompactionPlan, prepare_compaction
 
-    dev = scratch_k[0].device
-    half = SCRATCH_SLOTS // 2
-    hkv = scratch_k[0].shape[1]
-    region = 2 * page_size if page_size > 1 else 4
+    page = max(1, page_size)
+    start = page if page_size > 1 else 0
+    region = 2 * page if page_size > 1 else 4
     keep = region // 2
-    pages = torch.arange(half // max(1, page_size), device=dev)
-    free = [pages]
+    length = start + region + 2 * page  # a tail after the region, on its own pages
+    fresh_from = -(-length // page) * page  # fresh pages after the row's own slots
+    slots = fresh_from + -(-(length - start) // page) * page
+    like = scratch_k[0]
+    k = [like.new_zeros((slots, *like.shape[1:]))]
+    v = [scratch_v[0].new_zeros((slots, *scratch_v[0].shape[1:]))]
+    free = [torch.arange(fresh_from // page, slots // page, device=like.device)]
 
     def alloc(n: int):
-        got, free[0] = (
-            free[0][: n // max(1, page_size)],
-            free[0][n // max(1, page_size) :],
-        )
+        got, free[0] = free[0][: n // page], free[0][n // page :]
         if page_size <= 1:
-            return half + got
-        return (
-            (half // page_size + got)[:, None] * page_size
-            + torch.arange(page_size, device=dev)
-        ).reshape(-1)
+            return got
+        return (got[:, None] * page + torch.arange(page, device=like.device)).reshape(
+            -1
+        )
 
-    row = torch.arange(SCRATCH_SLOTS, dtype=torch.int32, device=dev)[None]
-    scores = torch.zeros(1, layers, hkv, region, dtype=torch.float32, device=dev)
-    kept = policy.select(scores, keep)
+    row = torch.arange(length, dtype=torch.int32, device=like.device)[None]
+    scores = torch.zeros(1, 1, like.shape[1], region, device=like.device)
     plan = CompactionPlan(
-        rows=torch.zeros(1, dtype=torch.int64, device=dev),
-        starts=[page_size if page_size > 1 else 0],
-        lengths=[region + 2 * max(1, page_size)],
+        rows=torch.zeros(1, dtype=torch.int64, device=like.device),
+        starts=[start],
+        lengths=[length],
         region=region,
-        kept=kept,
+        kept=policy.select(scores, keep),
         row_ids=[0],
     )
     prepare_compaction(
-        plan, row, scratch_k, scratch_v, alloc, lambda p: None, page_size, check=False
-    ).abort(lambda p: None)
+        plan, row, k, v, alloc, lambda pages: None, page_size, check=False
+    ).abort(lambda pages: None)
