@@ -9,8 +9,9 @@ both workloads, most informative first, one engine (model load) per configuratio
     OUT/campaign.txt            what ran when
 
 Order: independent full KV in bfloat16 (also the check's bfloat16 side), the check in float32, the
-decision; then independent Kara and StreamingLLM, chained full KV, Kara and StreamingLLM, then
-random and every other budget-taking policy (registry order), independent before chained. With
+decision; then chained full KV, Kara and StreamingLLM (the workload where old generated content is
+needed), independent Kara and StreamingLLM, then random and every other budget-taking policy
+(registry order), chained before independent. With
 ``--dtype auto`` (default) the runs after the check are in bfloat16 when it passes
 (``dtype_agreement``), else in float32 from full KV again. Every step is a child
 ``python -m bench.reasoning.long_answers`` that skips what its directory already holds, so
@@ -72,10 +73,10 @@ def plan(first: tuple[str, ...] = FIRST) -> list[tuple[str, str]]:
     """(workload, configuration) after the dtype check, most informative first."""
     rest = ["random"] + [p for p in configs.budget_policies() if p not in first]
     return (
-        [("independent", c) for c in first if c != "full"]
-        + [("chained", c) for c in first]
-        + [("independent", c) for c in rest]
+        [("chained", c) for c in first]
+        + [("independent", c) for c in first if c != "full"]
         + [("chained", c) for c in rest]
+        + [("independent", c) for c in rest]
     )
 
 
