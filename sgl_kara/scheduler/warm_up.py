@@ -109,12 +109,13 @@ def warm_up_kernels(
 
 
 def warm_up_step(scratch_k, scratch_v, policy, page_size: int) -> None:
-    """An event's torch operations once, on scratch rows and slots of one layer: the scores'
-    selection, the region slots' gather, the fresh slots' layout and the page ids, through
+    """An event's torch operations once, on scratch rows and slots: the scores' selection, the region slots' gather, the fresh slots' layout and the page ids, through
     compaction's own prepare and abort. CUDA loads a kernel's module at its first launch
     (lazily, by default), and loading waits for the device: the first event of a process would
     wait once for the forward in flight (bench/gpu_check.py's step section saw it on an H200).
-    ``scratch_k`` / ``scratch_v``: the warm-up's scratch buffers (their shape and dtype)."""
+    ``scratch_k`` / ``scratch_v``: the warm-up's scratch buffers, one per layer (their count,
+    shape and dtype: the compaction kernels specialise on the layer count, so the step runs on
+    as many layers as an event, each one the same small buffer sized for the page)."""
     from sgl_kara.mem_cache.compaction import CompactionPlan, prepare_compaction
 
     page = max(1, page_size)
@@ -124,9 +125,9 @@ def warm_up_step(scratch_k, scratch_v, policy, page_size: int) -> None:
     length = start + region + 2 * page  # a tail after the region, on its own pages
     fresh_from = -(-length // page) * page  # fresh pages after the row's own slots
     slots = fresh_from + -(-(length - start) // page) * page
-    like = scratch_k[0]
-    k = [like.new_zeros((slots, *like.shape[1:]))]
-    v = [scratch_v[0].new_zeros((slots, *scratch_v[0].shape[1:]))]
+    like, layers = scratch_k[0], len(scratch_k)
+    k = [like.new_zeros((slots, *like.shape[1:]))] * layers
+    v = [scratch_v[0].new_zeros((slots, *scratch_v[0].shape[1:]))] * layers
     free = [torch.arange(fresh_from // page, slots // page, device=like.device)]
 
     def alloc(n: int):
@@ -138,7 +139,7 @@ def warm_up_step(scratch_k, scratch_v, policy, page_size: int) -> None:
         )
 
     row = torch.arange(length, dtype=torch.int32, device=like.device)[None]
-    scores = torch.zeros(1, 1, like.shape[1], region, device=like.device)
+    scores = torch.zeros(1, layers, like.shape[1], region, device=like.device)
     plan = CompactionPlan(
         rows=torch.zeros(1, dtype=torch.int64, device=like.device),
         starts=[start],
