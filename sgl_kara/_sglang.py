@@ -151,18 +151,23 @@ EXTENSION_POINTS = {
         "sglang.srt.managers.schedule_batch.ScheduleBatch",
         "release_kv_tail",
     ),
+    "cached_extend_batch": ("0010", _SCHEDULER, "run_cached_extend"),
 }
 _FOUND: dict[str, bool] = {}
 
 
 # Adapter functions that serve one side of a touch point only: a hook's (not used where SGLang
 # has the extension point) and an extension point's (used only where SGLang has it). The rest
-# serve both. tests/test_adapter_surface.py counts the names each side touches.
+# serve both; one on both sides runs only with part of the series (``_run_cached_extend``: 0007
+# without 0010). tests/test_adapter_surface.py counts the names each side touches.
 HOOK_PATH = {
     "drop_rows": "kv_tail",
     "shrink_lengths": "kv_tail",
     "kv_writes_to": "cached_extend",
     "_run_stopped": "cached_extend",
+    # the recompute pass's batch, built and run by sgl_kara (until 0010 exists)
+    "recompute_batch": "cached_extend_batch",
+    "_run_cached_extend": "cached_extend_batch",
     "batch_kind": "positions",  # the init_new hook (kept until 0006, 0007 and 0008 exist)
     "batch_rows": "positions",
     "host_lengths": "positions",
@@ -174,6 +179,7 @@ HOOK_PATH = {
 EXTENSION_PATH = {
     "release_kv_tail": "kv_tail",
     "_run_cached_extend": "cached_extend",
+    "run_cached_extend": "cached_extend_batch",
     "forward_view": "attention",
     "position_offsets": "positions",
 }
@@ -373,6 +379,7 @@ ATTRIBUTES = {
         "enable_overlap",
         "forward_stream",
         "metrics_reporter",
+        "run_cached_extend",  # patches/upstream 0010
         # runtime.py: the tensor-parallel group's CPU side (tp_lockstep.py, the eviction
         # record, startup.check_runtime_supported)
         "tp_cpu_group",
@@ -881,6 +888,20 @@ class SchedulerParts:
 
     def waiting(self) -> int:
         return len(self.scheduler.waiting_queue)
+
+    def run_cached_extend(self, extend: ExtendRows) -> None:
+        """SGLang's own forward over the rows' cached K/V (patches/upstream 0010): it builds
+        the EXTEND batch and runs it as the cached extend of 0007 does."""
+        n = extend.input_ids.numel() // max(1, len(extend.reqs))
+        self.scheduler.run_cached_extend(
+            extend.reqs,
+            extend.rows,
+            extend.input_ids,
+            extend.out_cache_loc,
+            list(extend.prefix),
+            [n] * len(extend.reqs),
+            extend.device_seq_lens,
+        )
 
     def run_eager(self, batch, stop) -> None:
         """One forward of ``batch``, an extend over rows whose K/V are cached, outside any CUDA

@@ -71,6 +71,10 @@ MARKERS = {
         "from sglang.srt.managers.schedule_batch import ScheduleBatch",
         'hasattr(ScheduleBatch, "release_kv_tail")',
     ),
+    10: (
+        "from sglang.srt.managers.scheduler import Scheduler",
+        'hasattr(Scheduler, "run_cached_extend")',
+    ),
 }
 
 

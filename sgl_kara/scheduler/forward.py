@@ -79,6 +79,7 @@ class ForwardContext:
         self.observed = None  # (row slots per request, states) for a decode observer
         self.scoring = None  # the ScoringPass of a recompute forward in flight
         self.scoring_batch = None  # ... and its batch
+        self.scoring_reqs: list = []  # ... and its requests
         # the forward being run: its batch's kind (init_new precedes it)
         self.kind = None
 
@@ -105,13 +106,15 @@ class ForwardContext:
 
     # -- the recompute pass ---------------------------------------------------------------
     @contextlib.contextmanager
-    def scoring_pass(self, scoring, batch):
-        """A recompute forward of ``batch`` feeds ``scoring`` for the duration."""
-        self.scoring, self.scoring_batch = scoring, batch
+    def scoring_pass(self, scoring, batch, reqs=()):
+        """A recompute forward of ``batch`` (None: one SGLang builds, patches/upstream 0010)
+        over ``reqs`` feeds ``scoring`` for the duration."""
+        self.scoring, self.scoring_batch, self.scoring_reqs = scoring, batch, list(reqs)
         try:
             yield
         finally:
             self.scoring = self.scoring_batch = None
+            self.scoring_reqs = []
 
     # -- hooks ----------------------------------------------------------------------------
     def on_forward_batch(self, batch, forward_batch) -> None:
@@ -149,9 +152,7 @@ class ForwardContext:
 
     def _score_layer(self, scoring, layer_id: int, q, heads: int, head_dim: int):
         if self.diagnostics is not None and layer_id == scoring.last_layer // 2:
-            self.diagnostics.fault(
-                "recompute", adapter.batch_requests(self.scoring_batch) or []
-            )
+            self.diagnostics.fault("recompute", self.scoring_reqs)
         qv = q.reshape(scoring.B, q.shape[0] // scoring.B, heads, head_dim)
         scoring.score_layer(layer_id, qv)
 

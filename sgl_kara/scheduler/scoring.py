@@ -109,6 +109,12 @@ class Scorer:
         self.heads = heads
         self.parts = parts
         self.forward = forward
+        # SGLang builds and runs the recompute forward itself (patches/upstream 0010) where
+        # its observers see the queries and the extend writes no K/V (0006, 0007)
+        self.sglang_runs_recompute = all(
+            adapter.has_extension(p)
+            for p in ("attention", "cached_extend", "cached_extend_batch")
+        )
         self.ring = ring
         self.staging = staging
         self.check = check
@@ -241,6 +247,10 @@ class Scorer:
         )
         scoring.positions = extend.positions
         scoring.window_slots = window_slots
+        if self.sglang_runs_recompute:
+            with self.forward.scoring_pass(scoring, None, extend.reqs):
+                self.parts.run_cached_extend(extend)
+            return
         batch = adapter.recompute_batch(self.parts.scheduler, extend)
-        with self.forward.scoring_pass(scoring, batch):
+        with self.forward.scoring_pass(scoring, batch, extend.reqs):
             self.parts.run_eager(batch, ScoringComplete)
