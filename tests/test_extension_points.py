@@ -63,7 +63,14 @@ def test_the_serving_hooks_are_exactly_the_missing_extension_points():
 
 
 def test_the_engine_reports_its_touch_points_and_hooks(tiny_llama, engines):
-    engine = engines("kara", tiny_llama, kara_window=32, kara_buffer=4, kara_period=8)
+    engine = engines(
+        "kara",
+        tiny_llama,
+        kara_window=32,
+        kara_buffer=4,
+        kara_period=8,
+        kara_query_source="recompute",
+    )
     out = engine.generate(
         input_ids=[[10, 11, 12, 13, 14, 15, 16, 17]],
         sampling_params={"max_new_tokens": 48, "temperature": 0, "ignore_eos": True},
@@ -74,6 +81,10 @@ def test_the_engine_reports_its_touch_points_and_hooks(tiny_llama, engines):
     assert set(points) == set(adapter.EXTENSION_POINTS)
     want = "extension point" if PATCHED else "hook"
     assert all(v.startswith(want) for v in points.values()), points
+    # the recompute pass: SGLang builds and runs it where it can (0010), else sgl_kara
+    forwards = stats["recompute_forwards"]
+    by, other = ("sglang", "sgl_kara") if PATCHED else ("sgl_kara", "sglang")
+    assert forwards[by] >= 1 and forwards[other] == 0, forwards
     hooks = set(stats["hooks"])
     assert adapter.TARGET_SCHEDULER in hooks  # no extension point stands in for it
     if PATCHED:
@@ -112,7 +123,14 @@ def test_requests_are_refused_alike_on_hooks_and_extension_points(tiny_llama, en
     """A bad ``custom_params.kara`` and beam search under compression are refused before they
     are scheduled, with the field named, whichever serves the check (the verify hook, or
     SGLang's validator registry run for every request)."""
-    engine = engines("kara", tiny_llama, kara_window=32, kara_buffer=4, kara_period=8)
+    engine = engines(
+        "kara",
+        tiny_llama,
+        kara_window=32,
+        kara_buffer=4,
+        kara_period=8,
+        kara_query_source="recompute",
+    )
     with pytest.raises(ValueError, match=r"custom_params.kara.retention must be"):
         engine.generate(
             input_ids=[10, 11, 12],

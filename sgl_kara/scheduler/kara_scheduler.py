@@ -74,6 +74,8 @@ def replica_stats(runtime) -> dict:
         # hooks this scheduler process registered
         "touch_points": adapter.touch_points(),
         "hooks": list(STATE.hooks),
+        # recompute forwards: built and run by SGLang (patches/upstream 0010) or by sgl_kara
+        "recompute_forwards": dict(runtime.scorer.forwards),
     }
 
 

@@ -115,6 +115,8 @@ class Scorer:
             adapter.has_extension(p)
             for p in ("attention", "cached_extend", "cached_extend_batch")
         )
+        # recompute forwards run, by who built them (/server_info)
+        self.forwards = {"sglang": 0, "sgl_kara": 0}
         self.ring = ring
         self.staging = staging
         self.check = check
@@ -248,9 +250,11 @@ class Scorer:
         scoring.positions = extend.positions
         scoring.window_slots = window_slots
         if self.sglang_runs_recompute:
+            self.forwards["sglang"] += 1
             with self.forward.scoring_pass(scoring, None, extend.reqs):
                 self.parts.run_cached_extend(extend)
             return
+        self.forwards["sgl_kara"] += 1
         batch = adapter.recompute_batch(self.parts.scheduler, extend)
         with self.forward.scoring_pass(scoring, batch, extend.reqs):
             self.parts.run_eager(batch, ScoringComplete)
