@@ -152,6 +152,11 @@ EXTENSION_POINTS = {
         "release_kv_tail",
     ),
     "cached_extend_batch": ("0010", _SCHEDULER, "run_cached_extend"),
+    "engine_shutdown": (
+        "0011",
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager",
+        "release_event_loop",
+    ),
 }
 _FOUND: dict[str, bool] = {}
 
@@ -175,6 +180,7 @@ HOOK_PATH = {
     "set_positions": "positions",
     "add_internal_state": "decode_step",
     "vocab_size": "input_ids",
+    "release_loop_tasks": "engine_shutdown",
 }
 EXTENSION_PATH = {
     "release_kv_tail": "kv_tail",

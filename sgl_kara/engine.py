@@ -66,7 +66,8 @@ def release_loop_tasks(engine) -> None:
 
 
 def shutdown_cleanly(engine, shutdown=None) -> None:
-    """The engine's own shutdown, then ``release_loop_tasks``: what ``sgl_kara.Engine.shutdown``
+    """The engine's own shutdown, then ``release_loop_tasks`` where SGLang's shutdown leaves the
+    tasks (0.5.23; patches/upstream 0011 releases them itself): what ``sgl_kara.Engine.shutdown``
     does, for a plain ``sglang.Engine`` too (benchmarks, tests)."""
     from sgl_kara import _sglang as adapter
 
@@ -76,7 +77,8 @@ def shutdown_cleanly(engine, shutdown=None) -> None:
         else:
             adapter.shutdown_engine(engine)
     finally:
-        release_loop_tasks(engine)
+        if not adapter.has_extension("engine_shutdown"):
+            release_loop_tasks(engine)
 
 
 class MainGuardMissing(RuntimeError):

@@ -75,6 +75,10 @@ MARKERS = {
         "from sglang.srt.managers.scheduler import Scheduler",
         'hasattr(Scheduler, "run_cached_extend")',
     ),
+    11: (
+        "from sglang.srt.managers.tokenizer_manager import TokenizerManager",
+        'hasattr(TokenizerManager, "release_event_loop")',
+    ),
 }
 
 
