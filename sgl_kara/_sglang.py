@@ -656,6 +656,11 @@ class ExtendRows:
     positions: torch.Tensor  # [B * n] device
     out_cache_loc: torch.Tensor  # [B * n] device: where the forward may write K/V
 
+    @property
+    def per_request(self) -> int:
+        """n: the tokens extended for each request."""
+        return self.input_ids.numel() // max(1, len(self.reqs))
+
 
 def recompute_batch(scheduler, extend: ExtendRows):
     """A ScheduleBatch for Kara's recompute pass: built by SGLang's own constructor
@@ -670,7 +675,7 @@ def recompute_batch(scheduler, extend: ExtendRows):
         False,  # enable_overlap: the pass runs synchronously on the schedule stream
         SpeculativeAlgorithm.NONE,  # refused with compression (startup._UNSUPPORTED)
     )
-    n = extend.input_ids.numel() // max(1, len(extend.reqs))
+    n = extend.per_request
     batch.forward_mode = ForwardMode.EXTEND
     batch.input_ids = extend.input_ids
     batch.req_pool_indices = extend.rows
@@ -898,14 +903,13 @@ class SchedulerParts:
     def run_cached_extend(self, extend: ExtendRows) -> None:
         """SGLang's own forward over the rows' cached K/V (patches/upstream 0010): it builds
         the EXTEND batch and runs it as the cached extend of 0007 does."""
-        n = extend.input_ids.numel() // max(1, len(extend.reqs))
         self.scheduler.run_cached_extend(
             extend.reqs,
             extend.rows,
             extend.input_ids,
             extend.out_cache_loc,
             list(extend.prefix),
-            [n] * len(extend.reqs),
+            [extend.per_request] * len(extend.reqs),
             extend.device_seq_lens,
         )
 

@@ -62,15 +62,13 @@ def test_the_serving_hooks_are_exactly_the_missing_extension_points():
         assert set(targets) == set(HOOKED), set(HOOKED) - set(targets)
 
 
+# One engine for the engine tests: small windows so 48 tokens compress, queries recomputed so the
+# recompute pass runs (by SGLang where it has 0010)
+KARA = dict(kara_window=32, kara_buffer=4, kara_period=8, kara_query_source="recompute")
+
+
 def test_the_engine_reports_its_touch_points_and_hooks(tiny_llama, engines):
-    engine = engines(
-        "kara",
-        tiny_llama,
-        kara_window=32,
-        kara_buffer=4,
-        kara_period=8,
-        kara_query_source="recompute",
-    )
+    engine = engines("kara", tiny_llama, **KARA)
     out = engine.generate(
         input_ids=[[10, 11, 12, 13, 14, 15, 16, 17]],
         sampling_params={"max_new_tokens": 48, "temperature": 0, "ignore_eos": True},
@@ -123,14 +121,7 @@ def test_requests_are_refused_alike_on_hooks_and_extension_points(tiny_llama, en
     """A bad ``custom_params.kara`` and beam search under compression are refused before they
     are scheduled, with the field named, whichever serves the check (the verify hook, or
     SGLang's validator registry run for every request)."""
-    engine = engines(
-        "kara",
-        tiny_llama,
-        kara_window=32,
-        kara_buffer=4,
-        kara_period=8,
-        kara_query_source="recompute",
-    )
+    engine = engines("kara", tiny_llama, **KARA)
     with pytest.raises(ValueError, match=r"custom_params.kara.retention must be"):
         engine.generate(
             input_ids=[10, 11, 12],

@@ -109,10 +109,11 @@ def warm_up_kernels(
 
 
 def warm_up_step(scratch_k, scratch_v, policy, page_size: int) -> None:
-    """An event's torch operations once, on scratch rows and slots: the scores' selection, the region slots' gather, the fresh slots' layout and the page ids, through
-    compaction's own prepare and abort. CUDA loads a kernel's module at its first launch
-    (lazily, by default), and loading waits for the device: the first event of a process would
-    wait once for the forward in flight (bench/gpu_check.py's step section saw it on an H200).
+    """An event's torch operations once, on scratch rows and slots: the scores' selection, the
+    region slots' gather, the fresh slots' layout and the page ids, through compaction's own
+    prepare and abort. CUDA loads a kernel's module at its first launch (lazily, by default),
+    and loading waits for the device: the first event of a process would wait once for the
+    forward in flight (bench/gpu_check.py's step section saw it on an H200).
     ``scratch_k`` / ``scratch_v``: the warm-up's scratch buffers, one per layer (their count,
     shape and dtype: the compaction kernels specialise on the layer count, so the step runs on
     as many layers as an event, each one the same small buffer sized for the page)."""
