@@ -382,6 +382,49 @@ def test_regrade_reports_old_and_new_per_configuration(tmp_path):
     assert "graded by another grader" in (tmp_path / "long_answers.md").read_text()
 
 
+def test_a_resumed_run_with_every_configuration_done_runs_nothing_and_records_nothing(
+    tmp_path, monkeypatch
+):
+    """A campaign resumed past a finished step: no engine, no run record (a record says
+    something ran); one configuration left: it runs, under a record."""
+    import json
+
+    from bench.reasoning import gsm8k
+
+    row = {
+        "request": 0,
+        "problems": [5],
+        "golds": ["16"],
+        "correct": [True],
+        "answers": ["16"],
+        "completion_tokens": 40,
+        "finish": "stop",
+        "kv_final": 39,
+        "kv_peak": 39,
+        "kv_mean": 19.0,
+    }
+    result = {"config": "full", "name": "full", "ratio": None, "requests": [row]}
+    long_answers.write_result(str(tmp_path / "full.json"), result)
+    monkeypatch.setattr(gsm8k, "model_path", lambda model: "unused")
+    monkeypatch.setattr(
+        long_answers, "build_requests", lambda args: [[_problems(1)[0]]]
+    )
+    monkeypatch.setattr(long_answers, "chat_prompts", lambda reqs, path: [[1, 2, 3]])
+    ran = []
+    monkeypatch.setattr(
+        long_answers, "run_config", lambda config, *a, **k: ran.append(config)
+    )
+    monkeypatch.setattr(long_answers, "finalize", lambda *a, **k: None)
+    argv = ["--out", str(tmp_path), "--configs", "full", "--model", "tiny"]
+    long_answers.main(argv)
+    assert ran == [] and not list(tmp_path.glob("run*.json"))
+    long_answers.main([*argv[:3], "full", "kara", *argv[4:]])
+    assert ran == ["kara"] and [p.name for p in tmp_path.glob("run*.json")] == [
+        "run.json"
+    ]
+    assert json.loads((tmp_path / "run.json").read_text())["notes"]["requests"] == 1
+
+
 # ------------------------------------------------------------------ configurations
 
 
