@@ -29,6 +29,7 @@ from sgl_kara.memory_plan import (
     sglang_max_running,
 )
 from sgl_kara.model_shape import ModelShape, ring_rows
+from sgl_kara.vocabulary import token_pieces
 
 logger = logging.getLogger(__name__)
 
@@ -367,6 +368,7 @@ def prepare_server_args(
     if shape is not None:
         check_model(shape, server_args.model_path, cfg.policy)
     check_tensor_parallel(server_args, cfg)
+    check_vocabulary(server_args, cfg)
     cfg = resolve_query_source(cfg, server_args, shape)
     keep_decode_eager(server_args, cfg)
     device = serving_device(server_args)
@@ -409,6 +411,17 @@ def footprint(
         spread=spreads(cfg) or (policy.needs_queries and not policy.observes_decode),
         recomputes=policy.needs_queries,
     )
+
+
+def check_vocabulary(server_args, cfg: KaraConfig) -> None:
+    """A policy that reads token ids (``needs_tokens``) needs the model's tokenizer: refused at
+    start-up when none loads from the model path."""
+    if not cfg.policy_class.needs_tokens:
+        return
+    try:
+        token_pieces(server_args.model_path, getattr(server_args, "revision", None))
+    except ValueError as e:
+        raise UnsupportedFeature(f"--kara-policy {cfg.policy}: {e}") from None
 
 
 def check_model(shape: ModelShape, model_path: str, policy: str) -> None:

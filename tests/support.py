@@ -443,9 +443,38 @@ def make_policy(name: str, **opts):
     from sgl_kara.config import KaraConfig
     from sgl_kara.policies import base
 
-    return KaraConfig.build(
+    policy = KaraConfig.build(
         policy=name, **{base.policy_class(name).prefix + k: v for k, v in opts.items()}
     ).make_policy()
+    if policy.needs_tokens:
+        policy.bind_vocabulary(TEST_VOCABULARY)
+    return policy
+
+
+# A policy that reads token ids (needs_tokens) gets this vocabulary in the policy-level tests:
+# ids 0-9 the digits, 10 ".", 11 ",", the rest words.
+TEST_VOCABULARY = (
+    [str(i) for i in range(10)] + [".", ","] + [f" w{i}" for i in range(20)]
+)
+
+
+def region_tokens(policy, seed: int = 0, batch: int = B, m: int = M):
+    """[batch, m] random token ids of TEST_VOCABULARY (digit runs, separators, words) for a
+    needs_tokens policy's select; None for the others."""
+    import torch
+
+    if not policy.needs_tokens:
+        return None
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, len(TEST_VOCABULARY), (batch, m), generator=g)
+
+
+def select(policy, scores, keep: int, seed: int = 0):
+    """``policy.select``, with random region tokens for a needs_tokens policy."""
+    tokens = region_tokens(policy, seed, scores.shape[0], scores.shape[-1])
+    if tokens is None:
+        return policy.select(scores, keep)
+    return policy.select(scores, keep, tokens=tokens)
 
 
 def row_view(

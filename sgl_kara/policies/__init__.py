@@ -1,7 +1,7 @@
 """Compression policies (no SGLang import): the contract and registry in ``base``, one method per
 file. Importing this package registers every policy below (one line each)."""
 
-from . import h2o, kara, random, rkv, snapkv, streaming  # noqa: F401  (registry: one line per policy)
+from . import h2o, kara, numerals, random, rkv, snapkv, streaming  # noqa: F401  (registry: one line per policy)
 from .base import Policy, names, policy_class
 from .kara import kept_count, select, select_ref, window_scores
 from .snapkv import snapkv_scores, snapkv_select

@@ -33,6 +33,11 @@ and whose next region is known before it is due (``upcoming``) lets the runtime 
 a few queries per decode step ahead of the event (``--kara-spread``), so that no decode step
 carries the whole scoring.
 
+Tokens: a policy that sets ``needs_tokens`` gets the token ids of each region in ``select``
+(``tokens`` [B, M] int64, on the scores' device) and, once before any event, every token id's
+text in ``bind_vocabulary`` (the model's tokenizer, each id decoded alone); the runtime reads
+them from the requests' own token lists, on the host, with no device wait.
+
 Options: each policy declares a frozen dataclass ``Options`` (its own flags, validated in its
 ``__post_init__`` by raising ``OptionError(field, message)``); flags are
 ``--kara-<prefix><field>`` where ``prefix`` is ``""`` for kara and ``"<name>_"`` for the others.
@@ -145,6 +150,8 @@ class Policy(ABC):
     observes_decode: ClassVar[bool] = False
     # score(q[:a]) + score(q[a:]) == score(q) over the query axis
     additive: ClassVar[bool] = False
+    # select(scores, keep, tokens=...) with the regions' token ids; bind_vocabulary at start-up
+    needs_tokens: ClassVar[bool] = False
 
     def __init__(self, options):
         self.options = options
@@ -202,8 +209,12 @@ class Policy(ABC):
 
     def select(self, scores: torch.Tensor, keep: int) -> torch.Tensor:
         """scores [B, L, H_kv, M] -> sorted kept indices [B, L, H_kv, keep] (top by score,
-        ties to the lower index)."""
+        ties to the lower index). A ``needs_tokens`` policy takes ``tokens`` [B, M] too."""
         return top_k(scores, keep)
+
+    def bind_vocabulary(self, pieces: list[str]) -> None:
+        """``needs_tokens``: ``pieces[i]`` is token id i's text; called once, before any
+        event."""
 
     # -- how much ----------------------------------------------------------------------------
     def footprint(self, remaining: int, state) -> int:

@@ -22,6 +22,7 @@ before it, and only what never waits runs after it.
     after    score   what is left of each window: its query in flight (overlap: the newest row;
                      from the capture ring, or a recompute forward when a window ends there)
              select  policy.select(scores [B, L, H_kv, M], K) -> kept [B, L, H_kv, K]
+                     (and the regions' token ids [B, M] for a needs_tokens policy)
              prepare fresh slots allocated, kept K/V copied into them (mem_cache.compaction),
                      the policy's per-request state re-laid into copies, the eviction record
              commit  rows rewritten, old pages freed by id (``free_page_ids``: no wait), lengths
@@ -226,13 +227,25 @@ class EventRunner:
         slots = parts.req_to_token[rows[:, None], starts[:, None] + offs[None, :]]
         return rows, starts, slots.to(torch.int64)
 
+    def _region_tokens(self, jobs, M: int) -> torch.Tensor:
+        """[B, M] int64 the regions' token ids on the device, from the requests' token lists
+        (a region lies in the uncompressed tail: row p is token p + pos_offset), staged."""
+        ids = []
+        for j in jobs:
+            lo = j.region.start + j.state.pos_offset
+            ids.extend(adapter.token_ids(j.req, lo, lo + M))
+        return self.staging.to_device(ids).reshape(len(jobs), M)
+
     def _compress(self, batch, jobs) -> tuple[int, int]:
         parts = self.parts
         M, K = jobs[0].region.length, jobs[0].region.keep
         rows, starts, region_slots = self._region_slots(jobs, M)
         self._inject_fault("score", jobs)  # before the rest of the window is scored
         scores = self._complete_scores(jobs, rows, region_slots)  # [B, L, H_kv, M]
-        kept = self.policy.select(scores, K)
+        if self.policy.needs_tokens:
+            kept = self.policy.select(scores, K, tokens=self._region_tokens(jobs, M))
+        else:
+            kept = self.policy.select(scores, K)
         lengths = [j.length for j in jobs]
         plan = CompactionPlan(
             rows=rows,

@@ -54,6 +54,7 @@ from sgl_kara.scheduler.staging import DeviceStaging
 from sgl_kara.scheduler.state import KaraReqState, RequestTable
 from sgl_kara.scheduler.tp_lockstep import FailureAgreement, PlanDigest
 from sgl_kara.scheduler.warm_up import warm_up_kernels
+from sgl_kara.vocabulary import token_pieces
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,15 @@ class KaraRuntime:
     def __init__(self, cfg, scheduler, server_args):
         self.cfg = cfg
         self.policy = cfg.make_policy()
+        if (
+            self.policy.needs_tokens
+        ):  # the tokenizer was checked at start-up (startup.py)
+            self.policy.bind_vocabulary(
+                token_pieces(
+                    adapter.server_arg(server_args, "model_path"),
+                    adapter.server_arg(server_args, "revision"),
+                )
+            )
         parts = self.parts = adapter.SchedulerParts.of(
             scheduler, server_args, recompute_tokens
         )
