@@ -566,3 +566,82 @@ def test_dtype_check_rule():
         ("independent", "streaming"),
     ]
     assert {c for _, c in order} >= {"random", "snapkv", "h2o", "rkv"}
+
+
+# ------------------------------------------------------------------ restated earlier answers
+
+
+@pytest.mark.parametrize(
+    "part, letter, value",
+    [
+        ("From Problem 1, we have \\( A = 40 \\). B = 16", "A", "40"),
+        ("From Problem 1, we have \\( A = 40 \\). B = 16", "B", "16"),
+        ("so A = $1,200 in all", "A", "1200"),
+        ("A = -3.5 and then", "A", "-3.5"),
+        (
+            "A = \\frac{80}{4} = 20",
+            "A",
+            None,
+        ),  # derived again: not restated as a number
+        ("LAB = 5, then A is unknown", "A", None),
+    ],
+)
+def test_a_restated_value_is_the_first_number_after_its_letter(part, letter, value):
+    from bench.reasoning.recall import stated_value
+
+    assert stated_value(part, letter) == value
+
+
+def test_restatements_are_classified_against_the_models_own_answers():
+    from bench.reasoning.recall import classify, edit_distance_is_one, restatements
+
+    assert edit_distance_is_one("40", "42") and edit_distance_is_one("40", "4")
+    assert edit_distance_is_one("140", "40") and not edit_distance_is_one("40", "40")
+    assert not edit_distance_is_one("40", "24") and not edit_distance_is_one("4", "400")
+    assert classify("40", "40") == "exact" and classify("40.0", "40") == "exact"
+    assert classify("42", "40") == "one digit off" and classify("-42", "40") == "other"
+    assert classify("7", "40") == "other" and classify(None, "40") == "not stated"
+    assert classify("40", None) == "no answer"
+    items = [
+        {"kind": "base"},
+        {"kind": "base"},
+        {"kind": "link", "refs": [1, 2], "coefficients": [1, 3]},
+    ]
+    text = (
+        "Problem 1: \\boxed{40}\nProblem 2: \\boxed{16}\n"
+        "Problem 3: A = 42 and B = 16, so \\boxed{90}"
+    )
+    assert restatements(text, items, ["40", "16", "90"]) == ["one digit off", "exact"]
+    assert restatements(text, items, [None, "16", "90"]) == ["no answer", "exact"]
+    no_part = "Problem 1: \\boxed{40}\nProblem 2: \\boxed{16}"
+    assert restatements(no_part, items, ["40", "16", None]) == ["no answer"] * 2
+
+
+def test_the_chained_table_counts_restatements_from_the_kept_texts(tmp_path):
+    import gzip
+    import json
+
+    row = {
+        "request": 0,
+        "problems": ["a", "b", "c"],
+        "golds": ["40", "16", "88"],
+        "kinds": ["base", "base", "link"],
+        "links": {"3": {"refs": [1, 2], "coefficients": [1, 3]}},
+        "correct": [True, True, False],
+        "answers": ["40", "16", "90"],
+        "consistent": [None, None, False],
+        "completion_tokens": 40,
+        "finish": "stop",
+        "kv_final": 39,
+        "kv_peak": 39,
+        "kv_mean": 19.0,
+    }
+    result = {"config": "full", "name": "full", "ratio": None, "requests": [row]}
+    long_answers.write_result(str(tmp_path / "full.json"), result)
+    text = "Problem 1: \\boxed{40}\nProblem 2: \\boxed{16}\nProblem 3: A = 42, B = 16: \\boxed{90}"
+    with gzip.open(tmp_path / "full.answers.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"request": 0, "text": text}) + "\n")
+    args = SimpleNamespace(out=str(tmp_path), early=1, model="tiny", dtype="float32")
+    long_answers.report(args)
+    md = (tmp_path / "long_answers.md").read_text()
+    assert "| full | 1 | 1 | 0 | 0 | 0 | 1/2 |" in md

@@ -746,6 +746,46 @@ def label(r: dict) -> str:
     return out
 
 
+def answer_texts(out: str, name: str) -> dict[int, str] | None:
+    """request -> answer text of configuration ``name`` (OUT/<name>.answers.jsonl.gz; None:
+    not kept)."""
+    path = os.path.join(out, name + ".answers.jsonl.gz")
+    if not os.path.exists(path):
+        return None
+    with gzip.open(path, "rt") as fh:
+        return {
+            (row := json.loads(line))["request"]: row["text"]
+            for line in fh
+            if line.strip()
+        }
+
+
+def restatement_lines(out: str, results: dict, rows: list[dict]) -> list[str]:
+    """Chained: how each configuration's links restate the earlier answers they refer to
+    (bench/reasoning/recall.py), from the answer texts kept beside the results."""
+    from bench.reasoning import recall
+
+    lines = [
+        "",
+        "| earlier answers restated in links | "
+        + " | ".join(recall.KINDS)
+        + " | exact of stated |",
+        "|" + "---|" * (len(recall.KINDS) + 2),
+    ]
+    for r in rows:
+        texts = answer_texts(out, r["name"])
+        if texts is None:
+            continue
+        c = recall.count(results[r["name"]]["requests"], texts, _items_of)
+        stated = c["exact"] + c["one digit off"] + c["other"]
+        lines.append(
+            f"| {r['name']} | "
+            + " | ".join(str(c[k]) for k in recall.KINDS)
+            + f" | {c['exact']}/{stated} |"
+        )
+    return lines if len(lines) > 3 else []
+
+
 def report(args) -> list[dict]:
     """OUT/long_answers.md and .json from every finished configuration in OUT."""
     results = {}
@@ -860,6 +900,8 @@ def report(args) -> list[dict]:
             )
             + " |"
         )
+    if chained:
+        lines += restatement_lines(args.out, results, rows)
     if any(r.get("grader") != current for r in rows):
         lines += [
             "",
