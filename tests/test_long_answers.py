@@ -645,3 +645,26 @@ def test_the_chained_table_counts_restatements_from_the_kept_texts(tmp_path):
     long_answers.report(args)
     md = (tmp_path / "long_answers.md").read_text()
     assert "| full | 1 | 1 | 0 | 0 | 0 | 1/2 |" in md
+
+
+def test_paired_difference_and_its_interval():
+    from bench.reasoning import stats
+
+    d, lo, hi = stats.paired_difference(3, 17, 180)
+    # (3 - 17) / 180; se = sqrt(20/180 - d^2) / sqrt(180)
+    se = ((20 / 180 - d * d) / 180) ** 0.5
+    assert d == pytest.approx(-14 / 180)
+    assert (lo, hi) == pytest.approx(
+        (d - 1.959963984540054 * se, d + 1.959963984540054 * se)
+    )
+    assert round(100 * lo, 1) == -12.5 and round(100 * hi, 1) == -3.0
+    assert stats.paired_difference(0, 0, 10) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError):
+        stats.paired_difference(6, 5, 10)
+    p = stats.paired([True, True, False, False], [True, False, True, True])
+    assert (p["won"], p["lost"], p["diff"]) == (2, 1, 0.25)
+    assert long_answers.pair_cell({"kara_" + k: v for k, v in p.items()}, "kara_") == (
+        f"2 / 1 ({p['mcnemar_p']:.3f}); +25.0 [{100 * p['diff_lo']:+.1f}, "
+        f"{100 * p['diff_hi']:+.1f}]"
+    )
+    assert long_answers.pair_cell({}) == "-"

@@ -588,11 +588,11 @@ def summarize(result: dict, full: dict | None, kara: dict | None, early: int) ->
         if (p := _paired(kara, links, per_link)) is not None and result[
             "config"
         ] != "kara":
-            row.update(
-                cons_kara_won=p["won"],
-                cons_kara_lost=p["lost"],
-                cons_kara_p=p["mcnemar_p"],
-            )
+            row.update({f"cons_kara_{k}": v for k, v in p.items()})
+        if (p := _paired(full, links, per_link)) is not None and result[
+            "config"
+        ] != "full":
+            row.update({f"cons_full_{k}": v for k, v in p.items()})
     if full is not None:
         fr = {r["request"]: r for r in full["requests"]}
         same = [r for r in reqs if r["request"] in fr]
@@ -611,8 +611,22 @@ def summarize(result: dict, full: dict | None, kara: dict | None, early: int) ->
         result["config"] not in ("full", "kara")
         and (p := _paired(kara, probs)) is not None
     ):
-        row.update(kara_won=p["won"], kara_lost=p["lost"], kara_p=p["mcnemar_p"])
+        row.update({f"kara_{k}": v for k, v in p.items()})
+        row["kara_p"] = p["mcnemar_p"]
     return row
+
+
+def pair_cell(r: dict, prefix: str = "") -> str:
+    """ "won / lost (McNemar p); difference [95% CI]" in points, of the paired comparison stored
+    under ``prefix`` in a summary row ("-": none)."""
+    if prefix + "won" not in r:
+        return "-"
+    p = r[prefix + "mcnemar_p"] if prefix + "mcnemar_p" in r else r[prefix + "p"]
+    return (
+        f"{r[prefix + 'won']} / {r[prefix + 'lost']} ({p:.3f}); "
+        f"{100 * r[prefix + 'diff']:+.1f} [{100 * r[prefix + 'diff_lo']:+.1f}, "
+        f"{100 * r[prefix + 'diff_hi']:+.1f}]"
+    )
 
 
 def _golds_of(result: dict, r: dict, gold_by_id: dict | None) -> list[Fraction]:
@@ -818,10 +832,12 @@ def report(args) -> list[dict]:
 
     chained = any("links_n" in r for r in rows)
     head = (
-        "| configuration | problems right [95% CI] | won / lost vs full (McNemar p) "
-        "| won / lost vs Kara (p) "
+        "| configuration | problems right [95% CI] "
+        "| won / lost vs full (McNemar p); difference [95% CI], points "
+        "| won / lost vs Kara (p); difference [95% CI] "
         + (
-            "| base right | links right | links consistent (won / lost vs Kara, p) "
+            "| base right | links right | links consistent "
+            "| links consistent vs full | links consistent vs Kara "
             "| final values right "
             if chained
             else ""
@@ -834,29 +850,19 @@ def report(args) -> list[dict]:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         name = label(r) + ("" if r.get("grader") == current else " *")
-        vs_full = (
-            f"{r['won']} / {r['lost']} ({r['mcnemar_p']:.3f})" if "won" in r else "-"
-        )
-        vs_kara = (
-            f"{r['kara_won']} / {r['kara_lost']} ({r['kara_p']:.3f})"
-            if "kara_won" in r
-            else "-"
-        )
+        vs_full = pair_cell(r)
+        vs_kara = pair_cell(r, "kara_")
         chain = ""
         if chained:
             if "links_n" in r:
-                cons = f"{r['links_consistent']}/{r['links_n']}"
-                if "cons_kara_won" in r:
-                    cons += (
-                        f" ({r['cons_kara_won']} / {r['cons_kara_lost']}, "
-                        f"{r['cons_kara_p']:.3f})"
-                    )
                 chain = (
                     f"| {r['base_right']}/{r['base_n']} | {r['links_right']}/{r['links_n']} "
-                    f"| {cons} | {r['final_right']}/{r['requests']} "
+                    f"| {r['links_consistent']}/{r['links_n']} "
+                    f"| {pair_cell(r, 'cons_full_')} | {pair_cell(r, 'cons_kara_')} "
+                    f"| {r['final_right']}/{r['requests']} "
                 )
             else:
-                chain = "| - | - | - | - "
+                chain = "| - | - | - | - | - | - "
         traj = (
             f"{r['kara_traj_final']:.0f} / {r['kara_traj_mean']:.1f}"
             if "kara_traj_final" in r

@@ -32,9 +32,23 @@ def mcnemar_exact(b: int, c: int) -> float:
     return min(1.0, 2 * tail)
 
 
+def paired_difference(
+    won: int, lost: int, n: int, z: float = Z95
+) -> tuple[float, float, float]:
+    """(difference, lower, upper): the policy's accuracy minus the reference's on the same ``n``
+    problems, (won - lost) / n, with its 95% Wald interval for paired proportions
+    (se = sqrt((won + lost) / n - d^2) / sqrt(n))."""
+    if n <= 0 or won < 0 or lost < 0 or won + lost > n:
+        raise ValueError(f"need 0 <= won + lost <= n and n > 0, got {won}, {lost}, {n}")
+    d = (won - lost) / n
+    se = math.sqrt(max(0.0, (won + lost) / n - d * d) / n)
+    return d, d - z * se, d + z * se
+
+
 def paired(full: list[bool], other: list[bool]) -> dict:
     """Same problems, full KV vs a policy: ``won`` (policy right, full wrong), ``lost`` (the
-    reverse), both right / both wrong, and McNemar's p."""
+    reverse), both right / both wrong, McNemar's p and the paired difference with its 95%
+    interval (``diff``, ``diff_lo``, ``diff_hi``: policy minus full KV)."""
     if len(full) != len(other):
         raise ValueError(
             f"paired comparison over different problem sets ({len(full)} vs {len(other)})"
@@ -48,4 +62,7 @@ def paired(full: list[bool], other: list[bool]) -> dict:
         "both_right": both,
         "both_wrong": len(full) - won - lost - both,
         "mcnemar_p": mcnemar_exact(won, lost),
+        **dict(
+            zip(("diff", "diff_lo", "diff_hi"), paired_difference(won, lost, len(full)))
+        ),
     }
