@@ -186,7 +186,9 @@ class KaraNumeralsPolicy(KaraPolicy):
                 "kara_numerals selects with the region's token ids and the model's vocabulary "
                 "(the runtime passes both: needs_tokens)"
             )
-        if self._digit.device != tokens.device:  # once: at the CUDA warm-up (warm_up.py)
+        if (
+            self._digit.device != tokens.device
+        ):  # once: at the CUDA warm-up (warm_up.py)
             self._digit = self._digit.to(tokens.device)
             self._sep = self._sep.to(tokens.device)
         mask = numeral_mask(tokens.long(), self._digit, self._sep)
