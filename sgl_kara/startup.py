@@ -29,7 +29,7 @@ from sgl_kara.memory_plan import (
     sglang_max_running,
 )
 from sgl_kara.model_shape import ModelShape, ring_rows
-from sgl_kara.vocabulary import token_pieces
+from sgl_kara.vocabulary import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -415,11 +415,11 @@ def footprint(
 
 def check_vocabulary(server_args, cfg: KaraConfig) -> None:
     """A policy that reads token ids (``needs_tokens``) needs the model's tokenizer: refused at
-    start-up when none loads from the model path."""
+    start-up when none loads from the model path (the scheduler reads the vocabulary itself)."""
     if not cfg.policy_class.needs_tokens:
         return
     try:
-        token_pieces(server_args.model_path, getattr(server_args, "revision", None))
+        load_tokenizer(server_args.model_path, getattr(server_args, "revision", None))
     except ValueError as e:
         raise UnsupportedFeature(f"--kara-policy {cfg.policy}: {e}") from None
 

@@ -384,13 +384,11 @@ def _check_against_reference(
 # Small options per registered policy, so that a 150-token answer goes through several events.
 SMALL = {
     "kara": dict(KARA, kara_retention=0.25),
-    "kara_numerals": dict(
-        kara_numerals_window=40,
-        kara_numerals_buffer=8,
-        kara_numerals_max_chunk=6,
-        kara_numerals_period=4,
-        kara_numerals_retention=0.25,
-    ),
+    # Kara's, under its own prefix
+    "kara_numerals": {
+        "kara_numerals_" + k[len("kara_") :]: v
+        for k, v in dict(KARA, kara_retention=0.25).items()
+    },
     "random": dict(
         kara_random_window=40,
         kara_random_buffer=8,

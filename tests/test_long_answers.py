@@ -344,27 +344,40 @@ def test_template_numbers_are_exact():
 # ------------------------------------------------------------------ regrading
 
 
-def test_regrade_reports_old_and_new_per_configuration(tmp_path):
+def _write_full(tmp_path, text: str | None = None, **fields) -> None:
+    """OUT/full.json with one request of ``fields`` (and OUT/full.answers.jsonl.gz holding
+    ``text``), the rest of the record as the harness writes it."""
     import gzip
     import json
 
-    text = "Problem 1: \\boxed{64 - 2 \\times 24 = 64 - 48 = 16}\nProblem 2: \\boxed{3}"
     row = {
         "request": 0,
-        "problems": [5, 6],
-        "golds": ["16", "3"],
-        "correct": [False, True],
-        "answers": [None, "3"],
         "completion_tokens": 40,
         "finish": "stop",
         "kv_final": 39,
         "kv_peak": 39,
         "kv_mean": 19.0,
+        **fields,
     }
     result = {"config": "full", "name": "full", "ratio": None, "requests": [row]}
     long_answers.write_result(str(tmp_path / "full.json"), result)
-    with gzip.open(tmp_path / "full.answers.jsonl.gz", "wt") as f:
-        f.write(json.dumps({"request": 0, "text": text}) + "\n")
+    if text is not None:
+        with gzip.open(tmp_path / "full.answers.jsonl.gz", "wt") as f:
+            f.write(json.dumps({"request": 0, "text": text}) + "\n")
+
+
+def test_regrade_reports_old_and_new_per_configuration(tmp_path):
+    import json
+
+    text = "Problem 1: \\boxed{64 - 2 \\times 24 = 64 - 48 = 16}\nProblem 2: \\boxed{3}"
+    _write_full(
+        tmp_path,
+        text,
+        problems=[5, 6],
+        golds=["16", "3"],
+        correct=[False, True],
+        answers=[None, "3"],
+    )
     (rec,) = long_answers.regrade(str(tmp_path))
     assert (rec["old"], rec["new"], rec["gained"], rec["lost"]) == (1, 2, 1, 0)
     saved = json.loads((tmp_path / "full.json").read_text())
@@ -391,20 +404,7 @@ def test_a_resumed_run_with_every_configuration_done_runs_nothing_and_records_no
 
     from bench.reasoning import gsm8k
 
-    row = {
-        "request": 0,
-        "problems": [5],
-        "golds": ["16"],
-        "correct": [True],
-        "answers": ["16"],
-        "completion_tokens": 40,
-        "finish": "stop",
-        "kv_final": 39,
-        "kv_peak": 39,
-        "kv_mean": 19.0,
-    }
-    result = {"config": "full", "name": "full", "ratio": None, "requests": [row]}
-    long_answers.write_result(str(tmp_path / "full.json"), result)
+    _write_full(tmp_path, problems=[5], golds=["16"], correct=[True], answers=["16"])
     monkeypatch.setattr(gsm8k, "model_path", lambda model: "unused")
     monkeypatch.setattr(
         long_answers, "build_requests", lambda args: [[_problems(1)[0]]]
@@ -618,29 +618,18 @@ def test_restatements_are_classified_against_the_models_own_answers():
 
 
 def test_the_chained_table_counts_restatements_from_the_kept_texts(tmp_path):
-    import gzip
-    import json
-
-    row = {
-        "request": 0,
-        "problems": ["a", "b", "c"],
-        "golds": ["40", "16", "88"],
-        "kinds": ["base", "base", "link"],
-        "links": {"3": {"refs": [1, 2], "coefficients": [1, 3]}},
-        "correct": [True, True, False],
-        "answers": ["40", "16", "90"],
-        "consistent": [None, None, False],
-        "completion_tokens": 40,
-        "finish": "stop",
-        "kv_final": 39,
-        "kv_peak": 39,
-        "kv_mean": 19.0,
-    }
-    result = {"config": "full", "name": "full", "ratio": None, "requests": [row]}
-    long_answers.write_result(str(tmp_path / "full.json"), result)
     text = "Problem 1: \\boxed{40}\nProblem 2: \\boxed{16}\nProblem 3: A = 42, B = 16: \\boxed{90}"
-    with gzip.open(tmp_path / "full.answers.jsonl.gz", "wt") as f:
-        f.write(json.dumps({"request": 0, "text": text}) + "\n")
+    _write_full(
+        tmp_path,
+        text,
+        problems=["a", "b", "c"],
+        golds=["40", "16", "88"],
+        kinds=["base", "base", "link"],
+        links={"3": {"refs": [1, 2], "coefficients": [1, 3]}},
+        correct=[True, True, False],
+        answers=["40", "16", "90"],
+        consistent=[None, None, False],
+    )
     args = SimpleNamespace(out=str(tmp_path), early=1, model="tiny", dtype="float32")
     long_answers.report(args)
     md = (tmp_path / "long_answers.md").read_text()

@@ -621,9 +621,8 @@ def pair_cell(r: dict, prefix: str = "") -> str:
     under ``prefix`` in a summary row ("-": none)."""
     if prefix + "won" not in r:
         return "-"
-    p = r[prefix + "mcnemar_p"] if prefix + "mcnemar_p" in r else r[prefix + "p"]
     return (
-        f"{r[prefix + 'won']} / {r[prefix + 'lost']} ({p:.3f}); "
+        f"{r[prefix + 'won']} / {r[prefix + 'lost']} ({r[prefix + 'mcnemar_p']:.3f}); "
         f"{100 * r[prefix + 'diff']:+.1f} [{100 * r[prefix + 'diff_lo']:+.1f}, "
         f"{100 * r[prefix + 'diff_hi']:+.1f}]"
     )
@@ -665,15 +664,13 @@ def regrade(out: str, answers_dir: str | None = None) -> list[dict]:
             ("run", "long_answers", "regrade")
         ):
             continue
-        path = os.path.join(answers_dir or out, fname[:-5] + ".answers.jsonl.gz")
-        if not os.path.exists(path):
+        texts = answer_texts(answers_dir or out, fname[:-5])
+        if texts is None:
             continue
         with open(os.path.join(out, fname)) as fh:
             result = json.load(fh)
         if "requests" not in result:
             continue
-        with gzip.open(path, "rt") as fh:
-            texts = {r["request"]: r["text"] for r in map(json.loads, fh)}
         if gold_by_id is None and any("golds" not in r for r in result["requests"]):
             from bench.reasoning import data
 
@@ -774,9 +771,9 @@ def answer_texts(out: str, name: str) -> dict[int, str] | None:
         }
 
 
-def restatement_lines(out: str, results: dict, rows: list[dict]) -> list[str]:
+def restatement_lines(answers: str, results: dict, rows: list[dict]) -> list[str]:
     """Chained: how each configuration's links restate the earlier answers they refer to
-    (bench/reasoning/recall.py), from the answer texts kept beside the results."""
+    (bench/reasoning/recall.py), from the answer texts kept in ``answers``."""
     from bench.reasoning import recall
 
     lines = [
@@ -787,7 +784,7 @@ def restatement_lines(out: str, results: dict, rows: list[dict]) -> list[str]:
         "|" + "---|" * (len(recall.KINDS) + 2),
     ]
     for r in rows:
-        texts = answer_texts(out, r["name"])
+        texts = answer_texts(answers, r["name"])
         if texts is None:
             continue
         c = recall.count(results[r["name"]]["requests"], texts, _items_of)
@@ -907,7 +904,8 @@ def report(args) -> list[dict]:
             + " |"
         )
     if chained:
-        lines += restatement_lines(args.out, results, rows)
+        answers = getattr(args, "answers_dir", None) or args.out
+        lines += restatement_lines(answers, results, rows)
     if any(r.get("grader") != current for r in rows):
         lines += [
             "",
@@ -1050,11 +1048,7 @@ def done_earlier(config: str, args) -> bool:
     kara-band before its r is derived from the kara run: not known yet, so not done."""
     if config == "kara-band" and args.band_ratio is None:
         return False
-    name = result_name(config, args)
-    if gsm8k.load_result(args.out, name) is None:
-        return False
-    print(f"{name}: done earlier ({name}.json)", flush=True)
-    return True
+    return os.path.exists(os.path.join(args.out, result_name(config, args) + ".json"))
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -1146,6 +1140,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             args.band_ratio = band_ratio_at_equal_kv(kara_rows, args)
             print(f"kara-band: r {args.band_ratio:.4f} on older windows", flush=True)
         if done_earlier(config, args):
+            name = result_name(config, args)
+            print(f"{name}: done earlier ({name}.json)", flush=True)
             continue
         run_config(config, requests, prompts, args, record, kara_rows)
         finalize(config, requests, args, engine_options(config, args, kara_rows)[0])

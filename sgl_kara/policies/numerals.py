@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .base import need, register
-from .kara import KaraOptions, KaraPolicy, select
+from .kara import KaraOptions, KaraPolicy
 
 NUMERAL = re.compile(r"^\s*\d+$")  # a token's text: digits, after at most leading space
 SEPARATORS = (".", ",")  # inside a numeral when a digit token stands on both sides
@@ -92,9 +92,8 @@ def select_whole(
     )
     pooled = pooled.gather(2, g)  # each token: its group's highest score
     first = kara_select(pooled.reshape(b, lyr, h, m), keep).reshape(b, n, keep)
-    kept = torch.zeros(b, n, m + 1, dtype=torch.bool, device=scores.device)
+    kept = torch.zeros(b, n, m, dtype=torch.bool, device=scores.device)
     kept.scatter_(2, first, True)
-    kept = kept[..., :m]
     ones = torch.ones_like(group)
     size = torch.zeros_like(group).scatter_add(1, group, ones).gather(1, group)
     held = torch.zeros(b, n, m, dtype=torch.int64, device=scores.device)
@@ -186,18 +185,10 @@ class KaraNumeralsPolicy(KaraPolicy):
                 "kara_numerals selects with the region's token ids and the model's vocabulary "
                 "(the runtime passes both: needs_tokens)"
             )
-        if (
-            self._digit.device != tokens.device
-        ):  # once: at the CUDA warm-up (warm_up.py)
+        # the tables move to the tokens' device once: at the CUDA warm-up (warm_up.py)
+        if self._digit.device != tokens.device:
             self._digit = self._digit.to(tokens.device)
             self._sep = self._sep.to(tokens.device)
         mask = numeral_mask(tokens.long(), self._digit, self._sep)
         group = numeral_groups(mask, self.options.max_numeral)
-        m = scores.shape[-1]
-
-        def kara_select(s, k):
-            return select(
-                s, k / m, min(self.options.chunk_budget, k - 1), self.options.max_chunk
-            )
-
-        return select_whole(scores, keep, group, kara_select)
+        return select_whole(scores, keep, group, super().select)

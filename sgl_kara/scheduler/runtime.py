@@ -115,7 +115,7 @@ class KaraRuntime:
         self.policy = cfg.make_policy()
         if (
             self.policy.needs_tokens
-        ):  # the tokenizer was checked at start-up (startup.py)
+        ):  # its tokenizer was checked at start-up (startup.py)
             self.policy.bind_vocabulary(
                 token_pieces(
                     adapter.server_arg(server_args, "model_path"),

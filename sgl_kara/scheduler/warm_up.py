@@ -141,9 +141,7 @@ def warm_up_step(scratch_k, scratch_v, policy, page_size: int) -> None:
 
     row = torch.arange(length, dtype=torch.int32, device=like.device)[None]
     scores = torch.zeros(1, layers, like.shape[1], region, device=like.device)
-    if (
-        policy.needs_tokens
-    ):  # token id 0 throughout: the selection's operations all the same
+    if policy.needs_tokens:  # token id 0 throughout: the same operations as any ids
         tokens = torch.zeros(1, region, dtype=torch.int64, device=like.device)
         kept = policy.select(scores, keep, tokens=tokens)
     else:
