@@ -182,6 +182,40 @@ def test_summary_pairs_per_problem_and_reports_retention():
     assert row["no_answer"] == 1
     other = _result("random", [_row(0, [False, False, True], 1001, 300, 349.65)])
     assert summarize(other, full, kara, early=1)["kara_lost"] == 1
+    # retention with the prompt counted on both sides: unknown without the prompt's length
+    assert row["total_ret_final"] is None and row["total_ret_mean"] is None
+    kara["requests"][0]["prompt_tokens"] = 500
+    row = summarize(kara, full, None, early=1)
+    assert row["total_ret_final"] == pytest.approx((500 + 300) / (500 + 1000))
+    assert row["total_ret_mean"] == pytest.approx((500 + 349.65) / (500 + 499.5))
+    assert row["total_ret_final"] > row["ret_final"]  # the prompt is never compressed
+
+
+def test_the_table_takes_prompt_lengths_from_the_run_records(tmp_path):
+    import json
+
+    _write_full(
+        tmp_path, None, problems=[5], golds=["3"], correct=[True], answers=["3"]
+    )
+    args = SimpleNamespace(out=str(tmp_path), early=1, model="tiny", dtype="float32")
+    (row,) = long_answers.report(args)
+    assert row["total_ret_final"] is None  # no run record: no prompt length, no figure
+    assert "| - / - |" in (tmp_path / "long_answers.md").read_text()
+    record = {
+        "command": "python -m bench.reasoning.long_answers",
+        "date": "2026-11-28T00:00:00+00:00",
+        "machine": {"text": "test"},
+        "notes": {"prompt_tokens": [60]},
+    }
+    (tmp_path / "run.json").write_text(json.dumps(record))
+    (row,) = long_answers.report(args)
+    assert row["prompt_tokens"] == 60
+    assert row["total_ret_final"] == pytest.approx(1.0)  # full KV keeps every row
+    assert "| 1.00 / 1.00 |" in (tmp_path / "long_answers.md").read_text()
+    record["notes"]["prompt_tokens"] = [61]
+    (tmp_path / "run-2.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="other prompt lengths"):
+        long_answers.report(args)
 
 
 def test_kara_replay_schedule():

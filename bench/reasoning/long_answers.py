@@ -39,7 +39,8 @@ Reported (OUT/long_answers.md and .json): problems right with a 95% Wilson inter
 problem with full KV and with Kara (won / lost, exact McNemar p); chained: base problems, links
 right, links consistent (paired with Kara too) and final values right; generated KV per request,
 final and mean, beside Kara's trajectory at the same answer lengths (a matched configuration holds
-exactly that) and Kara's run's own; answer tokens; truncated answers; problems without an answer;
+exactly that) and Kara's run's own; retention, final and mean, of the generated KV and of the
+whole KV with the prompt (never compressed; its length from the run records); answer tokens; truncated answers; problems without an answer;
 accuracy on the first problems of each request against the later ones; tokens per second. Each
 result records the grader it was graded by (``grader``: a digest of grading.py and workload.py); a
 row graded by another grader is marked, and ``--regrade DIR`` grades every configuration in DIR
@@ -392,6 +393,7 @@ KEEP = (
     "correct",
     "answers",
     "consistent",
+    "prompt_tokens",
     "completion_tokens",
     "finish",
     "compressions",
@@ -528,6 +530,19 @@ def summarize(result: dict, full: dict | None, kara: dict | None, early: int) ->
     later = [ok for ok, pos in probs.values() if pos > early]
     final_ret = [r["kv_final"] / max(1, r["completion_tokens"] - 1) for r in reqs]
     mean_ret = [r["kv_mean"] / max(1, (r["completion_tokens"] - 2) / 2) for r in reqs]
+    # the same with the prompt's rows counted on both sides (the prompt is never compressed)
+    prompt = [r.get("prompt_tokens") for r in reqs]
+    known_prompts = None not in prompt
+    total_final = [
+        (p + r["kv_final"]) / max(1, p + r["completion_tokens"] - 1)
+        for p, r in zip(prompt, reqs)
+        if known_prompts
+    ]
+    total_mean = [
+        (p + r["kv_mean"]) / max(1, p + (r["completion_tokens"] - 2) / 2)
+        for p, r in zip(prompt, reqs)
+        if known_prompts
+    ]
     sessions = result.get("sessions") or []
     tokens = sum(s["tokens"] for s in sessions)
     seconds = sum(s["seconds"] for s in sessions)
@@ -552,6 +567,9 @@ def summarize(result: dict, full: dict | None, kara: dict | None, early: int) ->
         "ret_final": sum(final_ret) / len(reqs),
         "ret_final_max": max(final_ret),
         "ret_mean": sum(mean_ret) / len(reqs),
+        "total_ret_final": sum(total_final) / len(reqs) if known_prompts else None,
+        "total_ret_mean": sum(total_mean) / len(reqs) if known_prompts else None,
+        "prompt_tokens": sum(prompt) / len(reqs) if known_prompts else None,
         "answer_len": sum(r["completion_tokens"] for r in reqs) / len(reqs),
         "answer_min": min(r["completion_tokens"] for r in reqs),
         "answer_max": max(r["completion_tokens"] for r in reqs),
@@ -797,6 +815,23 @@ def restatement_lines(answers: str, results: dict, rows: list[dict]) -> list[str
     return lines if len(lines) > 3 else []
 
 
+def prompt_lengths(out: str) -> list[int] | None:
+    """Each request's prompt length in tokens, from OUT's run records (every run of a workload
+    asks the same prompts; records that disagree are an error); None without a record."""
+    seen = None
+    for fname in sorted(os.listdir(out)):
+        if not (fname.startswith("run") and fname.endswith(".json")):
+            continue
+        with open(os.path.join(out, fname)) as fh:
+            lengths = (json.load(fh).get("notes") or {}).get("prompt_tokens")
+        if lengths is None:
+            continue
+        if seen is not None and lengths != seen:
+            raise ValueError(f"{out}: {fname} records other prompt lengths")
+        seen = lengths
+    return seen
+
+
 def report(args) -> list[dict]:
     """OUT/long_answers.md and .json from every finished configuration in OUT."""
     results = {}
@@ -810,6 +845,11 @@ def report(args) -> list[dict]:
     if not results:
         print(f"{args.out}: no finished configuration", flush=True)
         return []
+    prompts = prompt_lengths(args.out)
+    for res in results.values():  # results stored before they kept their prompt lengths
+        for r in res["requests"]:
+            if "prompt_tokens" not in r and prompts is not None:
+                r["prompt_tokens"] = prompts[r["request"]]
     full = results.get("full")
     rows = []
     for res in results.values():
@@ -841,6 +881,7 @@ def report(args) -> list[dict]:
         )
         + "| gen. KV final / mean | Kara's trajectory at these lengths: final / mean "
         "| Kara's run: final / mean | retention final (max) / mean "
+        "| with the prompt: final / mean "
         "| first / later problems right (lost vs full) "
         "| answer tokens (min-max) | truncated | no answer | tok/s |"
     )
@@ -876,6 +917,7 @@ def report(args) -> list[dict]:
             f"| {vs_full} | {vs_kara} {chain}| {r['kv_final']:.0f} / {r['kv_mean']:.1f} "
             f"| {traj} | {run} "
             f"| {r['ret_final']:.2f} ({r['ret_final_max']:.2f}) / {r['ret_mean']:.2f} "
+            f"| {f(r['total_ret_final'], '.2f')} / {f(r['total_ret_mean'], '.2f')} "
             f"| {f(r['acc_first'], '.2f')} / {f(r['acc_later'], '.2f')}{lost} "
             f"| {r['answer_len']:.0f} ({r['answer_min']}-{r['answer_max']}) | {r['truncated']} "
             f"| {r['no_answer']} | {f(r['tok_s'], '.1f')} |"
