@@ -324,20 +324,23 @@ def finalize(config: str, ratio: float, problems: list[dict], args, opts: dict) 
         "sessions": sessions,
         "problems": [{k: r[k] for k in KEEP if k in r} for r in ordered],
     }
-    head = json.dumps({k: v for k, v in result.items() if k != "problems"}, indent=1)[
-        :-2
-    ]
-    with open(
-        os.path.join(args.out, name + ".json"), "w"
-    ) as f:  # one line per problem: small, diffable
-        f.write(
-            head
-            + ',\n "problems": [\n'
-            + ",\n".join(json.dumps(r) for r in result["problems"])
-            + "\n ]\n}\n"
-        )
+    write_result(os.path.join(args.out, name + ".json"), result)
     os.remove(os.path.join(args.out, name + ".partial.jsonl"))
     return result
+
+
+def write_result(path: str, result: dict, rows: str = "problems") -> None:
+    """A result file: its settings indented, then one compact line per row of ``result[rows]``
+    (per problem, per request): small and diffable."""
+    head = json.dumps({k: v for k, v in result.items() if k != rows}, indent=1)
+    line = json.JSONEncoder(separators=(",", ":")).encode
+    with open(path, "w") as f:
+        f.write(
+            head[:-2]
+            + f',\n "{rows}": [\n'
+            + ",\n".join(map(line, result[rows]))
+            + "\n ]\n}\n"
+        )
 
 
 def load_result(out: str, name: str) -> dict | None:
@@ -520,14 +523,7 @@ def regrade(out: str) -> list[dict]:
             gained += now and not r["correct"]
             lost += r["correct"] and not now
             r["correct"] = bool(now)
-        head = json.dumps({k: v for k, v in res.items() if k != "problems"}, indent=1)
-        with open(os.path.join(out, fname), "w") as f:
-            f.write(
-                head[:-2]
-                + ',\n "problems": [\n'
-                + ",\n".join(json.dumps(r) for r in res["problems"])
-                + "\n ]\n}\n"
-            )
+        write_result(os.path.join(out, fname), res)
         rows.append(
             dict(
                 name=res["name"],

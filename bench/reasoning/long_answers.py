@@ -406,15 +406,7 @@ KEEP = (
 
 
 def write_result(path: str, result: dict) -> None:
-    """One line per request: small, diffable."""
-    head = json.dumps({k: v for k, v in result.items() if k != "requests"}, indent=1)
-    with open(path, "w") as f:
-        f.write(
-            head[:-2]
-            + ',\n "requests": [\n'
-            + ",\n".join(json.dumps(r) for r in result["requests"])
-            + "\n ]\n}\n"
-        )
+    gsm8k.write_result(path, result, rows="requests")
 
 
 def finalize(config, requests, args, opts) -> dict:
@@ -967,9 +959,14 @@ def report(args) -> list[dict]:
             + "\n"
         )
     with open(os.path.join(args.out, "long_answers.json"), "w") as fh:
-        json.dump(rows, fh, indent=1)
+        fh.write("[\n" + ",\n".join(json.dumps(_rounded(r)) for r in rows) + "\n]\n")
     print("\n".join(lines), flush=True)
     return rows
+
+
+def _rounded(row: dict) -> dict:
+    """A table row for long_answers.json: floats to 4 decimals (the table shows 2 at most)."""
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
 
 
 def run_lines(out: str, module: str) -> tuple[list[str], str]:
