@@ -35,13 +35,14 @@ Configurations (``--configs``; any registered policy by its name, bench/reasonin
 Every compressing configuration runs each event whole at its due step and scores from captured
 queries (configs.py).
 
-Reported (OUT/long_answers.md and .json): problems right with a 95% Wilson interval; paired per
-problem with full KV and with Kara (won / lost, exact McNemar p); chained: base problems, links
-right, links consistent (paired with Kara too) and final values right; generated KV per request,
-final and mean, beside Kara's trajectory at the same answer lengths (a matched configuration holds
-exactly that) and Kara's run's own; retention, final and mean, of the generated KV and of the
-whole KV with the prompt (never compressed; its length from the run records); answer tokens; truncated answers; problems without an answer;
-accuracy on the first problems of each request against the later ones; tokens per second. Each
+Reported (OUT/long_answers.md): problems right with a 95% Wilson interval; paired per problem with
+full KV and with Kara (won / lost, exact McNemar p); chained: base problems, links right, links
+consistent (paired with Kara too) and final values right; generated KV per request, final and
+mean, beside Kara's trajectory at the same answer lengths (a matched configuration holds exactly
+that) and Kara's run's own; retention, final and mean, of the generated KV and of the whole KV with
+the prompt (never compressed; its length from the run records); answer tokens; truncated answers;
+problems without an answer; accuracy on the first problems of each request against the later ones;
+tokens per second. Each
 result records the grader it was graded by (``grader``: a digest of grading.py and workload.py); a
 row graded by another grader is marked, and ``--regrade DIR`` grades every configuration in DIR
 again from its stored answers, writes DIR/regrade.md (old and new, per configuration) and the
@@ -825,7 +826,7 @@ def prompt_lengths(out: str) -> list[int] | None:
 
 
 def report(args) -> list[dict]:
-    """OUT/long_answers.md and .json from every finished configuration in OUT."""
+    """OUT/long_answers.md from every finished configuration in OUT; returns its rows."""
     results = {}
     for fname in sorted(os.listdir(args.out)):
         if fname.endswith(".json") and not fname.startswith(
@@ -958,15 +959,8 @@ def report(args) -> list[dict]:
             + "\n".join(lines)
             + "\n"
         )
-    with open(os.path.join(args.out, "long_answers.json"), "w") as fh:
-        fh.write("[\n" + ",\n".join(json.dumps(_rounded(r)) for r in rows) + "\n]\n")
     print("\n".join(lines), flush=True)
     return rows
-
-
-def _rounded(row: dict) -> dict:
-    """A table row for long_answers.json: floats to 4 decimals (the table shows 2 at most)."""
-    return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
 
 
 def run_lines(out: str, module: str) -> tuple[list[str], str]:
