@@ -501,7 +501,7 @@ def regrade(out: str) -> list[dict]:
     """Grade every configuration in ``out`` again with the grader of now, from the answer each
     problem's record keeps (the extracted ``\\boxed{}`` content: enough for a change in how that
     content reads, e.g. boxed working ``64 - 48 = 16``); rewrites ``correct`` in OUT/<name>.json
-    and writes OUT/regrade.md and .json (old and new per configuration)."""
+    and writes OUT/regrade.md (old and new per configuration)."""
     from fractions import Fraction
 
     from bench.reasoning import data
@@ -547,8 +547,6 @@ def regrade(out: str) -> list[dict]:
     ]
     with open(os.path.join(out, "regrade.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    with open(os.path.join(out, "regrade.json"), "w") as f:
-        json.dump(rows, f, indent=1)
     return rows
 
 

@@ -666,7 +666,7 @@ def _items_of(r: dict) -> list[dict]:
 def regrade(out: str, answers_dir: str | None = None) -> list[dict]:
     """Grade every configuration in ``out`` again from its stored answer texts with the grader
     of now: rewrites ``correct`` / ``answers`` (and chained ``consistent``) and ``grader`` in
-    OUT/<name>.json, writes OUT/regrade.md and .json (old and new per configuration: problems
+    OUT/<name>.json, writes OUT/regrade.md (old and new per configuration: problems
     right, and the problems that changed each way). Returns those rows."""
     gold_by_id = None
     rows = []
@@ -751,8 +751,6 @@ def regrade(out: str, answers_dir: str | None = None) -> list[dict]:
         )
     with open(os.path.join(out, "regrade.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
-    with open(os.path.join(out, "regrade.json"), "w") as fh:
-        json.dump(rows, fh, indent=1)
     return rows
 
 
