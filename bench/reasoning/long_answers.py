@@ -42,11 +42,10 @@ mean, beside Kara's trajectory at the same answer lengths (a matched configurati
 that) and Kara's run's own; retention, final and mean, of the generated KV and of the whole KV with
 the prompt (never compressed; its length from the run records); answer tokens; truncated answers;
 problems without an answer; accuracy on the first problems of each request against the later ones;
-tokens per second. Each
-result records the grader it was graded by (``grader``: a digest of grading.py and workload.py); a
-row graded by another grader is marked, and ``--regrade DIR`` grades every configuration in DIR
-again from its stored answers, writes DIR/regrade.md (old and new, per configuration) and the
-table.
+tokens per second. Each result records the grader it was graded by (``grader``: a digest of
+grading.py and workload.py); a row graded by another grader is marked, and ``--regrade DIR`` grades
+every configuration in DIR again from its stored answers, writes DIR/regrade.md (old and new, per
+configuration) and the table.
 
 Resumable per request: answers are appended to ``OUT/<name>.partial.jsonl`` as they finish; a
 rerun answers the rest; a configuration whose ``OUT/<name>.json`` exists is not rerun (one model
@@ -513,6 +512,16 @@ def kara_at_lengths(
     )
 
 
+def retention(r: dict, prompt: int = 0) -> tuple[float, float]:
+    """A request's KV against full KV's at the same answer length, final and mean over its
+    decode steps: generated rows only, or with ``prompt`` rows counted on both sides."""
+    g = r["completion_tokens"]
+    return (
+        (prompt + r["kv_final"]) / max(1, prompt + g - 1),
+        (prompt + r["kv_mean"]) / max(1, prompt + (g - 2) / 2),
+    )
+
+
 def summarize(result: dict, full: dict | None, kara: dict | None, early: int) -> dict:
     """One table row."""
     reqs = result["requests"]
@@ -521,21 +530,12 @@ def summarize(result: dict, full: dict | None, kara: dict | None, early: int) ->
     lo, hi = stats.wilson(k, n)
     first = [ok for ok, pos in probs.values() if pos <= early]
     later = [ok for ok, pos in probs.values() if pos > early]
-    final_ret = [r["kv_final"] / max(1, r["completion_tokens"] - 1) for r in reqs]
-    mean_ret = [r["kv_mean"] / max(1, (r["completion_tokens"] - 2) / 2) for r in reqs]
-    # the same with the prompt's rows counted on both sides (the prompt is never compressed)
+    final_ret, mean_ret = zip(*(retention(r) for r in reqs))
     prompt = [r.get("prompt_tokens") for r in reqs]
     known_prompts = None not in prompt
-    total_final = [
-        (p + r["kv_final"]) / max(1, p + r["completion_tokens"] - 1)
-        for p, r in zip(prompt, reqs)
-        if known_prompts
-    ]
-    total_mean = [
-        (p + r["kv_mean"]) / max(1, p + (r["completion_tokens"] - 2) / 2)
-        for p, r in zip(prompt, reqs)
-        if known_prompts
-    ]
+    # the same with the prompt's rows (never compressed) counted on both sides
+    if known_prompts:
+        total_final, total_mean = zip(*(retention(r, p) for p, r in zip(prompt, reqs)))
     sessions = result.get("sessions") or []
     tokens = sum(s["tokens"] for s in sessions)
     seconds = sum(s["seconds"] for s in sessions)
@@ -837,10 +837,10 @@ def report(args) -> list[dict]:
         print(f"{args.out}: no finished configuration", flush=True)
         return []
     prompts = prompt_lengths(args.out)
-    for res in results.values():  # results stored before they kept their prompt lengths
-        for r in res["requests"]:
-            if "prompt_tokens" not in r and prompts is not None:
-                r["prompt_tokens"] = prompts[r["request"]]
+    if prompts is not None:  # results stored before they kept their prompt lengths
+        for res in results.values():
+            for r in res["requests"]:
+                r.setdefault("prompt_tokens", prompts[r["request"]])
     full = results.get("full")
     rows = []
     for res in results.values():
