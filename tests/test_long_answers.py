@@ -378,9 +378,12 @@ def test_template_numbers_are_exact():
 # ------------------------------------------------------------------ regrading
 
 
-def _write_full(tmp_path, text: str | None = None, **fields) -> None:
-    """OUT/full.json with one request of ``fields`` (and OUT/full.answers.jsonl.gz holding
-    ``text``), the rest of the record as the harness writes it."""
+def _write_full(
+    tmp_path, text: str | None = None, suffix: str = ".json.gz", **fields
+) -> None:
+    """OUT/full.json.gz (or ``suffix``: older runs stored plain .json) with one request of
+    ``fields`` (and OUT/full.answers.jsonl.gz holding ``text``), the rest of the record as the
+    harness writes it."""
     import gzip
     import json
 
@@ -394,19 +397,48 @@ def _write_full(tmp_path, text: str | None = None, **fields) -> None:
         **fields,
     }
     result = {"config": "full", "name": "full", "ratio": None, "requests": [row]}
-    long_answers.write_result(str(tmp_path / "full.json"), result)
+    long_answers.write_result(str(tmp_path / ("full" + suffix)), result)
     if text is not None:
         with gzip.open(tmp_path / "full.answers.jsonl.gz", "wt") as f:
             f.write(json.dumps({"request": 0, "text": text}) + "\n")
 
 
-def test_regrade_reports_old_and_new_per_configuration(tmp_path):
-    import json
+def test_a_compressed_result_holds_the_plain_files_bytes_and_is_found_by_name(tmp_path):
+    """OUT/<name>.json.gz is the plain result file's text compressed (same bytes each write);
+    results are listed by name whichever form they take, the workload, run records and
+    tables are not results, and one configuration with both forms is refused."""
+    import gzip
+
+    from bench.reasoning import gsm8k
+
+    result = {"config": "kara", "name": "kara_r0.2", "requests": [{"request": 0}]}
+    long_answers.write_result(str(tmp_path / "kara_r0.2.json.gz"), result)
+    first = (tmp_path / "kara_r0.2.json.gz").read_bytes()
+    long_answers.write_result(str(tmp_path / "kara_r0.2.json.gz"), result)
+    assert (tmp_path / "kara_r0.2.json.gz").read_bytes() == first
+    long_answers.write_result(str(tmp_path / "plain.json"), result)
+    assert gzip.decompress(first) == (tmp_path / "plain.json").read_bytes()
+    (tmp_path / "plain.json").rename(tmp_path / "full.json")
+    for other in ("workload-chained.json.gz", "run.json", "long_answers.md"):
+        (tmp_path / other).write_text("{}")
+    names = gsm8k.result_names(str(tmp_path), long_answers.NOT_RESULTS)
+    assert names == ["full", "kara_r0.2"]
+    assert gsm8k.load_result(str(tmp_path), "kara_r0.2") == result
+    assert gsm8k.load_result(str(tmp_path), "snapkv_r0.2") is None
+    long_answers.write_result(str(tmp_path / "full.json.gz"), result)
+    with pytest.raises(ValueError, match="two result files"):
+        gsm8k.load_result(str(tmp_path), "full")
+
+
+@pytest.mark.parametrize("suffix", [".json.gz", ".json"])
+def test_regrade_reports_old_and_new_per_configuration(tmp_path, suffix):
+    from bench.reasoning import gsm8k
 
     text = "Problem 1: \\boxed{64 - 2 \\times 24 = 64 - 48 = 16}\nProblem 2: \\boxed{3}"
     _write_full(
         tmp_path,
         text,
+        suffix,
         problems=[5, 6],
         golds=["16", "3"],
         correct=[False, True],
@@ -414,7 +446,8 @@ def test_regrade_reports_old_and_new_per_configuration(tmp_path):
     )
     (rec,) = long_answers.regrade(str(tmp_path))
     assert (rec["old"], rec["new"], rec["gained"], rec["lost"]) == (1, 2, 1, 0)
-    saved = json.loads((tmp_path / "full.json").read_text())
+    assert [p.name for p in tmp_path.glob("full.json*")] == ["full" + suffix]
+    saved = gsm8k.load_result(str(tmp_path), "full")
     assert saved["requests"][0]["correct"] == [True, True]
     assert saved["grader"] == long_answers.grader_digest()
     md = (tmp_path / "regrade.md").read_text()
@@ -424,7 +457,7 @@ def test_regrade_reports_old_and_new_per_configuration(tmp_path):
     long_answers.report(args)
     assert "graded by another grader" not in (tmp_path / "long_answers.md").read_text()
     saved["grader"] = "0" * 12
-    long_answers.write_result(str(tmp_path / "full.json"), saved)
+    long_answers.write_result(str(tmp_path / ("full" + suffix)), saved)
     long_answers.report(args)
     assert "graded by another grader" in (tmp_path / "long_answers.md").read_text()
 

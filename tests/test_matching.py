@@ -6,6 +6,7 @@ through a simulated row; the per-request option's checks. Pure (no engine)."""
 from __future__ import annotations
 
 import glob
+import gzip
 import json
 import math
 import os
@@ -91,10 +92,18 @@ def test_the_limit_only_changes_steps_near_it():
 
 def _recorded():
     for path in sorted(
-        glob.glob(os.path.join(ROOT, "bench/results/*/kara*.json"))
-        + glob.glob(os.path.join(ROOT, "bench/results/*/random*.json"))
+        p
+        for pattern in (
+            "kara*.json",
+            "random*.json",
+            "kara*.json.gz",
+            "random*.json.gz",
+        )
+        for p in glob.glob(
+            os.path.join(ROOT, "bench/results/**", pattern), recursive=True
+        )
     ):
-        with open(path) as f:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
             res = json.load(f)
         opts = res.get("engine_options", {})
         pre = {"kara": "kara_", "random": "kara_random_"}.get(opts.get("kara_policy"))
@@ -115,8 +124,9 @@ def _recorded():
 
 
 def test_trajectory_reproduces_every_recorded_kara_and_random_run():
-    """The runtime's own meta_info.kara of 930 recorded answers (GSM8K and long answers, Kara
-    with and without its recency band, random), each from its length alone."""
+    """The runtime's own meta_info.kara of 975 recorded answers (GSM8K, long answers on
+    independent and chained problems; Kara with and without its recency band, random; stored
+    plain or compressed, at any depth of bench/results), each from its length alone."""
     checked = 0
     for path, sched, limit, rows in _recorded():
         t = trajectory.trajectory(sched, limit)
@@ -127,7 +137,7 @@ def test_trajectory_reproduces_every_recorded_kara_and_random_run():
             if "kv_final" in r:
                 assert t.final(g) == r["kv_final"], (path, g)
             checked += 1
-    assert checked >= 930
+    assert checked >= 975
 
 
 class _State(SimpleNamespace):

@@ -15,6 +15,7 @@ import textwrap
 
 import pytest
 
+from bench.reasoning import gsm8k
 from sgl_kara.policies.trajectory import Schedule, trajectory
 
 # The harnesses start engines: the integration tier (docs/TESTING.md, tiers).
@@ -100,7 +101,8 @@ def test_a_policy_file_runs_in_both_harnesses_matched_to_kara(tiny_llama, tmp_pa
         ],
         ROOT,
     )
-    res = json.loads((out / f"{NAME}_r0.2.json").read_text())
+    assert (out / f"{NAME}_r0.2.json.gz").exists()  # results are stored compressed
+    res = gsm8k.load_result(str(out), f"{NAME}_r0.2")
     assert res["engine_options"]["kara_policy"] == NAME
     assert res["match"] == "trajectory"
     t = trajectory(Schedule(32, 8, 0.2, 4), res["max_new_tokens"])

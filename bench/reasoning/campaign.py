@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 
-from bench.reasoning import configs
+from bench.reasoning import configs, gsm8k
 
 AGREE = 0.9
 MIN_PROBLEMS = 50
@@ -94,13 +94,6 @@ def run(out: str, argv: list[str]) -> None:
     if proc.returncode != 0:
         log(out, f"failed with exit status {proc.returncode}")
         raise SystemExit(proc.returncode)
-
-
-def load(path: str) -> dict | None:
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -190,8 +183,8 @@ def main(argv: list[str] | None = None) -> None:
                 str(args.check_requests),
             ],
         )
-        bf = load(os.path.join(args.out, "independent-bfloat16", "full.json"))
-        fp = load(os.path.join(f32, "full.json"))
+        bf = gsm8k.load_result(os.path.join(args.out, "independent-bfloat16"), "full")
+        fp = gsm8k.load_result(f32, "full")
         verdict = dtype_agreement(fp, bf)
         dtype = "bfloat16" if verdict["pass"] else "float32"
         verdict["chosen"] = dtype

@@ -331,23 +331,58 @@ def finalize(config: str, ratio: float, problems: list[dict], args, opts: dict) 
 
 def write_result(path: str, result: dict, rows: str = "problems") -> None:
     """A result file: its settings indented, then one compact line per row of ``result[rows]``
-    (per problem, per request): small and diffable."""
+    (per problem, per request): small and diffable; gzip-compressed when ``path`` ends in
+    ``.gz``."""
     head = json.dumps({k: v for k, v in result.items() if k != rows}, indent=1)
     line = json.JSONEncoder(separators=(",", ":")).encode
-    with open(path, "w") as f:
-        f.write(
-            head[:-2]
-            + f',\n "{rows}": [\n'
-            + ",\n".join(map(line, result[rows]))
-            + "\n ]\n}\n"
-        )
+    text = (
+        head[:-2]
+        + f',\n "{rows}": [\n'
+        + ",\n".join(map(line, result[rows]))
+        + "\n ]\n}\n"
+    )
+    if path.endswith(".gz"):
+        with gzip.GzipFile(path, "wb", mtime=0) as f:  # same content, same bytes
+            f.write(text.encode())
+    else:
+        with open(path, "w") as f:
+            f.write(text)
+
+
+RESULT_SUFFIXES = (".json", ".json.gz")
+
+
+def result_path(out: str, name: str) -> str | None:
+    """The file of configuration ``name``'s result in ``out`` (``<name>.json`` or
+    ``<name>.json.gz``; both is an error); None when it has none."""
+    found = [
+        os.path.join(out, name + s)
+        for s in RESULT_SUFFIXES
+        if os.path.exists(os.path.join(out, name + s))
+    ]
+    if len(found) > 1:
+        raise ValueError(f"{out}: {name} has two result files {found}")
+    return found[0] if found else None
+
+
+def result_names(out: str, skip: tuple[str, ...]) -> list[str]:
+    """The names of the result files in ``out`` (``.json`` or ``.json.gz``), sorted, less those
+    starting with one of ``skip`` (run records, tables, workloads)."""
+    names = set()
+    for fname in os.listdir(out):
+        if fname.startswith(skip):
+            continue
+        for s in RESULT_SUFFIXES:
+            if fname.endswith(s):
+                names.add(fname[: -len(s)])
+    return sorted(names)
 
 
 def load_result(out: str, name: str) -> dict | None:
-    path = os.path.join(out, name + ".json")
-    if not os.path.exists(path):
+    path = result_path(out, name)
+    if path is None:
         return None
-    with open(path) as f:
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
         return json.load(f)
 
 
@@ -432,12 +467,10 @@ def summarize(
 def report(args) -> list[dict]:
     """OUT/gsm8k.md and OUT/gsm8k.json from every finished configuration in OUT."""
     results = {}  # name -> finished result, each file read once
-    for fname in sorted(os.listdir(args.out)):
-        if not fname.endswith(".json") or fname.startswith(("run", "gsm8k")):
-            continue
-        res = load_result(args.out, fname[:-5])
+    for name in result_names(args.out, ("run", "gsm8k", "regrade")):
+        res = load_result(args.out, name)
         if res is not None and "problems" in res:
-            results[fname[:-5]] = res
+            results[name] = res
     full = results.get("full")
     rows = [
         summarize(
@@ -509,10 +542,8 @@ def regrade(out: str) -> list[dict]:
 
     gold = {p["id"]: Fraction(p["gold"]) for p in data.load()}
     rows = []
-    for fname in sorted(os.listdir(out)):
-        if not fname.endswith(".json") or fname.startswith(("run", "gsm8k", "regrade")):
-            continue
-        res = load_result(out, fname[:-5])
+    for name in result_names(out, ("run", "gsm8k", "regrade")):
+        res = load_result(out, name)
         if res is None or "problems" not in res:
             continue
         old = new = gained = lost = 0
@@ -523,7 +554,7 @@ def regrade(out: str) -> list[dict]:
             gained += now and not r["correct"]
             lost += r["correct"] and not now
             r["correct"] = bool(now)
-        write_result(os.path.join(out, fname), res)
+        write_result(result_path(out, name), res)
         rows.append(
             dict(
                 name=res["name"],

@@ -48,8 +48,9 @@ every configuration in DIR again from its stored answers, writes DIR/regrade.md 
 configuration) and the table.
 
 Resumable per request: answers are appended to ``OUT/<name>.partial.jsonl`` as they finish; a
-rerun answers the rest; a configuration whose ``OUT/<name>.json`` exists is not rerun (one model
-load per configuration). ``OUT/run.json`` (then ``run-2.json`` ...) is the run record.
+rerun answers the rest; a configuration whose result exists (``OUT/<name>.json.gz``, gzip-compressed
+JSON; ``OUT/<name>.json`` from older runs is read the same) is not rerun (one model load per
+configuration). ``OUT/run.json`` (then ``run-2.json`` ...) is the run record.
 
     python -m bench.reasoning.long_answers --model 1.5b --workload chained --out bench/results/DIR
     python -m bench.reasoning.long_answers --model 0.5b --configs full kara streaming --requests 2 --out /tmp/x
@@ -405,12 +406,16 @@ KEEP = (
 )
 
 
+# files in OUT that are not a configuration's result
+NOT_RESULTS = ("run", "long_answers", "regrade", "workload")
+
+
 def write_result(path: str, result: dict) -> None:
     gsm8k.write_result(path, result, rows="requests")
 
 
 def finalize(config, requests, args, opts) -> dict:
-    """OUT/<name>.json (settings, sessions, one line per request) and the answer texts in
+    """OUT/<name>.json.gz (settings, sessions, one line per request) and the answer texts in
     ANSWERS/<name>.answers.jsonl.gz, once every request is answered."""
     name = result_name(config, args)
     partial = os.path.join(args.out, name + ".partial.jsonl")
@@ -439,7 +444,7 @@ def finalize(config, requests, args, opts) -> dict:
         "sessions": gsm8k._read_jsonl(os.path.join(args.out, name + ".sessions.jsonl")),
         "requests": [{k: r[k] for k in KEEP if k in r} for r in ordered],
     }
-    write_result(os.path.join(args.out, name + ".json"), result)
+    write_result(os.path.join(args.out, name + ".json.gz"), result)
     os.remove(partial)
     return result
 
@@ -666,20 +671,15 @@ def _items_of(r: dict) -> list[dict]:
 def regrade(out: str, answers_dir: str | None = None) -> list[dict]:
     """Grade every configuration in ``out`` again from its stored answer texts with the grader
     of now: rewrites ``correct`` / ``answers`` (and chained ``consistent``) and ``grader`` in
-    OUT/<name>.json, writes OUT/regrade.md (old and new per configuration: problems
+    the configuration's result file, writes OUT/regrade.md (old and new per configuration: problems
     right, and the problems that changed each way). Returns those rows."""
     gold_by_id = None
     rows = []
-    for fname in sorted(os.listdir(out)):
-        if not fname.endswith(".json") or fname.startswith(
-            ("run", "long_answers", "regrade")
-        ):
-            continue
-        texts = answer_texts(answers_dir or out, fname[:-5])
+    for name in gsm8k.result_names(out, NOT_RESULTS):
+        texts = answer_texts(answers_dir or out, name)
         if texts is None:
             continue
-        with open(os.path.join(out, fname)) as fh:
-            result = json.load(fh)
+        result = gsm8k.load_result(out, name)
         if "requests" not in result:
             continue
         if gold_by_id is None and any("golds" not in r for r in result["requests"]):
@@ -707,7 +707,7 @@ def regrade(out: str, answers_dir: str | None = None) -> list[dict]:
         n = sum(len(r["correct"]) for r in result["requests"])
         was = result.get("grader")
         result["grader"] = grader_digest()
-        write_result(os.path.join(out, fname), result)
+        write_result(gsm8k.result_path(out, name), result)
         rows.append(
             dict(
                 name=result["name"],
@@ -826,13 +826,10 @@ def prompt_lengths(out: str) -> list[int] | None:
 def report(args) -> list[dict]:
     """OUT/long_answers.md from every finished configuration in OUT; returns its rows."""
     results = {}
-    for fname in sorted(os.listdir(args.out)):
-        if fname.endswith(".json") and not fname.startswith(
-            ("run", "long_answers", "regrade")
-        ):
-            res = gsm8k.load_result(args.out, fname[:-5])
-            if res is not None and "requests" in res:
-                results[fname[:-5]] = res
+    for name in gsm8k.result_names(args.out, NOT_RESULTS):
+        res = gsm8k.load_result(args.out, name)
+        if res is not None and "requests" in res:
+            results[name] = res
     if not results:
         print(f"{args.out}: no finished configuration", flush=True)
         return []
@@ -1079,7 +1076,7 @@ def done_earlier(config: str, args) -> bool:
     kara-band before its r is derived from the kara run: not known yet, so not done."""
     if config == "kara-band" and args.band_ratio is None:
         return False
-    return os.path.exists(os.path.join(args.out, result_name(config, args) + ".json"))
+    return gsm8k.result_path(args.out, result_name(config, args)) is not None
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -1172,7 +1169,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"kara-band: r {args.band_ratio:.4f} on older windows", flush=True)
         if done_earlier(config, args):
             name = result_name(config, args)
-            print(f"{name}: done earlier ({name}.json)", flush=True)
+            print(f"{name}: done earlier ({name}.json.gz)", flush=True)
             continue
         run_config(config, requests, prompts, args, record, kara_rows)
         finalize(config, requests, args, engine_options(config, args, kara_rows)[0])
