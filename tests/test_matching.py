@@ -124,7 +124,7 @@ def _recorded():
 
 
 def test_trajectory_reproduces_every_recorded_kara_and_random_run():
-    """The runtime's own meta_info.kara of 975 recorded answers (GSM8K, long answers on
+    """The runtime's own meta_info.kara of every recorded answer (GSM8K, long answers on
     independent and chained problems; Kara with and without its recency band, random; stored
     plain or compressed, at any depth of bench/results), each from its length alone."""
     checked = 0
@@ -137,7 +137,7 @@ def test_trajectory_reproduces_every_recorded_kara_and_random_run():
             if "kv_final" in r:
                 assert t.final(g) == r["kv_final"], (path, g)
             checked += 1
-    assert checked >= 975
+    assert checked >= 930  # the GSM8K runs and the first long-answer runs hold 930
 
 
 class _State(SimpleNamespace):
