@@ -6,14 +6,13 @@ through a simulated row; the per-request option's checks. Pure (no engine)."""
 from __future__ import annotations
 
 import glob
-import gzip
-import json
 import math
 import os
 from types import SimpleNamespace
 
 import pytest
 
+from bench.reasoning import gsm8k
 from sgl_kara import request_options
 from sgl_kara.policies import base, trajectory
 from sgl_kara.policies.base import RowView
@@ -103,8 +102,7 @@ def _recorded():
             os.path.join(ROOT, "bench/results/**", pattern), recursive=True
         )
     ):
-        with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
-            res = json.load(f)
+        res = gsm8k.read_result(path)
         opts = res.get("engine_options", {})
         pre = {"kara": "kara_", "random": "kara_random_"}.get(opts.get("kara_policy"))
         if pre is None or res.get("ratio") is None:

@@ -378,12 +378,15 @@ def result_names(out: str, skip: tuple[str, ...]) -> list[str]:
     return sorted(names)
 
 
-def load_result(out: str, name: str) -> dict | None:
-    path = result_path(out, name)
-    if path is None:
-        return None
+def read_result(path: str) -> dict:
+    """A result file as ``write_result`` wrote it, plain or gzip-compressed."""
     with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
         return json.load(f)
+
+
+def load_result(out: str, name: str) -> dict | None:
+    path = result_path(out, name)
+    return None if path is None else read_result(path)
 
 
 def _read_jsonl(path: str) -> list[dict]:

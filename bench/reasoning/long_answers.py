@@ -1169,7 +1169,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"kara-band: r {args.band_ratio:.4f} on older windows", flush=True)
         if done_earlier(config, args):
             name = result_name(config, args)
-            print(f"{name}: done earlier ({name}.json.gz)", flush=True)
+            done = os.path.basename(gsm8k.result_path(args.out, name))
+            print(f"{name}: done earlier ({done})", flush=True)
             continue
         run_config(config, requests, prompts, args, record, kara_rows)
         finalize(config, requests, args, engine_options(config, args, kara_rows)[0])
