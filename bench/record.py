@@ -133,12 +133,19 @@ def git_state(root: str = ROOT) -> dict:
     return {"commit": commit, "dirty": None if status is None else bool(status)}
 
 
+# The module the user ran, where a package's ``__main__`` runs another module as ``__main__``
+# (``python -m bench.quality`` runs bench.quality.harness): set by that ``__main__``.
+TYPED_MODULE: str | None = None
+
+
 def command_line(argv: list[str] | None = None) -> str:
     """The command as typed: ``python -m <module> args`` for a module run, else ``python <script> args``."""
     args = sys.argv[1:] if argv is None else list(argv)
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
-    if spec is not None and spec.name:
+    if TYPED_MODULE is not None:
+        head = ["python", "-m", TYPED_MODULE]
+    elif spec is not None and spec.name:
         head = ["python", "-m", spec.name.removesuffix(".__main__")]
     else:
         head = [

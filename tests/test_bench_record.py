@@ -199,3 +199,22 @@ def test_command_line_quotes_what_needs_it(argv, want):
     assert record.command_line(argv).endswith(want) and record.command_line(
         argv
     ).startswith("python ")
+
+
+def test_a_package_run_records_the_module_as_typed(tmp_path):
+    """``python -m bench.quality`` runs bench.quality.harness as ``__main__``; its record and
+    table name the command the user typed (a merge of one empty run: no engine)."""
+    (tmp_path / "a.json").write_text(json.dumps({"rows": [], "texts": {}}))
+    out = tmp_path / "m"
+    args = ["--real", "--merge", str(tmp_path / "a.json"), "--out", str(out)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.quality", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    typed = "python -m bench.quality " + " ".join(args)
+    assert (out / "quality_real.md").read_text().splitlines()[0] == "command: " + typed
+    assert json.loads((out / "run.json").read_text())["command"] == typed

@@ -55,7 +55,8 @@ def _hf_text_stats(
     return math.exp(sum(nll) / len(nll)), sum(hit) / len(hit)
 
 
-@pytest.mark.slow  # a benchmark's smoke run, minutes of engines (docs/TESTING.md, tiers)
+@pytest.mark.slow
+@pytest.mark.harness  # a benchmark's smoke run, minutes of engines (docs/TESTING.md, tiers)
 def test_harness_smoke(tiny_llama, tmp_path):
     """Plumbing only: a random tiny model answers nothing right, but every policy runs, budgets
     are matched per sequence, the fidelity pass feeds the full-KV output through every policy
@@ -126,6 +127,7 @@ def test_harness_smoke(tiny_llama, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.harness
 def test_proxy_model_solves_problems_with_full_kv(tmp_path):
     """The committed proxy, served by sgl_kara.Engine with full KV, answers held-out problems
     (regression check of the weights, its word-level tokenizer and the CPU serving path), and a
@@ -156,6 +158,7 @@ def test_proxy_model_solves_problems_with_full_kv(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.harness
 def test_real_model_path_runs_a_math_jsonl(tmp_path):
     """Plumbing of the GPU path (--jsonl, boxed-answer pass@1) end to end on a tiny MATH-500-style
     file with the proxy: it cannot write \\boxed{}, so nothing is correct, but every problem is
@@ -203,7 +206,8 @@ def test_real_model_path_runs_a_math_jsonl(tmp_path):
         assert all(g <= 48 for g in rows[policy]["per_problem"]["gen_len"])
 
 
-@pytest.mark.slow  # a benchmark's smoke run, minutes of engines (docs/TESTING.md, tiers)
+@pytest.mark.slow
+@pytest.mark.harness  # a benchmark's smoke run, minutes of engines (docs/TESTING.md, tiers)
 def test_real_lm_mode_smoke(tiny_llama, tmp_path):
     """python -m bench.quality --real on 2 prompts (a tiny model stands in for SmolLM2): full-KV output,
     Kara and a budget-matched baseline fed that output, the table, JSON and free generations;
@@ -340,6 +344,7 @@ def test_real_lm_mode_smoke(tiny_llama, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.harness
 def test_real_lm_free_only_on_a_kept_record(tiny_llama, tmp_path):
     """--free-only: free generations alone, on a kept record (Kara's stored peaks budget the
     baseline), no rows."""
@@ -415,7 +420,8 @@ def test_threshold_mean_kv_counts_the_runtime_trajectory():
     assert budget_for_mean(1.0, 112, 999, 24) == 24  # the floor
 
 
-@pytest.mark.slow  # a benchmark's smoke run, minutes of engines (docs/TESTING.md, tiers)
+@pytest.mark.slow
+@pytest.mark.harness  # a benchmark's smoke run, minutes of engines (docs/TESTING.md, tiers)
 def test_real_lm_teacher_forced_text_recall_and_stopping_smoke(tiny_llama, tmp_path):
     """The three workloads of --real on a tiny model, 2 items each (one policy each: budget
     matching is the other smoke test's): teacher-forced Python source (full KV reads the text:

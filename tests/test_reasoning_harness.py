@@ -268,7 +268,8 @@ PROBLEMS = [
 ]
 
 
-@pytest.mark.slow  # three engines: a benchmark's smoke run (docs/TESTING.md, tiers)
+@pytest.mark.slow
+@pytest.mark.harness  # three engines: a benchmark's smoke run (docs/TESTING.md, tiers)
 def test_end_to_end_interrupted_and_resumed(tiny_llama, tmp_path):
     """full, kara and snapkv on a tiny model (answers are noise; the plumbing is checked): a kara
     run interrupted after one answer is resumed without answering it again; the baseline's
