@@ -133,9 +133,16 @@ def git_state(root: str = ROOT) -> dict:
     return {"commit": commit, "dirty": None if status is None else bool(status)}
 
 
-# The module the user ran, where a package's ``__main__`` runs another module as ``__main__``
-# (``python -m bench.quality`` runs bench.quality.harness): set by that ``__main__``.
-TYPED_MODULE: str | None = None
+def _typed_module() -> str | None:
+    """The module of ``python [options] -m <module>`` as the interpreter was started
+    (``sys.orig_argv``): a package's ``__main__`` that runs another module as ``__main__``
+    (``python -m bench.quality`` runs bench.quality.harness) keeps the name typed."""
+    orig, i = getattr(sys, "orig_argv", []), 1
+    while i < len(orig) - 1 and orig[i].startswith("-"):
+        if orig[i] == "-m":
+            return orig[i + 1]
+        i += 2 if orig[i] in ("-X", "-W") else 1
+    return None
 
 
 def command_line(argv: list[str] | None = None) -> str:
@@ -143,8 +150,9 @@ def command_line(argv: list[str] | None = None) -> str:
     args = sys.argv[1:] if argv is None else list(argv)
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
-    if TYPED_MODULE is not None:
-        head = ["python", "-m", TYPED_MODULE]
+    typed = _typed_module()
+    if typed is not None:
+        head = ["python", "-m", typed]
     elif spec is not None and spec.name:
         head = ["python", "-m", spec.name.removesuffix(".__main__")]
     else:

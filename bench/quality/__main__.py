@@ -4,7 +4,4 @@ again -- and with it the policies of any ``--policy-file`` (bench/reasoning/conf
 
 import runpy
 
-from bench import record
-
-record.TYPED_MODULE = "bench.quality"  # what run records name as the command
 runpy.run_module("bench.quality.harness", run_name="__main__", alter_sys=True)
