@@ -28,7 +28,7 @@ import types
 import torch
 
 from bench.engine_env import engine_env as _bench_engine_env
-from bench.serve_numbers import free_port  # noqa: F401  (re-exported: one free-port helper for tests and bench)
+from bench.ports import free_port  # noqa: F401  (re-exported: one free-port helper for tests and bench)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -234,6 +234,15 @@ def flush_when_idle(engine, timeout: float = 30.0) -> bool:
 
 
 # -------------------------------------------------------------------------------- servers
+# uvicorn's line when the HTTP server cannot bind its port (SGLang's server then waits out its
+# warm-up against whatever holds the port instead of exiting).
+PORT_TAKEN = "error while attempting to bind on address"
+
+
+class PortTaken(RuntimeError):
+    """The server could not bind its HTTP port: another process holds it."""
+
+
 class Server:
     """``python -m sgl_kara.launch_server --port P *args`` (or another ``module``), started and
     waited for (/health 200); its output goes to a log file (``log_text()``)."""
@@ -247,21 +256,30 @@ class Server:
         port: int | None = None,
         log_tag: str = "",
     ):
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.args, self.module = list(args), module
         full_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         full_env.update(env or {})
-        name = f"{module.split('.')[0]}_server_{self.port}{log_tag}.log"
-        self.log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), name), "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, "--port", str(self.port), *args],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env=full_env,
-            start_new_session=True,
-        )
-        self.wait_ready(timeout)
+        # A port this class picks may still be taken by another process between the pick and the
+        # server's bind: the server then cannot serve, so it is stopped and started on another.
+        for attempt in range(1 if port else 3):
+            self.port = port or free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            name = f"{module.split('.')[0]}_server_{self.port}{log_tag}.log"
+            self.log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), name), "w")
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", module, "--port", str(self.port), *args],
+                stdout=self.log,
+                stderr=subprocess.STDOUT,
+                env=full_env,
+                start_new_session=True,
+            )
+            try:
+                self.wait_ready(timeout)
+                return
+            except PortTaken:
+                self.stop()
+                if port or attempt == 2:
+                    raise
 
     def wait_ready(self, timeout):
         import requests
@@ -272,6 +290,8 @@ class Server:
                 raise RuntimeError(
                     f"server exited with {self.proc.returncode}; see {self.log.name}"
                 )
+            if PORT_TAKEN in self.log_text():
+                raise PortTaken(f"port {self.port} was taken; see {self.log.name}")
             try:
                 if requests.get(self.url + "/health", timeout=2).status_code == 200:
                     return
