@@ -35,6 +35,7 @@ import time
 import requests
 
 from bench.ports import free_port
+from bench.server_start import PortTaken, wait_ready
 
 
 def tree_memory_mb(pid: int) -> tuple[float, float]:
@@ -58,27 +59,28 @@ def tree_memory_mb(pid: int) -> tuple[float, float]:
 def start(
     env: dict, log_path: str, timeout: float, command=None
 ) -> tuple[subprocess.Popen, str, float]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    tic = time.time()
+    """Launch ``command`` (the README's first command by default) on a free port, and wait until
+    it serves: (process, url, seconds to ready). A port another process took before the server
+    bound it is given up for a new one (three tries)."""
     command = command or [sys.executable, "-m", "sgl_kara.launch_server"]
-    proc = subprocess.Popen(
-        [*command, "--port", str(port)],
-        stdout=open(log_path, "w"),
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
-    while time.time() - tic < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
+    tic = time.time()
+    for attempt in range(3):
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = subprocess.Popen(
+            [*command, "--port", str(port)],
+            stdout=open(log_path, "w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         try:
-            if requests.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url, time.time() - tic
-        except requests.RequestException:
-            pass
-        time.sleep(0.25)
-    raise TimeoutError(f"server not ready in {timeout}s; see {log_path}")
+            wait_ready(proc, url, log_path, timeout - (time.time() - tic))
+            return proc, url, time.time() - tic
+        except PortTaken:
+            stop(proc)
+            if attempt == 2:
+                raise
 
 
 def stop(proc) -> None:

@@ -29,6 +29,7 @@ import torch
 
 from bench.engine_env import engine_env as _bench_engine_env
 from bench.ports import free_port  # noqa: F401  (re-exported: one free-port helper for tests and bench)
+from bench.server_start import PORT_TAKEN, PortTaken, wait_ready  # noqa: F401  (re-exported)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -234,15 +235,6 @@ def flush_when_idle(engine, timeout: float = 30.0) -> bool:
 
 
 # -------------------------------------------------------------------------------- servers
-# uvicorn's line when the HTTP server cannot bind its port (SGLang's server then waits out its
-# warm-up against whatever holds the port instead of exiting).
-PORT_TAKEN = "error while attempting to bind on address"
-
-
-class PortTaken(RuntimeError):
-    """The server could not bind its HTTP port: another process holds it."""
-
-
 class Server:
     """``python -m sgl_kara.launch_server --port P *args`` (or another ``module``), started and
     waited for (/health 200); its output goes to a log file (``log_text()``)."""
@@ -282,23 +274,8 @@ class Server:
                     raise
 
     def wait_ready(self, timeout):
-        import requests
-
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"server exited with {self.proc.returncode}; see {self.log.name}"
-                )
-            if PORT_TAKEN in self.log_text():
-                raise PortTaken(f"port {self.port} was taken; see {self.log.name}")
-            try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"server not ready in {timeout}s; see {self.log.name}")
+        self.log.flush()
+        wait_ready(self.proc, self.url, self.log.name, timeout, interval=1)
 
     def stop(self):
         import signal

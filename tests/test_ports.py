@@ -96,3 +96,29 @@ def test_a_server_on_a_port_it_picked_moves_to_another_when_that_one_is_taken(
         assert server.proc.poll() is None
     finally:
         server.stop()
+
+
+def test_a_benchmark_server_moves_to_another_port_when_its_pick_is_taken(tmp_path):
+    """bench.serve_numbers.start, which the benchmark harnesses start servers with, waits the
+    same way (bench/server_start.py): a taken port is given up at once for a new one."""
+    import os
+    import sys
+
+    from bench import serve_numbers
+
+    (tmp_path / "fake_server.py").write_text(FAKE_SERVER)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    taken, free = ports.free_port(), ports.free_port()
+    picks = iter([taken, free])
+    log = str(tmp_path / "server.log")
+    with pytest.MonkeyPatch.context() as mp, _listen(taken):
+        mp.setattr(serve_numbers, "free_port", lambda: next(picks))
+        tic = time.time()
+        proc, url, seconds = serve_numbers.start(
+            env, log, timeout=120, command=[sys.executable, "-m", "fake_server"]
+        )
+    try:
+        assert url == f"http://127.0.0.1:{free}"
+        assert proc.poll() is None and seconds < 30 and time.time() - tic < 30
+    finally:
+        serve_numbers.stop(proc)

@@ -1,0 +1,50 @@
+"""Waiting for a server started on a port (bench/ports.py): ready when /health answers 200, failed
+at once when the process exits or the HTTP server could not bind its port.
+
+SGLang's server does not exit when uvicorn cannot bind: it runs its warm-up against whatever holds
+the port. A wait that only polled /health would then wait out its whole timeout (or, worse, take a
+listener that answers for the server). The log shows uvicorn's line, so the wait reads it.
+
+    wait_ready(proc, url, log_path, timeout)   seconds it took; PortTaken / RuntimeError / TimeoutError
+"""
+
+from __future__ import annotations
+
+import time
+
+# uvicorn's line when the HTTP server cannot bind its port.
+PORT_TAKEN = "error while attempting to bind on address"
+
+
+class PortTaken(RuntimeError):
+    """The server could not bind its HTTP port: another process holds it."""
+
+
+def _log_says_port_taken(log_path: str) -> bool:
+    try:
+        with open(log_path, errors="replace") as f:
+            return PORT_TAKEN in f.read()
+    except OSError:
+        return False
+
+
+def wait_ready(proc, url: str, log_path: str, timeout: float, interval=0.25) -> float:
+    """Poll ``url``/health until it answers 200 (returns the seconds waited). Raises RuntimeError
+    when ``proc`` exits, PortTaken when its log (``log_path``) shows the bind failure, and
+    TimeoutError after ``timeout`` seconds."""
+    import requests
+
+    tic = time.time()
+    while time.time() - tic < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
+        if _log_says_port_taken(log_path):
+            port = url.rsplit(":", 1)[-1]
+            raise PortTaken(f"port {port} was taken; see {log_path}")
+        try:
+            if requests.get(url + "/health", timeout=2).status_code == 200:
+                return time.time() - tic
+        except requests.RequestException:
+            pass
+        time.sleep(interval)
+    raise TimeoutError(f"server not ready in {timeout}s; see {log_path}")
