@@ -67,13 +67,14 @@ def start(
     for attempt in range(3):
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        proc = subprocess.Popen(
-            [*command, "--port", str(port)],
-            stdout=open(log_path, "w"),
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
+        with open(log_path, "w") as log:  # the server keeps its own descriptor
+            proc = subprocess.Popen(
+                [*command, "--port", str(port)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
         try:
             wait_ready(proc, url, log_path, timeout - (time.time() - tic))
             return proc, url, time.time() - tic

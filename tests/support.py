@@ -29,7 +29,7 @@ import torch
 
 from bench.engine_env import engine_env as _bench_engine_env
 from bench.ports import free_port  # noqa: F401  (re-exported: one free-port helper for tests and bench)
-from bench.server_start import PORT_TAKEN, PortTaken, wait_ready  # noqa: F401  (re-exported)
+from bench.server_start import PortTaken, wait_ready
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -274,7 +274,6 @@ class Server:
                     raise
 
     def wait_ready(self, timeout):
-        self.log.flush()
         wait_ready(self.proc, self.url, self.log.name, timeout, interval=1)
 
     def stop(self):

@@ -8,9 +8,10 @@ import socket
 import time
 
 import pytest
-from support import PORT_TAKEN, PortTaken, Server
+from support import Server
 
 from bench import ports
+from bench.server_start import PORT_TAKEN, PortTaken
 
 
 def _listen(port: int) -> socket.socket:
