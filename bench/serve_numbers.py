@@ -34,8 +34,7 @@ import time
 
 import requests
 
-from bench.ports import free_port
-from bench.server_start import PortTaken, wait_ready
+from bench.server_start import start_on_a_port
 
 
 def tree_memory_mb(pid: int) -> tuple[float, float]:
@@ -63,10 +62,8 @@ def start(
     it serves: (process, url, seconds to ready). A port another process took before the server
     bound it is given up for a new one (three tries)."""
     command = command or [sys.executable, "-m", "sgl_kara.launch_server"]
-    tic = time.time()
-    for attempt in range(3):
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
+
+    def launch(port):
         with open(log_path, "w") as log:  # the server keeps its own descriptor
             proc = subprocess.Popen(
                 [*command, "--port", str(port)],
@@ -75,13 +72,10 @@ def start(
                 env=env,
                 start_new_session=True,
             )
-        try:
-            wait_ready(proc, url, log_path, timeout - (time.time() - tic))
-            return proc, url, time.time() - tic
-        except PortTaken:
-            stop(proc)
-            if attempt == 2:
-                raise
+        return proc, log_path
+
+    port, proc, seconds = start_on_a_port(launch, stop, timeout)
+    return proc, f"http://127.0.0.1:{port}", seconds
 
 
 def stop(proc) -> None:

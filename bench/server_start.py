@@ -6,11 +6,14 @@ the port. A wait that only polled /health would then wait out its whole timeout 
 listener that answers for the server). The log shows uvicorn's line, so the wait reads it.
 
     wait_ready(proc, url, log_path, timeout)   seconds it took; PortTaken / RuntimeError / TimeoutError
+    start_on_a_port(launch, stop, timeout)     launched and waited for on a free port, moved on a taken one
 """
 
 from __future__ import annotations
 
 import time
+
+from bench.ports import free_port
 
 # uvicorn's line when the HTTP server cannot bind its port.
 PORT_TAKEN = "error while attempting to bind on address"
@@ -48,3 +51,24 @@ def wait_ready(proc, url: str, log_path: str, timeout: float, interval=0.25) -> 
             pass
         time.sleep(interval)
     raise TimeoutError(f"server not ready in {timeout}s; see {log_path}")
+
+
+def start_on_a_port(
+    launch, stop, timeout: float, port: int | None = None, tries: int = 3
+):
+    """``launch(port) -> (proc, log_path)`` on ``port``, or on a free one (bench/ports.py), and
+    wait until it serves, within ``timeout`` seconds in all: (port, proc, seconds to ready). A port
+    picked here that another process took before the server bound it is given up: ``stop(proc)``,
+    and launched again on a new one (``tries`` in all). A given ``port`` is tried once."""
+    tic = time.time()
+    for attempt in range(1 if port else tries):
+        picked = port or free_port()
+        proc, log_path = launch(picked)
+        try:
+            left = timeout - (time.time() - tic)
+            wait_ready(proc, f"http://127.0.0.1:{picked}", log_path, left)
+            return picked, proc, time.time() - tic
+        except PortTaken:
+            stop(proc)
+            if port or attempt == tries - 1:
+                raise

@@ -29,7 +29,7 @@ import torch
 
 from bench.engine_env import engine_env as _bench_engine_env
 from bench.ports import free_port  # noqa: F401  (re-exported: one free-port helper for tests and bench)
-from bench.server_start import PortTaken, wait_ready
+from bench.server_start import start_on_a_port
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -251,30 +251,23 @@ class Server:
         self.args, self.module = list(args), module
         full_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         full_env.update(env or {})
+
         # A port this class picks may still be taken by another process between the pick and the
         # server's bind: the server then cannot serve, so it is stopped and started on another.
-        for attempt in range(1 if port else 3):
-            self.port = port or free_port()
-            self.url = f"http://127.0.0.1:{self.port}"
-            name = f"{module.split('.')[0]}_server_{self.port}{log_tag}.log"
+        def launch(port):
+            self.port, self.url = port, f"http://127.0.0.1:{port}"
+            name = f"{module.split('.')[0]}_server_{port}{log_tag}.log"
             self.log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), name), "w")
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", module, "--port", str(self.port), *args],
+                [sys.executable, "-m", module, "--port", str(port), *args],
                 stdout=self.log,
                 stderr=subprocess.STDOUT,
                 env=full_env,
                 start_new_session=True,
             )
-            try:
-                self.wait_ready(timeout)
-                return
-            except PortTaken:
-                self.stop()
-                if port or attempt == 2:
-                    raise
+            return self.proc, self.log.name
 
-    def wait_ready(self, timeout):
-        wait_ready(self.proc, self.url, self.log.name, timeout, interval=1)
+        start_on_a_port(launch, lambda proc: self.stop(), timeout, port=port)
 
     def stop(self):
         import signal

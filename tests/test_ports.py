@@ -10,7 +10,7 @@ import time
 import pytest
 from support import Server
 
-from bench import ports
+from bench import ports, server_start
 from bench.server_start import PORT_TAKEN, PortTaken
 
 
@@ -83,13 +83,11 @@ def test_a_server_whose_port_is_taken_fails_at_once(tmp_path, monkeypatch):
 def test_a_server_on_a_port_it_picked_moves_to_another_when_that_one_is_taken(
     tmp_path, monkeypatch
 ):
-    import support
-
     (tmp_path / "fake_server.py").write_text(FAKE_SERVER)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     taken, free = ports.free_port(), ports.free_port()
     picks = iter([taken, free])
-    monkeypatch.setattr(support, "free_port", lambda: next(picks))
+    monkeypatch.setattr(server_start, "free_port", lambda: next(picks))
     with _listen(taken):
         server = Server([], timeout=120, module="fake_server")
     try:
@@ -113,7 +111,7 @@ def test_a_benchmark_server_moves_to_another_port_when_its_pick_is_taken(tmp_pat
     picks = iter([taken, free])
     log = str(tmp_path / "server.log")
     with pytest.MonkeyPatch.context() as mp, _listen(taken):
-        mp.setattr(serve_numbers, "free_port", lambda: next(picks))
+        mp.setattr(server_start, "free_port", lambda: next(picks))
         tic = time.time()
         proc, url, seconds = serve_numbers.start(
             env, log, timeout=120, command=[sys.executable, "-m", "fake_server"]
