@@ -113,6 +113,84 @@ def test_a_problem_whose_parts_hold_no_answer_has_none():
     assert workload.grade_request(text, [1, 2]) == [(False, None), (True, "2")]
 
 
+def test_a_part_restating_a_question_belongs_to_it_whatever_its_heading():
+    # the model lost its place: problem 3 solved under a second "Problem 2" heading, then
+    # problem 2 restated under "Problem 3"; a part restating nothing goes by its heading
+    questions = [
+        "Tom has 3 red apples and buys 4 more. How many apples does Tom have?",
+        "A train travels 60 miles per hour for 2 hours. How far does it go?",
+        "Sara bakes 12 cookies and gives half to her brother. How many are left?",
+    ]
+    text = "".join(
+        f"Problem {i}:\n{questions[q]} Working: \\boxed{{{a}}}\n"
+        for i, q, a in ((1, 0, 7), (2, 2, 6), (3, 1, 120))
+    )
+    golds = [Fraction(7), Fraction(120), Fraction(6)]
+    by_heading = workload.grade_request(text, golds)
+    assert by_heading == [(True, "7"), (False, "6"), (False, "120")]
+    assert workload.grade_request(text, golds, questions) == [
+        (True, "7"),
+        (True, "120"),
+        (True, "6"),
+    ]
+    # no restatement: the heading decides, as without the questions
+    bare = "Problem 1: \\boxed{7}\nProblem 2: \\boxed{120}\nProblem 3: \\boxed{6}"
+    assert workload.grade_request(bare, golds, questions) == [
+        (True, "7"),
+        (True, "120"),
+        (True, "6"),
+    ]
+    # a heading numbered past k that restates a question belongs to that question
+    renumbered = text.replace("Problem 2:", "Problem 11:").replace(
+        "Problem 3:", "Problem 12:"
+    )
+    assert [c for c, _ in workload.grade_request(renumbered, golds, questions)] == [
+        True,
+        True,
+        True,
+    ]
+
+
+def test_questions_too_alike_to_tell_apart_leave_the_heading_to_decide():
+    links = [
+        "Let A be your answer to Problem 1 and B your answer to Problem 2. What is A + B?",
+        "Let A be your answer to Problem 3 and B your answer to Problem 2. What is A + B?",
+    ]
+    part = (
+        "Problem 2:\nLet A be your answer to Problem 1 and B your answer to Problem 2."
+    )
+    assert workload.restated(part, links) is None
+    assert workload.restated("Problem 1:\n" + links[1], ["x y z", links[1]]) == 1
+    assert workload.restated("Problem 1: no words of either", links) is None
+    assert workload.restated(part, links[:1]) is None  # one question: nothing to tell
+
+
+def test_regrade_reads_the_questions_from_the_workload_file(tmp_path):
+    import gzip
+    import json
+
+    questions = [
+        "Tom has 3 red apples and buys 4 more. How many apples does Tom have?",
+        "Sara bakes 12 cookies and gives half to her brother. How many are left?",
+    ]
+    reqs = [
+        [
+            {"id": i, "question": q, "gold": g}
+            for i, (q, g) in enumerate(zip(questions, ("7", "6")))
+        ]
+    ]
+    with gzip.open(tmp_path / "workload-independent.json.gz", "wt") as f:
+        json.dump(reqs, f)
+    assert long_answers.asked_requests(str(tmp_path)) == {(0, 1): questions}
+    text = (
+        f"Problem 1:\n{questions[1]} Half: \\boxed{{6}}\n"
+        f"Problem 2:\n{questions[0]} Sum: \\boxed{{7}}\n"
+    )
+    assert long_answers.grade_items(text, reqs[0])["correct"] == [True, True]
+    no_questions = [{k: v for k, v in p.items() if k != "question"} for p in reqs[0]]
+    assert long_answers.grade_items(text, no_questions)["correct"] == [False, False]
+
+
 @pytest.mark.parametrize(
     "boxed, value",
     [
@@ -490,6 +568,85 @@ def test_a_resumed_run_with_every_configuration_done_runs_nothing_and_records_no
         "run.json"
     ]
     assert json.loads((tmp_path / "run.json").read_text())["notes"]["requests"] == 1
+
+
+def test_a_sweep_runs_every_ratio_of_a_configuration_in_one_engine(
+    tmp_path, monkeypatch
+):
+    """--ratios: one engine per configuration, one lane per r (its requests pinned at that r per
+    request), each finalized under its own name; an r already done is not run again."""
+    from bench.reasoning import gsm8k
+
+    monkeypatch.setattr(gsm8k, "model_path", lambda model: "unused")
+    monkeypatch.setattr(long_answers, "build_requests", lambda args: [_problems(2)])
+    monkeypatch.setattr(long_answers, "chat_prompts", lambda reqs, path: [[1, 2, 3]])
+    engines, finalized = [], []
+    monkeypatch.setattr(long_answers, "report", lambda args: [])
+    monkeypatch.setattr(
+        long_answers,
+        "run_lanes",
+        lambda lanes, opts, *a, **k: engines.append((opts, lanes)),
+    )
+    monkeypatch.setattr(
+        long_answers,
+        "finalize",
+        lambda config, requests, args, opts: finalized.append(
+            (config, args.ratio, opts)
+        ),
+    )
+    argv = ["--out", str(tmp_path), "--model", "tiny", "--configs", "kara", "snapkv"]
+    long_answers.main([*argv, "--ratios", "0.3", "0.5"])
+    assert len(engines) == 2  # one engine per configuration
+    opts, lanes = engines[0]
+    assert opts["kara_policy"] == "kara"
+    assert [ln.name for ln in lanes] == ["kara_r0.3", "kara_r0.5"]
+    assert [ln.per_request for ln in lanes] == [
+        [{"retention": 0.3}],
+        [{"retention": 0.5}],
+    ]
+    snap = engines[1][1]
+    assert [ln.per_request[0]["match_kara"]["retention"] for ln in snap] == [0.3, 0.5]
+    assert [(c, r, o.get("kara_retention")) for c, r, o in finalized][:2] == [
+        ("kara", 0.3, 0.3),
+        ("kara", 0.5, 0.5),
+    ]
+    # r 0.3 done: only r 0.5 runs again
+    done = {"config": "kara", "name": "kara_r0.3", "requests": []}
+    long_answers.write_result(str(tmp_path / "kara_r0.3.json.gz"), done)
+    engines.clear()
+    long_answers.main([*argv[:-1], "--ratios", "0.3", "0.5"])
+    assert [ln.name for ln in engines[0][1]] == ["kara_r0.5"]
+
+
+def test_a_sweep_refuses_what_has_no_per_request_ratio(tmp_path):
+    args = long_answers.parser().parse_args(["--out", str(tmp_path)])
+    args.n_requests = 1
+    for config in ("full", "kara-band", "snapkv-mean"):
+        with pytest.raises(SystemExit, match=config):
+            long_answers.pinned_options(config, args)
+    with pytest.raises(SystemExit):
+        long_answers.main(["--out", str(tmp_path), "--ratios", "0", "0.5"])
+    with pytest.raises(SystemExit):
+        long_answers.main(["--out", str(tmp_path), "--check-from", str(tmp_path)])
+
+
+def test_the_batching_check_compares_answers_with_the_engine_of_their_own(tmp_path):
+    import gzip
+    import json
+
+    ref, out = tmp_path / "alone", tmp_path / "shared"
+    ref.mkdir()
+    out.mkdir()
+    with gzip.open(ref / "kara_r0.2.answers.jsonl.gz", "wt") as f:
+        for i, text in enumerate(["one", "two", "three"]):
+            f.write(json.dumps({"request": i, "text": text}) + "\n")
+    with open(out / "check-kara_r0.2.partial.jsonl", "w") as f:
+        for i, text in enumerate(["one", "TWO"]):
+            f.write(json.dumps({"request": i, "text": text}) + "\n")
+    check = long_answers.batching_check(str(out), str(ref), "kara_r0.2")
+    assert (check["same_text"], check["differ"]) == ([0], [1])
+    stored = json.loads((out / "batching-check.json").read_text())
+    assert stored["kara_r0.2"]["requests"] == [0, 1]
 
 
 # ------------------------------------------------------------------ configurations

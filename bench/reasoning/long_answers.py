@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gzip
 import hashlib
 import json
@@ -254,7 +255,12 @@ def build_requests(args) -> list[list[dict]]:
 
 def grade_items(text: str, items: list[dict]) -> dict:
     """correct / answers per item; chained also consistent per link and the final value."""
-    graded = workload.grade_request(text, [Fraction(p["gold"]) for p in items])
+    questions = [p.get("question") for p in items]
+    graded = workload.grade_request(
+        text,
+        [Fraction(p["gold"]) for p in items],
+        questions if all(questions) else None,
+    )
     out = {
         "correct": [bool(c) for c, _ in graded],
         "answers": [a for _, a in graded],
@@ -310,19 +316,57 @@ def chat_prompts(requests: list[list[dict]], model: str) -> list[list[int]]:
     return out
 
 
+@dataclasses.dataclass
+class Lane:
+    """One configuration's requests in an engine run: answered into ``partial`` (one JSON line
+    each), ``per_request[i]`` their ``custom_params.kara`` (None: the engine's settings)."""
+
+    name: str
+    partial: str
+    todo: list[int]
+    per_request: list[dict] | None
+
+
+def lane(config, args, kara_rows, per_request=None, name=None, todo=None) -> Lane:
+    name = name or result_name(config, args)
+    partial = os.path.join(args.out, name + ".partial.jsonl")
+    done = {r["request"] for r in gsm8k._read_jsonl(partial)}
+    if todo is None:
+        todo = range(args.n_requests)
+    if per_request is None:
+        per_request = engine_options(config, args, kara_rows)[1]
+    return Lane(name, partial, [i for i in todo if i not in done], per_request)
+
+
 def run_config(config, requests, prompts, args, record, kara_rows) -> None:
     """Answer every request not yet in OUT/<name>.partial.jsonl, appending each as it finishes."""
+    one = lane(config, args, kara_rows)
+    if one.todo:
+        run_lanes(
+            [one],
+            engine_options(config, args, kara_rows)[0],
+            requests,
+            prompts,
+            args,
+            record,
+        )
+
+
+def run_lanes(lanes, opts, requests, prompts, args, record) -> None:
+    """One engine answers every lane's requests at once (a lane's requests carry their own
+    ``custom_params.kara``), each appended to its lane's partial file as it finishes."""
     import sgl_kara
     from bench.engine_env import engine_env
 
-    name = result_name(config, args)
-    partial = os.path.join(args.out, name + ".partial.jsonl")
-    done = {r["request"] for r in gsm8k._read_jsonl(partial)}
-    todo = [i for i in range(len(requests)) if i not in done]
-    if not todo:
+    lanes = [ln for ln in lanes if ln.todo]
+    if not lanes:
         return
-    opts, per_request = engine_options(config, args, kara_rows)
-    print(f"{name}: {len(todo)} of {len(requests)} requests to answer", flush=True)
+    label = "+".join(ln.name for ln in lanes)
+    for ln in lanes:
+        print(
+            f"{ln.name}: {len(ln.todo)} of {len(requests)} requests to answer",
+            flush=True,
+        )
     with engine_env(args.omp_threads):
         engine = sgl_kara.Engine(
             model_path=args.model_path,
@@ -332,53 +376,63 @@ def run_config(config, requests, prompts, args, record, kara_rows) -> None:
             **opts,
         )
     try:
-        record.add_engine(name, engine)
+        record.add_engine(label, engine)
         cpu0, tic = gsm8k.engine_cpu_seconds(), time.time()
-        tokens = 0
+        tokens = dict.fromkeys((ln.name for ln in lanes), 0)
 
-        async def one(i: int, sink) -> None:
-            nonlocal tokens
+        async def one(ln: Lane, i: int, sink) -> None:
             sp = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0}
-            if per_request is not None:
-                sp["custom_params"] = {"kara": per_request[i]}
+            if ln.per_request is not None:
+                sp["custom_params"] = {"kara": ln.per_request[i]}
             out = await engine.async_generate(input_ids=prompts[i], sampling_params=sp)
             rec = request_record(requests[i], out, len(prompts[i]))
-            if per_request is not None:
-                rec["custom"] = per_request[i]
+            if ln.per_request is not None:
+                rec["custom"] = ln.per_request[i]
             rec["request"] = i
-            tokens += rec["completion_tokens"]
+            tokens[ln.name] += rec["completion_tokens"]
             sink.write(json.dumps(rec) + "\n")
             sink.flush()
             os.fsync(sink.fileno())
             print(
-                f"{name}: request {i} done: {rec['completion_tokens']} tokens, "
+                f"{ln.name}: request {i} done: {rec['completion_tokens']} tokens, "
                 f"{sum(rec['correct'])}/{len(rec['correct'])} right, KV final "
                 f"{rec['kv_final']:.0f} mean {rec['kv_mean']:.1f} "
                 f"({time.time() - tic:.0f} s)",
                 flush=True,
             )
 
-        async def all_of(sink) -> None:
-            await asyncio.gather(*(one(i, sink) for i in todo))
+        sinks = [open(ln.partial, "a") for ln in lanes]
+        try:
 
-        with open(partial, "a") as sink:
-            engine.loop.run_until_complete(all_of(sink))
-        seconds, cpu = time.time() - tic, gsm8k.engine_cpu_seconds() - cpu0
-        with open(os.path.join(args.out, name + ".sessions.jsonl"), "a") as f:
-            f.write(
-                json.dumps(
-                    {
-                        "requests": len(todo),
-                        "tokens": tokens,
-                        "seconds": round(seconds, 2),
-                        "cpu_seconds": round(cpu, 2),
-                    }
+            async def all_of() -> None:
+                await asyncio.gather(
+                    *(
+                        one(ln, i, sink)
+                        for ln, sink in zip(lanes, sinks)
+                        for i in ln.todo
+                    )
                 )
-                + "\n"
-            )
+
+            engine.loop.run_until_complete(all_of())
+        finally:
+            for sink in sinks:
+                sink.close()
+        seconds, cpu = time.time() - tic, gsm8k.engine_cpu_seconds() - cpu0
+        for ln in lanes:
+            session = {
+                "requests": len(ln.todo),
+                "tokens": tokens[ln.name],
+                "seconds": round(seconds, 2),
+                "cpu_seconds": round(cpu, 2),
+            }
+            if len(lanes) > 1:  # seconds and CPU are the shared engine's
+                session["shared_with"] = [o.name for o in lanes if o is not ln]
+                session["engine_tokens"] = sum(tokens.values())
+            with open(os.path.join(args.out, ln.name + ".sessions.jsonl"), "a") as f:
+                f.write(json.dumps(session) + "\n")
+        total = sum(tokens.values())
         print(
-            f"{name}: {len(todo)} answers, {tokens} tokens in {seconds:.0f} s "
-            f"({tokens / seconds:.1f} tok/s)",
+            f"{label}: {total} tokens in {seconds:.0f} s ({total / seconds:.1f} tok/s)",
             flush=True,
         )
     finally:
@@ -542,7 +596,8 @@ def summarize(result: dict, full: dict | None, kara: dict | None, early: int) ->
     if known_prompts:
         total_final, total_mean = zip(*(retention(r, p) for p, r in zip(prompt, reqs)))
     sessions = result.get("sessions") or []
-    tokens = sum(s["tokens"] for s in sessions)
+    # an engine shared by several configurations: its own throughput, all lanes' tokens
+    tokens = sum(s.get("engine_tokens", s["tokens"]) for s in sessions)
     seconds = sum(s["seconds"] for s in sessions)
     row = {
         "name": result["name"],
@@ -668,12 +723,25 @@ def _items_of(r: dict) -> list[dict]:
     return items
 
 
+def asked_requests(out: str) -> dict[tuple, list[str]]:
+    """The questions as asked, by the problem ids of their request (OUT/workload-*.json.gz);
+    empty where OUT holds no workload file."""
+    asked = {}
+    for fname in sorted(os.listdir(out)):
+        if fname.startswith("workload-") and fname.endswith(".json.gz"):
+            with gzip.open(os.path.join(out, fname), "rt") as fh:
+                for req in json.load(fh):
+                    asked[tuple(p["id"] for p in req)] = [p["question"] for p in req]
+    return asked
+
+
 def regrade(out: str, answers_dir: str | None = None) -> list[dict]:
     """Grade every configuration in ``out`` again from its stored answer texts with the grader
     of now: rewrites ``correct`` / ``answers`` (and chained ``consistent``) and ``grader`` in
     the configuration's result file, writes OUT/regrade.md (old and new per configuration: problems
     right, and the problems that changed each way). Returns those rows."""
     gold_by_id = None
+    asked = asked_requests(out)
     rows = []
     for name in gsm8k.result_names(out, NOT_RESULTS):
         texts = answer_texts(answers_dir or out, name)
@@ -692,6 +760,10 @@ def regrade(out: str, answers_dir: str | None = None) -> list[dict]:
         for r in result["requests"]:
             golds = _golds_of(result, r, gold_by_id)
             items = _items_of(dict(r, golds=[str(g) for g in golds]))
+            questions = asked.get(tuple(r["problems"]))
+            if questions is not None:
+                for item, q in zip(items, questions):
+                    item["question"] = q
             graded = grade_items(texts[r["request"]], items)
             for before, after in zip(r["correct"], graded["correct"]):
                 gained += after and not before
@@ -1002,6 +1074,21 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--ratio", type=float, default=0.2, help="Kara's r")
     ap.add_argument(
+        "--ratios",
+        type=float,
+        nargs="+",
+        default=None,
+        help="run each configuration at every r, in one engine (requests pinned per request)",
+    )
+    ap.add_argument(
+        "--check-from",
+        metavar="DIR",
+        default=None,
+        help="with --ratios: answer the first --check-requests requests at --ratio again in the "
+        "same engine and compare them with DIR's answers (OUT/batching-check.json)",
+    )
+    ap.add_argument("--check-requests", type=int, default=2)
+    ap.add_argument(
         "--per-request", type=int, default=10, help="independent: problems per request"
     )
     ap.add_argument("--seed", type=int, default=0, help="shuffle of the problems")
@@ -1079,6 +1166,95 @@ def done_earlier(config: str, args) -> bool:
     return gsm8k.result_path(args.out, result_name(config, args)) is not None
 
 
+def args_at(args, ratio: float) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "ratio": ratio})
+
+
+def pinned_options(config: str, args) -> list[dict]:
+    """Per-request ``custom_params.kara`` that pin ``config`` at ``args.ratio`` whatever the
+    engine's own settings, so one engine runs it at several r: a budget policy's Kara match
+    (it carries r), else the policy's own per-request retention."""
+    if config in ("full", "kara-band") or legacy_match(config) is not None:
+        raise SystemExit(f"--ratios: {config} has no per-request r; run it on its own")
+    per = engine_options(config, args, None)[1]
+    if per is not None:
+        return per
+    if not configs.takes(config, "retention"):
+        raise SystemExit(
+            f"--ratios: {config} takes no per-request retention; run it on its own"
+        )
+    return [{"retention": args.ratio}] * args.n_requests
+
+
+def check_lane(config: str, args) -> Lane | None:
+    """``--check-from DIR``: the first ``--check-requests`` requests of ``config`` at ``--ratio``,
+    whose answers DIR holds from an engine of its own, answered again beside the sweep."""
+    if not args.check_from or not args.check_requests:
+        return None
+    name = result_name(config, args)
+    ref = gsm8k.load_result(args.check_from, name)
+    if ref is None or answer_texts(args.check_from, name) is None:
+        raise SystemExit(
+            f"--check-from {args.check_from}: no {name} result with answers"
+        )
+    n = min(args.check_requests, args.n_requests)
+    for i in range(n):
+        if ref["requests"][i]["problems"] != args.problem_ids[i]:
+            raise SystemExit(f"--check-from: {name}'s request {i} asked other problems")
+    return lane(
+        config, args, None, pinned_options(config, args), "check-" + name, range(n)
+    )
+
+
+def batching_check(out: str, reference: str, name: str) -> dict:
+    """Answers of ``check-<name>`` (OUT) against ``name``'s own (reference): the same text?"""
+    mine = {
+        r["request"]: r["text"]
+        for r in gsm8k._read_jsonl(os.path.join(out, f"check-{name}.partial.jsonl"))
+    }
+    ref = answer_texts(reference, name) or {}
+    same = sorted(i for i in mine if ref.get(i) == mine[i])
+    check = {
+        "name": name,
+        "reference": os.path.abspath(reference),
+        "requests": sorted(mine),
+        "same_text": same,
+        "differ": sorted(set(mine) - set(same)),
+    }
+    path = os.path.join(out, "batching-check.json")
+    checks = json.load(open(path)) if os.path.exists(path) else {}
+    checks[name] = check
+    with open(path, "w") as f:
+        json.dump(checks, f, indent=1)
+    print(
+        f"batching check {name}: {len(same)} of {len(mine)} answers the same as alone",
+        flush=True,
+    )
+    return check
+
+
+def sweep(args, requests, prompts, record) -> None:
+    """``--ratios``: each configuration at every r, one engine per configuration (its requests
+    pinned at their r per request), finalized per r (OUT/<config>_r<r>.json.gz)."""
+    for config in args.configs:
+        at = [args_at(args, r) for r in args.ratios]
+        todo = [a for a in at if not done_earlier(config, a)]
+        for a in at:
+            if a not in todo:
+                print(f"{result_name(config, a)}: done earlier", flush=True)
+        check = check_lane(config, args)
+        lanes = [lane(config, a, None, pinned_options(config, a)) for a in todo]
+        if check is not None:
+            lanes.append(check)
+        opts = engine_options(config, at[0], None)[0]
+        run_lanes(lanes, opts, requests, prompts, args, record)
+        for a in todo:
+            finalize(config, requests, a, engine_options(config, a, None)[0])
+        if check is not None:
+            batching_check(args.out, args.check_from, result_name(config, args))
+        report(args)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--policy-file", action="append", default=[])
@@ -1091,6 +1267,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return report(args)
     if args.out is None:
         ap.error("--out is required (or --regrade DIR)")
+    for r in [args.ratio, *(args.ratios or [])]:
+        if not 0.0 < r <= 1.0:
+            ap.error(f"--ratio / --ratios: {r:g} is not in (0, 1]")
+    if args.check_from and not args.ratios:
+        ap.error("--check-from goes with --ratios")
     os.makedirs(args.out, exist_ok=True)
     if args.report:
         return report(args)
@@ -1102,9 +1283,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     requests = build_requests(args)
     args.n_requests = len(requests)
+    args.problem_ids = [[p["id"] for p in r] for r in requests]
     prompts = chat_prompts(requests, args.model_path)
-    if args.max_running is None:
-        args.max_running = len(requests)
+    if args.max_running is None:  # every request of an engine at once
+        lanes = len(args.ratios) if args.ratios else 1
+        check = min(args.check_requests, len(requests)) if args.check_from else 0
+        args.max_running = lanes * len(requests) + check
     if args.max_total_tokens is None:
         args.max_total_tokens = (
             args.max_running * (max(map(len, prompts)) + args.max_new_tokens) + 256
@@ -1113,7 +1297,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         os.path.join(args.out, f"workload-{args.workload}.json.gz"), "wt"
     ) as fh:
         json.dump(requests, fh)  # the problems as asked, golds included
-    pending = [c for c in args.configs if not done_earlier(c, args)]
+    ratios = args.ratios or [args.ratio]
+    pending = [
+        c for c in args.configs for r in ratios if not done_earlier(c, args_at(args, r))
+    ]
     if not pending:  # a resumed campaign's finished step: no run, no run record
         return report(args)
     record = RunRecord(args.out, argv, name=gsm8k._record_path(args.out))
@@ -1139,6 +1326,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "max_running",
                 "max_total_tokens",
                 "ratio",
+                "ratios",
+                "check_from",
                 "window",
                 "buffer",
                 "period",
@@ -1151,6 +1340,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         },
         whole_events=configs.WHOLE_EVENTS,
     )
+    if args.ratios:
+        sweep(args, requests, prompts, record)
+        record.finish()
+        return report(args)
     order = sorted(
         args.configs,
         key=lambda c: legacy_match(c) is not None or c == "kara-band",

@@ -72,7 +72,8 @@ def classify(stated: str | None, own: str | None) -> str:
 
 def restatements(text: str, items: list[dict], answers: list[str | None]) -> list[str]:
     """Per reference of each link of one chained answer, in order: its kind (KINDS)."""
-    parts = workload.split(text, len(items))
+    questions = [item.get("question") for item in items]
+    parts = workload.split(text, len(items), questions if all(questions) else None)
     out = []
     for item, part in zip(items, parts):
         if item.get("kind") != "link":

@@ -34,14 +34,19 @@ wrong), and on the final value (the last link).
 
 **Grading** (both workloads): the answer is cut at its ``Problem i`` headings (a line starting with
 "Problem", markdown emphasis and ``#`` allowed, the number, then one of ``:.*_)``). Each heading
-starts a part that runs to the next heading of any number. A part is the answer to the problem
-its heading numbers, wherever it stands -- the model's own label decides, not the order:
+starts a part that runs to the next heading of any number. A part belongs to one problem, wherever
+it stands -- never by its position in the answer:
 
-    * a number given to several parts (a heading repeated before the solution, a solution written
-      twice, a later problem renumbered to an earlier number) counts its first part that holds an
-      answer; the others are not graded (a problem whose parts hold no answer has none);
-    * a number outside 1..k, and text before the first heading, belong to no problem;
-    * a problem whose number no heading gives has no answer (graded wrong).
+    * a part whose opening restates one problem's question (``restated``: at least 70% of that
+      question's words among the part's first words, 20 points clear of every other question)
+      belongs to that problem, whatever number its heading gives: a model that lost its place
+      and solved problem 7 under a second "Problem 6" heading answered problem 7;
+    * any other part belongs to the problem its heading numbers (a number outside 1..k, and text
+      before the first heading, belong to no problem);
+    * a problem given several parts (a heading repeated before the solution, a solution written
+      twice) counts its first part that holds an answer; the others are not graded (a problem
+      whose parts hold no answer has none);
+    * a problem that no part belongs to has no answer (graded wrong).
 
 Each part is graded as one GSM8K answer (bench/reasoning/grading.py: its last ``\\boxed{}``). An
 answer without any heading but with exactly ``k`` boxed answers is read in order.
@@ -187,9 +192,35 @@ def message(problems: list[dict], chained: bool | None = None) -> str:
     return head.format(k=len(problems)) + "\n\n" + body
 
 
-def split(text: str, k: int) -> list[str | None]:
-    """The answer's part for each of the ``k`` problems (None: no heading gives its number), by
-    the rule in the module docstring."""
+_WORD = re.compile(r"[a-z0-9]+")
+RESTATED = 0.7  # share of a question's words a restatement holds
+RESTATED_MARGIN = 0.2  # over every other question's share
+
+
+def _words(text: str) -> list[str]:
+    return _WORD.findall(text.lower())
+
+
+def restated(part: str, questions: list[str]) -> int | None:
+    """The index of the one question whose restatement opens ``part`` (its heading line, then
+    about as many words as the longest question): the share of that question's distinct words
+    found there is at least ``RESTATED`` and ``RESTATED_MARGIN`` above every other question's;
+    None otherwise (a part that restates nothing, or questions too alike to tell apart)."""
+    qwords = [set(_words(q)) for q in questions]
+    if len(qwords) < 2 or not all(qwords):
+        return None
+    head = set(_words(part)[: max(map(len, qwords)) + 12])
+    shares = sorted(
+        ((len(q & head) / len(q), i) for i, q in enumerate(qwords)), reverse=True
+    )
+    (best, i), (second, _) = shares[0], shares[1]
+    return i if best >= RESTATED and best - second >= RESTATED_MARGIN else None
+
+
+def split(text: str, k: int, questions: list[str] | None = None) -> list[str | None]:
+    """The answer's part for each of the ``k`` problems (None: no part belongs to it), by the
+    rule in the module docstring; ``questions`` (the ``k`` questions as asked) lets a part that
+    restates one of them belong to it whatever its heading says."""
     headings = list(_HEADING.finditer(text))
     if not headings:
         boxed = [m.start() for m in re.finditer(r"\\boxed\{", text)]
@@ -199,11 +230,12 @@ def split(text: str, k: int) -> list[str | None]:
     parts: list[str | None] = [None] * k
     answered = [False] * k
     for n, m in enumerate(headings):
-        i = int(m.group(1))
-        if not 1 <= i <= k or answered[i - 1]:
-            continue
         end = headings[n + 1].start() if n + 1 < len(headings) else len(text)
         part = text[m.start() : end]
+        asked = restated(part, questions) if questions else None
+        i = int(m.group(1)) if asked is None else asked + 1
+        if not 1 <= i <= k or answered[i - 1]:
+            continue
         if extract(part) is not None:
             parts[i - 1], answered[i - 1] = part, True
         elif parts[i - 1] is None:
@@ -213,10 +245,13 @@ def split(text: str, k: int) -> list[str | None]:
     return parts
 
 
-def grade_request(text: str, golds: list[Fraction]) -> list[tuple[bool, str | None]]:
-    """(correct, extracted answer) per problem, in the request's order."""
+def grade_request(
+    text: str, golds: list[Fraction], questions: list[str] | None = None
+) -> list[tuple[bool, str | None]]:
+    """(correct, extracted answer) per problem, in the request's order (``questions``: the
+    problems as asked, for parts that restate one under another number)."""
     out = []
-    for part, gold in zip(split(text, len(golds)), golds):
+    for part, gold in zip(split(text, len(golds), questions), golds):
         out.append((False, None) if part is None else grade(part, gold))
     return out
 

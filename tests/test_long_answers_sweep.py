@@ -1,0 +1,69 @@
+"""Several retentions in one engine (``--ratios``): each request's KV follows Kara's trajectory at
+its own r (the per-request retention took effect), and answers at r 0.2 asked again beside the
+sweep equal those of an engine of their own (``--check-from``), on the tiny Llama through the
+harness's command."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench.reasoning import gsm8k
+from sgl_kara.policies.trajectory import Schedule, trajectory
+
+pytestmark = pytest.mark.integration  # engines of their own (docs/TESTING.md, tiers)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KARA = dict(window=32, buffer=8, period=4)
+
+
+def _harness(out, *flags):
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    env["PYTHONPATH"] = ROOT
+    argv = [
+        *("--dtype", "float32", "--requests", "2", "--per-request", "3"),
+        *("--instances", "0", "--problems", "6", "--omp-threads", "1"),
+        *("--max-new-tokens", "120", "--configs", "kara", "--out", str(out)),
+        *(x for k, v in KARA.items() for x in (f"--{k}", str(v))),
+        *flags,
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.reasoning.long_answers", *argv],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_ratios_share_one_engine_and_each_follows_its_own_trajectory(
+    tiny_llama, tmp_path
+):
+    alone, shared = tmp_path / "alone", tmp_path / "shared"
+    _harness(alone, "--model", tiny_llama)
+    _harness(
+        shared,
+        *("--model", tiny_llama, "--ratios", "0.3", "0.6"),
+        *("--check-from", str(alone), "--check-requests", "2"),
+    )
+    for r in (0.3, 0.6):
+        res = gsm8k.load_result(str(shared), f"kara_r{r:g}")
+        assert res["engine_options"]["kara_retention"] == r
+        t = trajectory(Schedule(32, 8, r, 4), res["max_new_tokens"])
+        assert any(q["compressions"] > 0 for q in res["requests"])
+        for q in res["requests"]:
+            assert q["custom"] == {"retention": r}
+            g = q["completion_tokens"]
+            assert (q["kv_final"], q["kv_peak"]) == (t.final(g), t.peak_kv(g))
+        sessions = res["sessions"]
+        assert sessions and all("shared_with" in s for s in sessions)
+    check = json.loads((shared / "batching-check.json").read_text())["kara_r0.2"]
+    assert check["requests"] == [0, 1]
+    assert check["same_text"] == [0, 1], check
