@@ -7,15 +7,21 @@ CPU serving kit has its own adapter (``sgl_kara/cpu/_sglang.py``). Declared here
 tests/test_layering.py against the installed SGLang and against this file's code:
 
     SIGNATURES   every SGLang callable sgl_kara hooks or overrides, with its signature
+    EXTENSION_OVERRIDES  the methods it overrides on an extension point's classes
     ATTRIBUTES   every attribute of an SGLang runtime object read or written here, by owner
     SERVER_ARGS  every ServerArgs field (a public CLI flag) the start-up reads or sets
 
-Every hook and override is listed in patches/ with the upstream change it stands in for.
+The signatures are pinned: recorded once from SGLang 0.5.23 (the series' for an extension
+point's), and the start-up refuses an SGLang that lacks one of these callables or gives it
+another signature (``pins``, ``pin_problems``; startup.check_pins), so no hook or override goes
+silently uncalled. Every hook and override is listed in patches/ with the upstream change it
+stands in for.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -158,6 +164,28 @@ EXTENSION_POINTS = {
         "release_event_loop",
     ),
 }
+# Methods sgl_kara overrides on the classes an extension point adds or extends, each pinned as
+# the series defines it (patches/upstream): overridden, and checked at start-up (``pins``), only
+# where the installed SGLang has that extension point.
+_RETRACTION_POLICY = "sglang.srt.managers.retraction_policy.RetractionPolicy"
+_OBSERVER = "sglang.srt.layers.radix_attention.AttentionObserver"
+EXTENSION_OVERRIDES: dict[str, dict[str, str]] = {
+    # KaraScheduler's subclass points (0004)
+    "decode_step": {
+        f"{_SCHEDULER}.pre_decode_step": "(self, batch)",
+        f"{_SCHEDULER}.extra_internal_state": "(self)",
+    },
+    # KaraRetractionPolicy (scheduler/retraction.py, 0005)
+    "retraction": {
+        f"{_RETRACTION_POLICY}.get_retraction_order": "(self, reqs)",
+        f"{_RETRACTION_POLICY}.on_retract": "(self, req)",
+    },
+    # ForwardContext's KaraObserver (scheduler/forward.py, 0006)
+    "attention": {
+        f"{_OBSERVER}.before_attention": "(self, layer, q, k, v, forward_batch)",
+        f"{_OBSERVER}.after_attention": "(self, layer, q, output, forward_batch)",
+    },
+}
 _FOUND: dict[str, bool] = {}
 
 
@@ -282,8 +310,11 @@ def retraction_policy(name: str):
 
 
 # SGLang methods that sgl_kara's subclasses override (KaraScheduler, the output streamer and
-# prefill adder it returns, the "kara" radix cache), and the process function it wraps.
+# prefill adder it returns, the "kara" radix cache, sgl_kara.Engine), and the process function
+# it wraps.
 OVERRIDDEN = (
+    _target("sglang.srt.entrypoints.engine.Engine.__init__", "(self, **kwargs)"),
+    _target("sglang.srt.entrypoints.engine.Engine.shutdown", "(self)"),
     _target(f"{_SCHEDULER}.get_output_streamer_class", "(self)"),
     _target(f"{_SCHEDULER}.get_prefill_adder_class", "(self)"),
     _target(f"{_STREAMER}.build_additional_customized_info", "(self, reqs)"),
@@ -302,6 +333,91 @@ OVERRIDDEN = (
         "display_tp_rank=None, display_dp_rank=None, display_moe_ep_rank=None)",
     ),
 )
+
+
+# ------------------------------------------------------------------------------- pins
+def pins() -> dict[str, tuple[str, str]]:
+    """What the core hooks and overrides on the installed SGLang: path -> (its pinned signature,
+    "hook" or "override"). Every hook target and override in SIGNATURES, and the overrides on
+    each extension point this SGLang has (EXTENSION_OVERRIDES)."""
+    out = {
+        path: (signature, "override" if path in OVERRIDDEN else "hook")
+        for path, signature in SIGNATURES.items()
+    }
+    for point, overrides in EXTENSION_OVERRIDES.items():
+        if has_extension(point):
+            out.update({path: (sig, "override") for path, sig in overrides.items()})
+    return out
+
+
+def signature_text(fn) -> str:
+    """Names, order, kinds and defaults of ``fn``'s parameters, without annotations: what
+    SIGNATURES records."""
+    sig = inspect.signature(fn, follow_wrapped=False)
+    bare = [
+        p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()
+    ]
+    return str(sig.replace(parameters=bare, return_annotation=inspect.Signature.empty))
+
+
+def _sglang_definition(cls: type, name: str):
+    """``name`` as the first of SGLang's own classes in ``cls``'s MRO defines it (None: none
+    does). sgl_kara's subclasses are skipped: once a hook replaced SGLang's class they stand in
+    for it, and their own definition would hide SGLang's missing one."""
+    for owner in cls.__mro__:
+        if owner.__module__.startswith("sglang.") and name in vars(owner):
+            return vars(owner)[name]
+    return None
+
+
+def installed_signature(path: str) -> str | None:
+    """The signature the installed SGLang's own code gives the callable at ``path`` (a class:
+    its ``__init__``), unwrapped from any plugin hook applied to it; None where it has none."""
+    owner_path, _, name = path.rpartition(".")
+    owner = _resolve(owner_path)
+    if isinstance(owner, type):
+        found = _sglang_definition(owner, name)
+    else:
+        found = getattr(owner, name, None)
+    if isinstance(found, type):
+        found = _sglang_definition(found, "__init__")
+    if isinstance(found, (classmethod, staticmethod)):
+        found = found.__func__
+    if not callable(found):
+        return None
+    return signature_text(inspect.unwrap(found))
+
+
+def _display_name(path: str) -> str:
+    """``Class.method`` of a method's dotted path; a module-level function's whole path."""
+    parts = path.split(".")
+    first_class = next((i for i, p in enumerate(parts) if p[:1].isupper()), 0)
+    return ".".join(parts[first_class:])
+
+
+_KINDS = {"hook": "hook on", "override": "override of"}
+
+
+def pin_problems(pinned: dict[str, tuple[str, str]]) -> list[str]:
+    """Each entry of ``pinned`` (path -> (signature, "hook" | "override"): ``pins``) that the
+    installed SGLang does not match, as a phrase naming it: missing (the hook or override would
+    silently never run), or with another signature than the pinned one."""
+    out = []
+    for path, (want, kind) in pinned.items():
+        got = installed_signature(path)
+        name = _display_name(path)
+        if got is None:
+            out.append(
+                f"SGLang's {name} is missing, and sgl_kara's {_KINDS[kind]} it would "
+                "never run"
+            )
+        elif got != want:
+            out.append(
+                f"SGLang's {name} takes {got}, and sgl_kara's {_KINDS[kind]} it is made "
+                f"for {want}"
+            )
+    return out
+
 
 # Attributes of SGLang runtime objects read or written in this file, by owner: each checked to
 # exist (class attribute, dataclass field, or ``self.<name>`` in the class source), and this

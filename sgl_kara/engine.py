@@ -6,7 +6,8 @@ Without CUDA the CPU defaults (device cpu, torch_native attention, page size 1) 
 ``model_path`` the CPU serving kit's default model is served; on a GPU ``model_path`` is required.
 ``kara_policy="none"`` is SGLang's scheduler with sgl_kara's request checks and CPU kernels. The processes the Engine starts serve
 with sgl_kara (``KARA_SERVE=1`` while it starts them; sgl_kara/plugin.py). Under another SGLang
-release than the one sgl_kara is made for it refuses at once (startup.check_sglang_version).
+release than the one sgl_kara is made for, or one where a callable sgl_kara hooks or overrides is
+missing or has another signature, it refuses at once (server_setup.check_sglang).
 
 SGLang starts its workers by spawn, which runs the calling script again in each of them: a script
 that creates an Engine must do so under ``if __name__ == "__main__":`` (checked before anything
@@ -30,6 +31,7 @@ except ImportError:
 from sgl_kara.config import KaraConfig
 from sgl_kara.plugin import serving
 from sgl_kara.server_setup import (
+    check_sglang,
     default_model_path,
     device_of,
     prepare,
@@ -165,7 +167,7 @@ def check_main_guard() -> None:
 
 class Engine(SGLangEngine):
     def __init__(self, **kwargs):
-        startup.check_sglang_version()  # UnsupportedSGLang: one line, what to install
+        check_sglang()  # UnsupportedSGLang: one line, what to install
         check_main_guard()
         if "server_args" in kwargs:
             raise TypeError("sgl_kara.Engine takes keyword options, not server_args=")

@@ -5,7 +5,8 @@ sgl_kara's hooks (``KARA_SERVE=1`` for every process it starts; sgl_kara/plugin.
 Without CUDA, CPU defaults apply and with no --model-path the CPU serving kit's default model is
 served; on a GPU --model-path is required.
 Invalid Kara flags or unsupported combinations exit with status 2 before any model loads, and so
-does another SGLang release than the one sgl_kara is made for (startup.check_sglang_version).
+does another SGLang release than the one sgl_kara is made for, or one where a callable sgl_kara
+hooks or overrides is missing or has another signature (server_setup.check_sglang).
 """
 
 from __future__ import annotations
@@ -119,10 +120,11 @@ def _resolve(cfg, rest: list[str]):
 
 def main(argv: list[str] | None = None) -> None:
     from sgl_kara import env
-    from sgl_kara.startup import UnsupportedSGLang, check_sglang_version
+    from sgl_kara.server_setup import check_sglang
+    from sgl_kara.startup import UnsupportedSGLang
 
-    try:  # before anything of SGLang is imported: another release's may not import
-        check_sglang_version()
+    try:  # the release before anything of SGLang is imported, then the pinned callables
+        check_sglang()
     except UnsupportedSGLang as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -68,6 +68,13 @@ def wanted_parts() -> list[str]:
     return [p for p in PARTS if asked[p]]
 
 
+def registers_cpu_kit() -> bool:
+    """Does a serving process here register hooks of the CPU kit (``wanted_parts`` with
+    KARA_SERVE set): a process without CUDA, or one where KARA_CPU_KERNELS=1 asks for the
+    kit's kernels?"""
+    return not cuda_available() or bool(env.cpu_kernels_requested())
+
+
 def register() -> None:
     """SGLang's entry point: the hooks of every part asked for and not yet registered in this
     process (SGLang applies them after its plugins ran; ``serve`` otherwise)."""

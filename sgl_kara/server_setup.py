@@ -73,12 +73,38 @@ def scheduler_process(cfg: KaraConfig):
     return functools.partial(run_scheduler_process, kara_config=cfg.to_dict())
 
 
+def check_sglang() -> None:
+    """The installed SGLang is the release sgl_kara is made for (checked before any of its
+    modules is imported), and every SGLang callable a serving process here hooks or overrides is
+    there with its pinned signature (``pinned_callables``): else UnsupportedSGLang, one line.
+    Run by the launcher, ``sgl_kara.Engine`` and Kara's scheduler process function; never by the
+    plugin, so plain SGLang with sgl_kara installed starts whatever its version."""
+    startup.check_sglang_version()
+    startup.check_pins(pinned_callables())
+
+
+def pinned_callables() -> dict[str, tuple[str, str]]:
+    """The core's hook targets and overrides (those of an extension point where SGLang has it)
+    and, where a serving process here registers the CPU kit's hooks, the kit's hook targets:
+    path -> (pinned signature, "hook" | "override"). A GPU server imports nothing of the kit."""
+    from sgl_kara import _sglang as adapter
+    from sgl_kara.plugin import registers_cpu_kit
+
+    pinned = adapter.pins()
+    if registers_cpu_kit():
+        from sgl_kara.cpu import _sglang as kit
+
+        pinned.update(kit.pins())
+    return pinned
+
+
 def run_scheduler_process(*args, kara_config: dict, **kwargs):
     """A compressing server's scheduler process: the installed SGLang checked in this process
-    first (one line on stderr and exit status 2 under another release, before SGLang's
-    scheduler module is imported), then Kara's scheduler."""
+    first (``check_sglang``: one line on stderr and exit status 2 under another release, before
+    SGLang's scheduler module is imported, or where a pinned callable differs), then Kara's
+    scheduler."""
     try:
-        startup.check_sglang_version()
+        check_sglang()
     except startup.UnsupportedSGLang as e:
         print(f"sgl_kara: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None

@@ -5,7 +5,8 @@ Kara cannot serve refused with a message naming the flag or the model, never ign
 every decode step (``keep_decode_eager``); Kara's memory beside the pool taken from the KV pool's
 share of a GPU (``reserve_device_memory``). The scheduler checks the built model again
 (``check_runtime_supported``). Before any of it, the installed SGLang is the release sgl_kara is
-made for (``check_sglang_version``). Device-independent: the CPU serving kit adds its own settings and
+made for (``check_sglang_version``), with every callable sgl_kara hooks or overrides there under
+its pinned signature (``check_pins``). Device-independent: the CPU serving kit adds its own settings and
 RAM check (``sgl_kara/cpu/server.py``) where the server runs on a CPU."""
 
 from __future__ import annotations
@@ -165,6 +166,22 @@ def check_sglang_version() -> None:
         f"sgl_kara supports SGLang {SGLANG_VERSION} only, and SGLang {installed} is "
         f"installed: pip install 'sglang=={SGLANG_VERSION}', or an sgl_kara release made "
         f"for SGLang {installed}"
+    )
+
+
+def check_pins(pinned: dict[str, tuple[str, str]]) -> None:
+    """Refuse (UnsupportedSGLang, one line naming the first, and how many more) where the
+    installed SGLang lacks a callable sgl_kara hooks or overrides, or gives it another signature
+    than the pinned one (``pinned``: the adapters' ``pins``): such a hook or override would
+    silently never run, or run with parameters it was not made for."""
+    from sgl_kara import _sglang as adapter
+
+    problems = adapter.pin_problems(pinned)
+    if not problems:
+        return
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    raise UnsupportedSGLang(
+        f"{problems[0]}{more}: pip install 'sglang=={SGLANG_VERSION}'"
     )
 
 

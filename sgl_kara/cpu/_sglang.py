@@ -1,6 +1,7 @@
 """Every SGLang 0.5.23 internal the CPU serving kit touches, imported or named in one place (the
 core's are in ``sgl_kara/_sglang.py``). ``SIGNATURES`` records the signature of every SGLang
-callable the kit hooks; ``ATTRIBUTES`` every attribute of SGLang objects it reads or writes;
+callable the kit hooks, pinned (the start-up checks them where the kit's hooks are registered:
+``pins``); ``ATTRIBUTES`` every attribute of SGLang objects it reads or writes;
 tests/test_layering.py checks both against the installed SGLang."""
 
 from sglang.srt.distributed import bootstrap as parallel_bootstrap  # noqa: F401
@@ -123,6 +124,12 @@ ATTRIBUTES = {
     # parallel.py: whether SGLang binds a CPU rank's threads itself
     "sglang.srt.distributed.bootstrap": ["_is_cpu_amx_available", "_is_cpu_arm64"],
 }
+
+
+def pins() -> dict[str, tuple[str, str]]:
+    """Every SGLang callable the kit hooks: path -> (its pinned signature, "hook"), as the
+    core's ``_sglang.pins`` gives the core's."""
+    return {path: (signature, "hook") for path, signature in SIGNATURES.items()}
 
 
 def register_hook(target: str, hook, hook_type) -> None:
