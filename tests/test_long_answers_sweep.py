@@ -1,6 +1,7 @@
 """Several retentions in one engine (``--ratios``): each request's KV follows Kara's trajectory at
 its own r (the per-request retention took effect), and answers at r 0.2 asked again beside the
-sweep equal those of an engine of their own (``--check-from``), on the tiny Llama through the
+sweep equal those of an engine of their own (``--check-from``); the variants under trial
+(bench/policies/) run through the same command at Kara's KV. On the tiny Llama, through the
 harness's command."""
 
 from __future__ import annotations
@@ -19,18 +20,20 @@ pytestmark = pytest.mark.integration  # engines of their own (docs/TESTING.md, t
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KARA = dict(window=32, buffer=8, period=4)
+VARIANTS = ("kara_redundancy.py", "kara_structure.py")
 
 
-def _harness(out, *flags):
+def _harness(out, *flags, configs=("kara",)):
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
     env["PYTHONPATH"] = ROOT
     argv = [
         *("--dtype", "float32", "--requests", "2", "--per-request", "3"),
         *("--instances", "0", "--problems", "6", "--omp-threads", "1"),
-        *("--max-new-tokens", "120", "--configs", "kara", "--out", str(out)),
+        *("--max-new-tokens", "120", "--out", str(out)),
         *(x for k, v in KARA.items() for x in (f"--{k}", str(v))),
         *flags,
+        *("--configs", *configs),
     ]
     proc = subprocess.run(
         [sys.executable, "-m", "bench.reasoning.long_answers", *argv],
@@ -67,3 +70,20 @@ def test_ratios_share_one_engine_and_each_follows_its_own_trajectory(
     check = json.loads((shared / "batching-check.json").read_text())["kara_r0.2"]
     assert check["requests"] == [0, 1]
     assert check["same_text"] == [0, 1], check
+
+
+def test_the_variants_under_trial_hold_karas_kv_at_every_step(tiny_llama, tmp_path):
+    files = [os.path.join(ROOT, "bench", "policies", f) for f in VARIANTS]
+    _harness(
+        tmp_path,
+        *("--model", tiny_llama, "--ratio", "0.3"),
+        *(x for f in files for x in ("--policy-file", f)),
+        configs=[f.removesuffix(".py") for f in VARIANTS],
+    )
+    t = trajectory(Schedule(32, 8, 0.3, 4), 120)
+    for f in VARIANTS:
+        res = gsm8k.load_result(str(tmp_path), f"{f.removesuffix('.py')}_r0.3")
+        assert any(q["compressions"] > 0 for q in res["requests"])
+        for q in res["requests"]:
+            g = q["completion_tokens"]
+            assert (q["kv_final"], q["kv_peak"]) == (t.final(g), t.peak_kv(g))

@@ -1,0 +1,121 @@
+"""The long-answer variants of Kara under trial (bench/policies/): each scores or selects as its
+file says, against a plain-Python reference, keeping exactly Kara's K. Pure, no engine."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+import torch
+
+from sgl_kara.policies import base
+from sgl_kara.policies.base import OptionError
+from sgl_kara.policies.kara import select as kara_select_fn
+from sgl_kara.policies.rkv import rkv_redundancy
+
+
+@pytest.fixture
+def variants():
+    """The two modules, imported (and registered) for this test only."""
+    saved = dict(base._REGISTRY)
+    mods = []
+    for n in ("kara_redundancy", "kara_structure"):
+        name = f"bench.policies.{n}"
+        mod = sys.modules.get(name)  # imported before: import again, to register again
+        mods.append(importlib.reload(mod) if mod else importlib.import_module(name))
+    yield mods
+    base._REGISTRY.clear()
+    base._REGISTRY.update(saved)
+
+
+def _kara_select():
+    def sel(scores, keep):
+        m = scores.shape[-1]
+        return kara_select_fn(scores, keep / m, min(4, keep - 1), 8)
+
+    return sel
+
+
+def test_redundancy_score_is_the_attention_share_less_redundancy(variants):
+    red, _ = variants
+    g = torch.Generator().manual_seed(0)
+    att = torch.rand(2, 3, 20, generator=g)
+    keys = torch.randn(2, 20, 3, 8, generator=g)
+    got = red.redundancy_score(att, keys, 0.25, 0.5)
+    share = att / att.sum(-1, keepdim=True)
+    want = 0.25 * share - 0.75 * rkv_redundancy(keys, 0.5)
+    torch.testing.assert_close(got, want)
+    # lambda 1: Kara's ranking
+    only = red.redundancy_score(att, keys, 1.0, 0.5)
+    assert torch.equal(only.argsort(-1), att.argsort(-1))
+    # a key repeated many times ranks below a distinct one of equal attention
+    k = torch.zeros(1, 6, 1, 4)
+    k[0, :5, 0] = torch.tensor([1.0, 0, 0, 0])
+    k[0, 5, 0] = torch.tensor([0, 1.0, 0, 0])
+    s = red.redundancy_score(torch.ones(1, 1, 6), k, 0.07, 0.5)
+    assert s[0, 0, 5] > s[0, 0, :4].max()
+
+
+def test_structure_marks_line_heads_and_boxed_spans(variants):
+    _, st = variants
+    pieces = [
+        "a",
+        "\n",
+        "**",
+        "Problem",
+        " 6",
+        ":**",
+        "\\boxed",
+        "{",
+        "4",
+        "2",
+        "}",
+        "x",
+    ]
+    newline, boxed = st.vocabulary_marks(pieces)
+    assert newline.tolist() == [p == "\n" for p in pieces]
+    toks = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 6, 7, 8, 9, 10, 11, 0, 99]])
+    mask = st.structure_mask(toks, newline, boxed, line_head=3, boxed_span=5)
+    marked = [i for i, v in enumerate(mask[0].tolist()) if v]
+    assert marked == [2, 3, 4, 7, 8, 9, 10, 11]  # three after the newline; boxed + 4 on
+    assert not st.structure_mask(toks, newline, boxed, 0, 0).any()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_protected_selection_matches_its_reference_and_keeps_k(variants, seed):
+    _, st = variants
+    g = torch.Generator().manual_seed(seed)
+    b, lyr, h, m = 2, 2, 3, 40
+    scores = torch.rand(b, lyr, h, m, generator=g)
+    marked = torch.rand(b, m, generator=g) < 0.3
+    sel = _kara_select()
+    for keep, cap in ((10, 5), (10, 0), (10, 10), (39, 20), (40, 3)):
+        got = st.select_protecting(scores, keep, marked, cap, sel)
+        assert got.shape == (b, lyr, h, keep)
+        for i in range(b):
+            for layer in range(lyr):
+                for head in range(h):
+                    ref = st.select_protecting_ref(
+                        scores[i, layer, head], keep, marked[i].tolist(), cap, sel
+                    )
+                    assert got[i, layer, head].tolist() == ref
+        if cap == 0:
+            assert torch.equal(got, sel(scores, keep))  # nothing forced: Kara's choice
+        if keep < m:  # the best-scored `cap` marked entries are all kept
+            for i in range(b):
+                a = scores[i, 0, 0]
+                mk = [j for j in a.argsort(descending=True).tolist() if marked[i, j]]
+                assert set(mk[:cap]) <= set(got[i, 0, 0].tolist())
+
+
+def test_variant_options_name_the_bad_field(variants):
+    red, st = variants
+    with pytest.raises(OptionError) as e:
+        red.RedundancyOptions(mix_lambda=1.5)
+    assert e.value.field == "mix_lambda"
+    with pytest.raises(OptionError) as e:
+        st.StructureOptions(protect_share=0.0)
+    assert e.value.field == "protect_share"
+    assert base.policy_class("kara_structure").needs_tokens
+    assert not base.policy_class("kara_redundancy").additive
