@@ -1257,8 +1257,8 @@ def verify_step(ctx: Context, st: StepState, out: dict) -> list[str]:
 
 
 def load_sync_check():
-    """sgl_kara/diagnostics/sync_check.py loaded from its file: it imports torch only, while its
-    package's ``__init__`` (the diagnostics seam of the runtime) imports SGLang's adapter."""
+    """sgl_kara/diagnostics/sync_check.py loaded from its file: the checker alone (it
+    imports torch only), without the step observers its package registers."""
     import sgl_kara
 
     path = Path(sgl_kara.__file__).parent / "diagnostics" / "sync_check.py"
@@ -1274,6 +1274,7 @@ def check_step(rep: Report, ctx: Context, page: int) -> None:
     torch = ctx.torch
     from sgl_kara.kernels.compact import pointer_table
     from sgl_kara.policies.kara import KaraOptions, KaraPolicy
+    from sgl_kara.scheduler.observers import Observers
     from sgl_kara.scheduler.staging import DeviceStaging
     from sgl_kara.scheduler.warm_up import warm_up_kernels
 
@@ -1437,13 +1438,11 @@ def check_step(rep: Report, ctx: Context, page: int) -> None:
 
     sync = load_sync_check()
     st = prepared(page + 1)
-    staging = DeviceStaging(torch.device(ctx.dev))
     check = sync.SyncCheck(st.device_tensors())
     check.fenced()  # the whole step counts as after the fence
-    staging.on_copy = check.staged
+    staging = DeviceStaging(torch.device(ctx.dev), Observers([check]))
     with check:
         out = kara_step(ctx, st, staging, policy)
-    staging.on_copy = None
     problems = verify_step(ctx, st, out)
     # the check counts: a device value read in sgl_kara's code is a violation
     control = sync.SyncCheck([st.req_to_token])

@@ -20,10 +20,11 @@ import pytest
 import torch
 from support import FakeReq
 
-from sgl_kara.diagnostics import Diagnostics
+from sgl_kara.diagnostics import fault_observers
 from sgl_kara.policies.threshold import ThresholdOptions, ThresholdPolicy
 from sgl_kara.scheduler.events import EventRunner
 from sgl_kara.scheduler.evictions import EvictionRecorder
+from sgl_kara.scheduler.observers import Observers
 from sgl_kara.scheduler.plan import plan_jobs
 from sgl_kara.scheduler.runtime import KaraStats
 from sgl_kara.scheduler.scoring import Scorer
@@ -189,7 +190,7 @@ def events(rt) -> EventRunner:
         rt.stats,
         None,
         rt.recorder,
-        diagnostics=Diagnostics.from_env(),
+        observers=Observers(fault_observers()),
     )
 
 

@@ -136,6 +136,23 @@ def test_the_cpu_kit_imports_nothing_of_the_scheduler():
     assert not bad, bad
 
 
+def test_only_the_runtime_registers_diagnostics():
+    """Diagnostics are step observers that one place registers from the environment
+    (KaraRuntime._register_observers): no other module of the core imports
+    sgl_kara.diagnostics, and the runtime imports it once."""
+    runtime = ROOT / "scheduler" / "runtime.py"
+    found = []
+    for layer in CORE:
+        root = ROOT / layer
+        for path in [root] if layer.endswith(".py") else sorted(root.rglob("*.py")):
+            found += [
+                (path, name)
+                for name in _imports(path)
+                if name.split(".")[:2] == ["sgl_kara", "diagnostics"]
+            ]
+    assert [path for path, _ in found] == [runtime], found
+
+
 def _has_attribute(owner, name: str) -> bool:
     if hasattr(owner, name):
         return True

@@ -12,13 +12,14 @@ import torch
 
 from sgl_kara.mem_cache.compaction import CompactionPlan, prepare_compaction
 from sgl_kara.scheduler import runtime as runtime_mod
+from sgl_kara.scheduler.observers import Observers
 from sgl_kara.scheduler.runtime import KaraRuntime, KaraStats
 
 
 def bare_runtime(freed: int, calls: list):
     rt = KaraRuntime.__new__(KaraRuntime)
     rt.stats, rt.decode_steps, rt.ring = KaraStats(), 0, None
-    rt.diagnostics = None
+    rt.observers = Observers()
     rt._observe = lambda reqs: calls.append("observe")
 
     def step(batch, reqs):
@@ -56,7 +57,7 @@ class Stream:
 def test_event_work_waits_for_the_overlapped_forward_on_cuda(monkeypatch):
     log = []
     rt = KaraRuntime.__new__(KaraRuntime)
-    rt.diagnostics = None
+    rt.observers = Observers()
     rt.parts = types.SimpleNamespace(forward_stream=Stream("forward", log))
     schedule = Stream("schedule", log)
     monkeypatch.setattr(runtime_mod.torch.cuda, "current_stream", lambda: schedule)
@@ -74,8 +75,8 @@ def test_the_runtime_fences_before_any_event_rewrite():
     order = []
     rt = KaraRuntime.__new__(KaraRuntime)
     rt.cfg = types.SimpleNamespace(trigger="schedule")
-    rt.decode_steps, rt.integrity, rt.stats = 1, None, KaraStats()
-    rt.diagnostics = rt.plan_check = None
+    rt.decode_steps, rt.stats = 1, KaraStats()
+    rt.observers, rt.plan_check = Observers(), None
     rt._fence = lambda: order.append("fence")
 
     def run(batch, jobs, fence, settled):

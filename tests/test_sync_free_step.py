@@ -30,6 +30,7 @@ from support import flush_when_idle
 
 import sgl_kara
 from sgl_kara.diagnostics.sync_check import SyncCheck
+from sgl_kara.scheduler.observers import Observers
 from sgl_kara.scheduler.staging import DeviceStaging
 
 ROOT = Path(sgl_kara.__file__).parent
@@ -52,12 +53,11 @@ STEP_MODULES = [
     *[f"policies/{p.name}" for p in (ROOT / "policies").glob("*.py")],
 ]
 HOST_READS = {"item", "tolist", "cpu", "numpy"}
-# Functions allowed a host read: diagnostics behind KARA_CHECK_INTEGRITY /
-# KARA_CROSSCHECK_QUERIES, value checks of the kernels' launchers on a CPU (``_validate``),
-# the ring's integrity check, start-up, the torch / Python references of the kernels and
-# policies (tests compare the kernels with them), host-side lists SGLang keeps on the host.
+# Functions allowed a host read: diagnostics behind KARA_CHECK_INTEGRITY, value checks
+# of the kernels' launchers on a CPU (``_validate``), the ring's integrity check,
+# start-up, the torch / Python references of the kernels and policies (tests compare the
+# kernels with them), host-side lists SGLang keeps on the host.
 ALLOWED = {
-    "scheduler/scoring.py": {"_crosscheck"},
     "scheduler/ring.py": {"check", "make_ring"},
     "scheduler/forward.py": {"check_offsets", "on_forward_batch", "_decode_side_data"},
     "mem_cache/compaction.py": {"host_rows", "slots_of_regions"},
@@ -117,8 +117,8 @@ def test_the_checker_accepts_device_side_work_and_staged_copies():
         "    return torch.cat([x, dev[:2]]).sum() * 2\n"
     )
     dev = torch.arange(10)
-    check, staging = SyncCheck([dev]), DeviceStaging("cpu")
-    staging.on_copy = check.staged
+    check = SyncCheck([dev])
+    staging = DeviceStaging("cpu", Observers([check]))  # told of each staged copy
     with check:
         mod.step(dev, staging)
     assert check.violations == 0, check.examples

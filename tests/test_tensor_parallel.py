@@ -236,8 +236,9 @@ def _fault_scenario(rank: int, group, layout: str, agree: str) -> dict:
     and plans; a fault injected just before the commit of the victim's group, on rank 1 only."""
     from test_event_transaction import plan, world
 
-    from sgl_kara.diagnostics import Diagnostics
+    from sgl_kara.diagnostics import fault_observers
     from sgl_kara.scheduler.events import EventRunner
+    from sgl_kara.scheduler.observers import Observers
     from sgl_kara.scheduler.scoring import Scorer
     from sgl_kara.scheduler.staging import DeviceStaging
     from sgl_kara.scheduler.tp_lockstep import FailureAgreement
@@ -264,7 +265,7 @@ def _fault_scenario(rank: int, group, layout: str, agree: str) -> dict:
             staging,
             rt.stats,
             agreement=FailureAgreement(rank, 2, group) if agree == "agreed" else None,
-            diagnostics=Diagnostics.from_env(rank, 2),
+            observers=Observers(fault_observers(rank, 2)),
         )
         runner.run(batch, plan(rt, reqs))
     finally:

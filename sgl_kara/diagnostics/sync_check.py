@@ -1,6 +1,7 @@
 """``KARA_CHECK_SYNC=1``: every Kara step is run as if its device were a GPU whose copies are
 recorded, and anything that would make the host wait for the device is counted
-(``KaraStats.sync_violations``, the first few described in ``sync_examples``).
+(``sync_violations`` in /server_info, the first few described in ``sync_examples``: the
+step observer that runs it is sync_observer.py).
 
 On a GPU the host waits for the stream (and so for the forward in flight) when it
 

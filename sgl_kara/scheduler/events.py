@@ -55,6 +55,7 @@ from sgl_kara.mem_cache.compaction import (
     prepare_compaction,
 )
 from sgl_kara.memory_plan import event_chunk
+from sgl_kara.scheduler.observers import Observers
 from sgl_kara.scheduler.spread import ScoringJob
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,8 @@ class EventRunner:
     the device offsets; ``recorder``: the eviction record or None; ``stats`` / ``metrics``:
     counters; ``staging``: host-to-device index copies; ``agreement``: the tensor-parallel
     ranks' agreement on each chunk's outcome (tp_lockstep.FailureAgreement; None: one rank);
-    ``diagnostics``: injected faults (sgl_kara/diagnostics; None: none)."""
+    ``observers``: the runtime's step observers, told of each chunk's ``score`` and
+    ``commit`` stages (observers.py; none in production)."""
 
     def __init__(
         self,
@@ -79,7 +81,7 @@ class EventRunner:
         recorder=None,
         check: bool = False,
         agreement=None,
-        diagnostics=None,
+        observers: Observers | None = None,
     ):
         self.check = check  # the kernels verify slot values (KARA_CHECK_INTEGRITY)
         self.policy = policy
@@ -91,7 +93,7 @@ class EventRunner:
         self.metrics = metrics
         self.recorder = recorder
         self.agreement = agreement
-        self.diagnostics = diagnostics
+        self.observers = observers if observers is not None else Observers()
         self.agreed = False  # this attempt's outcome told to the other TP ranks
 
     # -------------------------------------------------------------------------- events
@@ -240,7 +242,7 @@ class EventRunner:
         parts = self.parts
         M, K = jobs[0].region.length, jobs[0].region.keep
         rows, starts, region_slots = self._region_slots(jobs, M)
-        self._inject_fault("score", jobs)  # before the rest of the window is scored
+        self.observers.stage("score", jobs)  # before the rest of the window is scored
         scores = self._complete_scores(jobs, rows, region_slots)  # [B, L, H_kv, M]
         if self.policy.needs_tokens:
             kept = self.policy.select(scores, K, tokens=self._region_tokens(jobs, M))
@@ -287,7 +289,7 @@ class EventRunner:
                     )
                     for b, j in enumerate(jobs)
                 ]
-            self._inject_fault("commit", jobs)
+            self.observers.stage("commit", jobs)
             self._agree()
         except BaseException:
             prepared.abort(parts.free_page_ids)
@@ -335,10 +337,6 @@ class EventRunner:
         if self.agreement is not None and not self.agreed:
             self.agreed = True
             self.agreement.failed_ranks(True)
-
-    def _inject_fault(self, stage: str, jobs) -> None:
-        if self.diagnostics is not None:
-            self.diagnostics.fault(stage, [j.req for j in jobs])
 
     def _shrink(self, batch, jobs, rows: torch.Tensor, dropped: int, keep: int) -> None:
         released = adapter.has_extension("kv_tail")  # SGLang shrank its lengths itself

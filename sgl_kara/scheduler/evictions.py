@@ -13,8 +13,9 @@ rank r writes ``path.tp<r>``, whose records add ``"tp_rank"`` and ``"first_kv_he
 model's index of the rank's first head); the model's record of an event is the ranks' head
 lists concatenated in rank order (tests/oracle.py ``read_evictions``). To name a dropped row's logical position after
 earlier compactions (snapkv / streaming re-compress compacted rows), the recorder keeps, per
-request, the logical positions of its compacted rows [P, f) per (layer, head); rows >= f are
-uncompressed, so their logical position is row + pos_offset.
+request, the logical positions of its compacted rows [P, f) per (layer, head), in its
+own table (a retraction clears them with the row); rows >= f are uncompressed, so their
+logical position is row + pos_offset.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import json
 import torch
 
 from sgl_kara import env
+from sgl_kara.scheduler.state import SideTable
 
 
 class EvictionRecorder:
@@ -31,6 +33,8 @@ class EvictionRecorder:
         self.path = path
         self.tp = tp  # (tensor-parallel rank, the model's index of its first KV head)
         self.events = 0
+        # per request: [layers, heads, f - P] logical positions of its compacted rows
+        self.logical_rows = SideTable(row=True)
 
     @classmethod
     def from_env(
@@ -49,7 +53,7 @@ class EvictionRecorder:
         """[layers, heads, region] logical positions of rows [start, start + region)."""
         rows = torch.arange(start, start + region)
         out = (rows + state.pos_offset).expand(layers, heads, region).clone()
-        shadow = getattr(state, "logical_rows", None)
+        shadow = self.logical_rows.get(state)
         below = max(
             0, min(state.frontier, start + region) - start
         )  # region rows under the frontier
@@ -84,7 +88,7 @@ class EvictionRecorder:
                     for h in range(heads)
                 ]
             )
-        shadow = getattr(state, "logical_rows", None)
+        shadow = self.logical_rows.get(state)
         head = (
             shadow[..., : start - state.protected]
             if shadow is not None
@@ -94,7 +98,7 @@ class EvictionRecorder:
 
     def commit(self, state, prepared) -> None:
         rid, logical_len, evicted, logical_rows = prepared
-        state.logical_rows = logical_rows
+        self.logical_rows.set(state, logical_rows)
         self.events += 1
         record = {
             "rid": rid,

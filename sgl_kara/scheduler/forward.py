@@ -52,13 +52,11 @@ class ForwardContext:
         keys_of,
         start_layer,
         table,
-        diagnostics=None,
         offsets: torch.Tensor | None = None,
         heads: tuple[int, int] = (1, 1),
     ):
         self.policy = policy
         self.q_heads, self.head_dim = heads  # of every attention layer on this rank
-        self.diagnostics = diagnostics  # injected faults (sgl_kara/diagnostics)
         self.ring = ring
         self.req_to_token = req_to_token
         self.keys_of = keys_of
@@ -79,7 +77,6 @@ class ForwardContext:
         self.observed = None  # (row slots per request, states) for a decode observer
         self.scoring = None  # the ScoringPass of a recompute forward in flight
         self.scoring_batch = None  # ... and its batch
-        self.scoring_reqs: list = []  # ... and its requests
         # the forward being run: its batch's kind (init_new precedes it)
         self.kind = None
 
@@ -106,15 +103,14 @@ class ForwardContext:
 
     # -- the recompute pass ---------------------------------------------------------------
     @contextlib.contextmanager
-    def scoring_pass(self, scoring, batch, reqs=()):
+    def scoring_pass(self, scoring, batch):
         """A recompute forward of ``batch`` (None: one SGLang builds, patches/upstream 0010)
-        over ``reqs`` feeds ``scoring`` for the duration."""
-        self.scoring, self.scoring_batch, self.scoring_reqs = scoring, batch, list(reqs)
+        feeds ``scoring`` for the duration."""
+        self.scoring, self.scoring_batch = scoring, batch
         try:
             yield
         finally:
             self.scoring = self.scoring_batch = None
-            self.scoring_reqs = []
 
     # -- hooks ----------------------------------------------------------------------------
     def on_forward_batch(self, batch, forward_batch) -> None:
@@ -151,8 +147,6 @@ class ForwardContext:
             )
 
     def _score_layer(self, scoring, layer_id: int, q, heads: int, head_dim: int):
-        if self.diagnostics is not None and layer_id == scoring.last_layer // 2:
-            self.diagnostics.fault("recompute", self.scoring_reqs)
         qv = q.reshape(scoring.B, q.shape[0] // scoring.B, heads, head_dim)
         scoring.score_layer(layer_id, qv)
 

@@ -58,13 +58,15 @@ class KaraScheduler(Scheduler):
 def replica_stats(runtime) -> dict:
     """A runtime's Kara counters, its DP rank and its KV pool: free slots, slots the radix
     tree holds but may evict, and the pool's size (free == pool once idle and flushed: nothing
-    leaked)."""
+    leaked); and the counters of the diagnostics asked for (its step observers': none in
+    production)."""
     from sgl_kara import _sglang as adapter
     from sgl_kara.process import STATE
 
     parts = runtime.parts
     return {
         **dataclasses.asdict(runtime.stats),
+        **runtime.observers.stats(),
         "dp_rank": adapter.dp_rank(),
         "decode_steps": runtime.decode_steps,
         "free_slots": parts.available(),

@@ -245,7 +245,8 @@ class Planner:
     ``cfg``: phase, spread_max, max_seqs; ``spreading``: spread scoring on for this policy;
     ``slack``: rows admission charges for a capped spread; ``part``: spread part size;
     ``in_flight``: a running request's newest rows a forward in flight writes while the step
-    is planned (SGLang's overlap scheduler: 1)."""
+    is planned (SGLang's overlap scheduler: 1); ``on_protected(req, state)``: told when
+    a request's protected prefix is fixed (the step observers')."""
 
     def __init__(
         self,
@@ -256,6 +257,7 @@ class Planner:
         slack: int,
         part: int,
         in_flight: int = 0,
+        on_protected=None,
     ):
         self.policy = policy
         self.in_flight = in_flight
@@ -266,7 +268,7 @@ class Planner:
         self.spreading = spreading
         self.slack = slack
         self.part = part
-        self.on_protected = None  # the integrity check's snapshot of a fixed prefix
+        self.on_protected = on_protected
 
     def now(self, step: int):
         def now_of(req, state) -> int:

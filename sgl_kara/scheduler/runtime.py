@@ -20,21 +20,21 @@ ring (ring.py); ``Planner`` (plan.py) which windows are scored and which request
 agreement on each chunk's outcome and, with ``KARA_CHECK_TP_PLAN``, the plan digest
 (tp_lockstep.py). Every SGLang object is reached through
 the adapter (sgl_kara/_sglang.py, ``SchedulerParts``). The forward hooks (plugin.py) reach the
-runtime of this process through ``active()``.
+runtime of this process through ``active()``. Diagnostics are step observers
+(observers.py), registered only where an environment variable asks for one
+(``_register_observers``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from sgl_kara import _sglang as adapter
 from sgl_kara import env
-from sgl_kara.diagnostics import Diagnostics
 from sgl_kara.memory_plan import recompute_tokens
 from sgl_kara.model_shape import ModelShape
 from sgl_kara.policies import base as policy_base
@@ -45,10 +45,10 @@ from sgl_kara.scheduler import spread
 from sgl_kara.scheduler.events import EventRunner
 from sgl_kara.scheduler.evictions import EvictionRecorder
 from sgl_kara.scheduler.forward import ForwardContext
+from sgl_kara.scheduler.observers import Observers
 from sgl_kara.scheduler.plan import Planner, decoded_tokens
 from sgl_kara.scheduler.pressure import DEFERRING, growth_within, horizon, memory_binds
 from sgl_kara.scheduler.ring import make_ring
-from sgl_kara.scheduler.row_integrity import RowIntegrity
 from sgl_kara.scheduler.scoring import Scorer
 from sgl_kara.scheduler.staging import DeviceStaging
 from sgl_kara.scheduler.state import KaraReqState, RequestTable
@@ -96,12 +96,6 @@ class KaraStats:
     # ... and the time it took (part of compression_seconds)
     spread_seconds: float = 0.0
     event_max_seconds: float = 0.0  # the longest Kara work in one decode step
-    # KARA_CHECK_SYNC: host waits a GPU would have had after the step's fence (on the forward
-    # in flight), and SGLang's before it (on the schedule stream only)
-    sync_violations: int = 0
-    sync_examples: list = field(default_factory=list)
-    sync_pre_fence_waits: int = 0
-    sync_pre_fence_examples: list = field(default_factory=list)
     # KARA_CHECK_TP_PLAN: gathers at which every rank's digest agreed
     tp_plan_checks: int = 0
 
@@ -143,12 +137,14 @@ class KaraRuntime:
         ).kv_heads
         first_head = tp_rank * model_heads // tp_size
         self.plan_check = PlanDigest.from_env(tp_rank, tp_size, tp_group)
-        self.diagnostics = Diagnostics.from_env(tp_rank, tp_size)
+        # the diagnostics asked for, shared by the components that call them (filled
+        # last, by _register_observers)
+        self.observers = Observers()
         agreement = None
         if tp_size > 1:
             agreement = FailureAgreement(tp_rank, tp_size, tp_group)
         device = parts.req_to_token.device
-        self.staging = DeviceStaging(device)
+        self.staging = DeviceStaging(device, self.observers)
         capacity = self.policy.query_capacity()
         self.ring = None
         if cfg.query_source == "capture" and capacity:
@@ -160,7 +156,6 @@ class KaraRuntime:
             parts.keys,
             parts.layer_ids[0],
             self.table,
-            self.diagnostics,
             offsets=parts.position_offsets(),
             heads=(parts.q_heads, parts.head_dim),
         )
@@ -184,6 +179,7 @@ class KaraRuntime:
             self.slack,
             spread.part_size(device.type),
             in_flight=1 if parts.overlap else 0,
+            on_protected=self.observers.protected,
         )
         self.scorer = Scorer(
             self.policy,
@@ -192,7 +188,6 @@ class KaraRuntime:
             self.ring,
             self.staging,
             check=self.check,
-            crosscheck=env.crosscheck_queries(),
             on_fallback=self._count_fallbacks,
             heads=(first_head, model_heads),
         )
@@ -208,15 +203,19 @@ class KaraRuntime:
             self.recorder,
             check=self.check,
             agreement=agreement,
-            diagnostics=self.diagnostics,
+            observers=self.observers,
         )
-        self.integrity = None
-        if self.check:
-            self.integrity = RowIntegrity(parts, self.table, self.ring, self.forward)
-            self.planner.on_protected = self.integrity.snapshot_prefix
         self.decode_steps = 0
+        self._register_observers()
         if device.type == "cuda":
             self._warm_up()
+
+    def _register_observers(self) -> None:
+        """The diagnostics the environment asks for, as step observers (none in
+        production): the one place the runtime reaches sgl_kara/diagnostics."""
+        from sgl_kara.diagnostics import observers_from_env
+
+        self.observers.extend(observers_from_env(self))
 
     def _warm_up(self) -> None:
         """Compile every kernel an event launches, and build the pool's pointer tables."""
@@ -282,10 +281,7 @@ class KaraRuntime:
         if state is None:
             return None
         meta = state.meta(adapter.kv_length(req))
-        if self.check:
-            meta["integrity_checks"] = state.integrity_checks
-        if env.crosscheck_queries() and state.crosscheck_err is not None:
-            meta["query_crosscheck_max_rel_err"] = state.crosscheck_err
+        self.observers.meta(state, meta)
         return meta
 
     # ------------------------------------------------------------------ admission
@@ -323,10 +319,13 @@ class KaraRuntime:
         if not reqs:
             return
         tic = time.perf_counter()
-        with self._diagnosed(batch):
+        try:
+            self.observers.before_step(self, batch)
             self._observe(reqs)
             self.decode_steps += 1
             freed = self._step(batch, reqs)
+        finally:
+            self.observers.after_step()
         if freed:
             adapter.reopen_admission(batch)
         seconds = time.perf_counter() - tic
@@ -376,8 +375,7 @@ class KaraRuntime:
         while jobs:
             jobs = self._lockstep(jobs)
             freed += self.events.run(batch, jobs, self._fence, self.planner.settled)
-            if self.integrity is not None:
-                self.integrity.check(reqs)
+            self.observers.after_event(reqs)
             # Catch-up: a request still due after its compression (re-prefilled after a
             # retraction, left out by max_seqs, or a backlog deferred under pressure /
             # headroom) is compressed again in this event.
@@ -390,17 +388,11 @@ class KaraRuntime:
                 break
         return freed
 
-    def _diagnosed(self, batch):
-        """The step under the diagnostics asked for (sgl_kara/diagnostics; none: as it is)."""
-        if self.diagnostics is None:
-            return contextlib.nullcontext()
-        return self.diagnostics.step(self, batch)
-
     def _lockstep(self, jobs=None):
         """KARA_CHECK_TP_PLAN: the ranks agree on the plan so far, and on the event's ``jobs``,
         before work that may enter a collective (tp_lockstep.py). Returns the jobs to run."""
-        if jobs is not None and self.diagnostics is not None:
-            jobs = self.diagnostics.planned(jobs)
+        if jobs is not None:
+            jobs = self.observers.planned(jobs)
         if self.plan_check is not None:
             if jobs is not None:
                 jobs = self.plan_check.planned(jobs, self.parts.page_size)
@@ -416,8 +408,7 @@ class KaraRuntime:
         the host does not wait: every copy of the step is staged, staging.py, and pages are
         freed by id). The next forward waits for this stream (SGLang's run_batch). A host wait
         before the fence waits for the schedule stream only, not for that forward."""
-        if self.diagnostics is not None:
-            self.diagnostics.fenced()
+        self.observers.fenced()
         if self.parts.forward_stream is not None:
             torch.cuda.current_stream().wait_stream(self.parts.forward_stream)
 

@@ -101,7 +101,6 @@ class Scorer:
         ring,
         staging,
         check: bool = False,
-        crosscheck: bool = False,
         on_fallback=None,
         heads: tuple[int, int | None] = (0, None),
     ):
@@ -120,7 +119,6 @@ class Scorer:
         self.ring = ring
         self.staging = staging
         self.check = check
-        self.crosscheck = crosscheck
         self.on_fallback = on_fallback
 
     def scoring_pass(self, jobs, region_slots) -> ScoringPass:
@@ -210,24 +208,7 @@ class Scorer:
                 "scores from the capture ring are not finite: a window read queries never "
                 "written"
             )
-        if self.crosscheck:
-            self._crosscheck(jobs, rows, region_slots, captured, q_starts, n)
         return captured
-
-    def _crosscheck(self, jobs, rows, region_slots, captured, q_starts, n) -> None:
-        """On a request's first window both query sources must agree (the prefix is exact)."""
-        first = [i for i, j in enumerate(jobs) if j.state.compressions == 0]
-        if not first:
-            return
-        sub = [jobs[i] for i in first]
-        idx = self.staging.to_device(first)
-        q_lo = [q_starts[i] - jobs[i].state.pos_offset for i in first]
-        recomputed = self._recompute_scores(sub, rows[idx], region_slots[idx], q_lo, n)
-        for k, i in enumerate(first):
-            a, b = captured[i], recomputed[k]
-            err = float(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item())
-            prev = jobs[i].state.crosscheck_err
-            jobs[i].state.crosscheck_err = err if prev is None else max(prev, err)
 
     def _recompute_scores(self, jobs, rows, region_slots, q_lo, n) -> torch.Tensor:
         """Scores from recompute forwards of at most one forward's token budget each."""
@@ -251,10 +232,10 @@ class Scorer:
         scoring.window_slots = window_slots
         if self.sglang_runs_recompute:
             self.forwards["sglang"] += 1
-            with self.forward.scoring_pass(scoring, None, extend.reqs):
+            with self.forward.scoring_pass(scoring, None):
                 self.parts.run_cached_extend(extend)
             return
         self.forwards["sgl_kara"] += 1
         batch = adapter.recompute_batch(self.parts.scheduler, extend)
-        with self.forward.scoring_pass(scoring, batch, extend.reqs):
+        with self.forward.scoring_pass(scoring, batch):
             self.parts.run_eager(batch, ScoringComplete)

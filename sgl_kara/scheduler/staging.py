@@ -15,32 +15,33 @@ is queued on the stream like any kernel and the host goes on.
                      needed, and a buffer too small for the values is replaced, not waited on
 
 On a CPU the host tensor is the device tensor. Every host-to-device copy of a Kara step goes
-through here (``KARA_CHECK_SYNC``, sgl_kara/diagnostics/sync_check.py, fails any other).
+through here (``KARA_CHECK_SYNC``, sgl_kara/diagnostics/sync_check.py, fails any other),
+and each copy's result is shown to the step observers (``staged``; none in production).
 """
 
 from __future__ import annotations
 
 import torch
 
+from sgl_kara.scheduler.observers import Observers
+
 MIN_BYTES = 4096
 
 
 class DeviceStaging:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, observers: Observers | None = None):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         # [pinned uint8 buffer, the event of the copy that last read it (None: never read)]
         self._pool: list[list] = []
-        self.on_copy = (
-            None  # (tensor) -> None: the sync check's record of a staged copy
-        )
+        # the runtime's step observers (here only ``staged`` is called)
+        self.observers = observers if observers is not None else Observers()
 
     def to_device(self, values, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         """``values`` (a list of ints or a host tensor) as a tensor on the device."""
         host = torch.as_tensor(values, dtype=dtype)
         if not self.cuda:
-            if self.on_copy is not None:
-                self.on_copy(host)
+            self.observers.staged(host)
             return host
         nbytes = host.numel() * host.element_size()
         entry = self._free_buffer(nbytes)
@@ -50,8 +51,7 @@ class DeviceStaging:
         event = torch.cuda.Event()
         event.record()
         entry[1] = event
-        if self.on_copy is not None:
-            self.on_copy(out)
+        self.observers.staged(out)
         return out
 
     def _free_buffer(self, nbytes: int) -> list:

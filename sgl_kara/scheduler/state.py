@@ -15,7 +15,8 @@ life), and its row state (P, f, offset, compressions, capture ring position, the
 per-request state, the spread scoring of its upcoming window), which ``reset_row`` clears when
 SGLang retracts the request and re-prefills it from its tokens (its KV is exact again). The
 table holds a request's state while SGLang holds the request (weak keys): a finished, aborted
-or dropped request leaves it with nothing to clean up.
+or dropped request leaves it with nothing to clean up. What a diagnostic keeps per
+request lives in the diagnostic's own ``SideTable``, not here.
 """
 
 from __future__ import annotations
@@ -47,11 +48,6 @@ class KaraReqState:
     scoring: object = field(
         default=None, repr=False, compare=False
     )  # spread.ScoringJob
-    # Diagnostics (KARA_CHECK_INTEGRITY / _CROSSCHECK_QUERIES / _RECORD_EVICTIONS only).
-    prefix_snapshot: object = field(default=None, repr=False, compare=False)
-    integrity_checks: int = 0
-    crosscheck_err: float | None = None
-    logical_rows: object = field(default=None, repr=False, compare=False)
 
     ROW_FIELDS = (
         "protected",
@@ -62,8 +58,6 @@ class KaraReqState:
         "offset_row",
         "policy_state",
         "scoring",
-        "prefix_snapshot",
-        "logical_rows",
     )
 
     def reset_row(self) -> None:
@@ -118,3 +112,27 @@ class RequestTable:
 
     def __len__(self) -> int:
         return len(self._states)
+
+
+class SideTable:
+    """One component's own data per request, kept outside ``KaraReqState`` (a
+    diagnostic's: the integrity check's prefix snapshots, the eviction record's logical
+    rows). Keyed by the request's state, by identity, and dropped with it. ``row``: the
+    data describes the request's row, so a retraction clears it, as ``reset_row`` clears
+    the state's own row fields (the state's retraction count is stored with it)."""
+
+    def __init__(self, row: bool = False):
+        self.row = row
+        self._data: dict[int, tuple[int, object]] = {}
+
+    def get(self, state, default=None):
+        got = self._data.get(id(state))
+        if got is None or (self.row and got[0] != state.retractions):
+            return default
+        return got[1]
+
+    def set(self, state, value) -> None:
+        key = id(state)
+        if key not in self._data:  # dropped with the state (weakly held: no cycle)
+            weakref.finalize(state, self._data.pop, key, None)
+        self._data[key] = (state.retractions, value)
