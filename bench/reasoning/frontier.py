@@ -258,6 +258,11 @@ def plot(full: dict, table: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     shown = [w for w in WORKLOADS if w in full]
+    names = sorted({r["point"].line for r in table})
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    color = {
+        n: palette[i % len(palette)] for i, n in enumerate(names)
+    }  # same in each panel
     fig, axes = plt.subplots(
         1, len(shown), figsize=(6 * len(shown), 4.5), squeeze=False
     )
@@ -275,7 +280,7 @@ def plot(full: dict, table: list[dict], path: str) -> None:
                 )
         for name, xy in sorted(lines.items()):
             xy.sort()
-            ax.plot(*zip(*xy), marker="o", label=name)
+            ax.plot(*zip(*xy), marker="o", label=name, color=color[name])
         ax.set_title(f"{w} ({n} problems)")
         ax.set_xlabel("mean generated KV, % of full KV's")
         ax.set_ylabel("problems solved")
@@ -308,7 +313,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ap.error(f"no full KV result among the directories of {', '.join(missing)}")
     table = rows(full, points)
     os.makedirs(args.out, exist_ok=True)
+    from bench.record import command_line, stamp
+
     with open(os.path.join(args.out, "frontier.md"), "w") as f:
+        f.write(f"{stamp()}\ncommand: `{command_line(argv)}`\n\n")
         f.write(markdown(full, table, args.max_loss, args.max_low))
     plot(full, table, os.path.join(args.out, "frontier.png"))
     print(open(os.path.join(args.out, "frontier.md")).read(), flush=True)
