@@ -507,3 +507,23 @@ def score_input(policy, layer: int = 0, seed: int = 0):
                 layer: torch.rand(HKV, 120, generator=g)
             }
     return base.ScoreInput(layer, q, k_buffer, slots, rows, [region] * B)
+
+
+def run_module(args: list[str], cwd: str) -> str:
+    """``python -m <args>`` in a process of its own (one OpenMP thread, passive, the repository
+    root on the path, no Triton interpreter), as a user runs a harness; its stdout. Fails the
+    test with the output's tail when it exits non-zero."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    env["PYTHONPATH"] = root
+    proc = subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+from support import run_module
 
 from bench.reasoning import gsm8k
 from sgl_kara.policies.trajectory import Schedule, trajectory
@@ -24,9 +23,6 @@ VARIANTS = ("kara_redundancy.py", "kara_structure.py")
 
 
 def _harness(out, *flags, configs=("kara",)):
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS="1")
-    env.pop("TRITON_INTERPRET", None)
-    env["PYTHONPATH"] = ROOT
     argv = [
         *("--dtype", "float32", "--requests", "2", "--per-request", "3"),
         *("--instances", "0", "--problems", "6", "--omp-threads", "1"),
@@ -35,15 +31,7 @@ def _harness(out, *flags, configs=("kara",)):
         *flags,
         *("--configs", *configs),
     ]
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.reasoning.long_answers", *argv],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_module(["bench.reasoning.long_answers", *argv], ROOT)
 
 
 def test_ratios_share_one_engine_and_each_follows_its_own_trajectory(

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from support import run_module
 
 from bench.reasoning import gsm8k
 from sgl_kara.policies.trajectory import Schedule, trajectory
@@ -50,19 +49,7 @@ KARA = dict(window=32, buffer=8, period=4)
 
 
 def _run(args, cwd):
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS="1")
-    env.pop("TRITON_INTERPRET", None)
-    env["PYTHONPATH"] = ROOT
-    proc = subprocess.run(
-        [sys.executable, "-m", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    return run_module(args, cwd)
 
 
 def test_a_policy_file_runs_in_both_harnesses_matched_to_kara(tiny_llama, tmp_path):

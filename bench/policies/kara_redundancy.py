@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sgl_kara.policies.base import ScoreInput, need, register
+from sgl_kara.policies.base import ScoreInput, register
 from sgl_kara.policies.kara import KaraOptions, KaraPolicy
-from sgl_kara.policies.rkv import rkv_redundancy
+from sgl_kara.policies.rkv import check_mix, rkv_redundancy
 
 
 def redundancy_score(
@@ -57,18 +57,7 @@ class RedundancyOptions(KaraOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        need(
-            0.0 <= self.mix_lambda <= 1.0,
-            "mix_lambda",
-            "must be in [0, 1]",
-            self.mix_lambda,
-        )
-        need(
-            -1.0 < self.similarity < 1.0,
-            "similarity",
-            "must be in (-1, 1)",
-            self.similarity,
-        )
+        check_mix(self.mix_lambda, self.similarity)
 
 
 @register

@@ -178,13 +178,10 @@ def preset(
 
 
 def _cell_text(c: dict | None) -> str:
-    if c is None:
-        return "- | - | -"
-    return (
-        f"{c['solved']}/{c['n']} | {100 * c['diff']:+.1f} [{100 * c['lo']:+.1f}, "
-        f"{100 * c['hi']:+.1f}] ({c['won']} / {c['lost']}, p {c['p']:.3f}) | "
-        f"{100 * c['kv_mean']:.0f}% / {100 * c['kv_final']:.0f}%"
+    kv = (
+        None if c is None else f"{100 * c['kv_mean']:.0f}% / {100 * c['kv_final']:.0f}%"
     )
+    return "- | - | -" if c is None else f"{c['solved']}/{c['n']} | {_versus(c)} | {kv}"
 
 
 def _versus(c: dict | None) -> str:

@@ -91,18 +91,13 @@ class RKVOptions:
             "must be an odd integer in [1, 63]",
             self.kernel,
         )
-        need(
-            0.0 <= self.mix_lambda <= 1.0,
-            "mix_lambda",
-            "must be in [0, 1]",
-            self.mix_lambda,
-        )
-        need(
-            -1.0 < self.similarity < 1.0,
-            "similarity",
-            "must be in (-1, 1)",
-            self.similarity,
-        )
+        check_mix(self.mix_lambda, self.similarity)
+
+
+def check_mix(mix_lambda: float, similarity: float) -> None:
+    """R-KV's weight of importance against redundancy and its similarity threshold."""
+    need(0.0 <= mix_lambda <= 1.0, "mix_lambda", "must be in [0, 1]", mix_lambda)
+    need(-1.0 < similarity < 1.0, "similarity", "must be in (-1, 1)", similarity)
 
 
 def rkv_importance(q: torch.Tensor, k: torch.Tensor, kernel: int) -> torch.Tensor:
