@@ -60,6 +60,8 @@ def test_ratios_share_one_engine_and_each_follows_its_own_trajectory(
     assert check["same_text"] == [0, 1], check
 
 
+@pytest.mark.slow
+@pytest.mark.harness  # bench-only policies: run before recording their results
 def test_the_variants_under_trial_hold_karas_kv_at_every_step(tiny_llama, tmp_path):
     files = [os.path.join(ROOT, "bench", "policies", f) for f in VARIANTS]
     _harness(
