@@ -527,3 +527,17 @@ def run_module(args: list[str], cwd: str) -> str:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
+
+
+@contextlib.contextmanager
+def policy_registry_restored():
+    """The policy registry as it was, once the block ends: a policy file imported inside it
+    (bench/policies/ registers on import) is seen by no later test of the process."""
+    from sgl_kara.policies import base
+
+    saved = dict(base._REGISTRY)
+    try:
+        yield
+    finally:
+        base._REGISTRY.clear()
+        base._REGISTRY.update(saved)

@@ -8,6 +8,7 @@ import importlib
 from pathlib import Path
 
 import pytest
+from support import policy_registry_restored
 
 # Benchmarks and docs, not the product: the integration tier (docs/TESTING.md, tiers).
 pytestmark = pytest.mark.integration
@@ -45,16 +46,6 @@ def test_every_benchmark_file_lies_in_the_package():
 
 @pytest.mark.parametrize("name", MODULES)
 def test_bench_module_imports(name):
-    from sgl_kara.policies import base
-
-    registered = dict(
-        base._REGISTRY
-    )  # a policy under trial (bench/policies/) registers
-    try:
+    with policy_registry_restored():  # a policy under trial registers on import
         module = importlib.import_module(name)  # top-level imports run; main() does not
-    finally:
-        base._REGISTRY.clear()
-        base._REGISTRY.update(
-            registered
-        )  # ...for this test only: no other test sees it
     assert module.__doc__, f"{name} has no module docstring saying what it measures"

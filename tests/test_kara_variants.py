@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from support import policy_registry_restored
 
 from sgl_kara.policies import base
 from sgl_kara.policies.base import OptionError
@@ -18,15 +19,14 @@ from sgl_kara.policies.rkv import rkv_redundancy
 @pytest.fixture
 def variants():
     """The two modules, imported (and registered) for this test only."""
-    saved = dict(base._REGISTRY)
-    mods = []
-    for n in ("kara_redundancy", "kara_structure"):
-        name = f"bench.policies.{n}"
-        mod = sys.modules.get(name)  # imported before: import again, to register again
-        mods.append(importlib.reload(mod) if mod else importlib.import_module(name))
-    yield mods
-    base._REGISTRY.clear()
-    base._REGISTRY.update(saved)
+    with policy_registry_restored():
+        mods = []
+        for n in ("kara_redundancy", "kara_structure"):
+            name = f"bench.policies.{n}"
+            # imported before: import again, to register again
+            mod = sys.modules.get(name)
+            mods.append(importlib.reload(mod) if mod else importlib.import_module(name))
+        yield mods
 
 
 def _kara_select():

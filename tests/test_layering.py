@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 import sgl_kara
+from sgl_kara._sglang import signature_text  # the form the adapters record
 
 ROOT = Path(sgl_kara.__file__).parent
 ADAPTERS = ("_sglang.py", "cpu/_sglang.py")
@@ -283,17 +284,6 @@ def _raw(path: str):
     if inspect.isclass(obj):
         obj = obj.__init__
     return inspect.unwrap(obj)
-
-
-def signature_text(fn) -> str:
-    """Names, order, kinds and defaults of ``fn``'s parameters, without annotations."""
-    sig = inspect.signature(fn, follow_wrapped=False)
-    params = [
-        p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()
-    ]
-    return str(
-        sig.replace(parameters=params, return_annotation=inspect.Signature.empty)
-    )
 
 
 @pytest.mark.parametrize("which", [0, 1], ids=["core", "cpu"])
