@@ -21,7 +21,7 @@ def variants():
     """The two modules, imported (and registered) for this test only."""
     with policy_registry_restored():
         mods = []
-        for n in ("kara_redundancy", "kara_structure"):
+        for n in ("kara_redundancy", "kara_structure", "kara_global"):
             name = f"bench.policies.{n}"
             # imported before: import again, to register again
             mod = sys.modules.get(name)
@@ -38,7 +38,7 @@ def _kara_select():
 
 
 def test_redundancy_score_is_the_attention_share_less_redundancy(variants):
-    red, _ = variants
+    red, _, _ = variants
     g = torch.Generator().manual_seed(0)
     att = torch.rand(2, 3, 20, generator=g)
     keys = torch.randn(2, 20, 3, 8, generator=g)
@@ -58,7 +58,7 @@ def test_redundancy_score_is_the_attention_share_less_redundancy(variants):
 
 
 def test_structure_marks_line_heads_and_boxed_spans(variants):
-    _, st = variants
+    _, st, _ = variants
     pieces = [
         "a",
         "\n",
@@ -84,7 +84,7 @@ def test_structure_marks_line_heads_and_boxed_spans(variants):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_protected_selection_matches_its_reference_and_keeps_k(variants, seed):
-    _, st = variants
+    _, st, _ = variants
     g = torch.Generator().manual_seed(seed)
     b, lyr, h, m = 2, 2, 3, 40
     scores = torch.rand(b, lyr, h, m, generator=g)
@@ -110,7 +110,7 @@ def test_protected_selection_matches_its_reference_and_keeps_k(variants, seed):
 
 
 def test_variant_options_name_the_bad_field(variants):
-    red, st = variants
+    red, st, _ = variants
     with pytest.raises(OptionError) as e:
         red.RedundancyOptions(mix_lambda=1.5)
     assert e.value.field == "mix_lambda"
@@ -119,3 +119,34 @@ def test_variant_options_name_the_bad_field(variants):
     assert e.value.field == "protect_share"
     assert base.policy_class("kara_structure").needs_tokens
     assert not base.policy_class("kara_redundancy").additive
+
+
+class _State:
+    retention = None
+
+
+def test_global_region_widens_kara_window_to_every_generated_row(variants):
+    *_, gl = variants
+    from sgl_kara.policies.base import RowView
+    from sgl_kara.policies.kara import KaraOptions, KaraPolicy, kept_count
+
+    opts = dict(window=64, buffer=8, retention=0.25, period=8)
+    kara = KaraPolicy(KaraOptions(**opts))
+    glob = base.policy_class("kara_global")(gl.KaraGlobalPolicy.Options(**opts))
+    k = kept_count(56, 0.25)
+    # P = 40 prompt rows, three windows compressed before (f = 40 + 3K), a full window + more
+    for f, length in ((40, 40 + 64), (40 + 3 * k, 40 + 3 * k + 70)):
+        row = RowView(40, f, length, 0, _State())
+        want, got = kara.region(row), glob.region(row)
+        assert (got.start, got.length, got.keep) == (40, f - 40 + 56, f - 40 + k)
+        # the same rows dropped, the same queries, the same frontier after the event
+        assert got.length - got.keep == want.length - want.keep
+        assert (got.query_start, got.query_len) == (want.query_start, want.query_len)
+        assert got.start + got.keep == want.start + want.keep
+    # not due: no region either way
+    assert glob.region(RowView(40, 40, 40 + 63, 0, _State())) is None
+    # per-request retention keeps Kara's K for the window part
+    st = _State()
+    st.retention = 0.5
+    r = glob.region(RowView(40, 50, 50 + 64, 0, st))
+    assert r.keep == 10 + kept_count(56, 0.5)

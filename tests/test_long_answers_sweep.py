@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration  # engines of their own (docs/TESTING.md, t
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KARA = dict(window=32, buffer=8, period=4)
-VARIANTS = ("kara_redundancy.py", "kara_structure.py")
+VARIANTS = ("kara_redundancy.py", "kara_structure.py", "kara_global.py")
 
 
 def _harness(out, *flags, configs=("kara",)):
