@@ -26,10 +26,12 @@ REV, e.g. ``kara@HEAD~1``, for a before / after):
              sgl_kara.launch_server`` resolves to on this machine (model, device, attention
              backend, dtype, page size, KV pool, request limit) and sgl_kara's CPU kernels opted
              into (KARA_CPU_KERNELS=1): only compression differs
-    kara     ``python -m sgl_kara.launch_server --max-total-tokens POOL`` at its defaults
+    kara     ``python -m sgl_kara.launch_server --max-total-tokens POOL`` at its defaults, or
+             with ``--kara-flags``
 
     python -m bench.serving --out DIR [--systems sglang,kara,kara@REV] [--rounds 2]
         [--prompts 16] [--input-len 128] [--output-len 1536] [--pool 8192]
+        [--kara-flags "--kara-window 256 --kara-period 32 ..."]
 
 Rounds alternate the systems (the order rotates each round). Writes serving.json, serving.md,
 per run the client's result (``<label>-<round>.bench.jsonl.gz``), the server's trace (gzipped) and
@@ -44,6 +46,7 @@ import functools
 import gzip
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -65,11 +68,15 @@ def parse_system(spec: str) -> tuple[str, str | None]:
     return name, rev or None
 
 
-def server_command(name: str, resolved, pool: int) -> tuple[list[str], dict]:
-    """(command without --port, extra environment) of a system's server."""
+def server_command(
+    name: str, resolved, pool: int, kara_flags: tuple[str, ...] = ()
+) -> tuple[list[str], dict]:
+    """(command without --port, extra environment) of a system's server; ``kara_flags``
+    (``--kara-*``) go to sgl_kara's."""
     py = sys.executable
     if name == "kara":
-        return [py, "-m", "sgl_kara.launch_server", "--max-total-tokens", str(pool)], {}
+        cmd = [py, "-m", "sgl_kara.launch_server", "--max-total-tokens", str(pool)]
+        return cmd + list(kara_flags), {}
     return [
         py,
         "-m",
@@ -359,8 +366,9 @@ def start_in(cwd: str, env: dict, log: str, cmd: list[str]):
         raise
 
 
-def resolve(pool: int):
-    """(KaraConfig, ServerArgs) the launcher resolves the default server to, with this pool."""
+def resolve(pool: int, kara_flags: tuple[str, ...] = ()):
+    """(KaraConfig, ServerArgs) the launcher resolves the default server to, with this pool and
+    these ``--kara-*`` flags."""
     import io
 
     from sgl_kara.launch_server import parse
@@ -368,7 +376,7 @@ def resolve(pool: int):
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            return parse(["--max-total-tokens", str(pool)])
+            return parse(["--max-total-tokens", str(pool), *kara_flags])
     except SystemExit as e:
         sys.stderr.write(err.getvalue())
         e.ram = RAM_REFUSAL in err.getvalue()
@@ -389,7 +397,7 @@ def run_one(
     from bench.latency import run_load
     from bench.serve_numbers import stop
 
-    cmd, extra = server_command(name, resolved, args.pool)
+    cmd, extra = server_command(name, resolved, args.pool, args.kara_flags)
     stem = os.path.join(args.out, f"{label}-{rnd}")
     trace_path, result_path = stem + ".trace.jsonl", stem + ".bench.jsonl"
     for path in (trace_path, result_path):
@@ -538,14 +546,27 @@ def main(argv=None):
         default=30,
         help="minutes to wait, retrying, while a server is refused for want of RAM",
     )
+    ap.add_argument(
+        "--kara-flags",
+        default="",
+        help="sgl_kara's --kara-* flags, one string (e.g. the long-reasoning preset's)",
+    )
     args = ap.parse_args(argv)
+    args.kara_flags = tuple(shlex.split(args.kara_flags))
+    bad = [
+        f for f in args.kara_flags if f.startswith("--") and not f.startswith("--kara-")
+    ]
+    if bad:
+        ap.error(f"--kara-flags takes --kara-* flags only, got {bad}")
     args.out = os.path.abspath(
         args.out
     )  # servers of other revisions run from elsewhere
     os.makedirs(args.out, exist_ok=True)
     from bench.record import RunRecord
 
-    cfg, resolved = when_ram_allows(lambda: resolve(args.pool), args.wait_ram)
+    cfg, resolved = when_ram_allows(
+        lambda: resolve(args.pool, args.kara_flags), args.wait_ram
+    )
     record = RunRecord(args.out, argv)
     record.note(
         prompts=args.prompts,

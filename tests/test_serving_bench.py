@@ -30,6 +30,9 @@ def test_systems_and_commands():
         "8192",
     ]
     assert env == {}
+    preset = ("--kara-window", "256", "--kara-retention", "0.2")
+    cmd, _ = serving.server_command("kara", None, 8192, preset)
+    assert cmd[-4:] == list(preset) and cmd[3:5] == ["--max-total-tokens", "8192"]
     resolved = types.SimpleNamespace(
         model_path="/m",
         device="cpu",
@@ -38,7 +41,8 @@ def test_systems_and_commands():
         page_size=1,
         max_running_requests=16,
     )
-    cmd, env = serving.server_command("sglang", resolved, 8192)
+    cmd, env = serving.server_command("sglang", resolved, 8192, preset)
+    assert not any(c.startswith("--kara-") for c in cmd)  # plain SGLang takes none
     assert cmd[1:3] == ["-m", "sglang.launch_server"] and env == {
         "KARA_CPU_KERNELS": "1"
     }
@@ -252,3 +256,14 @@ def test_ceiling_splits_a_ratio_into_concurrency_and_decode_share():
     both = ceiling.merge([sk, sk])
     assert both["tps"] == pytest.approx(sk["tps"]) and both["steps"] == 2 * sk["steps"]
     assert both["rows_per_request"] == pytest.approx(sk["rows_per_request"])
+
+
+def test_kara_flags_reach_the_resolved_policy_and_refuse_other_flags(capsys):
+    cfg, _ = serving.resolve(
+        2048, ("--kara-window", "256", "--kara-period", "32", "--kara-retention", "0.2")
+    )
+    d = cfg.to_dict()
+    assert (d["window"], d["period"], d["retention"]) == (256, 32, 0.2)
+    with pytest.raises(SystemExit):
+        serving.main(["--out", "/tmp/x", "--kara-flags", "--tp-size 2"])
+    assert "--kara-* flags only" in capsys.readouterr().err
