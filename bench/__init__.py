@@ -1,4 +1,4 @@
-"""Benchmarks of sgl_kara: every figure of bench/RESULTS.md, one module each.
+"""Benchmarks of sgl_kara: every figure of bench/RESULTS.md and its family files, one module each.
 
 Run from the repository root as modules, ``python -m bench.<name> --help`` (docs/BENCHMARKS.md
 lists the command behind each figure). Every script that writes results takes ``--out`` and

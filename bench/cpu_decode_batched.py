@@ -1,9 +1,9 @@
 """CPU decode attention in isolation: SGLang 0.5.23's own per-request loop, the runtime's loop
 (sgl_kara/cpu/attention.py, default) and the runtime's padded call (``KARA_BATCHED_CPU_DECODE=1``),
 all three through the functions the server runs: SGLang's ``_run_sdpa_forward_decode`` and
-``sgl_kara.cpu.attention.run_sdpa_forward_decode`` with the flag toggled (bench/RESULTS.md).
+``sgl_kara.cpu.attention.run_sdpa_forward_decode`` with the flag toggled (bench/results/kernels.md).
 
-    python -m bench.cpu_decode_batched                      # the shapes of RESULTS.md
+    python -m bench.cpu_decode_batched                      # the shapes of kernels.md
     python -m bench.cpu_decode_batched --shapes 48x650x9x3x64 --threads 1 --spread 0.5
     python -m bench.cpu_decode_batched --out DIR/cpu_decode_batched.txt   # + the run record beside it
 

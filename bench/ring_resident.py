@@ -1,6 +1,6 @@
 """Resident memory of the capture ring in a serving run: the default-model server with a ring sized
 for many more rows than requests run (``--max-running-requests 32``, a 4,172-token pool: the
-SmolLM2 G = 1,024, pool 1/4 grid cell of bench/RESULTS.md, "Throughput: capture ring versus recompute"), once with ``capture`` and
+SmolLM2 G = 1,024, pool 1/4 grid cell of bench/results/throughput.md, "Throughput: capture ring versus recompute"), once with ``capture`` and
 once with ``recompute`` (no ring), the same requests through each. The ring's buffers are
 allocated unwritten, so only the rows requests write become resident (scheduler/ring.py).
 

@@ -57,7 +57,7 @@ BASELINES = ("snapkv", "streaming", "h2o", "rkv")
 
 
 def tiny_model() -> str:
-    """The random-weight 4-layer Llama of the tiny grids (bench/RESULTS.md, Machines and conventions)."""
+    """The random-weight 4-layer Llama of the tiny grids (bench/results/throughput.md, Terms)."""
     from bench.models.tiny import write_tiny_model
 
     path = os.path.join(tempfile.gettempdir(), "sgl_kara_tiny_llama_h128_l4_s2026")

@@ -1,7 +1,7 @@
 """The commands the documents show name modules and flags that exist (default suite; no engine).
 
-- Every ``python -m X`` in README.md, docs/, bench/RESULTS.md and patches/ names a module Python
-  can find (``importlib.util.find_spec``; its parent packages are imported, nothing is run).
+- Every ``python -m X`` in README.md, docs/, bench/RESULTS.md, its family files
+  (bench/results/*.md) and patches/ names a module Python can find (``importlib.util.find_spec``; its parent packages are imported, nothing is run).
 - Every ``sgl_kara.launch_server`` command in the README's shell blocks parses with the launcher's
   own parser -- sgl_kara's ``--kara-*`` flags (``launch_server._kara_parser``) and SGLang's server
   flags (``ServerArgs.add_cli_args``, through the adapter) -- values and choices included, and its
@@ -90,7 +90,13 @@ def _parse(parser, args: list[str], capsys):
 
 
 def _module_docs() -> list[Path]:
-    return [README, RESULTS, *DOCS, *sorted((ROOT / "patches").rglob("*.md"))]
+    return [
+        README,
+        RESULTS,
+        *sorted((ROOT / "bench" / "results").glob("*.md")),
+        *DOCS,
+        *sorted((ROOT / "patches").rglob("*.md")),
+    ]
 
 
 def test_every_documented_module_exists():

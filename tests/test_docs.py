@@ -10,12 +10,13 @@
   install before quick start; its result tables live in bench/RESULTS.md ("At a glance"), behind a
   short summary that links them; the GPU, policy and touch-point docs are linked; a LICENSE beside it.
   (tests/test_doc_commands.py checks the modules and flags its commands name.)
-- Every ``python -m bench.<name>`` (or ``python bench/<script>.py``) command named in README.md and
-  docs/ answers ``--help``, and every Python block in them compiles (tests/test_default_server.py
+- Every ``python -m bench.<name>`` (or ``python bench/<script>.py``) command named in README.md,
+  docs/ and the results (bench/RESULTS.md and its family files, bench/results/*.md) answers
+  ``--help``, and every Python block in README.md and docs/ compiles (tests/test_default_server.py
   runs the quick start's).
-- bench/results holds only what bench/RESULTS.md and the docs cite, under 2 MB, with no raw
-  profiler dumps or process files; bench/RESULTS.md has no history section, and the results and
-  benchmark docs name no deprecated ``SGL_KARA_*`` variable.
+- bench/results holds only what the results and the docs cite, under 2 MB (the family files
+  included), with no raw profiler dumps or process files; the results have no history section, and
+  they and the benchmark docs name no deprecated ``SGL_KARA_*`` variable.
 - docs/CONFIGURATION.md names every ``--kara-*`` flag with its default and every environment
   variable of ``sgl_kara/env.py``, and every ``KARA_*`` variable the docs name exists in the code.
 """
@@ -38,6 +39,11 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+# The results: the page at a glance and one file per family of results beside their folders.
+RESULT_DOCS = [
+    ROOT / "bench" / "RESULTS.md",
+    *sorted((ROOT / "bench" / "results").glob("*.md")),
+]
 
 # Built from pieces so that this file does not match its own pattern.
 HISTORY_WORDS = "|".join(
@@ -263,13 +269,9 @@ def test_readme_keeps_the_two_commands_ci_runs():
 
 def _bench_commands() -> list[tuple[str, ...]]:
     """("-m", module) of every ``python -m bench.<name>`` and (script,) of every ``python bench/<script>.py``
-    named in README.md, docs/ and bench/RESULTS.md."""
+    named in README.md, docs/ and the results."""
     found = set()
-    for path in [
-        README,
-        ROOT / "bench" / "RESULTS.md",
-        *sorted((ROOT / "docs").glob("*.md")),
-    ]:
+    for path in [README, *RESULT_DOCS, *sorted((ROOT / "docs").glob("*.md"))]:
         text = path.read_text()
         found.update(
             ("-m", m)
@@ -334,20 +336,18 @@ def test_results_are_small_and_every_folder_is_cited():
     assert not raw, f"raw profiler output or process files: {raw}"
     cited = "\n".join(
         p.read_text()
-        for p in [
-            ROOT / "bench" / "RESULTS.md",
-            README,
-            *sorted((ROOT / "docs").glob("*.md")),
-        ]
+        for p in [*RESULT_DOCS, README, *sorted((ROOT / "docs").glob("*.md"))]
     )
-    folders = sorted({p.relative_to(RESULTS).parts[0] for p in files})
+    folders = sorted(
+        {p.relative_to(RESULTS).parts[0] for p in files if p.parent != RESULTS}
+    )
     uncited = [f for f in folders if f not in cited]
     assert not uncited, f"results folders no document cites: {uncited}"
 
 
 def test_results_and_benchmark_docs_name_no_deprecated_variable_and_no_history():
     docs = [
-        ROOT / "bench" / "RESULTS.md",
+        *RESULT_DOCS,
         ROOT / "docs" / "BENCHMARKS.md",
         README,
         *_tracked(
@@ -360,7 +360,7 @@ def test_results_and_benchmark_docs_name_no_deprecated_variable_and_no_history()
         for m in re.findall(r"SGL_KARA_\w+", p.read_text())
     ]
     assert not old, f"deprecated variable names (read as KARA_* today): {old[:10]}"
-    headings = _headings(ROOT / "bench" / "RESULTS.md")
+    headings = [h for path in RESULT_DOCS for h in _headings(path)]
     assert not [h for h in headings if h.lower().startswith("history")], (
         "git keeps the history of results"
     )

@@ -37,7 +37,7 @@ last one", and ``answer`` follows directly (no ``.``). In format 2 (kept to repr
 proxy's first training stages) every pointer was ``Pk=δ`` and stopping meant *comparing* the
 current name with the queried ``QEk``: the stage-2 model computed every value right but failed
 that comparison on ~1 problem in 3 (``K46 ...`` instead of ``answer``), and weighting the stop
-word only moved the threshold (it then stopped early as often; bench/RESULTS.md).
+word only moved the threshold (it then stopped early as often; bench/results/reasoning.md).
 
 Size N = number of values (2 seeds + N-2 steps); the solution is 16 * (N - 2) + 8 words
 (N=21 -> 312, N=62 -> 968; format 2: one more).
