@@ -1,7 +1,9 @@
 """The commands the documents show name modules and flags that exist (default suite; no engine).
 
 - Every ``python -m X`` in README.md, docs/, bench/RESULTS.md, its family files
-  (bench/results/*.md) and patches/ names a module Python can find (``importlib.util.find_spec``; its parent packages are imported, nothing is run).
+  (bench/results/*.md) and patches/ names a module Python can find (``importlib.util.find_spec``;
+  its parent packages are imported, nothing is run), but for a harness the results say was removed
+  after their run, which must then be gone.
 - Every ``sgl_kara.launch_server`` command in the README's shell blocks parses with the launcher's
   own parser -- sgl_kara's ``--kara-*`` flags (``launch_server._kara_parser``) and SGLang's server
   flags (``ServerArgs.add_cli_args``, through the adapter) -- values and choices included, and its
@@ -22,6 +24,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from test_docs import removed_harnesses
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -107,12 +110,14 @@ def test_every_documented_module_exists():
     }
     names = {m for _, m in found}
     assert {LAUNCHER, "bench.gpu_check", "pytest"} <= names, sorted(names)
+    removed = removed_harnesses()
     missing = sorted(
         f"{where}: python -m {m}"
         for where, m in found
-        if importlib.util.find_spec(m) is None
+        if m not in removed and importlib.util.find_spec(m) is None
     )
     assert not missing, missing
+    assert not [m for m in removed if importlib.util.find_spec(m)], removed
 
 
 # -- flags ------------------------------------------------------------------------------------

@@ -3,7 +3,6 @@
     python -m bench.quality ...                  the harness (harness.py): proxy task, or --real
     python -m bench.quality.event_analysis ...   per-event analysis on a real LM, offline
     python -m bench.quality.paired ...           paired comparison of two forced-output runs
-    python -m bench.quality.eval_hf ...          full-KV accuracy of the proxy with Hugging Face
     python -m bench.quality.train ...            train the reasoning proxy
 
 fidelity.py (forced-output fidelity), real_lm.py (--real), stopping.py (--stopping),

@@ -36,6 +36,7 @@ import datetime
 import json
 import math
 import os
+import random
 import sys
 import time
 
@@ -71,11 +72,12 @@ def load_problems(args):
             for r in rows
         ]
     from bench.quality import task
-    from bench.quality.eval_hf import held_out_problems
 
-    probs = held_out_problems(
-        args.n, seed=args.seed, size_min=args.size_min, size_max=args.size_max
-    )
+    rng = random.Random(args.seed)  # held-out: training draws from other seeds
+    probs = [
+        task.make_problem(rng, rng.randint(args.size_min, args.size_max))
+        for _ in range(args.n)
+    ]
     out = []
     for prompt, solution, answer in probs:
         budget = task.count_tokens(solution) + 16

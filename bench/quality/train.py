@@ -58,7 +58,7 @@ from bench.quality.task import (  # noqa: E402
 from bench.quality.tokenizer import build_tokenizer  # noqa: E402
 
 DECIDE = ROLES.index("decide")
-# held-out problems (train.py's periodic eval); eval_hf.py uses its own
+# held-out problems (train.py's periodic eval); the quality harness uses its own (--seed)
 EVAL_SEED = 10_000_019
 
 
