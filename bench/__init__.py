@@ -5,7 +5,7 @@ lists the command behind each figure). Every script that writes results takes ``
 stores its run record beside them (bench/record.py: date, machine, commit, command, the resolved
 ``KaraConfig`` and SGLang settings of every engine, the CPU kernel switches).
 
-    throughput, throughput_grid   vanilla SGLang vs sgl_kara on one workload / across a grid
+    throughput, throughput_grid   vanilla SGLang vs sgl_kara across a grid of workloads
     engine_run, step_costs        one engine on one workload; per-step costs from its trace
     profile_scheduler             where the scheduler's time goes (py-spy)
     serve_numbers, ring_resident  the default server: start-up, memory, decode; the capture ring
