@@ -164,37 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     ap.add_argument("--out", required=True)
-    ap.add_argument(
-        "--resummarize",
-        action="store_true",
-        help="only render --out's summary.md again from its stacks.txt (new stages)",
-    )
     return ap
-
-
-def resummarize(out: str) -> None:
-    """summary.md again from stacks.txt, keeping the run's header and its CPU per decode step."""
-    import re
-
-    path = os.path.join(out, "summary.md")
-    text = open(path).read()
-    head = text.split("samples in the scheduler's event loop")[0]
-    found = re.search(r"CPU per decode step ([0-9.]+) ms", text)
-    with open(path, "w") as f:
-        f.write(
-            head
-            + summarize(
-                os.path.join(out, "stacks.txt"),
-                float(found.group(1)) if found else None,
-            )
-        )
 
 
 def main(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
-    if args.resummarize:
-        return resummarize(args.out)
     import psutil
     from transformers import AutoTokenizer
 

@@ -237,14 +237,7 @@ def main(argv=None):
         help="another sgl_kara option for every compressing system, e.g. phase=server (repeatable)",
     )
     ap.add_argument("--out", required=True)
-    ap.add_argument(
-        "--rewrite",
-        action="store_true",
-        help="only render --out's grid.json again (table, heat maps)",
-    )
     args = ap.parse_args(argv)
-    if args.rewrite:
-        return rewrite(args.out)
     try:
         kara_opts(args.kara_opt)
     except ValueError as e:
@@ -676,26 +669,6 @@ def write_costs(results, args, cmd: str) -> None:
             + "\n".join(lines)
             + "\n"
         )
-
-
-def rewrite(out: str) -> None:
-    """Render grid.md and the heat maps again from a finished grid's grid.json (new columns)."""
-    with open(os.path.join(out, "grid.json")) as f:
-        data = json.load(f)
-    args = argparse.Namespace(**data["args"])
-    args.out = out
-    cmd = data.get("command")
-    if (
-        cmd is None
-    ):  # grids written before the command was saved: keep grid.md's first line
-        with open(os.path.join(out, "grid.md")) as f:
-            cmd = f.readline().removeprefix("command: ").strip()
-    write_table(data["runs"], args, cmd)
-    if (
-        "all_runs" in data
-    ):  # grids saved before the step costs were recorded have no per-run statistics
-        write_costs(data["all_runs"], args, cmd)
-    heat_maps(data["runs"], args)
 
 
 def heat_maps(rows, args):

@@ -22,7 +22,6 @@ No SGLang import; needs the model's tokenizer.
 from __future__ import annotations
 
 import glob
-import json
 import math
 import os
 import random
@@ -255,7 +254,3 @@ def scored_stats(steps_by_k: dict, problems: list[dict]) -> dict:
             scored_tokens=len(a),
         )
     return out
-
-
-def describe(problems: list[dict]) -> str:
-    return json.dumps([p["id"] for p in problems])
