@@ -1,7 +1,6 @@
 """What compression costs in answers: the quality harness and its parts.
 
     python -m bench.quality ...                  the harness (harness.py): proxy task, or --real
-    python -m bench.quality.event_analysis ...   per-event analysis on a real LM, offline
     python -m bench.quality.paired ...           paired comparison of two forced-output runs
     python -m bench.quality.train ...            train the reasoning proxy
 
