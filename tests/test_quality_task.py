@@ -1,4 +1,4 @@
-"""Unit tests for the reasoning-proxy task (bench/quality): generator, checker, tokenizer round trip."""
+"""Unit tests for the reasoning-proxy task (bench/quality): generator, checker, the proxy tokenizer's round trip."""
 
 from __future__ import annotations
 
@@ -114,15 +114,14 @@ def test_checker():
     assert task.extract_answer("no marker") is None
 
 
-def test_tokenizer_round_trip(tmp_path):
-    pytest.importorskip("tokenizers")
+def test_tokenizer_round_trip():
+    """The committed proxy's tokenizer: one token per task word, chat template included."""
     pytest.importorskip("transformers")
     from transformers import AutoTokenizer
 
-    from bench.quality.tokenizer import save_tokenizer
+    from bench.models.proxy import proxy_model_path
 
-    save_tokenizer(tmp_path)
-    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    tok = AutoTokenizer.from_pretrained(proxy_model_path())
     assert len(tok) == len(task.WORDS) + 4
     prompt, solution, answer = task.make_problem(random.Random(5), 20)
     ids = tok(prompt)["input_ids"]

@@ -2,9 +2,8 @@
 
     python -m bench.quality ...                  the harness (harness.py): proxy task, or --real
     python -m bench.quality.paired ...           paired comparison of two forced-output runs
-    python -m bench.quality.train ...            train the reasoning proxy
 
 fidelity.py (forced-output fidelity), real_lm.py (--real), stopping.py (--stopping),
-workloads.py (teacher-forced text and recall), task.py and tokenizer.py (the proxy task) are
+workloads.py (teacher-forced text and recall), task.py (the proxy task) are
 their modules.
 """

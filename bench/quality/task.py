@@ -67,7 +67,7 @@ WORDS = (
     + DIGITS
     + [f"{f}{k}" for f in FAMILIES for k in range(MAX_NAMES)]
     + [f"{c}{k}={d}" for c in COMPOUNDS for k in range(MAX_NAMES) for d in range(10)]
-)  # task vocabulary (tokenizer.py adds <pad> <bos> <eos> <unk>); L words last: format 2 never
+)  # task vocabulary (the proxy's tokenizer adds <pad> <bos> <eos> <unk>); L words last: format 2 never
 #    uses them, and a format-2 model keeps its token ids when the vocabulary grows
 
 
