@@ -18,7 +18,7 @@ variables (read at call time, so a test or a spawned process sees the value its 
 | KARA_INJECT_FAULT_TP_RANK | int | - | with --tp-size > 1: the injected fault fires on this TP rank only (the others agree to undo the event: scheduler/tp_lockstep.py) |
 | KARA_INJECT_FAULT_AT | str | score | where that event raises: `score` (as it completes the window's scores), `recompute` (inside the recompute forward, at its middle layer) or `commit` (after the kept K/V are copied into fresh slots, just before the rows are rewritten) (diagnostics/faults.py) |
 | KARA_FAST_CPU_DECODE | bool | 1 | with the CPU kernels: torch_native on CPU: decode gathers K/V once per layer; the recompute pass attends its window queries only (cpu/attention.py) |
-| KARA_BATCHED_CPU_DECODE | bool | 1 | with the fast decode: one padded SDPA call per layer for the whole batch, GQA group folded into the query axis (not bit-identical to SGLang's: float summation order; 0 = the per-request loop, bit-identical; bench/cpu_decode_batched.py) |
+| KARA_BATCHED_CPU_DECODE | bool | 1 | with the fast decode: one padded SDPA call per layer for the whole batch, GQA group folded into the query axis (not bit-identical to SGLang's: float summation order; 0 = the per-request loop, bit-identical; bench/results/kernels.md) |
 | KARA_PACKED_CPU_LINEAR | bool | 1 | with the CPU kernels, on CPU: float32 weight matmuls through oneDNN on weights packed in place after loading (the lm_head: a packed copy, for decode batches), instead of MKL's sgemm (not bit-identical: float summation order; cpu/linear.py; read when the plugin loads) |
 
 Booleans take SGLang's spellings (``EnvBool``), in any case: true ``1 true yes y``, false

@@ -5,7 +5,7 @@ windows, CUDA tensors and ``KARA_FAST_CPU_DECODE=0`` take SGLang's path). SGLang
 gathers each request's K/V per layer by advanced indexing; here the rows are read once per
 forward and shared by every layer, and
 one padded SDPA call per layer serves the whole batch, the GQA group folded into the query axis,
-while the cost rule (PAD_RATIO, CALL_UNITS; bench/cpu_decode_batched.py) says it beats the
+while the cost rule (PAD_RATIO, CALL_UNITS; measured in bench/results/kernels.md) says it beats the
 per-request loop (``KARA_BATCHED_CPU_DECODE=0``: always the loop, bit-identical to SGLang's; the
 padded call differs in float summation order). Kara's recompute pass (``run_window_extend``)
 attends each request's E window queries to its L keys directly instead of SGLang's padded L x L
@@ -42,7 +42,7 @@ def reset_metadata_hook(result, backend, *args, **kwargs):
     return result
 
 
-# When the padded call beats the loop (bench/cpu_decode_batched.py, this CPU, float32, one thread):
+# When the padded call beats the loop (bench/results/kernels.md, this CPU, float32, one thread):
 # per query-head x head-dim unit the padded call costs ~0.70 ns a padded entry, the loop ~0.85 ns a
 # row entry plus ~18 us of per-request call overhead, so padded wins while
 #     T x L_max <= PAD_RATIO x sum(L_i) + T x CALL_UNITS / (H_q x D)

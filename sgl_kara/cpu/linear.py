@@ -2,8 +2,8 @@
 out): float32 weight matmuls through oneDNN on weights reordered once, after loading, to its
 blocked layout -- in place, as SGLang's AMX path does for bfloat16 -- instead of ``F.linear``
 (MKL sgemm), which streams the weights once for 1-2 rows but not for the few rows of a decode
-batch, so each running request would add a weight read to a decode step (bench/cpu_linear.py
-measures both). Not bit-identical (float summation order).
+batch, so each running request would add a weight read to a decode step (bench/results/kernels.md
+has both measured). Not bit-identical (float summation order).
 
     linear layers (UnquantizedLinearMethod)  layer.weight replaced after loading by a Parameter
         holding oneDNN's opaque packed tensor (``is_mkldnn``; same shape and dtype, the
@@ -30,8 +30,8 @@ import torch
 # two rows stream the weights once in MKL already; prefill computes logits of a few rows only.
 LM_HEAD_ROWS = (3, 64)
 
-# oneDNN picks the packed layout for a batch-size hint; 16 is the hint bench/cpu_linear.py finds
-# best across decode row counts.
+# oneDNN picks the packed layout for a batch-size hint; 16 is the hint measured
+# best (bench/results/kernels.md) across decode row counts.
 PACK_HINT_ROWS = 16
 
 # id(weight) -> (weak reference to the weight, packed copy, the weight's version); an entry leaves with its
