@@ -113,8 +113,9 @@ def fit_stats(ivs: list[dict]) -> dict:
 def fit(stats: list[dict]) -> StepCost | None:
     """The step-cost model from one or more runs' ``fit_stats``, the same coefficients for every run
     (the systems run the same model through the same code; a compressing system's own per-step
-    hooks are measured by bench/profile_scheduler.py, not fitted: with equal output lengths
-    vanilla's batch is constant and such a term would trade off against the per-request cost).
+    hooks are not fitted -- a py-spy profile measured them, bench/results/throughput.md -- since
+    with equal output lengths vanilla's batch is constant and such a term would trade off against
+    the per-request cost).
     None when the runs do not determine the coefficients (fewer than 8 intervals, or B and rows
     never vary independently)."""
     import numpy as np

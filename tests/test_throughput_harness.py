@@ -12,7 +12,6 @@ from support import run_bench
 
 from bench import step_costs as sc
 from bench import throughput_grid as grid
-from bench.engine_run import RunResult
 
 # Benchmarks and docs, not the product: the integration tier (docs/TESTING.md, tiers).
 pytestmark = pytest.mark.integration
@@ -202,88 +201,6 @@ def test_spread_output_lengths():
             output_lengths(512, 32, bad)
 
 
-def test_profile_scheduler_options_drive_the_grid_runner(tiny_llama):
-    """bench/profile_scheduler.py hands its own namespace to the grid's runner; every option that
-    runner reads must exist there (it lacked --spread and crashed before sampling anything)."""
-    from bench import profile_scheduler
-
-    args = profile_scheduler.build_parser().parse_args(
-        [
-            "--out",
-            "unused",
-            "--requests",
-            "4",
-            "--gen",
-            "40",
-            "--spread",
-            "0.5",
-            "--window",
-            "32",
-        ]
-    )
-    args.model_path = tiny_llama
-    label, opts, per_request = grid.system_spec(
-        args.system, args.gen, args.window, args, args.requests
-    )
-    seen = {}
-
-    def run_system(
-        system,
-        a,
-        pool,
-        max_running,
-        kara=None,
-        prompts_params=None,
-        label=None,
-        record=None,
-    ):
-        seen.update(
-            system=system,
-            pool=pool,
-            max_running=max_running,
-            kara=kara,
-            params=prompts_params[1],
-        )
-        trace = [dict(running=4, waiting=0, kara_events=0, kara_seconds=0.0)]
-        return RunResult(
-            system=label,
-            pool=pool,
-            max_running=max_running,
-            seconds=1.0,
-            output_tokens=160,
-            lengths_ok=True,
-            retractions=0,
-            mean_running=4.0,
-            peak_running=4,
-            events=0,
-            compress_seconds=0.0,
-            trace=trace,
-            cpu_seconds=2.0,
-            scheduler_cpu_seconds=1.0,
-        )
-
-    r = grid.run_one(
-        run_system, args, grid.grid_prompts(4), args.gen, 500, label, opts, per_request
-    )
-    assert (
-        seen["system"] == "kara"
-        and seen["kara"]["kara_window"] == 32
-        and seen["max_running"] == 256
-    )
-    lengths = [p["max_new_tokens"] for p in seen["params"]]
-    assert lengths == grid.output_lengths(40, 4, 0.5) and sorted(lengths) == [
-        20,
-        33,
-        47,
-        60,
-    ]  # --spread 0.5
-    assert (
-        r["tps_sched"] == 160.0
-        and r["waiting_share"] == 0
-        and r["running_by_tenth"] == [4.0]
-    )
-
-
 def _model_trace(steps, fixed, per_request, per_row, events=()):
     """A trace whose decode steps cost exactly fixed + per_request B + per_row rows CPU-seconds; ``steps``:
     (B, rows, waiting) per step; ``events``: {step index: compression seconds added to that step}."""
@@ -353,61 +270,6 @@ def test_step_costs_recover_the_model_and_split_a_ratio():
     assert (
         sc.intervals([dict(running=4, waiting=0)] * 3) == []
     )  # traces recorded without a CPU clock
-
-
-def test_profile_stages_split_the_forward_by_layer_file(tmp_path):
-    """bench/profile_scheduler.py: the innermost frame that names a stage decides (an event's own
-    forward stays an event), layer stages match SGLang's file names, and the summary turns
-    sample shares into CPU ms per decode step."""
-    from bench.profile_scheduler import stage_of, summarize
-
-    # frames as py-spy writes them: the shortest unique path suffix of each file
-    loop, fwd = (
-        "event_loop (scheduler.py:1)",
-        "ModelRunner.forward (model_executor/model_runner.py:2)",
-    )
-    linear = "ColumnParallelLinear.forward (linear.py:626);UnquantizedLinearMethod.apply (quantization/unquant.py:614)"
-    stacks = {
-        f"{loop};{fwd};{linear}": 50,
-        f"{loop};{fwd};LogitsProcessor._compute_lm_head (logits_processor.py:1200);Module.__getattr__ "
-        "(torch/nn/modules/module.py:1963)": 10,
-        f"{loop};{fwd};run_sdpa_forward_decode (cpu/attention.py:3)": 20,
-        f"{loop};Sampler.forward (sampler.py:301)": 10,
-        f"{loop};EventRunner.run (events.py:1);EventRunner._recompute (events.py:3);{fwd};{linear}": 10,
-    }
-    assert [stage_of(s) for s in stacks] == [
-        "forward: projections + MLP (linear)",
-        "forward: logits (lm_head)",
-        "decode attention",
-        "sampling",
-        "event: recompute forward",
-    ]
-    assert (
-        stage_of(f"{loop};{fwd};RMSNorm.forward_native (layernorm.py:840)")
-        == "forward: norms"
-    )
-    assert (
-        stage_of(f"{loop};{fwd};forward_native (rotary_embedding/base.py:9)")
-        == "forward: rotary"
-    )
-    assert (
-        stage_of(f"{loop};{fwd};LlamaModel.forward (models/llama.py:487)")
-        == "model forward (other)"
-    )
-    assert (
-        stage_of(f"{loop};{fwd};Module.forward (torch/nn/modules/nonlinear.py:1)")
-        == "model forward (other)"
-    )
-    path = tmp_path / "stacks.txt"
-    path.write_text(
-        "".join(f"{s} {n}\n" for s, n in stacks.items()) + "watchdog (w.py:1) 99\n"
-    )
-    text = summarize(str(path), step_ms=200.0)
-    assert (
-        "samples in the scheduler's event loop: 100" in text
-    )  # the watchdog thread is not the loop
-    assert "| forward: projections + MLP (linear) | 50 | 50.0% | 100.00 |" in text
-    assert "| sampling | 10 | 10.0% | 20.00 |" in text
 
 
 def test_grid_system_with_its_own_query_source():
