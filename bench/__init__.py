@@ -8,6 +8,7 @@ stores its run record beside them (bench/record.py: date, machine, commit, comma
     throughput, throughput_grid   vanilla SGLang vs sgl_kara across a grid of workloads
     engine_run, step_costs        one engine on one workload; per-step costs from its trace
     serve_numbers                 the default server: start-up, memory, decode
-    gpu_kernels, gpu_model, gpu_suite  the device check, the GPU cost model, the GPU suite
+    gpu_kernels, gpu_suite        the device check, the GPU suite
+    scoring_cost                  the GPU roofline of Kara's scoring schedules
     quality/                      what compression costs in answers (python -m bench.quality)
 """

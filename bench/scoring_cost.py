@@ -3,8 +3,8 @@
     python -m bench.scoring_cost [--gpu h100 --models Qwen3-8B,R1-Llama-8B --batches 64,256]
                                  [--context TOKENS] [--out DIR]
 
-A model, not a measurement: the roofline of bench/gpu_model.py (time = max(FLOPs / (peak *
-compute_eff), bytes / (HBM * bw_eff))) applied to the passes a scoring schedule adds to decoding.
+A model, not a measurement: a roofline (time = max(FLOPs / (peak * compute_eff), bytes /
+(HBM * bw_eff)), on one GPU; the models' real GQA configurations with a gated MLP) applied to the passes a scoring schedule adds to decoding.
 Kara scores every window of W queries against its W - U region keys; the frontier moves W - U
 rows per window, so a request decoding one token per step scores W / (W - U) queries per step on
 average, whatever the schedule. The schedules differ in how those queries are batched into passes,
@@ -45,7 +45,100 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bench.gpu_model import GPUS, MODELS, Cost, ModelConfig, roofline, step_time
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    dtype_bytes: int = 2
+    tie_embeddings: bool = False
+
+    @property
+    def q_dim(self):
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self):
+        return self.kv_heads * self.head_dim
+
+    def layer_params(self):  # q, k, v, o, gated MLP (gate, up, down)
+        kv = 2 * self.hidden * self.kv_dim
+        return 2 * self.hidden * self.q_dim + kv + 3 * self.hidden * self.intermediate
+
+    def params(self):
+        return self.layers * self.layer_params() + self.vocab * self.hidden * (
+            1 if self.tie_embeddings else 2
+        )
+
+    def matmul_params(
+        self,
+    ):  # weights multiplied per decoded token (embedding: a lookup)
+        return self.layers * self.layer_params() + self.vocab * self.hidden
+
+    def kv_bytes_per_token(self):  # K and V, all layers, all KV heads
+        return 2 * self.layers * self.kv_dim * self.dtype_bytes
+
+
+MODELS = {
+    m.name: m
+    for m in [
+        ModelConfig("R1-Llama-8B", 32, 4096, 32, 8, 128, 14336, 128256),  # Llama-3.1-8B
+        ModelConfig("Qwen3-8B", 36, 4096, 32, 8, 128, 12288, 151936),
+        ModelConfig("Qwen3-14B", 40, 5120, 40, 8, 128, 17408, 151936),
+        ModelConfig(
+            "Qwen3-4B", 36, 2560, 32, 8, 128, 9728, 151936, tie_embeddings=True
+        ),
+    ]
+}
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    tflops: float  # dense BF16 tensor TFLOPs (FP32 accumulate), datasheet
+    hbm_gbs: float  # memory bandwidth GB/s
+    mem_gib: float  # device memory
+
+
+GPUS = {
+    g.name: g
+    for g in [
+        GPU("rtx5090", 209.5, 1792, 32),  # GDDR7
+        GPU("h100", 989.4, 3350, 80),  # SXM
+        GPU("h200", 989.4, 4800, 141),
+        GPU("a100", 312.0, 2039, 80),  # SXM 80 GB
+    ]
+}
+
+
+@dataclass(frozen=True)
+class Cost:
+    compute_eff: float = 0.5  # achieved / peak tensor FLOPs
+    bw_eff: float = 0.8  # achieved / peak HBM bandwidth
+
+
+def roofline(flops, nbytes, gpu, cost):
+    return np.maximum(
+        flops / (gpu.tflops * 1e12 * cost.compute_eff),
+        nbytes / (gpu.hbm_gbs * 1e9 * cost.bw_eff),
+    )
+
+
+def decode_step(m, gpu, batch, kv_tokens, cost=Cost()):
+    """Time of one decode step of ``batch`` sequences holding ``kv_tokens`` KV entries in total
+    (numpy-broadcastable): the weights and the KV read once; attention QK^T and PV, 2 FLOPs each
+    per query dim per key."""
+    batch, kv_tokens = np.asarray(batch, float), np.asarray(kv_tokens, float)
+    flops = 2 * m.matmul_params() * batch + 4 * m.layers * m.q_dim * kv_tokens
+    nbytes = kv_tokens * m.kv_bytes_per_token() + m.matmul_params() * m.dtype_bytes
+    return roofline(flops, nbytes, gpu, cost)
+
 
 # SGLang 0.5.23 on an 80 GB GPU (server_args memory hook): chunked_prefill_size 8192 and decode
 # graphs up to 256 requests, so 13.4 GB held back for activations and graph buffers:
@@ -122,7 +215,7 @@ def recompute_forward(m, gpu, tokens, requests, context, cost, s: Schedule):
         + requests * context * m.kv_bytes_per_token()
         + 2 * tokens * m.hidden * m.dtype_bytes * m.layers  # activations in and out
     )
-    gpu_s = roofline(flops, nbytes, gpu, 1, cost)
+    gpu_s = roofline(flops, nbytes, gpu, cost)
     host_s = m.layers * s.ops_per_layer * s.launch_us * 1e-6
     return np.where(tokens > 0, gpu_s, 0.0), np.where(tokens > 0, host_s, 0.0)
 
@@ -138,7 +231,7 @@ def score_kernels(m, gpu, requests, queries, cost, s: Schedule):
         * requests
         * (2 * queries * m.q_dim * item + 2 * M * m.kv_dim * item + 4 * m.kv_heads * M)
     )
-    return roofline(flops, nbytes, gpu, 1, cost)
+    return roofline(flops, nbytes, gpu, cost)
 
 
 def added(gpu_s, host_s, decode_s):
@@ -169,7 +262,7 @@ def estimate(
     (b'), ``capture`` (c), ``fused`` (d). ``context``: KV tokens per request (default: the pool
     shared by the batch)."""
     ctx = pool_tokens(m, gpu) / batch if context is None else float(context)
-    decode = float(step_time(m, gpu, 1, batch, batch * ctx, cost))
+    decode = float(decode_step(m, gpu, batch, batch * ctx, cost))
     windows = batch / s.region  # windows scored per step, whatever the schedule
     out = dict(
         model=m.name,
@@ -210,7 +303,7 @@ def estimate(
         + (batch + reqs) * ctx * m.kv_bytes_per_token()
         + 2 * tokens * m.hidden * m.dtype_bytes * m.layers
     )
-    mixed = roofline(flops, nbytes, gpu, 1, cost)
+    mixed = roofline(flops, nbytes, gpu, cost)
     mixed = mixed + score_kernels(m, gpu, reqs, s.part, cost, s)
     put(
         "fused", added(mixed, h, mixed) - decode, share

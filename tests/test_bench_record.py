@@ -66,24 +66,13 @@ def test_git_state_names_the_commit_and_whether_the_tree_changed(tmp_path):
 
 
 def test_a_benchmark_run_records_its_command_commit_and_kernel_switches(tmp_path):
-    """``python -m bench.gpu_model ... --out DIR`` (pure numpy, seconds) as a user runs it, with
+    """``python -m bench.scoring_cost ... --out DIR`` (pure numpy, seconds) as a user runs it, with
     the packed CPU linear switched off: run.json has the command as typed, this checkout's commit,
     the switch and the variable, and a start and end time."""
-    args = [
-        "--requests",
-        "40",
-        "--mean-gen",
-        "600",
-        "--max-gen",
-        "2000",
-        "--batch-sizes",
-        "16,64",
-        "--out",
-        str(tmp_path),
-    ]
+    args = ["--batches", "16,64", "--out", str(tmp_path)]
     env = {**os.environ, "KARA_PACKED_CPU_LINEAR": "0"}
     subprocess.run(
-        [sys.executable, "-m", "bench.gpu_model", *args],
+        [sys.executable, "-m", "bench.scoring_cost", *args],
         cwd=ROOT,
         env=env,
         check=True,
@@ -92,7 +81,7 @@ def test_a_benchmark_run_records_its_command_commit_and_kernel_switches(tmp_path
         timeout=300,
     )
     run = json.loads((tmp_path / "run.json").read_text())
-    assert run["command"] == "python -m bench.gpu_model " + " ".join(args)
+    assert run["command"] == "python -m bench.scoring_cost " + " ".join(args)
     head = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
     ).stdout.strip()

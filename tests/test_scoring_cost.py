@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from bench import scoring_cost as sc
-from bench.gpu_model import GPU, GPUS, MODELS, Cost, ModelConfig
+from bench.scoring_cost import GPU, GPUS, MODELS, Cost, ModelConfig
 
 # Benchmarks and docs, not the product: the integration tier (docs/TESTING.md, tiers).
 pytestmark = pytest.mark.integration
@@ -16,13 +16,54 @@ H100 = GPUS["h100"]
 SCHEDULES = ("part", "window", "server", "capture", "fused")
 
 
+def test_param_counts_match_published_sizes():
+    want = {
+        "R1-Llama-8B": 8.03e9,
+        "Qwen3-8B": 8.19e9,
+        "Qwen3-14B": 14.77e9,
+        "Qwen3-4B": 4.02e9,
+    }
+    for name, n in want.items():
+        assert MODELS[name].params() == pytest.approx(n, rel=0.01), name
+    assert MODELS["R1-Llama-8B"].kv_bytes_per_token() == 2 * 32 * 8 * 128 * 2
+
+
+def test_decode_step_monotone_in_batch_and_kv_length():
+    m = MODELS["R1-Llama-8B"]
+    b = np.arange(1, 513)
+    assert np.all(np.diff(sc.decode_step(m, H100, b, b * 2000)) > 0)
+    t = sc.decode_step(m, H100, 128, np.linspace(0, 4e6, 200))
+    assert np.all(np.diff(t) >= 0) and t[-1] > t[0]
+    assert np.all(np.diff(sc.decode_step(m, H100, np.arange(1, 300), 1e5)) >= 0)
+
+
+@pytest.mark.parametrize("rho,beta", [(1e15, 1e9), (1e9, 1e15), (3e12, 2e11)])
+def test_decode_step_reduces_to_the_papers_eq10(rho, beta):
+    """MHA, a gated MLP with 3 D I = 8 D^2 (Eq. 10's FFN of 4D in two matrices), no vocabulary:
+    Eq. 10's max(2L(12BD^2 + 2BSD) / rho, 4LBSD / beta), plus the weight read (12 L D^2 bf16
+    weights) that Eq. 10 leaves out."""
+    D, L = 12, 3
+    tiny = ModelConfig("tiny", L, D, 1, 1, D, 8 * D // 3, 0)
+    assert tiny.matmul_params() == 12 * L * D * D
+    gpu = GPU("ideal", rho / 1e12, beta / 1e9, 1)
+    cost = Cost(compute_eff=1.0, bw_eff=1.0)
+    for B, S in [(1, 1), (4, 100), (64, 3000)]:
+        got = float(sc.decode_step(tiny, gpu, B, B * S, cost))
+        weights = 2 * 12 * L * D * D
+        want = max(
+            2 * L * (12 * B * D * D + 2 * B * S * D) / rho,
+            (4 * L * B * S * D + weights) / beta,
+        )
+        assert got == pytest.approx(want, rel=1e-12)
+
+
 def test_recompute_forward_by_hand():
     # 2 layers, hidden 4, 2 query heads and 1 KV head of dim 2, MLP 8: a layer holds
     # q + o 2 * 4 * 4, k + v 2 * 4 * 2, gate / up / down 3 * 4 * 8 = 144 weights; the forward
     # skips the last layer's o (16) and MLP (96): 176 weights.
     toy = ModelConfig("toy", 2, 4, 2, 1, 2, 8, 10)
     assert toy.layer_params() == 144 and sc.forward_params(toy) == 176
-    gpu = GPU("toy", tflops=1e-9, hbm_gbs=1e-6, mem_gib=1, link_gbs=1, ar_latency_us=0)
+    gpu = GPU("toy", tflops=1e-9, hbm_gbs=1e-6, mem_gib=1)
     s = sc.Schedule(ops_per_layer=5, launch_us=100.0)
     cost = Cost(compute_eff=1.0, bw_eff=1.0)
     # 3 query tokens of 1 request over a context of 5: FLOPs 2 * 176 * 3 + 4 * 2 * 4 * 3 * 5
