@@ -1301,7 +1301,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     pending = [
         c for c in args.configs for r in ratios if not done_earlier(c, args_at(args, r))
     ]
-    if not pending:  # a resumed campaign's finished step: no run, no run record
+    if not pending:  # a resumed run with nothing left: no run, no run record
         return report(args)
     record = RunRecord(args.out, argv, name=gsm8k._record_path(args.out))
     import sgl_kara
