@@ -45,10 +45,10 @@ from sgl_kara.policies.base import Region, RowView
 from sgl_kara.scheduler.state import KaraReqState
 
 # Queries per request a spread part scores at least (fewer only when fewer are left or decoded),
-# by device: on a CPU a part's cost is mostly reading the region's keys per layer (bench
-# score_parts); on CUDA a recompute forward below the roofline ridge costs a whole weight read
-# (bench scoring_cost: 256 on H100 / H200). Under --kara-spread-max every step scores (at most
-# the cap).
+# by device: on a CPU a part's cost is mostly reading the region's keys per layer
+# (bench/results/serving.md, Score parts); on CUDA a recompute forward below the roofline ridge
+# costs a whole weight read (bench scoring_cost: 256 on H100 / H200). Under --kara-spread-max
+# every step scores (at most the cap).
 PART_SIZE = {"cpu": 32, "cuda": 256}
 MIN_CHUNK = PART_SIZE["cpu"]
 
