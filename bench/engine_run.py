@@ -4,9 +4,8 @@
 given ``kara_*`` options on a KV pool of ``pool`` tokens, warms it up, generates the workload, and
 returns a ``RunResult``: output tokens, wall and CPU seconds (the scheduler's apart), running
 requests, retractions, compression events and their time, and the per-step trace (the plugin's
-``KARA_TRACE`` hook, which instruments vanilla and Kara schedulers alike). Used by
-bench/throughput.py (one workload, several systems) and bench/throughput_grid.py (the grid);
-neither imports the other's code for it.
+``KARA_TRACE`` hook, which instruments vanilla and Kara schedulers alike). Used by the workload
+grid, bench/throughput_grid.py (``python -m bench.throughput --grid`` runs it).
 """
 
 from __future__ import annotations
