@@ -49,6 +49,7 @@ import json
 import os
 import time
 
+from bench.engine_run import engine_cpu_seconds
 from bench.reasoning import stats
 from bench.reasoning.grading import grade
 
@@ -141,34 +142,20 @@ def engine_options(
     return opts, [{"budget": b} for b in threshold_budgets(kara_rows, gap, floor)]
 
 
-def chat_prompts(problems: list[dict], model: str) -> list[list[int]]:
+def chat_prompts(messages: list[str], model: str) -> list[list[int]]:
+    """Token ids of each message as the model's chat template puts a user turn."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
     out = []
-    for p in problems:
+    for message in messages:
         text = tok.apply_chat_template(
-            [{"role": "user", "content": f"{p['instruction']}\n\n{p['question']}"}],
+            [{"role": "user", "content": message}],
             add_generation_prompt=True,
             tokenize=False,
         )
         out.append(tok(text, add_special_tokens=False)["input_ids"])
     return out
-
-
-def engine_cpu_seconds() -> float:
-    """CPU seconds used so far by this process's children (the engine's scheduler, detokenizer)
-    and by this process (its tokenizer manager)."""
-    import psutil
-
-    me = psutil.Process()
-    total = sum(me.cpu_times()[:2])
-    for child in me.children(recursive=True):
-        try:
-            total += sum(child.cpu_times()[:2])
-        except psutil.NoSuchProcess:
-            pass
-    return total
 
 
 def problem_record(p: dict, out: dict, prompt_len: int, budget: int | None) -> dict:
@@ -237,7 +224,7 @@ def run_config(
         )
     try:
         record.add_engine(name, engine)
-        cpu0, tic = engine_cpu_seconds(), time.time()
+        cpu0, tic = engine_cpu_seconds()[0], time.time()
         tokens = 0
 
         async def one(i: int, sink) -> None:
@@ -262,7 +249,7 @@ def run_config(
 
         with open(partial, "a") as sink:
             engine.loop.run_until_complete(all_of(sink))
-        seconds, cpu = time.time() - tic, engine_cpu_seconds() - cpu0
+        seconds, cpu = time.time() - tic, engine_cpu_seconds()[0] - cpu0
         with open(os.path.join(args.out, name + ".sessions.jsonl"), "a") as f:
             f.write(
                 json.dumps(
@@ -666,7 +653,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     problems = (
         data.load_jsonl(args.problems, args.n) if args.problems else data.load(args.n)
     )
-    prompts = chat_prompts(problems, args.model_path)
+    prompts = chat_prompts(
+        [f"{p['instruction']}\n\n{p['question']}" for p in problems], args.model_path
+    )
     if args.max_total_tokens is None:
         args.max_total_tokens = (
             args.max_running * (max(map(len, prompts)) + args.max_new_tokens) + 256

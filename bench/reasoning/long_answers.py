@@ -70,6 +70,7 @@ import sys
 import time
 from fractions import Fraction
 
+from bench.engine_run import engine_cpu_seconds
 from bench.reasoning import configs, gsm8k, stats, workload
 
 LEGACY = ("mean", "final")  # suffixes: the budget matchings before equal trajectory
@@ -302,18 +303,7 @@ def request_record(problems: list[dict], out: dict, prompt_len: int) -> dict:
 
 
 def chat_prompts(requests: list[list[dict]], model: str) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model)
-    out = []
-    for probs in requests:
-        text = tok.apply_chat_template(
-            [{"role": "user", "content": workload.message(probs)}],
-            add_generation_prompt=True,
-            tokenize=False,
-        )
-        out.append(tok(text, add_special_tokens=False)["input_ids"])
-    return out
+    return gsm8k.chat_prompts([workload.message(probs) for probs in requests], model)
 
 
 @dataclasses.dataclass
@@ -377,7 +367,7 @@ def run_lanes(lanes, opts, requests, prompts, args, record) -> None:
         )
     try:
         record.add_engine(label, engine)
-        cpu0, tic = gsm8k.engine_cpu_seconds(), time.time()
+        cpu0, tic = engine_cpu_seconds()[0], time.time()
         tokens = dict.fromkeys((ln.name for ln in lanes), 0)
 
         async def one(ln: Lane, i: int, sink) -> None:
@@ -417,7 +407,7 @@ def run_lanes(lanes, opts, requests, prompts, args, record) -> None:
         finally:
             for sink in sinks:
                 sink.close()
-        seconds, cpu = time.time() - tic, gsm8k.engine_cpu_seconds() - cpu0
+        seconds, cpu = time.time() - tic, engine_cpu_seconds()[0] - cpu0
         for ln in lanes:
             session = {
                 "requests": len(ln.todo),
