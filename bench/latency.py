@@ -138,31 +138,29 @@ def run_load(url: str, requests_: int, tokens: int) -> dict:
     return summarize(outs)
 
 
+def sglang_command(resolved, pool: int) -> list[str]:
+    """Plain SGLang's server at sgl_kara's resolved settings (model, device, backend, dtype,
+    pages, request limit) on a pool of ``pool`` tokens."""
+    flags = {
+        "--model-path": resolved.model_path,
+        "--device": resolved.device,
+        "--attention-backend": resolved.attention_backend,
+        "--dtype": resolved.dtype,
+        "--page-size": resolved.page_size,
+        "--max-total-tokens": pool,
+        "--max-running-requests": resolved.max_running_requests,
+    }
+    args = [s for flag, value in flags.items() for s in (flag, str(value))]
+    return [sys.executable, "-m", "sglang.launch_server", *args]
+
+
 def commands(
     system: str, model_argv: list[str], workload: dict, resolved
 ) -> tuple[list[str], dict]:
     """(command, extra environment) of a system's server."""
     py = sys.executable
     if system.startswith("sglang"):
-        cmd = [
-            py,
-            "-m",
-            "sglang.launch_server",
-            "--model-path",
-            resolved.model_path,
-            "--device",
-            resolved.device,
-            "--attention-backend",
-            resolved.attention_backend,
-            "--dtype",
-            str(resolved.dtype),
-            "--page-size",
-            str(resolved.page_size),
-            "--max-total-tokens",
-            str(resolved.max_total_tokens),
-            "--max-running-requests",
-            str(resolved.max_running_requests),
-        ]
+        cmd = sglang_command(resolved, resolved.max_total_tokens)
         if system == "sglang-nooverlap":
             cmd.append("--disable-overlap-schedule")
         return cmd, {"KARA_CPU_KERNELS": "1"}

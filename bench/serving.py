@@ -77,25 +77,9 @@ def server_command(
     if name == "kara":
         cmd = [py, "-m", "sgl_kara.launch_server", "--max-total-tokens", str(pool)]
         return cmd + list(kara_flags), {}
-    return [
-        py,
-        "-m",
-        "sglang.launch_server",
-        "--model-path",
-        resolved.model_path,
-        "--device",
-        resolved.device,
-        "--attention-backend",
-        resolved.attention_backend,
-        "--dtype",
-        str(resolved.dtype),
-        "--page-size",
-        str(resolved.page_size),
-        "--max-total-tokens",
-        str(pool),
-        "--max-running-requests",
-        str(resolved.max_running_requests),
-    ], {"KARA_CPU_KERNELS": "1"}
+    from bench.latency import sglang_command
+
+    return sglang_command(resolved, pool), {"KARA_CPU_KERNELS": "1"}
 
 
 def client_command(
