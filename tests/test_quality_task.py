@@ -146,7 +146,7 @@ def test_tokenizer_round_trip():
 
 def test_decide_role_marks_every_continue_or_stop_word():
     """One 'decide' word per step, right after its closing value: '.' to go on, 'answer' to
-    stop (format 3); in format 2 the word after each '.' (the next Kk, or 'answer')."""
+    stop."""
     rng = random.Random(5)
     for size in (3, 10, 33):
         _, solution, _ = task.make_problem(rng, size)
@@ -158,30 +158,16 @@ def test_decide_role_marks_every_continue_or_stop_word():
             task.parse_word(words[i - 1])[0] == "V" and words[i - 2] == ";"
             for i in decided
         )
-        _, solution2, _ = task.make_problem(random.Random(size), size, fmt=2)
-        words2, roles2 = solution2.split(), task.token_roles(solution2, fmt=2)
-        decided2 = [w for w, r in zip(words2, roles2) if r == "decide"]
-        assert len(decided2) == size - 2 and decided2[-1] == "answer"
-        assert all(task.parse_word(w)[0] == "K" for w in decided2[:-1])
 
 
-def test_formats_share_the_random_stream():
-    """Format 3 is format 2 with the last pointer an L word and no '.' before 'answer'."""
-    p2, s2, a2 = task.make_problem(random.Random(9), 30, fmt=2)
-    p3, s3, a3 = task.make_problem(random.Random(9), 30)
-    last = re.search(r"\bL(\d+)=(\d)\b", p3)
-    assert len(re.findall(r"\bL\d+=\d\b", p3)) == 1 and a2 == a3
-    assert p2 == p3.replace(last.group(0), f"P{last.group(1)}={last.group(2)}")
-    assert s2.replace(" . answer", " answer") == s3.replace(
-        f"K{last.group(1)} L", f"K{last.group(1)} P"
+def test_the_last_pointer_is_the_one_l_word():
+    """The last step's pointer is an L word (prompt and solution), queried as QE, and 'answer'
+    follows its closing value directly."""
+    p, s, _ = task.make_problem(random.Random(9), 30)
+    last = re.search(r"\bL(\d+)=(\d)\b", p)
+    assert len(re.findall(r"\bL\d+=\d\b", p)) == 1
+    assert f"QE{last.group(1)} " in p and f"K{last.group(1)} {last.group(0)} " in s
+    assert (
+        " . answer" not in s
+        and f"V{last.group(1)}=" in s.split(" answer ")[0].split()[-1]
     )
-    assert f"QE{last.group(1)} " in p3 and "L" not in s2 + p2
-    with pytest.raises(ValueError, match="fmt"):
-        task.make_problem(random.Random(9), 30, fmt=4)
-
-
-def test_format_2_vocabulary_is_a_prefix():
-    """A format-2 model (no L words) keeps every token id when the vocabulary grows to format 3."""
-    v2, v3 = task.vocabulary(2), task.vocabulary(3)
-    assert v3 == task.WORDS and v3[: len(v2)] == v2 and len(v3) - len(v2) == 640
-    assert all(w.startswith("L") for w in v3[len(v2) :])

@@ -33,14 +33,12 @@ seed values, so a KV-cache policy that drops the wrong generated entries breaks 
 
 The stop decision is local: the last step recalls an ``Lk=δ`` pointer instead of ``Pk=δ`` (the
 same one-hop recall), so when its closing ``Vk=d`` is written the step itself says "this was the
-last one", and ``answer`` follows directly (no ``.``). In format 2 (kept to reproduce the
-proxy's first training stages) every pointer was ``Pk=δ`` and stopping meant *comparing* the
-current name with the queried ``QEk``: the stage-2 model computed every value right but failed
-that comparison on ~1 problem in 3 (``K46 ...`` instead of ``answer``), and weighting the stop
-word only moved the threshold (it then stopped early as often; bench/results/reasoning.md).
+last one", and ``answer`` follows directly (no ``.``). In the proxy's first training stages (format 2) every
+pointer was ``Pk=δ`` and stopping meant *comparing* the current name with the queried ``QEk``,
+which the model failed on ~1 problem in 3 (bench/results/reasoning.md).
 
 Size N = number of values (2 seeds + N-2 steps); the solution is 16 * (N - 2) + 8 words
-(N=21 -> 312, N=62 -> 968; format 2: one more).
+(N=21 -> 312, N=62 -> 968).
 """
 
 from __future__ import annotations
@@ -49,9 +47,6 @@ import random
 import re
 
 MAX_NAMES = 64
-FORMATS = (2, 3)
-FORMAT = 3  # current task format (see make_problem)
-STEP_WORDS = 16  # words per solution step
 MAX_DELTA = 9  # pointer digit range 0..9 -> look-back 2..29 steps
 
 SYMBOLS = [";", "+", "=", ".", "query", "seed", "answer", "and", "last"]
@@ -67,13 +62,7 @@ WORDS = (
     + DIGITS
     + [f"{f}{k}" for f in FAMILIES for k in range(MAX_NAMES)]
     + [f"{c}{k}={d}" for c in COMPOUNDS for k in range(MAX_NAMES) for d in range(10)]
-)  # task vocabulary (the proxy's tokenizer adds <pad> <bos> <eos> <unk>); L words last: format 2 never
-#    uses them, and a format-2 model keeps its token ids when the vocabulary grows
-
-
-def vocabulary(fmt: int = FORMAT) -> list[str]:
-    """Task words of a format: format 2 has no ``Lk=d`` words (ids of the others are the same)."""
-    return WORDS if fmt == 3 else [w for w in WORDS if not w.startswith("L")]
+)  # task vocabulary, in the proxy tokenizer's id order (it adds <pad> <bos> <eos> <unk>)
 
 
 _WORD_RE = re.compile(r"^(K|r|QA|QB|QE|V|P|L)(\d+)(?:=(\d))?$")
@@ -102,19 +91,13 @@ def make_chain(rng: random.Random, size: int) -> tuple[list[int], list[int]]:
     return values, deltas
 
 
-def make_problem(
-    rng: random.Random, size: int, fmt: int = FORMAT
-) -> tuple[str, str, str]:
+def make_problem(rng: random.Random, size: int) -> tuple[str, str, str]:
     """(prompt_text, solution_text, answer) for a chain of ``size`` values.
 
-    ``answer`` is the three queried values as a space-separated digit string, e.g. "7 2 5".
-    ``fmt`` 3 (current) writes the last step's pointer as ``Lk=δ`` (prompt and solution) and
-    ends that step without its ``.``: ``answer`` follows its closing ``Vk=d``. Format 2 (the
-    proxy's first two training stages) uses ``Pk=δ`` for every step and ends each with ``.``.
-    Both draw the same random numbers, so a seed gives the same problem in either format.
+    ``answer`` is the three queried values as a space-separated digit string, e.g. "7 2 5". The
+    last step's pointer is ``Lk=δ`` (prompt and solution) and that step ends without its ``.``:
+    ``answer`` follows its closing ``Vk=d``.
     """
-    if fmt not in FORMATS:
-        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt}")
     start = rng.randrange(MAX_NAMES)
     values, deltas = make_chain(rng, size)
 
@@ -125,7 +108,7 @@ def make_problem(
     qa, qb = rng.sample(range(half), 2)
 
     def ptr_word(i: int) -> str:
-        return f"{'L' if fmt == 3 and i == size - 1 else 'P'}{name(i)}={deltas[i]}"
+        return f"{'L' if i == size - 1 else 'P'}{name(i)}={deltas[i]}"
 
     pointers = [ptr_word(i) for i in range(2, size)]
     rng.shuffle(pointers)
@@ -142,8 +125,7 @@ def make_problem(
             f"K{k} {ptr_word(i)} r{ptr} V{ptr}={values[p]} ; r{prev} V{prev}={values[i - 1]} ; "
             f"{values[i - 1]} + {values[p]} = {values[i]} ; V{k}={values[i]} ."
         )
-    if fmt == 3:
-        steps[-1] = steps[-1][: -len(" .")]
+    steps[-1] = steps[-1][: -len(" .")]
     q = [(qa, "answer"), (qb, "and"), (size - 1, "last")]
     steps.append(" ".join(f"{w} r{name(i)} V{name(i)}={values[i]}" for i, w in q))
     answer = " ".join(str(values[i]) for i, _ in q)
@@ -185,17 +167,13 @@ def count_tokens(text: str) -> int:
     return len(text.split())
 
 
-ROLES = ("format", "pointer", "fetch_near", "fetch_far", "arith", "answer", "decide")
-
-
-def token_roles(solution_text: str, far: int = 20, fmt: int = FORMAT) -> list[str]:
+def token_roles(solution_text: str, far: int = 20) -> list[str]:
     """Role of each solution word, for per-role accuracy: ``pointer`` (``Pk=δ`` recalled from the
     prompt and the ``rp`` it implies), ``fetch_near``/``fetch_far`` (a recalled ``Vj=d`` whose
     previous statement is < / >= ``far`` words back), ``arith`` (a step's result digit),
     ``answer`` (values recalled in the answer line), ``decide`` (one "stop here?" decision per
-    step, which a greedy run must get right every time: in format 3 the word after each step's
-    closing ``Vk=d``, ``.`` or ``answer``; in format 2 the word after each step's ``.``, the next
-    ``Kk`` or ``answer``), ``format`` (the rest: fixed or local)."""
+    step, which a greedy run must get right every time: the word after each step's closing
+    ``Vk=d``, ``.`` or ``answer``), ``format`` (the rest: fixed or local)."""
     words = solution_text.split()
     roles = ["format"] * len(words)
     last: dict[int, int] = {}
@@ -207,7 +185,7 @@ def token_roles(solution_text: str, far: int = 20, fmt: int = FORMAT) -> list[st
         parsed = parse_word(w)
         pprev = parse_word(prev)
         closes_step = bool(pprev) and pprev[0] == "V" and i >= 2 and words[i - 2] == ";"
-        if prev == "." if fmt == 2 else closes_step:
+        if closes_step:
             roles[i] = "decide"
         elif parsed and parsed[0] in ("P", "L") or (pprev and pprev[0] in ("P", "L")):
             roles[i] = "pointer"
