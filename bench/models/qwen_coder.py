@@ -287,14 +287,6 @@ def download_parts(rec: Recipe, dest: Path) -> None:
         )
 
 
-def _sha256_stream(chunks) -> tuple[int, str]:
-    h, n = hashlib.sha256(), 0
-    for block in chunks:
-        h.update(block)
-        n += len(block)
-    return n, h.hexdigest()
-
-
 def _read_blocks(f, size: int = 1 << 20):
     return iter(lambda: f.read(size), b"")
 
