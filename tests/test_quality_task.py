@@ -33,6 +33,25 @@ def _reevaluate(prompt: str) -> tuple[dict[int, int], dict[str, int], list[int]]
     return values, query, order
 
 
+def _lookback_distances(solution_text: str) -> list[int]:
+    """For each value recalled inside a step, the distance in words back to the generated word
+    that defined it (seeds, defined in the prompt, are skipped)."""
+    words = solution_text.split()
+    defined: dict[int, int] = {}
+    dists = []
+    for i, w in enumerate(words):
+        if w == "answer":
+            break
+        parsed = task.parse_word(w)
+        if not parsed or parsed[0] != "V":
+            continue
+        if words[i - 1] == ";":  # "; Vk=d ." closes step k: the definition
+            defined[parsed[1]] = i
+        elif parsed[1] in defined:
+            dists.append(i - defined[parsed[1]])
+    return dists
+
+
 @pytest.mark.parametrize("size", [3, 4, 7, 21, 40, 62, 64])
 def test_answer_matches_independent_evaluation(size):
     rng = random.Random(1000 + size)
@@ -45,7 +64,7 @@ def test_answer_matches_independent_evaluation(size):
             and query["QB"] != query["QA"]
         )
         assert answer == " ".join(str(values[query[f]]) for f in ("QA", "QB", "QE"))
-        assert task.check(solution, answer) and task.solve_prompt(prompt) == answer
+        assert task.check(solution, answer)
         # every value word in the solution states that name's true value
         for k, d in re.findall(r"\bV(\d+)=(\d)\b", solution):
             assert values[int(k)] == int(d)
@@ -93,7 +112,7 @@ def test_solution_lengths_and_lookback_distances_in_range():
     dists = []
     for _ in range(50):
         prompt, solution, _ = task.make_problem(rng, 50)
-        dists += task.lookback_distances(prompt, solution)
+        dists += _lookback_distances(solution)
     # fetches reach varied distances, many far beyond a 64-256-token window
     assert min(dists) < 20 and max(dists) > 400
     assert sum(d >= 128 for d in dists) / len(dists) > 0.2

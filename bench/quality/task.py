@@ -132,23 +132,6 @@ def make_problem(rng: random.Random, size: int) -> tuple[str, str, str]:
     return prompt, " ".join(steps), answer
 
 
-def solve_prompt(prompt_text: str) -> str:
-    """Reference answer computed from the prompt alone (independent of make_problem's state)."""
-    words = prompt_text.split()
-    parsed = [p for p in map(parse_word, words) if p]
-    seeds = [(k, d) for fam, k, d in parsed if fam == "V"]
-    ptr = {k: d for fam, k, d in parsed if fam in ("P", "L")}
-    query = {fam: k for fam, k, _ in parsed if fam in ("QA", "QB", "QE")}
-    vals = dict(seeds)
-    k = (seeds[1][0] + 1) % MAX_NAMES
-    while k in ptr:
-        vals[k] = (
-            vals[(k - 1) % MAX_NAMES] + vals[(k - 2 - 3 * ptr[k]) % MAX_NAMES]
-        ) % 10
-        k = (k + 1) % MAX_NAMES
-    return " ".join(str(vals[query[f]]) for f in ("QA", "QB", "QE"))
-
-
 def extract_answer(output_text: str) -> str | None:
     """Digits of the three ``Vk=d`` words after the last ``answer`` marker, space-joined."""
     idx = output_text.rfind("answer")
@@ -200,22 +183,3 @@ def token_roles(solution_text: str, far: int = 20) -> list[str]:
         if parsed and parsed[0] == "V":
             last[parsed[1]] = i
     return roles
-
-
-def lookback_distances(prompt_text: str, solution_text: str) -> list[int]:
-    """For each value recalled inside a step, the distance in words back to the generated word
-    that defined it (seeds, defined in the prompt, are skipped) — for analysis and tests."""
-    words = solution_text.split()
-    defined: dict[int, int] = {}
-    dists = []
-    for i, w in enumerate(words):
-        if w == "answer":
-            break
-        parsed = parse_word(w)
-        if not parsed or parsed[0] != "V":
-            continue
-        if words[i - 1] == ";":  # "; Vk=d ." closes step k: the definition
-            defined[parsed[1]] = i
-        elif parsed[1] in defined:
-            dists.append(i - defined[parsed[1]])
-    return dists
