@@ -170,7 +170,7 @@ def test_matched_baseline_holds_karas_rows_at_every_step(name, limit):
         row = RowView(P, frontier, length, offset, state)
         region = policy.region(row)
         remaining = None if limit is None else limit - s
-        if region is not None and policy.worth_compressing(
+        if region is not None and policy.schedule.worth_compressing(
             row, remaining if remaining is not None else 10**6
         ):
             assert (
@@ -182,7 +182,9 @@ def test_matched_baseline_holds_karas_rows_at_every_step(name, limit):
             offset += dropped
             frontier = P + region.keep
             events += 1
-            assert policy.tail_charge(row) < length - frontier + dropped + 1  # overdue
+            assert (
+                policy.schedule.tail_charge(row) < length - frontier + dropped + 1
+            )  # overdue
         length += 1
     assert length - P == kara.final(tokens) and events > 5
 
@@ -193,10 +195,10 @@ def test_matched_admission_bounds_cover_the_trajectory():
     state = _State(budget=None, match_kara=spec, retention=None)
     kara = trajectory.Trajectory(trajectory.schedule_of(spec))
     for g in (10, 100, 500):
-        assert policy.footprint(g, state) >= kara.peak(g)
-        assert policy.footprint(g, state) <= g
+        assert policy.schedule.footprint(g, state) >= kara.peak(g)
+        assert policy.schedule.footprint(g, state) <= g
     row = RowView(50, 50, 50 + kara.before(200), 200 - 1 - kara.before(200), state)
-    grows = policy.growth(300, row)
+    grows = policy.schedule.growth(300, row)
     most = max(kara.before(s) for s in range(200, 501))
     assert kara.before(200) + grows >= most
 

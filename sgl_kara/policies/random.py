@@ -71,9 +71,6 @@ class RandomPolicy(KaraPolicy):
             row.frontier, o.compressible, kept_count(o.compressible, retention)
         )
 
-    def query_capacity(self) -> int:
-        return 0
-
     def score(self, inp: ScoreInput) -> torch.Tensor:
         heads, m = inp.k_buffer.shape[1], inp.slots.shape[1]
         first = inp.head_offset
