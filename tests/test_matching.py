@@ -158,9 +158,7 @@ def test_matched_baseline_holds_karas_rows_at_every_step(name, limit):
     Kara's rows before every step's event."""
     spec = dict(window=64, buffer=16, retention=0.25, period=8, recent=0)
     policy = _policy(name, 64, 16, 8)
-    state = _State(
-        budget=None, match_kara=request_options.validate_match(spec), retention=None
-    )
+    state = _State(request={"match_kara": request_options.validate_match(spec)})
     kara = trajectory.Trajectory(trajectory.schedule_of(spec), limit)
     P, length, offset, frontier = 100, 100, 0, 100
     tokens = limit or 900
@@ -192,7 +190,7 @@ def test_matched_baseline_holds_karas_rows_at_every_step(name, limit):
 def test_matched_admission_bounds_cover_the_trajectory():
     spec = dict(window=64, buffer=16, retention=0.25, period=8, recent=0)
     policy = _policy("snapkv", 64, 16, 8)
-    state = _State(budget=None, match_kara=spec, retention=None)
+    state = _State(request={"match_kara": spec})
     kara = trajectory.Trajectory(trajectory.schedule_of(spec))
     for g in (10, 100, 500):
         assert policy.schedule.footprint(g, state) >= kara.peak(g)

@@ -316,13 +316,13 @@ def test_threshold_regions_use_the_request_budget(name):
     assert p.region(_row(10 + 50, budget=30)) is None
     r = p.region(_row(10 + 51, budget=30))
     assert (r.length, r.keep) == (51 - 8, 30 - 8)
-    assert p.schedule.footprint(10_000, KaraReqState(budget=30)) == 51
+    assert p.schedule.footprint(10_000, KaraReqState(request={"budget": 30})) == 51
 
 
 def test_retraction_keeps_the_request_options():
     """The bug of the old hand-rebuilt state: a retracted snapkv request fell back to the
     server-wide budget. reset_row clears the row state and keeps the request's own options."""
-    state = KaraReqState(enabled=True, retention=0.5, budget=30)
+    state = KaraReqState(enabled=True, request={"retention": 0.5, "budget": 30})
     state.protected, state.frontier, state.pos_offset, state.compressions = (
         16,
         40,
@@ -332,9 +332,8 @@ def test_retraction_keeps_the_request_options():
     state.policy_state["h2o"] = {0: torch.ones(1, 4)}
     state.kv_peak = 99
     state.reset_row()
-    assert (state.budget, state.retention, state.enabled, state.kv_peak) == (
-        30,
-        0.5,
+    assert (state.request, state.enabled, state.kv_peak) == (
+        {"retention": 0.5, "budget": 30},
         True,
         99,
     )

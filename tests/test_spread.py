@@ -228,7 +228,7 @@ def test_scoring_job_covers_only_its_own_region():
     assert to_region == 64 - 56 and region.start == 4 and region.query_len == 64
     job = ScoringJob(region)
     assert job.covers(policy.region(RowView(4, 4, 68, 0, state)))
-    state.retention = 0.5  # another kept count: another region
+    state.request["retention"] = 0.5  # another kept count: another region
     assert not job.covers(policy.region(RowView(4, 4, 68, 0, state)))
 
 

@@ -40,7 +40,7 @@ Options: each policy declares a frozen dataclass ``Options`` (its own flags, val
 ``__post_init__`` by raising ``OptionError(field, message)``); flags are
 ``--kara-<prefix><field>`` where ``prefix`` is ``""`` for kara and ``"<name>_"`` for the others.
 Per-request overrides (``custom_params.kara``) a policy accepts are listed in
-``request_options``.
+``request_options``; a request's own values are in ``row.state.request`` (``request_option``).
 
 Imports nothing from SGLang, config, mem_cache or scheduler.
 """
@@ -82,7 +82,7 @@ class RowView:
     frontier: int  # f
     length: int  # L
     pos_offset: int
-    state: Any  # the request's KaraReqState (overrides: .retention / .budget; .policy_state)
+    state: Any  # the request's KaraReqState (.request: its own options; .policy_state)
 
 
 @dataclass(frozen=True)
@@ -189,6 +189,12 @@ class Policy(ABC):
         its rows past the region move down by region - K; ``length`` is its row length before.
         ``state.policy_state`` is a copy of the request's dicts (tensors shared): rebind new
         tensors, never write the old ones in place; the copy is kept if the event commits."""
+
+
+def request_option(state, name: str):
+    """The request's own ``custom_params.kara.<name>`` (one of its policy's ``request_options``),
+    or None (not given, or no request state)."""
+    return None if state is None else state.request.get(name)
 
 
 def top_k(scores: torch.Tensor, keep: int) -> torch.Tensor:

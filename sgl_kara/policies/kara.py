@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels.window_score import window_scores, window_scores_paged  # noqa: F401  (window_scores: Eq. 4 reference)
-from .base import Policy, Region, RowView, ScoreInput, need, register
+from .base import Policy, Region, RowView, ScoreInput, need, register, request_option
 from .schedule import Schedule
 
 PAPER_CHUNK_BUDGET = 16
@@ -303,14 +303,18 @@ class KaraOptions(WindowOptions):
         )
 
 
+def request_retention(options: WindowOptions, state) -> float:
+    """The request's own retention (``custom_params.kara.retention``), or the options'."""
+    r = request_option(state, "retention")
+    return options.retention if r is None else r
+
+
 def _rate(options: WindowOptions, state) -> float:
-    """Kept share of a window's compressible rows (the request's retention, or the options')."""
-    retention = (
-        state.retention
-        if state is not None and state.retention is not None
-        else options.retention
+    """Kept share of a window's compressible rows."""
+    return (
+        kept_count(options.compressible, request_retention(options, state))
+        / options.compressible
     )
-    return kept_count(options.compressible, retention) / options.compressible
 
 
 class KaraSchedule(Schedule):
@@ -406,16 +410,14 @@ class KaraPolicy(Policy):
         """The oldest uncompressed window's W - U rows, whether or not it is due yet."""
         o = self.options
         m = o.compressible
-        retention = (
-            row.state.retention if row.state.retention is not None else o.retention
-        )
         # buffer scoring: only the last U queries score, so a recompute forward computes those alone
         q_start, q_len = (
             (row.frontier + m, o.buffer)
             if o.scoring == "buffer"
             else (row.frontier, o.window)
         )
-        return Region(row.frontier, m, kept_count(m, retention), q_start, q_len)
+        keep = kept_count(m, request_retention(o, row.state))
+        return Region(row.frontier, m, keep, q_start, q_len)
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
         # q: the region's query window (region()): all W queries, or the last U with scoring=buffer.

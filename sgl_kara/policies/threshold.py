@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from . import trajectory
-from .base import Policy, Region, RowView, need
+from .base import Policy, Region, RowView, need, request_option
 from .schedule import Schedule
 
 
@@ -66,7 +66,7 @@ class ThresholdOptions:
 
 def matched(state) -> trajectory.Trajectory | None:
     """Kara's trajectory this request follows (unbounded), or None (budget and threshold)."""
-    spec = getattr(state, "match_kara", None) if state is not None else None
+    spec = request_option(state, "match_kara")
     return None if spec is None else trajectory.trajectory(trajectory.schedule_of(spec))
 
 
@@ -84,7 +84,8 @@ def target(row: RowView) -> int | None:
 
 def budget(options, state) -> tuple[int, int]:
     """(N, C_max) for this request."""
-    n = options.budget if state is None or state.budget is None else state.budget
+    n = request_option(state, "budget")
+    n = options.budget if n is None else n
     return n, n + (options.threshold - options.budget)
 
 
@@ -107,7 +108,7 @@ class ThresholdSchedule(Schedule):
         alone whose tail lasts it to the end), so the two hold the same rows to the last step."""
         if remaining <= 1:
             return False
-        spec = getattr(row.state, "match_kara", None)
+        spec = request_option(row.state, "match_kara")
         if spec is None:
             return True
         step = step_of(row)

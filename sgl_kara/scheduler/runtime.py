@@ -40,7 +40,7 @@ from sgl_kara.model_shape import ModelShape
 from sgl_kara.policies import base as policy_base
 from sgl_kara.policies.base import RowView
 from sgl_kara.process import STATE
-from sgl_kara.request_options import check_supported, validate
+from sgl_kara.request_options import PER_REQUEST, check_supported, validate
 from sgl_kara.scheduler import spread
 from sgl_kara.scheduler.events import EventRunner
 from sgl_kara.scheduler.evictions import EvictionRecorder
@@ -242,17 +242,12 @@ class KaraRuntime:
         if state is not None:
             return state
         opts = validate(adapter.custom_params(req))
+        request = {k: opts[k] for k in PER_REQUEST if opts.get(k) is not None}
         state = self.table.add(
-            req,
-            KaraReqState(
-                enabled=opts.get("enable", True),
-                retention=opts.get("retention"),
-                budget=opts.get("budget"),
-                match_kara=opts.get("match_kara"),
-            ),
+            req, KaraReqState(enabled=opts.get("enable", True), request=request)
         )
-        for name in ("retention", "budget", "match_kara"):
-            if opts.get(name) is not None and name not in self.policy.request_options:
+        for name in request:
+            if name not in self.policy.request_options:
                 accepting = [
                     p.name for p in policy_base.policies() if name in p.request_options
                 ]
