@@ -261,7 +261,7 @@ def kara_trajectory(policy, prompt: int, gen: int, slack: int = 0) -> list[dict]
     """One request of ``prompt`` tokens generating ``gen`` through Kara's schedule at its own
     token counts (``--kara-phase request``; every due window compressed, as the runtime does
     unless memory is short): per decode step, the KV it holds and what admission charges it
-    then (``runtime.charge``: its held KV plus ``policy.schedule.growth`` of its remaining tokens, plus a
+    then (``runtime.charge``: its held KV plus ``schedule.growth`` of its remaining tokens, plus a
     capped spread's ``slack``)."""
     from sgl_kara.policies.base import RowView
     from sgl_kara.scheduler.state import KaraReqState
@@ -288,7 +288,7 @@ def admission_charges(
 ) -> dict:
     """What SGLang's PrefillAdder counts for a request under sgl_kara's admission
     (scheduler/admission.py): ``new`` when it is admitted (its prompt, SGLang's page of
-    overhead and the charge ``runtime.charge`` presents: ``policy.schedule.growth`` of a row holding
+    overhead and the charge ``runtime.charge`` presents: ``schedule.growth`` of a row holding
     only its prompt), ``running`` the most it counts while it runs (held KV plus growth, over
     its life), ``peak`` the most KV it holds; ``policy`` None: plain SGLang (prompt + gen)."""
     if policy is None:

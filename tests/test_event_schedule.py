@@ -1,5 +1,5 @@
 """Events keep up with any number of running requests: every due request whose uncompressed tail
-would outgrow what admission charged it (``policy.schedule.tail_charge``) before the next due step is in
+would outgrow what admission charged it (``schedule.tail_charge``) before the next due step is in
 the event, beyond ``--kara-max-seqs``; the paper's 30 stays the limit where it suffices.
 
 The rule (plan.choose), a step-by-step simulation of the schedule over plan_jobs, and an engine run

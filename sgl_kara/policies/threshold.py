@@ -16,8 +16,8 @@ after step s's event, it is compressed down to exactly that (rows [P, L - w) kee
 Its generated KV then equals Kara's at every step of an answer of the same length -- mean, peak
 and final alike -- and its events fall on Kara's event steps; only which entries are kept differs.
 A step Kara leaves alone near the request's max_new_tokens the baseline leaves alone too
-(``ThresholdSchedule.worth_compressing``). Exact while ``target > w`` (Kara keeps at least U + K rows after an event,
-so U + K > w suffices) and the page size is 1 (trajectory.py).
+(``ThresholdSchedule.worth_compressing``). Exact while ``target > w`` (Kara keeps at least U + K
+rows after an event, so U + K > w suffices) and the page size is 1 (trajectory.py).
 """
 
 from __future__ import annotations
@@ -152,10 +152,11 @@ class ThresholdPolicy(Policy):
 
     def region(self, row: RowView) -> Region | None:
         w = self.options.window
-        n = target(row)
-        keep_to, threshold = (
-            (n, n) if n is not None else budget(self.options, row.state)
-        )
+        matched_rows = target(row)
+        if matched_rows is not None:
+            keep_to = threshold = matched_rows
+        else:
+            keep_to, threshold = budget(self.options, row.state)
         if row.length - row.protected <= threshold:
             return None
         m = row.length - w - row.protected

@@ -10,14 +10,14 @@ and larger events).
 
 A request takes part once its row has reached its protected length P (fixed here, at the first
 check after the prefill: the tree-owned prefix and the prompt, rounded up to a page), when it is
-not finishing anyway (``policy.schedule.worth_compressing``: Kara leaves a request whose uncompressed
+not finishing anyway (``schedule.worth_compressing``: Kara leaves a request whose uncompressed
 tail stays within W + period until its max_new_tokens), and when its KV is fully committed.
 A request's own count (``decoded_tokens``) is the same under SGLang's normal and overlap
 schedulers, so it is compressed at the same steps under both.
 
 An event takes the due requests' regions, longest uncompressed tail first, at most ``max_seqs``
 of them -- and more when more are overdue (``choose``): a due request whose tail, left to the
-next due step, would outgrow what admission charged it (``policy.schedule.tail_charge``) is always in the
+next due step, would outgrow what admission charged it (``schedule.tail_charge``) is always in the
 event, so events keep up with any number of running requests (at max_seqs = 30 and one event per
 period = 128 steps, the paper's limit holds up to ~30 x (W - U) / period = 112 running requests
 at W = 512, U = 32).

@@ -282,7 +282,7 @@ class KaraRuntime:
     # ------------------------------------------------------------------ admission
     def charge(self, req, running: bool) -> int | None:
         """The ``max_new_tokens`` admission presents for ``req`` (admission.py): its output so
-        far plus what its KV may still grow by (``policy.schedule.growth``) beyond what it holds -- a
+        far plus what its KV may still grow by (``schedule.growth``) beyond what it holds -- a
         running request its row now, a request being admitted the row its prefill leaves (its
         prompt, nothing compressible yet: the same charge it keeps while it runs, so the memory
         admission counts for it does not shrink once it runs, which would leave room no

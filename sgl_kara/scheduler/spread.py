@@ -6,7 +6,7 @@ Scoring a Kara window takes its W queries (a recompute forward over W tokens, or
 queries) against its W - U region keys. Done whole at the event's due step (``--kara-spread
 off``, the paper's schedule), that step carries the whole cost, and requests that arrived
 together fall due together. Eq. 4 is a sum over queries of a softmax over the region's keys, so
-once the keys are all decoded (``policy.schedule.upcoming``: U + R steps before the window is due, at
+once the keys are all decoded (``schedule.upcoming``: U + R steps before the window is due, at
 least) the window can be scored a part per step and the parts added (``policy.additive``):
 
     step:      k ........................... due step D (first due step once the window is complete)
