@@ -245,7 +245,7 @@ def kara_trajectory(policy, prompt: int, gen: int, slack: int = 0) -> list[dict]
     """One request of ``prompt`` tokens generating ``gen`` through Kara's schedule at its own
     token counts (``--kara-phase request``; every due window compressed, as the runtime does
     unless memory is short): per decode step, the KV it holds and what admission charges it
-    then (``runtime.charge``: its held KV plus ``policy.growth`` of its remaining tokens, plus a
+    then (``runtime.charge``: its held KV plus ``schedule.growth`` of its remaining tokens, plus a
     capped spread's ``slack``)."""
     from sgl_kara.policies.base import RowView
     from sgl_kara.scheduler.state import KaraReqState
@@ -256,11 +256,11 @@ def kara_trajectory(policy, prompt: int, gen: int, slack: int = 0) -> list[dict]
         remaining = gen - done
         state.frontier = frontier
         row = RowView(prompt, frontier, length, 0, state)
-        grow = min(remaining, policy.growth(remaining, row) + slack)
+        grow = min(remaining, policy.schedule.growth(remaining, row) + slack)
         out.append(dict(done=done, held=length, charge=length + grow))
-        if policy.due(done):
+        if policy.schedule.due(done):
             region = policy.region(row)
-            if region is not None and policy.worth_compressing(row, remaining):
+            if region is not None and policy.schedule.worth_compressing(row, remaining):
                 length -= region.length - region.keep
                 frontier = region.start + region.keep
         length += 1
@@ -272,7 +272,7 @@ def admission_charges(
 ) -> dict:
     """What SGLang's PrefillAdder counts for a request under sgl_kara's admission
     (scheduler/admission.py): ``new`` when it is admitted (its prompt, SGLang's page of
-    overhead and the charge ``runtime.charge`` presents: ``policy.growth`` of a row holding
+    overhead and the charge ``runtime.charge`` presents: ``schedule.growth`` of a row holding
     only its prompt), ``running`` the most it counts while it runs (held KV plus growth, over
     its life), ``peak`` the most KV it holds; ``policy`` None: plain SGLang (prompt + gen)."""
     if policy is None:
@@ -282,7 +282,7 @@ def admission_charges(
     from sgl_kara.scheduler.state import KaraReqState
 
     fresh = RowView(-1, 0, 0, 0, KaraReqState())
-    new = prompt + min(gen, policy.growth(gen, fresh) + slack) + page
+    new = prompt + min(gen, policy.schedule.growth(gen, fresh) + slack) + page
     steps = kara_trajectory(policy, prompt, gen, slack)
     return dict(
         new=new,

@@ -162,7 +162,7 @@ class KaraConfig:
         """Queries per request a capture ring keeps for this policy (0: it scores without them)."""
         if not self.enabled:
             return 0
-        return self.make_policy().query_capacity()
+        return self.make_policy().schedule.query_capacity()
 
     def flat(self) -> dict:
         """Every knob of this config by flat name (common + the selected policy's options)."""

@@ -32,6 +32,8 @@ RANGES = {
     "budget": "int in [2, 10000000]",
     "match_kara": "object {window, buffer, retention, period, recent}",
 }
+# the fields a policy may take (its ``request_options``), kept in ``KaraReqState.request``
+PER_REQUEST = tuple(name for name in RANGES if name != "enable")
 # match_kara's fields: type and range, as Kara's own options check them (policies/kara.py)
 MATCH_FIELDS = {
     "window": "int in [2, 65536]",

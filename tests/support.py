@@ -471,9 +471,10 @@ def row_view(
     protected: int = 10,
     frontier: int | None = None,
     offset: int = 0,
-    **state,
+    **request,
 ):
-    """A RowView of a request whose row holds ``length`` entries (Kara state fields in ``state``)."""
+    """A RowView of a request whose row holds ``length`` entries (its own options in
+    ``request``: ``retention``, ``budget``)."""
     from sgl_kara.policies.base import RowView
     from sgl_kara.scheduler.state import KaraReqState
 
@@ -482,7 +483,7 @@ def row_view(
         protected if frontier is None else frontier,
         length,
         offset,
-        KaraReqState(**state),
+        KaraReqState(request=request),
     )
 
 

@@ -54,12 +54,12 @@ def _life(policy, gen: int):
         if done == 1:
             state.protected = state.frontier = PROMPT
         row = RowView(state.protected, state.frontier, length, 0, state)
-        due = policy.due(done) if policy.name == "kara" else True
+        due = policy.schedule.due(done) if policy.name == "kara" else True
         region = policy.region(row) if due else None
         if (
             region is not None
             and remaining > 1
-            and policy.worth_compressing(row, remaining)
+            and policy.schedule.worth_compressing(row, remaining)
         ):
             length -= region.length - region.keep
             state.frontier = region.start + region.keep
@@ -76,7 +76,7 @@ def test_the_admission_charge_bounds_the_request_for_its_whole_life(name, opts):
         admitted = _charge(
             p, FakeReq(prompt=PROMPT, max_new=gen), KaraReqState(), running=False
         )
-        assert admitted <= p.footprint(gen, KaraReqState())
+        assert admitted <= p.schedule.footprint(gen, KaraReqState())
         steps, final = _life(p, gen)
         lengths = [length for _, _, length in steps] + [final]
         assert max(lengths) - PROMPT <= admitted + last, (gen, max(lengths), admitted)
@@ -99,9 +99,11 @@ def test_the_admission_charge_is_the_growth_of_a_fresh_row_plus_the_spread_slack
     req = FakeReq(prompt=128, max_new=1536)
     # 1536 r + (W + period)(1 - r) = 384 + 480; the footprint (the peak bound) adds (W + period) r
     assert (
-        _charge(p, req, KaraReqState(), running=False) == 864 == p.growth(1536, fresh)
+        _charge(p, req, KaraReqState(), running=False)
+        == 864
+        == p.schedule.growth(1536, fresh)
     )
-    assert p.footprint(1536, KaraReqState()) == 1024
+    assert p.schedule.footprint(1536, KaraReqState()) == 1024
     assert _charge(p, req, KaraReqState(), running=False, slack=128) == 992
     # never more than the request's own output
     assert _charge(p, FakeReq(prompt=128, max_new=100), KaraReqState(), False) == 100

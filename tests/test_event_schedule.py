@@ -1,5 +1,5 @@
 """Events keep up with any number of running requests: every due request whose uncompressed tail
-would outgrow what admission charged it (``policy.tail_charge``) before the next due step is in
+would outgrow what admission charged it (``schedule.tail_charge``) before the next due step is in
 the event, beyond ``--kara-max-seqs``; the paper's 30 stays the limit where it suffices.
 
 The rule (plan.choose), a step-by-step simulation of the schedule over plan_jobs, and an engine run
@@ -51,14 +51,16 @@ def test_tail_charges_match_the_footprints():
     kara = KaraPolicy(KaraOptions(window=32, buffer=4, period=8))
     row = RowView(8, 8, 48, 0, KaraReqState())
     assert (
-        kara.tail_charge(row)
+        kara.schedule.tail_charge(row)
         == 40
-        == kara.footprint(10_000, None) - (10_000 * 7 + 27) // 28
+        == kara.schedule.footprint(10_000, None) - (10_000 * 7 + 27) // 28
     )
     snap = SnapKVPolicy(SnapKVOptions(threshold=40, budget=20, window=4))
     # footprint charges C_max + 1 = 41 generated entries; 16 of them are kept entries below f
-    assert snap.tail_charge(RowView(8, 8 + 16, 60, 0, KaraReqState())) == 41 - 16
-    assert snap.footprint(10_000, None) == 41
+    assert (
+        snap.schedule.tail_charge(RowView(8, 8 + 16, 60, 0, KaraReqState())) == 41 - 16
+    )
+    assert snap.schedule.footprint(10_000, None) == 41
 
 
 # ------------------------------------------------------------------ the schedule, simulated
@@ -96,7 +98,7 @@ def simulate(
         for r in running:
             if r.kara.protected >= 0:
                 max_tail = max(max_tail, r.kv.kv_committed_len - r.kara.frontier)
-        if phase == "request" or policy.due(step):
+        if phase == "request" or policy.schedule.due(step):
             jobs = plan_jobs(
                 policy,
                 running,
@@ -156,11 +158,14 @@ def test_max_seqs_binds_with_the_recency_band(recent):
     assert r["max_tail"] <= r["charge"], r
     policy = KaraPolicy(KaraOptions(window=31, buffer=4, period=8, recent=recent))
     row = RowView(8, 8, 48, 0, KaraReqState())
-    assert policy.tail_charge(row) == 31 + recent + 8
+    assert policy.schedule.tail_charge(row) == 31 + recent + 8
     # the uncompressed tail footprint() admits beyond the compressed windows' entries
     kept = -(-27 // 4)  # kept_count(27, 0.25): ceil(0.25 x 27)
     compressed = -(-10_000 * kept // 27)
-    assert policy.tail_charge(row) == policy.footprint(10_000, None) - compressed
+    assert (
+        policy.schedule.tail_charge(row)
+        == policy.schedule.footprint(10_000, None) - compressed
+    )
 
 
 def test_paper_limit_suffices_below_its_break_even():
@@ -192,7 +197,7 @@ def footprint_pool(n: int) -> int:
     policy = KaraPolicy(
         KaraOptions(window=W, buffer=U, period=PERIOD, retention=RETENTION)
     )
-    return n * (PROMPT + policy.footprint(GEN, None) + 1)
+    return n * (PROMPT + policy.schedule.footprint(GEN, None) + 1)
 
 
 def run_schedule(model: str, n: int, max_seqs: int) -> dict:

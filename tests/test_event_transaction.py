@@ -69,7 +69,7 @@ class Tally(ThresholdPolicy):
         new[..., start + k : start + k + tail.shape[-1]] = tail
         state.policy_state["tally"]["acc"] = new
         if (
-            state.budget in self.fail_for
+            state.request["budget"] in self.fail_for
         ):  # the request's budget marks it as the one to fail
             raise torch.cuda.OutOfMemoryError(
                 "simulated: no device memory for the re-laid state"
@@ -122,7 +122,7 @@ def world(lengths, budget=12, recorder=None):
         row = i + 1
         req_to_token[row, :n] = alloc.alloc(n).to(torch.int32)
         state = KaraReqState(
-            budget=budget + i
+            request={"budget": budget + i}
         )  # per-request budgets: one request per group
         state.policy_state = {
             "tally": {"acc": torch.rand(LAYERS, HKV, WIDTH, generator=g)}
@@ -240,7 +240,7 @@ def test_a_failure_after_the_kv_copy_leaves_that_request_as_it_was(
     rt.policy.fail_for = set()
     victim = reqs[1]
     if stage == "relayout":
-        rt.policy.fail_for = {victim.kara.budget}
+        rt.policy.fail_for = {victim.kara.request["budget"]}
     elif stage == "record":
         prepare = recorder.prepare
 
@@ -289,7 +289,7 @@ def test_a_failing_group_is_undone_and_retried_one_by_one():
     group is undone whole (no row touched), then the two others are compressed alone."""
     rt, batch, reqs = world([30, 30, 30])
     for r in reqs:
-        r.kara.budget = 12
+        r.kara.request["budget"] = 12
     victim = reqs[1]
     victim.kara.policy_state["fail"] = True
     rt.policy.fail_for = set()

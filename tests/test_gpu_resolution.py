@@ -430,7 +430,7 @@ def test_the_scheduler_allocates_the_ring_within_the_start_up_plan(
             head_dim=shape.head_dim,
             req_to_token=cuda_table,
         )
-        return make_ring(parts, cfg, cfg.make_policy().query_capacity())
+        return make_ring(parts, cfg, cfg.make_policy().schedule.query_capacity())
 
     assert ring(16, 16, 1 << 20).rows == 16
     assert (

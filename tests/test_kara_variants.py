@@ -122,7 +122,8 @@ def test_variant_options_name_the_bad_field(variants):
 
 
 class _State:
-    retention = None
+    def __init__(self):
+        self.request = {}
 
 
 def test_global_region_widens_kara_window_to_every_generated_row(variants):
@@ -147,6 +148,6 @@ def test_global_region_widens_kara_window_to_every_generated_row(variants):
     assert glob.region(RowView(40, 40, 40 + 63, 0, _State())) is None
     # per-request retention keeps Kara's K for the window part
     st = _State()
-    st.retention = 0.5
+    st.request["retention"] = 0.5
     r = glob.region(RowView(40, 50, 50 + 64, 0, st))
     assert r.keep == 10 + kept_count(56, 0.5)

@@ -158,9 +158,7 @@ def test_matched_baseline_holds_karas_rows_at_every_step(name, limit):
     Kara's rows before every step's event."""
     spec = dict(window=64, buffer=16, retention=0.25, period=8, recent=0)
     policy = _policy(name, 64, 16, 8)
-    state = _State(
-        budget=None, match_kara=request_options.validate_match(spec), retention=None
-    )
+    state = _State(request={"match_kara": request_options.validate_match(spec)})
     kara = trajectory.Trajectory(trajectory.schedule_of(spec), limit)
     P, length, offset, frontier = 100, 100, 0, 100
     tokens = limit or 900
@@ -170,7 +168,7 @@ def test_matched_baseline_holds_karas_rows_at_every_step(name, limit):
         row = RowView(P, frontier, length, offset, state)
         region = policy.region(row)
         remaining = None if limit is None else limit - s
-        if region is not None and policy.worth_compressing(
+        if region is not None and policy.schedule.worth_compressing(
             row, remaining if remaining is not None else 10**6
         ):
             assert (
@@ -182,7 +180,9 @@ def test_matched_baseline_holds_karas_rows_at_every_step(name, limit):
             offset += dropped
             frontier = P + region.keep
             events += 1
-            assert policy.tail_charge(row) < length - frontier + dropped + 1  # overdue
+            assert (
+                policy.schedule.tail_charge(row) < length - frontier + dropped + 1
+            )  # overdue
         length += 1
     assert length - P == kara.final(tokens) and events > 5
 
@@ -190,13 +190,13 @@ def test_matched_baseline_holds_karas_rows_at_every_step(name, limit):
 def test_matched_admission_bounds_cover_the_trajectory():
     spec = dict(window=64, buffer=16, retention=0.25, period=8, recent=0)
     policy = _policy("snapkv", 64, 16, 8)
-    state = _State(budget=None, match_kara=spec, retention=None)
+    state = _State(request={"match_kara": spec})
     kara = trajectory.Trajectory(trajectory.schedule_of(spec))
     for g in (10, 100, 500):
-        assert policy.footprint(g, state) >= kara.peak(g)
-        assert policy.footprint(g, state) <= g
+        assert policy.schedule.footprint(g, state) >= kara.peak(g)
+        assert policy.schedule.footprint(g, state) <= g
     row = RowView(50, 50, 50 + kara.before(200), 200 - 1 - kara.before(200), state)
-    grows = policy.growth(300, row)
+    grows = policy.schedule.growth(300, row)
     most = max(kara.before(s) for s in range(200, 501))
     assert kara.before(200) + grows >= most
 

@@ -83,17 +83,17 @@ def test_footprint_is_bounded_and_monotone(name):
     state = KaraReqState()
     prev = 0
     for remaining in (0, 1, 100, 1000, 10_000, 100_000):
-        f = policy.footprint(remaining, state)
+        f = policy.schedule.footprint(remaining, state)
         assert 0 <= f <= remaining and f >= prev
         prev = f
     assert (
-        policy.footprint(100_000, state) < 100_000
+        policy.schedule.footprint(100_000, state) < 100_000
     )  # compression discounts long futures
 
 
 def test_kara_region_schedule_and_per_request_retention():
     p = _policy("kara", window=64, buffer=16, period=8, retention=0.25)
-    assert [p.due(s) for s in (7, 8, 16)] == [False, True, True]
+    assert [p.schedule.due(s) for s in (7, 8, 16)] == [False, True, True]
     assert p.region(_row(10 + 63)) is None
     r = p.region(_row(10 + 64, frontier=10))
     assert (r.start, r.length, r.keep, r.query_start, r.query_len) == (
@@ -104,7 +104,7 @@ def test_kara_region_schedule_and_per_request_retention():
         64,
     )
     assert p.region(_row(10 + 64, retention=0.5)).keep == 24
-    assert p.query_capacity() == 64 + 8
+    assert p.schedule.query_capacity() == 64 + 8
 
 
 def test_kara_buffer_scoring_names_only_the_last_u_queries():
@@ -145,12 +145,12 @@ def test_kara_leaves_a_window_that_finishes_within_its_charged_tail():
     p = _policy("kara", window=64, buffer=16, period=8, retention=0.25)
     due = _row(10 + 64, frontier=10)  # tail = W: its first window is complete
     assert p.region(due) is not None
-    assert p.worth_compressing(due, 9)  # tail would reach 73 > W + period
-    assert not p.worth_compressing(
+    assert p.schedule.worth_compressing(due, 9)  # tail would reach 73 > W + period
+    assert not p.schedule.worth_compressing(
         due, 8
     )  # 72 = W + period: admission charged exactly that
-    assert not p.worth_compressing(due, 1)
-    assert p.worth_compressing(
+    assert not p.schedule.worth_compressing(due, 1)
+    assert p.schedule.worth_compressing(
         _row(10 + 200, frontier=10), 8
     )  # a long tail (re-prefilled) is compressed
 
@@ -169,13 +169,13 @@ def _simulate(p, gen, skip=True, prompt=10):
         1, gen
     ):  # decode step `step` writes token `step` (0-based output index)
         remaining = gen - step
-        if p.due(step):
+        if p.schedule.due(step):
             row = RowView(prompt, frontier, length, 0, state)
             region = p.region(row)
             if (
                 region is not None
                 and remaining > 1
-                and (not skip or p.worth_compressing(row, remaining))
+                and (not skip or p.schedule.worth_compressing(row, remaining))
             ):
                 length -= region.length - region.keep
                 frontier = region.start + region.keep
@@ -214,7 +214,7 @@ def test_kara_never_holds_more_than_admission_charged(
     )
     saved = 0
     for gen in range(2, 3 * window + 40, 3):
-        charged = p.footprint(gen, KaraReqState())
+        charged = p.schedule.footprint(gen, KaraReqState())
         peak, events = _simulate(p, gen)
         peak_all, events_all = _simulate(p, gen, skip=False)
         assert peak_all <= charged and peak <= charged, (gen, peak, peak_all, charged)
@@ -241,14 +241,19 @@ def test_kara_recency_band_region_capacity_and_footprint():
     assert (
         p.region(_row(10 + 96, retention=0.5)).keep == 24
     )  # per-request retention still honoured
-    assert p.query_capacity() == p0.query_capacity() + 32 == 64 + 8 + 32
+    assert (
+        p.schedule.query_capacity() == p0.schedule.query_capacity() + 32 == 64 + 8 + 32
+    )
     state = KaraReqState()
     for remaining in (200, 1000, 10_000):
-        assert p.footprint(remaining, state) == p0.footprint(remaining, state) + 32
-    assert not p.worth_compressing(
+        assert (
+            p.schedule.footprint(remaining, state)
+            == p0.schedule.footprint(remaining, state) + 32
+        )
+    assert not p.schedule.worth_compressing(
         row, 104 - 96
     )  # 96 + 8 = W + R + period: within the charged tail
-    assert p.worth_compressing(row, 9)
+    assert p.schedule.worth_compressing(row, 9)
 
 
 @pytest.mark.parametrize("recent", [0, 24])
@@ -259,7 +264,7 @@ def test_random_policy_uses_karas_windows_without_queries(recent):
         "random", window=64, buffer=16, period=8, retention=0.25, recent=recent, seed=1
     )
     k = _policy("kara", window=64, buffer=16, period=8, retention=0.25, recent=recent)
-    assert not p.needs_queries and p.query_capacity() == 0
+    assert not p.needs_queries and p.schedule.query_capacity() == 0
     for length in (10 + 63 + recent, 10 + 64 + recent, 10 + 200):
         a, b = p.region(_row(length)), k.region(_row(length))
         assert (a is None) == (b is None)
@@ -271,8 +276,10 @@ def test_random_policy_uses_karas_windows_without_queries(recent):
                 0,
             )
     assert p.region(_row(10 + 64 + recent, retention=0.5)).keep == 24
-    assert [p.due(s) for s in (7, 8)] == [False, True]
-    assert p.footprint(5000, KaraReqState()) == k.footprint(5000, KaraReqState())
+    assert [p.schedule.due(s) for s in (7, 8)] == [False, True]
+    assert p.schedule.footprint(5000, KaraReqState()) == k.schedule.footprint(
+        5000, KaraReqState()
+    )
     inp = _inputs(p)
     s1 = p.score(inp)
     assert torch.equal(s1, p.score(inp))  # reproducible
@@ -309,13 +316,13 @@ def test_threshold_regions_use_the_request_budget(name):
     assert p.region(_row(10 + 50, budget=30)) is None
     r = p.region(_row(10 + 51, budget=30))
     assert (r.length, r.keep) == (51 - 8, 30 - 8)
-    assert p.footprint(10_000, KaraReqState(budget=30)) == 51
+    assert p.schedule.footprint(10_000, KaraReqState(request={"budget": 30})) == 51
 
 
 def test_retraction_keeps_the_request_options():
     """The bug of the old hand-rebuilt state: a retracted snapkv request fell back to the
     server-wide budget. reset_row clears the row state and keeps the request's own options."""
-    state = KaraReqState(enabled=True, retention=0.5, budget=30)
+    state = KaraReqState(enabled=True, request={"retention": 0.5, "budget": 30})
     state.protected, state.frontier, state.pos_offset, state.compressions = (
         16,
         40,
@@ -325,9 +332,8 @@ def test_retraction_keeps_the_request_options():
     state.policy_state["h2o"] = {0: torch.ones(1, 4)}
     state.kv_peak = 99
     state.reset_row()
-    assert (state.budget, state.retention, state.enabled, state.kv_peak) == (
-        30,
-        0.5,
+    assert (state.request, state.enabled, state.kv_peak) == (
+        {"retention": 0.5, "budget": 30},
         True,
         99,
     )
@@ -374,13 +380,13 @@ def _trajectory(p, gen, prompt=10):
         remaining = gen - step
         state.frontier = frontier
         out.append((remaining, RowView(prompt, frontier, length, 0, state), length))
-        if p.due(step):
+        if p.schedule.due(step):
             row = RowView(prompt, frontier, length, 0, state)
             region = p.region(row)
             if (
                 region is not None
                 and remaining > 1
-                and p.worth_compressing(row, remaining)
+                and p.schedule.worth_compressing(row, remaining)
             ):
                 length -= region.length - region.keep
                 frontier = region.start + region.keep
@@ -413,10 +419,10 @@ def test_a_running_request_never_grows_past_its_charge(name, opts):
             steps, final = _threshold_trajectory(p, gen)
         lengths = [length for _, _, length in steps] + [final]
         for i, (remaining, row, length) in enumerate(steps):
-            grow = p.growth(remaining, row)
+            grow = p.schedule.growth(remaining, row)
             future = max(lengths[i:])
             assert future - length <= grow + last, (gen, i, future - length, grow)
-            assert grow <= p.footprint(remaining, row.state)
+            assert grow <= p.schedule.footprint(remaining, row.state)
 
 
 def _threshold_trajectory(p, gen, prompt=10):

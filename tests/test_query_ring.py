@@ -167,7 +167,7 @@ def test_start_up_plan_and_allocated_ring_agree(
         head_dim=shape.head_dim,
         req_to_token=torch.zeros(running + 1, 8, dtype=torch.int32),
     )
-    capacity = resolved.make_policy().query_capacity()
+    capacity = resolved.make_policy().schedule.query_capacity()
     ring = make_ring(parts, resolved, capacity)
 
     rows = min(running, -(-pool // capacity))

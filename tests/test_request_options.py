@@ -7,6 +7,7 @@ named too."""
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -90,3 +91,47 @@ def test_valid_options_pass():
         request_options.validate(None) == {}
         and request_options.validate({"other": 1}) == {}
     )
+
+
+class _Req:
+    """What the runtime reads of a request: its id, sampling params, and where an abort goes."""
+
+    def __init__(self, opts):
+        self.rid, self.to_finish = "r0", None
+        self.sampling_params = SimpleNamespace(
+            custom_params={"kara": opts}, beam_width=None
+        )
+
+
+MATCH = {"window": 32, "buffer": 8, "retention": 0.25, "period": 4}
+
+
+@pytest.mark.parametrize(
+    "policy, opts, kept",
+    [
+        ("kara", {"retention": 0.5}, True),
+        ("snapkv", {"budget": 30}, True),
+        ("h2o", {"match_kara": MATCH}, True),
+        ("snapkv", {"retention": 0.5}, False),
+        ("kara", {"budget": 30}, False),
+    ],
+)
+def test_the_runtime_keeps_a_requests_own_options_for_its_policy(policy, opts, kept):
+    """``state.request`` holds the request's own options, validated; one the served policy does
+    not take disables compression and aborts the request with a 400 naming who takes it."""
+    from sgl_kara.scheduler.runtime import KaraRuntime
+    from sgl_kara.scheduler.state import RequestTable
+
+    cls = base.policy_class(policy)
+    rt = KaraRuntime.__new__(KaraRuntime)
+    rt.policy, rt.table = cls(cls.Options()), RequestTable()
+    req = _Req(opts)
+    state = rt.state_of(req)
+    assert state.request == request_options.validate({"kara": opts})
+    assert state.enabled is kept and (req.to_finish is None) is kept
+    if not kept:
+        (name,) = opts
+        takers = "/".join(request_options.accepting(name))
+        assert f"custom_params.kara.{name} applies to --kara-policy {takers}," in str(
+            vars(req.to_finish)
+        )

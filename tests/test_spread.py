@@ -113,7 +113,7 @@ def simulate(policy, cap: int, steps: int, others: int = 0, prompt: int = 9):
         share.append(got.get(id(reqs[0]), 0))
         for r in reqs:
             s = r.kara
-            if s.protected < 0 or not policy.due(decoded_tokens(r, s)):
+            if s.protected < 0 or not policy.schedule.due(decoded_tokens(r, s)):
                 continue
             row = RowView(
                 s.protected, s.frontier, r.kv.kv_committed_len, s.pos_offset, s
@@ -172,7 +172,7 @@ def test_queries_are_scored_only_once_decoded():
     from sgl_kara.scheduler.spread import decoded
 
     policy = KaraPolicy(KaraOptions(window=16, buffer=8, period=1))  # due at every step
-    region, _ = policy.upcoming(
+    region, _ = policy.schedule.upcoming(
         RowView(4, 4, 12, 0, KaraReqState(protected=4, frontier=4))
     )
     assert (
@@ -224,11 +224,11 @@ def test_window_scores_add_up_over_query_parts(use_triton, dtype):
 def test_scoring_job_covers_only_its_own_region():
     policy = KaraPolicy(KaraOptions(window=64, buffer=8, period=16))
     state = KaraReqState(protected=4, frontier=4)
-    region, to_region = policy.upcoming(RowView(4, 4, 60, 0, state))
+    region, to_region = policy.schedule.upcoming(RowView(4, 4, 60, 0, state))
     assert to_region == 64 - 56 and region.start == 4 and region.query_len == 64
     job = ScoringJob(region)
     assert job.covers(policy.region(RowView(4, 4, 68, 0, state)))
-    state.retention = 0.5  # another kept count: another region
+    state.request["retention"] = 0.5  # another kept count: another region
     assert not job.covers(policy.region(RowView(4, 4, 68, 0, state)))
 
 

@@ -247,7 +247,7 @@ def _fault_scenario(rank: int, group, layout: str, agree: str) -> dict:
     rt.policy.fail_for = set()
     if layout == "one_group":  # one group of three: undone whole, retried one by one
         for r in reqs:
-            r.kara.budget = 12
+            r.kara.request["budget"] = 12
     victim = reqs[1]
     staging = DeviceStaging("cpu")
     fault = {

@@ -75,8 +75,8 @@ def event_launches(
         )
 
 
-def states(protected: int, **fields):
-    return KaraReqState(protected=protected, frontier=protected, **fields)
+def states(protected: int, **request):
+    return KaraReqState(protected=protected, frontier=protected, request=request)
 
 
 @pytest.mark.parametrize("page", [1, 16])

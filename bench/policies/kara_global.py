@@ -45,5 +45,5 @@ class KaraGlobalPolicy(KaraPolicy):
     prefix = "global_"
     additive = True  # Eq. 4 over a wider region: still a sum over the window's queries
 
-    def _window_region(self, row: RowView) -> Region:
-        return global_region(super()._window_region(row), row.protected)
+    def window_region(self, row: RowView) -> Region:
+        return global_region(super().window_region(row), row.protected)

@@ -1,5 +1,6 @@
-"""Compression policies (no SGLang import): the contract and registry in ``base``, one method per
-file. Importing this package registers every policy below (one line each)."""
+"""Compression policies (no SGLang import): the contract and registry in ``base``, the default
+schedule (when, how much) in ``schedule``, one method per file. Importing this package registers
+every policy below (one line each)."""
 
 from . import h2o, kara, numerals, random, rkv, snapkv, streaming  # noqa: F401  (registry: one line per policy)
 from .base import Policy, names, policy_class

@@ -1,25 +1,23 @@
 """The policy contract: what a compression method decides, and the registry that names them.
 
-A policy (kvpress-style: one method per file) decides four things about each running request;
-the runtime does everything else (state, scheduling, queries, compaction, admission) and knows
-no policy by name:
+A policy (kvpress-style: one method per file) decides where and what; the runtime does everything
+else (state, scheduling, queries, compaction, admission) and knows no policy by name:
 
-    when      ``due(step)``            is an event due at this decode step? (a request's own
-                                       generated-token count, or the scheduler's step)
-              ``event_interval()``     at most how many steps apart due steps are
     where     ``region(row)``          which rows [start, start + length) to compress now, how
                                        many entries to keep, which queries score them (or None)
     what      ``score(inp)``           importance of each region key, per layer and KV head
               ``select(scores, keep)`` kept indices (default: the top ``keep`` by score)
-    how much  ``footprint(remaining, state)`` tokens a request will hold of ``remaining`` more
-                                       (admission of a new request by compressed footprint)
-              ``growth(remaining, row)``  tokens a running request's KV may still grow by
-                                       (admission's charge of a running request)
+
+When and how much (due steps, admission footprint, the capture ring's size) belong to the
+policy's ``Schedule`` (schedule.py), built by the base as ``policy.schedule``: the default due at
+every step and charging the whole answer, a window schedule for Kara (kara.py) and a threshold
+schedule for the baselines (threshold.py). A new policy usually writes ``score`` alone and takes
+the region and schedule of the policy it derives from.
 
 Queries: a policy that scores with attention sets ``needs_queries``; its region names a query
 window of logical positions and the runtime hands ``score`` that window's post-RoPE queries
-(from the capture ring, ``query_capacity()`` per request, or a recompute forward). Per-step
-observation (e.g. H2O's accumulated attention): set ``observes_decode`` and implement
+(from the capture ring, ``schedule.query_capacity()`` per request, or a recompute forward).
+Per-step observation (e.g. H2O's accumulated attention): set ``observes_decode`` and implement
 ``observe`` (called at every decode forward, per layer) and ``on_compacted`` (the request's
 rows are rewritten: re-lay your per-request state the same way); per-request state lives in
 ``row.state.policy_state`` and is dropped when the request is retracted. ``on_compacted`` runs
@@ -29,9 +27,9 @@ in place (the runtime hands it a copy of the dicts and keeps it only if the even
 
 Spread scoring: a policy whose ``score`` is ``additive`` (a sum of independent per-query terms:
 scoring the query window in consecutive parts and adding the results equals scoring it whole)
-and whose next region is known before it is due (``upcoming``) lets the runtime score the window
-a few queries per decode step ahead of the event (``--kara-spread``), so that no decode step
-carries the whole scoring.
+and whose next region is known before it is due (``schedule.upcoming``) lets the runtime score
+the window a few queries per decode step ahead of the event (``--kara-spread``), so that no
+decode step carries the whole scoring.
 
 Tokens: a policy that sets ``needs_tokens`` gets the token ids of each region in ``select``
 (``tokens`` [B, M] int64, on the scores' device) and, once before any event, every token id's
@@ -42,7 +40,7 @@ Options: each policy declares a frozen dataclass ``Options`` (its own flags, val
 ``__post_init__`` by raising ``OptionError(field, message)``); flags are
 ``--kara-<prefix><field>`` where ``prefix`` is ``""`` for kara and ``"<name>_"`` for the others.
 Per-request overrides (``custom_params.kara``) a policy accepts are listed in
-``request_options``.
+``request_options``; a request's own values are in ``row.state.request`` (``request_option``).
 
 Imports nothing from SGLang, config, mem_cache or scheduler.
 """
@@ -54,6 +52,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+
+from . import schedule
 
 
 class OptionError(ValueError):
@@ -82,7 +82,7 @@ class RowView:
     frontier: int  # f
     length: int  # L
     pos_offset: int
-    state: Any  # the request's KaraReqState (overrides: .retention / .budget; .policy_state)
+    state: Any  # the request's KaraReqState (.request: its own options; .policy_state)
 
 
 @dataclass(frozen=True)
@@ -153,54 +153,16 @@ class Policy(ABC):
     # select(scores, keep, tokens=...) with the regions' token ids; bind_vocabulary at start-up
     needs_tokens: ClassVar[bool] = False
 
+    # when and how much: the schedule class, built per policy as ``self.schedule``
+    Schedule: ClassVar[type[schedule.Schedule]] = schedule.Schedule
+
     def __init__(self, options):
         self.options = options
-
-    # -- when / where ------------------------------------------------------------------------
-    def due(self, step: int) -> bool:
-        return True
+        self.schedule = self.Schedule(self)
 
     @abstractmethod
     def region(self, row: RowView) -> Region | None:
         """The rows to compress now, or None when nothing is due for this request."""
-
-    def upcoming(self, row: RowView) -> tuple[Region, int] | None:
-        """The region the next event of this request will compress, as soon as its keys are final
-        (it may not be due yet), and the decode steps until ``region`` names it (0: now); None
-        while not known. The runtime scores an additive policy's upcoming region early, its
-        queries as they are decoded. Default: known only once due."""
-        r = self.region(row)
-        return None if r is None else (r, 0)
-
-    def next_due(self, step: int) -> int:
-        """The first due step at or after ``step`` (``due`` recurs at most ``event_interval()``
-        steps apart)."""
-        for s in range(step, step + self.event_interval() + 1):
-            if self.due(s):
-                return s
-        raise RuntimeError(
-            f"{self.name}: no due step within event_interval() of {step}"
-        )
-
-    def query_capacity(self) -> int:
-        """Queries per request a capture ring must keep for this policy (0: none)."""
-        return 0
-
-    def event_interval(self) -> int:
-        """Most decode steps between two due steps (``--kara-trigger pressure`` looks this far
-        ahead: memory the running requests need before the next chance to compress)."""
-        return 1
-
-    def tail_charge(self, row: RowView) -> int | None:
-        """Most uncompressed rows (``row.length - row.frontier``) ``footprint`` charged this
-        request; an event compresses every due request that would outgrow it before the next due
-        step, beyond ``--kara-max-seqs`` if need be (None: no bound, max_seqs alone limits)."""
-        return None
-
-    def worth_compressing(self, row: RowView, remaining: int) -> bool:
-        """False: leave this request's due region alone, it finishes within ``remaining`` more
-        tokens before the freed slots matter (still within what admission charged it)."""
-        return remaining > 1
 
     # -- what ---------------------------------------------------------------------------------
     @abstractmethod
@@ -216,17 +178,6 @@ class Policy(ABC):
         """``needs_tokens``: ``pieces[i]`` is token id i's text; called once, before any
         event."""
 
-    # -- how much ----------------------------------------------------------------------------
-    def footprint(self, remaining: int, state) -> int:
-        """Tokens of ``remaining`` future ones a request will hold (admission)."""
-        return remaining
-
-    def growth(self, remaining: int, row: RowView) -> int:
-        """Most tokens by which a running request's KV (``row``) may still grow while it
-        generates ``remaining`` more: its footprint less what it already holds toward it.
-        Default: the footprint (nothing held counts)."""
-        return self.footprint(remaining, row.state)
-
     # -- per-step observation (observes_decode) ------------------------------------------------
     def observe(self, inp: ObserveInput) -> None:
         pass
@@ -238,6 +189,12 @@ class Policy(ABC):
         its rows past the region move down by region - K; ``length`` is its row length before.
         ``state.policy_state`` is a copy of the request's dicts (tensors shared): rebind new
         tensors, never write the old ones in place; the copy is kept if the event commits."""
+
+
+def request_option(state, name: str):
+    """The request's own ``custom_params.kara.<name>`` (one of its policy's ``request_options``),
+    or None (not given, or no request state)."""
+    return None if state is None else state.request.get(name)
 
 
 def top_k(scores: torch.Tensor, keep: int) -> torch.Tensor:

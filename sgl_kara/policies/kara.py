@@ -46,7 +46,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels.window_score import window_scores, window_scores_paged  # noqa: F401  (window_scores: Eq. 4 reference)
-from .base import Policy, Region, RowView, ScoreInput, need, register
+from .base import Policy, Region, RowView, ScoreInput, need, register, request_option
+from .schedule import Schedule
 
 PAPER_CHUNK_BUDGET = 16
 SCORINGS = ("bidirectional", "buffer")
@@ -302,17 +303,23 @@ class KaraOptions(WindowOptions):
         )
 
 
-@register
-class KaraPolicy(Policy):
-    """Periodic: every ``period`` decode steps, each request whose oldest uncompressed window
-    [f, f + W) is complete (and followed by ``recent`` newer rows) has its first W - U rows
-    compressed to K (the last U stay, and start the next window)."""
+def request_retention(options: WindowOptions, state) -> float:
+    """The request's own retention (``custom_params.kara.retention``), or the options'."""
+    r = request_option(state, "retention")
+    return options.retention if r is None else r
 
-    name = "kara"
-    prefix = ""
-    Options = KaraOptions
-    request_options = ("retention",)
-    additive = True  # Eq. 4: a softmax per query, summed over the queries
+
+def _rate(options: WindowOptions, state) -> float:
+    """Kept share of a window's compressible rows."""
+    return (
+        kept_count(options.compressible, request_retention(options, state))
+        / options.compressible
+    )
+
+
+class KaraSchedule(Schedule):
+    """Every ``period`` steps; a request's uncompressed tail is at most a window, the recency
+    band and the tokens decoded while waiting for the next event (W + R + period)."""
 
     def due(self, step: int) -> bool:
         return step % self.options.period == 0
@@ -320,11 +327,8 @@ class KaraPolicy(Policy):
     def next_due(self, step: int) -> int:
         return -(-step // self.options.period) * self.options.period
 
-    def region(self, row: RowView) -> Region | None:
-        o = self.options
-        if row.length - row.frontier < o.window + o.recent:
-            return None
-        return self._window_region(row)
+    def event_interval(self) -> int:
+        return self.options.period
 
     def upcoming(self, row: RowView) -> tuple[Region, int] | None:
         """The oldest uncompressed window once its W - U compressible keys are all decoded: at
@@ -333,34 +337,7 @@ class KaraPolicy(Policy):
         tail = row.length - row.frontier
         if tail < o.compressible:
             return None
-        return self._window_region(row), max(0, o.window + o.recent - tail)
-
-    def _window_region(self, row: RowView) -> Region:
-        o = self.options
-        m = o.compressible
-        retention = (
-            row.state.retention if row.state.retention is not None else o.retention
-        )
-        # buffer scoring: only the last U queries score, so a recompute forward computes those alone
-        q_start, q_len = (
-            (row.frontier + m, o.buffer)
-            if o.scoring == "buffer"
-            else (row.frontier, o.window)
-        )
-        return Region(row.frontier, m, kept_count(m, retention), q_start, q_len)
-
-    def query_capacity(self) -> int:
-        # A window becomes due at most `period` steps before its event, and is scored only once
-        # `recent` newer tokens follow it: the ring must still hold its oldest query then.
-        return self.options.window + self.options.period + self.options.recent
-
-    def event_interval(self) -> int:
-        return self.options.period
-
-    def tail_charge(self, row: RowView) -> int:
-        """``footprint`` charged a window, the recency band and the steps to the next event."""
-        o = self.options
-        return o.window + o.recent + o.period
+        return self.policy.window_region(row), max(0, o.window + o.recent - tail)
 
     def worth_compressing(self, row: RowView, remaining: int) -> bool:
         """A request whose uncompressed tail stays within W + period until it finishes is left
@@ -371,6 +348,76 @@ class KaraPolicy(Policy):
             remaining > 1
             and (row.length - row.frontier) + remaining > o.window + o.recent + o.period
         )
+
+    def footprint(self, remaining: int, state) -> int:
+        """Each window of W - U new tokens shrinks to K entries; the uncompressed tail is at most
+        a window, the recency band and the tokens decoded while waiting for the next event."""
+        if remaining <= 0:
+            return remaining
+        o = self.options
+        return min(
+            remaining,
+            math.ceil(remaining * _rate(o, state)) + o.window + o.recent + o.period,
+        )
+
+    def growth(self, remaining: int, row: RowView) -> int:
+        """A running request already holds its uncompressed tail t (at most W + R + period): by
+        the time it has generated G more, at least t + G - (W + R + period) of its tail rows were
+        compressed to ``rate`` of themselves, so its KV grew by at most
+        G rate + (W + R + period - t)(1 - rate), and by at most G."""
+        if remaining <= 0:
+            return remaining
+        o = self.options
+        rate = _rate(o, row.state)
+        start = row.frontier if row.protected >= 0 else row.length
+        tail = max(0, row.length - start)
+        allowance = max(0, o.window + o.recent + o.period - tail)
+        return min(remaining, math.ceil(remaining * rate + allowance * (1 - rate)))
+
+    def tail_charge(self, row: RowView) -> int:
+        """``footprint`` charged a window, the recency band and the steps to the next event."""
+        o = self.options
+        return o.window + o.recent + o.period
+
+    def query_capacity(self) -> int:
+        # A window becomes due at most `period` steps before its event, and is scored only once
+        # `recent` newer tokens follow it: the ring must still hold its oldest query then.
+        if not self.policy.needs_queries:
+            return 0
+        return self.options.window + self.options.period + self.options.recent
+
+
+@register
+class KaraPolicy(Policy):
+    """Periodic: every ``period`` decode steps, each request whose oldest uncompressed window
+    [f, f + W) is complete (and followed by ``recent`` newer rows) has its first W - U rows
+    compressed to K (the last U stay, and start the next window)."""
+
+    name = "kara"
+    prefix = ""
+    Options = KaraOptions
+    Schedule = KaraSchedule
+    request_options = ("retention",)
+    additive = True  # Eq. 4: a softmax per query, summed over the queries
+
+    def region(self, row: RowView) -> Region | None:
+        o = self.options
+        if row.length - row.frontier < o.window + o.recent:
+            return None
+        return self.window_region(row)
+
+    def window_region(self, row: RowView) -> Region:
+        """The oldest uncompressed window's W - U rows, whether or not it is due yet."""
+        o = self.options
+        m = o.compressible
+        # buffer scoring: only the last U queries score, so a recompute forward computes those alone
+        q_start, q_len = (
+            (row.frontier + m, o.buffer)
+            if o.scoring == "buffer"
+            else (row.frontier, o.window)
+        )
+        keep = kept_count(m, request_retention(o, row.state))
+        return Region(row.frontier, m, keep, q_start, q_len)
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
         # q: the region's query window (region()): all W queries, or the last U with scoring=buffer.
@@ -386,38 +433,3 @@ class KaraPolicy(Policy):
             min(self.options.chunk_budget, keep - 1),
             self.options.max_chunk,
         )
-
-    def footprint(self, remaining: int, state) -> int:
-        """Each window of W - U new tokens shrinks to K entries; the uncompressed tail is at most
-        a window, the recency band and the tokens decoded while waiting for the next event."""
-        if remaining <= 0:
-            return remaining
-        o = self.options
-        retention = (
-            state.retention
-            if state is not None and state.retention is not None
-            else o.retention
-        )
-        rate = kept_count(o.compressible, retention) / o.compressible
-        return min(
-            remaining, math.ceil(remaining * rate) + o.window + o.recent + o.period
-        )
-
-    def growth(self, remaining: int, row: RowView) -> int:
-        """A running request already holds its uncompressed tail t (at most W + R + period): by
-        the time it has generated G more, at least t + G - (W + R + period) of its tail rows were
-        compressed to ``rate`` of themselves, so its KV grew by at most
-        G rate + (W + R + period - t)(1 - rate), and by at most G."""
-        if remaining <= 0:
-            return remaining
-        o = self.options
-        retention = (
-            row.state.retention
-            if row.state is not None and row.state.retention is not None
-            else o.retention
-        )
-        rate = kept_count(o.compressible, retention) / o.compressible
-        start = row.frontier if row.protected >= 0 else row.length
-        tail = max(0, row.length - start)
-        allowance = max(0, o.window + o.recent + o.period - tail)
-        return min(remaining, math.ceil(remaining * rate + allowance * (1 - rate)))

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .base import Region, RowView, ScoreInput, need, register, top_k
-from .kara import KaraPolicy, WindowOptions, kept_count
+from .kara import KaraPolicy, WindowOptions, kept_count, request_retention
 
 
 @dataclass(frozen=True)
@@ -64,15 +64,8 @@ class RandomPolicy(KaraPolicy):
         o = self.options
         if row.length - row.frontier < o.window + o.recent:
             return None
-        retention = (
-            row.state.retention if row.state.retention is not None else o.retention
-        )
-        return Region(
-            row.frontier, o.compressible, kept_count(o.compressible, retention)
-        )
-
-    def query_capacity(self) -> int:
-        return 0
+        keep = kept_count(o.compressible, request_retention(o, row.state))
+        return Region(row.frontier, o.compressible, keep)
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
         heads, m = inp.k_buffer.shape[1], inp.slots.shape[1]

@@ -1,19 +1,15 @@
 """StreamingLLM baseline: keep attention sinks plus the most recent tokens.
 
 Idea
-    The first few tokens act as attention sinks; keeping them plus a recent
-    window keeps attention stable. No scores are needed.
+    The first few tokens act as attention sinks; keeping them plus a recent window keeps
+    attention stable. The score is positional (no queries); its top-K is ``streaming_select``.
 
 Paper
     Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks".
 
 Parameters (flags --kara-streaming-<name>)
-    threshold / budget / window   the threshold trigger (policies/threshold.py): C_max, N, and the
-                                  most recent entries always kept (1280 / 1024 / 32)
-    sinks                         first generated entries always kept (4)
-
-As a policy, the selection is a positional score (sinks first, then the most recent) with the
-default top-K, which equals ``streaming_select``.
+    threshold, budget, window   C_max, N, most recent entries kept (threshold.py; 1280, 1024, 32)
+    sinks                       first generated entries always kept (4)
 """
 
 from __future__ import annotations
@@ -26,21 +22,12 @@ from .base import ScoreInput, need, register
 from .threshold import ThresholdOptions, ThresholdPolicy
 
 
-def streaming_select(
-    m: int, budget: int, sinks: int, device=None, batch_shape=()
-) -> torch.Tensor:
-    """Returns int64 [*batch_shape, budget]: positions 0..sinks-1 then m-(budget-sinks)..m-1."""
+def streaming_select(m: int, budget: int, sinks: int, device=None, batch_shape=()):
+    """int64 [*batch_shape, budget]: positions 0..sinks-1 then m-(budget-sinks)..m-1."""
     if not 0 <= sinks <= budget <= m:
-        raise ValueError(
-            f"need 0 <= sinks <= budget <= m, got sinks={sinks} budget={budget} m={m}"
-        )
-    idx = torch.cat(
-        [
-            torch.arange(sinks, device=device, dtype=torch.int64),
-            torch.arange(m - (budget - sinks), m, device=device, dtype=torch.int64),
-        ]
-    )
-    return idx.expand(*batch_shape, budget).contiguous()
+        raise ValueError(f"need 0 <= sinks <= budget <= m, got {sinks=} {budget=} {m=}")
+    idx = torch.cat([torch.arange(sinks), torch.arange(m - (budget - sinks), m)])
+    return idx.to(device).expand(*batch_shape, budget).contiguous()
 
 
 @dataclass(frozen=True)
@@ -59,13 +46,6 @@ class StreamingOptions(ThresholdOptions):
         )
 
 
-def streaming_scores(m: int, sinks: int, device=None) -> torch.Tensor:
-    """[m] positional scores whose top-K is ``streaming_select(m, K, min(sinks, K))``: the first
-    ``sinks`` positions outrank everything, then later positions outrank earlier ones."""
-    pos = torch.arange(m, device=device, dtype=torch.float32)
-    return torch.where(pos < sinks, pos.new_full((), 2.0 * m) - pos, pos)
-
-
 @register
 class StreamingPolicy(ThresholdPolicy):
     name = "streaming"
@@ -75,5 +55,6 @@ class StreamingPolicy(ThresholdPolicy):
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
         b, m = inp.slots.shape
-        s = streaming_scores(m, self.options.sinks, device=inp.slots.device)
+        pos = torch.arange(m, device=inp.slots.device, dtype=torch.float32)
+        s = torch.where(pos < self.options.sinks, pos.new_full((), 2.0 * m) - pos, pos)
         return s.expand(b, inp.k_buffer.shape[1], m)

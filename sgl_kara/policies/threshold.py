@@ -16,8 +16,8 @@ after step s's event, it is compressed down to exactly that (rows [P, L - w) kee
 Its generated KV then equals Kara's at every step of an answer of the same length -- mean, peak
 and final alike -- and its events fall on Kara's event steps; only which entries are kept differs.
 A step Kara leaves alone near the request's max_new_tokens the baseline leaves alone too
-(``worth_compressing``). Exact while ``target > w`` (Kara keeps at least U + K rows after an event,
-so U + K > w suffices) and the page size is 1 (trajectory.py).
+(``ThresholdSchedule.worth_compressing``). Exact while ``target > w`` (Kara keeps at least U + K
+rows after an event, so U + K > w suffices) and the page size is 1 (trajectory.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from . import trajectory
-from .base import Policy, Region, RowView, need
+from .base import Policy, Region, RowView, need, request_option
+from .schedule import Schedule
 
 
 @dataclass(frozen=True)
@@ -63,61 +64,43 @@ class ThresholdOptions:
         )
 
 
-class ThresholdPolicy(Policy):
-    request_options = ("budget", "match_kara")
+def matched(state) -> trajectory.Trajectory | None:
+    """Kara's trajectory this request follows (unbounded), or None (budget and threshold)."""
+    spec = request_option(state, "match_kara")
+    return None if spec is None else trajectory.trajectory(trajectory.schedule_of(spec))
 
-    @staticmethod
-    def _matched(state) -> trajectory.Trajectory | None:
-        """Kara's trajectory this request follows (unbounded), or None (budget and threshold)."""
-        spec = getattr(state, "match_kara", None) if state is not None else None
-        return (
-            None
-            if spec is None
-            else trajectory.trajectory(trajectory.schedule_of(spec))
-        )
 
-    @staticmethod
-    def _step(row: RowView) -> int:
-        """The decode step a row is at: its logical generated rows + 1 (page size 1: P is the
-        prompt)."""
-        return row.length - row.protected + row.pos_offset + 1
+def step_of(row: RowView) -> int:
+    """The decode step a row is at: its logical generated rows + 1 (page size 1: P is the
+    prompt)."""
+    return row.length - row.protected + row.pos_offset + 1
 
-    def _target(self, row: RowView) -> int | None:
-        traj = self._matched(row.state)
-        return None if traj is None else traj.after(self._step(row))
 
-    def _budget(self, state) -> tuple[int, int]:
-        """(N, C_max) for this request."""
-        o = self.options
-        budget = (
-            state.budget if state is not None and state.budget is not None else o.budget
-        )
-        return budget, budget + (o.threshold - o.budget)
+def target(row: RowView) -> int | None:
+    """Matched: Kara's generated rows after this step's event; None otherwise."""
+    traj = matched(row.state)
+    return None if traj is None else traj.after(step_of(row))
 
-    def region(self, row: RowView) -> Region | None:
-        w = self.options.window
-        target = self._target(row)
-        if target is not None:
-            budget, threshold = target, target
-        else:
-            budget, threshold = self._budget(row.state)
-        if row.length - row.protected <= threshold:
-            return None
-        m = row.length - w - row.protected
-        keep = max(1, budget - w)
-        if m <= keep:
-            return None
-        q_len = w if self.needs_queries else 0
-        return Region(row.protected, m, keep, row.length - w, q_len)
+
+def budget(options, state) -> tuple[int, int]:
+    """(N, C_max) for this request."""
+    n = request_option(state, "budget")
+    n = options.budget if n is None else n
+    return n, n + (options.threshold - options.budget)
+
+
+class ThresholdSchedule(Schedule):
+    """Due at every step; a request holds at most C_max + 1 generated entries (matched: Kara's
+    most rows)."""
 
     def tail_charge(self, row: RowView) -> int:
         """``footprint`` charged C_max + 1 generated entries: rows [P, L), of which [P, f) are
         the entries kept by earlier compressions. Matched: Kara's rows at this step, so a due
         request is always overdue (never left out of an event by max_seqs)."""
-        target = self._target(row)
-        if target is not None:
-            return target - (row.frontier - row.protected)
-        _, threshold = self._budget(row.state)
+        t = target(row)
+        if t is not None:
+            return t - (row.frontier - row.protected)
+        _, threshold = budget(self.options, row.state)
         return threshold + 1 - (row.frontier - row.protected)
 
     def worth_compressing(self, row: RowView, remaining: int) -> bool:
@@ -125,24 +108,24 @@ class ThresholdPolicy(Policy):
         alone whose tail lasts it to the end), so the two hold the same rows to the last step."""
         if remaining <= 1:
             return False
-        spec = getattr(row.state, "match_kara", None)
+        spec = request_option(row.state, "match_kara")
         if spec is None:
             return True
-        step = self._step(row)
+        step = step_of(row)
         limited = trajectory.trajectory(trajectory.schedule_of(spec), step + remaining)
         return limited.after(step) < row.length - row.protected
 
     def query_capacity(self) -> int:
         # Events are checked every step, so the last w queries plus the one being written.
-        return self.options.window + 1 if self.needs_queries else 0
+        return self.options.window + 1 if self.policy.needs_queries else 0
 
     def footprint(self, remaining: int, state) -> int:
         if remaining <= 0:
             return remaining
-        traj = self._matched(state)
+        traj = matched(state)
         if traj is not None:  # Kara's most rows over the answer, and the last token's
             return min(remaining, traj.peak(remaining + 1) + 1)
-        _, threshold = self._budget(state)
+        _, threshold = budget(self.options, state)
         return min(remaining, threshold + 1)
 
     def growth(self, remaining: int, row: RowView) -> int:
@@ -151,13 +134,34 @@ class ThresholdPolicy(Policy):
         if remaining <= 0:
             return remaining
         held = row.length - row.protected if row.protected >= 0 else 0
-        traj = self._matched(row.state)
+        traj = matched(row.state)
         if traj is not None:
             most = (
-                traj.peak(self._step(row) + remaining) + 1
+                traj.peak(step_of(row) + remaining) + 1
                 if row.protected >= 0
                 else (traj.peak(remaining + 1) + 1)
             )
             return min(remaining, max(0, most - held))
-        _, threshold = self._budget(row.state)
+        _, threshold = budget(self.options, row.state)
         return min(remaining, max(0, threshold + 1 - held))
+
+
+class ThresholdPolicy(Policy):
+    Schedule = ThresholdSchedule
+    request_options = ("budget", "match_kara")
+
+    def region(self, row: RowView) -> Region | None:
+        w = self.options.window
+        matched_rows = target(row)
+        if matched_rows is not None:
+            keep_to = threshold = matched_rows
+        else:
+            keep_to, threshold = budget(self.options, row.state)
+        if row.length - row.protected <= threshold:
+            return None
+        m = row.length - w - row.protected
+        keep = max(1, keep_to - w)
+        if m <= keep:
+            return None
+        q_len = w if self.needs_queries else 0
+        return Region(row.protected, m, keep, row.length - w, q_len)

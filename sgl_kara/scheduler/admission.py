@@ -3,9 +3,9 @@
 SGLang's PrefillAdder reserves, for every running and new request, the tokens it may still
 generate (``max_new_tokens - len(output_ids)``, times a ratio), on top of what the running ones
 already hold. Under compression a request that generates G more tokens holds at most
-``policy.footprint(G)`` of them (Kara: about ``G * K / (W - U) + W + period``; threshold
+``schedule.footprint(G)`` of them (Kara: about ``G * K / (W - U) + W + period``; threshold
 policies: at most C_max + 1), under its own ``custom_params.kara`` overrides, and its KV grows
-by at most ``policy.growth(G, row)`` beyond what its row holds (Kara: ``G * K / (W - U)`` plus
+by at most ``schedule.growth(G, row)`` beyond what its row holds (Kara: ``G * K / (W - U)`` plus
 the part of a window and a period its uncompressed tail has still to fill, at the rate that
 tail is not compressed). Both a running request and one being admitted are charged that growth
 (the latter of the row its prefill leaves: its prompt, nothing compressible yet), so a

@@ -10,14 +10,14 @@ and larger events).
 
 A request takes part once its row has reached its protected length P (fixed here, at the first
 check after the prefill: the tree-owned prefix and the prompt, rounded up to a page), when it is
-not finishing anyway (``policy.worth_compressing``: Kara leaves a request whose uncompressed
+not finishing anyway (``schedule.worth_compressing``: Kara leaves a request whose uncompressed
 tail stays within W + period until its max_new_tokens), and when its KV is fully committed.
 A request's own count (``decoded_tokens``) is the same under SGLang's normal and overlap
 schedulers, so it is compressed at the same steps under both.
 
 An event takes the due requests' regions, longest uncompressed tail first, at most ``max_seqs``
 of them -- and more when more are overdue (``choose``): a due request whose tail, left to the
-next due step, would outgrow what admission charged it (``policy.tail_charge``) is always in the
+next due step, would outgrow what admission charged it (``schedule.tail_charge``) is always in the
 event, so events keep up with any number of running requests (at max_seqs = 30 and one event per
 period = 128 steps, the paper's limit holds up to ~30 x (W - U) / period = 112 running requests
 at W = 512, U = 32).
@@ -95,7 +95,9 @@ def decoded_tokens(req, state: KaraReqState) -> int:
 
 def due_at(policy, phase: str, server_step: int, req, state: KaraReqState) -> bool:
     """Is an event due for ``req`` at this decode step (``server_step``: the scheduler's)?"""
-    return policy.due(server_step if phase == "server" else decoded_tokens(req, state))
+    return policy.schedule.due(
+        server_step if phase == "server" else decoded_tokens(req, state)
+    )
 
 
 def overdue(tail: int, charge: int | None, interval: int) -> bool:
@@ -163,8 +165,8 @@ def plan_jobs(
             continue
         row, remaining = ok
         region = policy.region(row)
-        if region is not None and policy.worth_compressing(row, remaining):
-            charge = policy.tail_charge(row)
+        if region is not None and policy.schedule.worth_compressing(row, remaining):
+            charge = policy.schedule.tail_charge(row)
             cands.append(
                 (
                     row.length - state.frontier,
@@ -173,7 +175,10 @@ def plan_jobs(
                 )
             )
     picked = choose(
-        [c[0] for c in cands], [c[1] for c in cands], policy.event_interval(), max_seqs
+        [c[0] for c in cands],
+        [c[1] for c in cands],
+        policy.schedule.event_interval(),
+        max_seqs,
     )
     return [cands[i][2] for i in picked]
 
@@ -202,7 +207,7 @@ def plan_chunks(
         if ok is None:
             continue
         row, remaining = ok
-        up = policy.upcoming(row)
+        up = policy.schedule.upcoming(row)
         if up is None:
             continue
         region, to_region = up
@@ -210,7 +215,7 @@ def plan_chunks(
         now = now_of(req, state)
         if job is None or not job.covers(region):
             ahead = dataclasses.replace(row, length=row.length + to_region)
-            if not policy.worth_compressing(ahead, remaining - to_region):
+            if not policy.schedule.worth_compressing(ahead, remaining - to_region):
                 continue  # it finishes before this window would be compressed
             steps = (
                 spread.deadline(policy, now, to_region, region.query_len, cap) - now + 1
@@ -297,7 +302,7 @@ class Planner:
 
     def due_jobs(self, reqs, state_of, step: int) -> list[Job]:
         """The jobs of the requests due at this step (before the spread rule)."""
-        if self.phase == "server" and not self.policy.due(step):
+        if self.phase == "server" and not self.policy.schedule.due(step):
             return []
 
         def due(req, state) -> bool:
@@ -325,10 +330,10 @@ class Planner:
             s = j.state.scoring
             if s is not None and s.covers(j.region) and s.remaining > 0:
                 row = j.view()
-                charge = self.policy.tail_charge(row)
+                charge = self.policy.schedule.tail_charge(row)
                 tail = row.length - row.frontier
                 limit = None if charge is None else charge + self.slack
-                if not overdue(tail, limit, self.policy.event_interval()):
+                if not overdue(tail, limit, self.policy.schedule.event_interval()):
                     continue
             out.append(j)
         return out

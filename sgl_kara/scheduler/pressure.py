@@ -12,7 +12,7 @@ when the slots it frees are needed:
 
 They differ in the horizon, how far ahead "would run short" looks:
 
-    pressure   horizon = ``policy.event_interval()``: what the running requests add before the
+    pressure   horizon = ``schedule.event_interval()``: what the running requests add before the
                policy's next due step. Events wait until the pool is nearly full, so rows stay
                long (uncompressed) for most of a memory-bound run.
     headroom   horizon = everything they may still generate (``max_new_tokens - len(output)``).

@@ -40,7 +40,7 @@ from sgl_kara.model_shape import ModelShape
 from sgl_kara.policies import base as policy_base
 from sgl_kara.policies.base import RowView
 from sgl_kara.process import STATE
-from sgl_kara.request_options import check_supported, validate
+from sgl_kara.request_options import PER_REQUEST, check_supported, validate
 from sgl_kara.scheduler import spread
 from sgl_kara.scheduler.events import EventRunner
 from sgl_kara.scheduler.evictions import EvictionRecorder
@@ -145,7 +145,7 @@ class KaraRuntime:
             agreement = FailureAgreement(tp_rank, tp_size, tp_group)
         device = parts.req_to_token.device
         self.staging = DeviceStaging(device, self.observers)
-        capacity = self.policy.query_capacity()
+        capacity = self.policy.schedule.query_capacity()
         self.ring = None
         if cfg.query_source == "capture" and capacity:
             self.ring = make_ring(parts, cfg, capacity, poison=self.check)
@@ -242,17 +242,12 @@ class KaraRuntime:
         if state is not None:
             return state
         opts = validate(adapter.custom_params(req))
+        request = {k: opts[k] for k in PER_REQUEST if opts.get(k) is not None}
         state = self.table.add(
-            req,
-            KaraReqState(
-                enabled=opts.get("enable", True),
-                retention=opts.get("retention"),
-                budget=opts.get("budget"),
-                match_kara=opts.get("match_kara"),
-            ),
+            req, KaraReqState(enabled=opts.get("enable", True), request=request)
         )
-        for name in ("retention", "budget", "match_kara"):
-            if opts.get(name) is not None and name not in self.policy.request_options:
+        for name in request:
+            if name not in self.policy.request_options:
                 accepting = [
                     p.name for p in policy_base.policies() if name in p.request_options
                 ]
@@ -287,7 +282,7 @@ class KaraRuntime:
     # ------------------------------------------------------------------ admission
     def charge(self, req, running: bool) -> int | None:
         """The ``max_new_tokens`` admission presents for ``req`` (admission.py): its output so
-        far plus what its KV may still grow by (``policy.growth``) beyond what it holds -- a
+        far plus what its KV may still grow by (``schedule.growth``) beyond what it holds -- a
         running request its row now, a request being admitted the row its prefill leaves (its
         prompt, nothing compressible yet: the same charge it keeps while it runs, so the memory
         admission counts for it does not shrink once it runs, which would leave room no
@@ -310,7 +305,9 @@ class KaraRuntime:
             )
         else:
             row = RowView(-1, 0, 0, 0, state)
-        return done + min(remaining, self.policy.growth(remaining, row) + self.slack)
+        return done + min(
+            remaining, self.policy.schedule.growth(remaining, row) + self.slack
+        )
 
     # ------------------------------------------------------------------ decode steps
     def on_decode_step(self, batch) -> None:
@@ -421,7 +418,7 @@ class KaraRuntime:
         ]
         growth = growth_within(
             remaining,
-            horizon(self.cfg.trigger, self.policy.event_interval()),
+            horizon(self.cfg.trigger, self.policy.schedule.event_interval()),
             parts.page_size,
         )
         fresh = sum(j.fresh_slots(parts.page_size) for j in jobs)

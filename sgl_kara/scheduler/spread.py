@@ -6,7 +6,7 @@ Scoring a Kara window takes its W queries (a recompute forward over W tokens, or
 queries) against its W - U region keys. Done whole at the event's due step (``--kara-spread
 off``, the paper's schedule), that step carries the whole cost, and requests that arrived
 together fall due together. Eq. 4 is a sum over queries of a softmax over the region's keys, so
-once the keys are all decoded (``policy.upcoming``: U + R steps before the window is due, at
+once the keys are all decoded (``schedule.upcoming``: U + R steps before the window is due, at
 least) the window can be scored a part per step and the parts added (``policy.additive``):
 
     step:      k ........................... due step D (first due step once the window is complete)
@@ -133,10 +133,10 @@ def deadline(policy, now: int, to_region: int, remaining: int, cap: int) -> int:
     """The due step at which the window is compressed: the first due step once the window is
     complete (``now + to_region``) by which ``remaining`` queries fit at ``cap`` per step
     (cap 0: the first)."""
-    d = policy.next_due(now + max(0, to_region))
+    d = policy.schedule.next_due(now + max(0, to_region))
     if cap:
         while remaining > cap * (d - now + 1):
-            d = policy.next_due(d + 1)
+            d = policy.schedule.next_due(d + 1)
     return d
 
 
@@ -146,7 +146,7 @@ def first_lead(policy, limit: int = 1 << 24) -> int | None:
     state = KaraReqState(protected=0, frontier=0)
     n = 1
     while n <= limit:
-        up = policy.upcoming(RowView(0, 0, n, 0, state))
+        up = policy.schedule.upcoming(RowView(0, 0, n, 0, state))
         if up is not None:
             # the smallest such length: step back to it (upcoming is monotone in the length)
             lo, hi = n // 2, n
@@ -154,10 +154,11 @@ def first_lead(policy, limit: int = 1 << 24) -> int | None:
                 mid = (lo + hi) // 2
                 lo, hi = (
                     (lo, mid)
-                    if policy.upcoming(RowView(0, 0, mid, 0, state)) is not None
+                    if policy.schedule.upcoming(RowView(0, 0, mid, 0, state))
+                    is not None
                     else (mid, hi)
                 )
-            return policy.upcoming(RowView(0, 0, hi, 0, state))[1]
+            return policy.schedule.upcoming(RowView(0, 0, hi, 0, state))[1]
         n *= 2
     return None
 
@@ -170,11 +171,11 @@ def slack(policy, cap: int) -> int:
     if not cap or lead is None:
         return 0
     state = KaraReqState(protected=0, frontier=0)
-    region, _ = policy.upcoming(RowView(0, 0, 1 << 20, 0, state))
+    region, _ = policy.schedule.upcoming(RowView(0, 0, 1 << 20, 0, state))
     late = -(-region.query_len // cap) - lead
     if late <= 0:
         return 0
-    interval = policy.event_interval()
+    interval = policy.schedule.event_interval()
     return -(-late // interval) * interval
 
 

@@ -29,9 +29,8 @@ from dataclasses import dataclass, field
 class KaraReqState:
     # -- options (custom_params.kara) and lifetime statistics: survive a retraction
     enabled: bool = True
-    retention: float | None = None  # per-request override of the kara retention
-    budget: int | None = None  # per-request budget of threshold policies
-    match_kara: dict | None = None  # threshold policies: Kara's KV per step
+    # the policy's per-request options (custom_params.kara fields it names in request_options)
+    request: dict = field(default_factory=dict)
     kv_peak: int = 0  # largest physical KV length seen at a decode step
     kv_sum: int = 0  # physical KV lengths summed over decode steps
     kv_steps: int = 0
