@@ -191,9 +191,8 @@ def run_system(
         for o in outs
         if (o["meta_info"].get("kara") or {}).get("kv_mean_len")
     ]
-    if (
-        not kv
-    ):  # vanilla: every row grows by one per step, prompt + half the output on average
+    # vanilla: every row grows by one per step, prompt + half the output on average
+    if not kv:
         kv = [
             o["meta_info"]["prompt_tokens"] + o["meta_info"]["completion_tokens"] / 2
             for o in outs

@@ -291,9 +291,8 @@ def estimate_seconds(small: bool = False, batch: int | None = None) -> float:
 # --------------------------------------------------------------------------------- running
 def _setup(args):
     if args.small and not _cuda_available_quietly():
-        os.environ.setdefault(
-            "TRITON_INTERPRET", "1"
-        )  # read when triton is first imported
+        # read when triton is first imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _cuda_available_quietly() -> bool:
@@ -534,9 +533,8 @@ def run_model(
     _, first = timer.once(lambda: compact_kv(kb, vb, src, dst))
     exact = compaction_matches(want, dst)
     del want
-    ms = timed(
-        lambda: compact_kv(kb, vb, src, dst), first
-    )  # idempotent: src, dst disjoint
+    # idempotent: src, dst disjoint
+    ms = timed(lambda: compact_kv(kb, vb, src, dst), first)
     record("compact_kv", exact, first, ms)
 
     # copy_slots: tails to fresh pages (disjoint), then an overlapping shift (staged).

@@ -164,9 +164,8 @@ def commands(
         if system == "sglang-nooverlap":
             cmd.append("--disable-overlap-schedule")
         return cmd, {"KARA_CPU_KERNELS": "1"}
-    kara_flags = (
-        [] if system in BASELINES else workload["kara"]
-    )  # W, U, delta are Kara's options
+    # W, U, delta are Kara's options
+    kara_flags = [] if system in BASELINES else workload["kara"]
     cmd = [
         py,
         "-m",
@@ -179,13 +178,9 @@ def commands(
         str(resolved.max_running_requests),
     ]
     if system == "kara-before":
-        cmd += [
-            "--disable-overlap-schedule",
-            "--kara-spread",
-            "off",
-            "--kara-query-source",
-            "recompute",
-        ]
+        cmd += (
+            "--disable-overlap-schedule --kara-spread off --kara-query-source recompute"
+        ).split()
     elif system == "kara-nospread":
         cmd += ["--kara-spread", "off"]
     elif system == "kara-recompute":
@@ -214,15 +209,14 @@ def commands(
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="free")
-    ap.add_argument("--model", choices=("default", "tiny"), default="default")
-    ap.add_argument(
-        "--systems", default="sglang,sglang-nooverlap,kara-before,kara,kara-recompute"
-    )
-    ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--requests", type=int, default=None)
-    ap.add_argument("--tokens", type=int, default=None)
+    arg = ap.add_argument
+    arg("--out", required=True)
+    arg("--workload", choices=sorted(WORKLOADS), default="free")
+    arg("--model", choices=("default", "tiny"), default="default")
+    arg("--systems", default="sglang,sglang-nooverlap,kara-before,kara,kara-recompute")
+    arg("--reps", type=int, default=2)
+    arg("--requests", type=int, default=None)
+    arg("--tokens", type=int, default=None)
     args = ap.parse_args(argv)
     from bench.record import RunRecord
     from sgl_kara.launch_server import parse
@@ -241,14 +235,9 @@ def main(argv=None):
             ),
         ]
         if args.workload == "free":
-            workload["kara"] = [
-                "--kara-window",
-                "128",
-                "--kara-buffer",
-                "16",
-                "--kara-period",
-                "32",
-            ]
+            workload["kara"] = (
+                "--kara-window 128 --kara-buffer 16 --kara-period 32"
+            ).split()
     probe = model_argv + workload["kara"]
     if workload["pool"] == "quarter":
         # prompt (~20 tokens) + answer per request, all requests: a quarter of it
@@ -291,9 +280,8 @@ def main(argv=None):
                 internal = requests.get(url + "/server_info", timeout=30).json()[
                     "internal_states"
                 ][0]
-                res["cpu_kernels"] = internal.get(
-                    "kara_cpu_kernels"
-                )  # None: SGLang's own code
+                # None: SGLang's own code
+                res["cpu_kernels"] = internal.get("kara_cpu_kernels")
                 if not system.startswith("sglang"):
                     state = internal["kara"]
                     res.update(
@@ -308,16 +296,9 @@ def main(argv=None):
             print(system, rep, res, flush=True)
     with open(os.path.join(args.out, "latency.json"), "w") as f:
         json.dump(results, f, indent=1)
-    keys = [
-        "tok_s",
-        "itl_p50_ms",
-        "itl_p99_ms",
-        "itl_max_ms",
-        "ttft_p50_s",
-        "kv_mean",
-        "events",
-        "event_max_ms",
-    ]
+    keys = (
+        "tok_s itl_p50_ms itl_p99_ms itl_max_ms ttft_p50_s kv_mean events event_max_ms"
+    ).split()
     lines = [
         "| system | rep | " + " | ".join(keys) + " |",
         "|---|---|" + "---|" * len(keys),

@@ -76,9 +76,10 @@ class ModelConfig:
             1 if self.tie_embeddings else 2
         )
 
+    # weights multiplied per decoded token (embedding: a lookup)
     def matmul_params(
         self,
-    ):  # weights multiplied per decoded token (embedding: a lookup)
+    ):
         return self.layers * self.layer_params() + self.vocab * self.hidden
 
     def kv_bytes_per_token(self):  # K and V, all layers, all KV heads
@@ -305,9 +306,8 @@ def estimate(
     )
     mixed = roofline(flops, nbytes, gpu, cost)
     mixed = mixed + score_kernels(m, gpu, reqs, s.part, cost, s)
-    put(
-        "fused", added(mixed, h, mixed) - decode, share
-    )  # eager: the host issue is its own
+    # eager: the host issue is its own
+    put("fused", added(mixed, h, mixed) - decode, share)
 
     # (b) whole windows at their due step, those due at one step in one batch
     def whole(name, n_windows, share):
@@ -461,40 +461,28 @@ def parse(argv=None):
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    arg = p.add_argument
     d = Schedule()
-    p.add_argument("--gpu", default="h100", choices=list(GPUS))
-    p.add_argument(
+    arg("--gpu", default="h100", choices=list(GPUS))
+    arg(
         "--models",
         type=lambda v: v.split(","),
         default=["Qwen3-8B", "R1-Llama-8B"],
         help=f"comma-separated, of {list(MODELS)}",
     )
-    p.add_argument(
-        "--batches", type=lambda v: [int(x) for x in v.split(",")], default=[64, 256]
-    )
-    p.add_argument(
+    arg("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[64, 256])
+    arg(
         "--context",
         type=int,
         default=None,
         help="KV tokens per request (default: the pool shared by the running requests)",
     )
-    p.add_argument("--compute-eff", type=float, default=Cost().compute_eff)
-    p.add_argument("--bw-eff", type=float, default=Cost().bw_eff)
-    for name in (
-        "window",
-        "buffer",
-        "period",
-        "part",
-        "recompute_tokens",
-        "ops_per_layer",
-    ):
-        p.add_argument(
-            "--" + name.replace("_", "-"), type=int, default=getattr(d, name)
-        )
-    p.add_argument("--launch-us", type=float, default=d.launch_us)
-    p.add_argument(
-        "--out", default=None, help="folder for scoring_cost.md and run.json"
-    )
+    arg("--compute-eff", type=float, default=Cost().compute_eff)
+    arg("--bw-eff", type=float, default=Cost().bw_eff)
+    for name in "window buffer period part recompute_tokens ops_per_layer".split():
+        arg("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    arg("--launch-us", type=float, default=d.launch_us)
+    arg("--out", default=None, help="folder for scoring_cost.md and run.json")
     a = p.parse_args(argv)
     bad = [n for n in a.models if n not in MODELS]
     if bad:

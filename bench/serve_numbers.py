@@ -132,12 +132,11 @@ def decode_rate(url: str, concurrent: int, n: int) -> float:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument(
-        "--fresh-cache", action="store_true", help="also time the first conversion"
-    )
-    ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument(
+    arg = ap.add_argument
+    arg("--out", required=True)
+    arg("--fresh-cache", action="store_true", help="also time the first conversion")
+    arg("--new-tokens", type=int, default=256)
+    arg(
         "--vanilla",
         action="store_true",
         help="also time plain `python -m sglang.launch_server`",
@@ -170,9 +169,8 @@ def main(argv=None):
             )
             if done and os.path.exists(done):
                 res["conversion_s"] = json.load(open(done))["seconds"]
-    if (
-        args.vanilla
-    ):  # plain SGLang with the settings sgl_kara's launcher resolves to, for comparison
+    # plain SGLang with the settings sgl_kara's launcher resolves to, for comparison
+    if args.vanilla:
         from sgl_kara.launch_server import parse
 
         _, sa = parse([])

@@ -424,9 +424,8 @@ def run_one(
     config = {"server": server, "argv": cmd[1:], "env": extra}
     if name == "sglang":
         config["kara"] = {"policy": "none"}
-    elif (
-        cwd == ROOT
-    ):  # the launcher's own resolution (another revision's: its server log)
+    # the launcher's own resolution (another revision's: its server log)
+    elif cwd == ROOT:
         config["kara"] = record_server_config(tuple(cmd[3:]))["kara"]
     record.add_config(label, {**config, "commit": commit_of(None, cwd)})
     with open(result_path) as f:
@@ -471,17 +470,12 @@ def record_server_config(launch_argv: tuple[str, ...]) -> dict:
 
 
 # ------------------------------------------------------------------ report
-KEYS = (
-    "tok_s",
-    "tok_per_sched_cpu_s",
-    "itl_p50_ms",
-    "itl_p99_ms",
-    "itl_max_ms",
-    "mean_running",
-    "running_while_waiting",
-    "peak_running",
-    "max_running_requests",
-    "events",
+KEYS = tuple(
+    (
+        "tok_s tok_per_sched_cpu_s itl_p50_ms itl_p99_ms itl_max_ms "
+        "mean_running running_while_waiting peak_running max_running_requests "
+        "events"
+    ).split()
 )
 
 
@@ -517,20 +511,21 @@ def table(runs: list[dict], allows: dict) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--systems", default="sglang,kara")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=1536)
-    ap.add_argument("--pool", type=int, default=8192, help="KV pool tokens, both sides")
-    ap.add_argument(
+    arg = ap.add_argument
+    arg("--out", required=True)
+    arg("--systems", default="sglang,kara")
+    arg("--rounds", type=int, default=2)
+    arg("--prompts", type=int, default=16)
+    arg("--input-len", type=int, default=128)
+    arg("--output-len", type=int, default=1536)
+    arg("--pool", type=int, default=8192, help="KV pool tokens, both sides")
+    arg(
         "--wait-ram",
         type=float,
         default=30,
         help="minutes to wait, retrying, while a server is refused for want of RAM",
     )
-    ap.add_argument(
+    arg(
         "--kara-flags",
         default="",
         help="sgl_kara's --kara-* flags, one string (e.g. the long-reasoning preset's)",
@@ -542,9 +537,8 @@ def main(argv=None):
     ]
     if bad:
         ap.error(f"--kara-flags takes --kara-* flags only, got {bad}")
-    args.out = os.path.abspath(
-        args.out
-    )  # servers of other revisions run from elsewhere
+    # servers of other revisions run from elsewhere
+    args.out = os.path.abspath(args.out)
     os.makedirs(args.out, exist_ok=True)
     from bench.record import RunRecord
 

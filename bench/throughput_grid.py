@@ -122,9 +122,8 @@ def system_spec(system: str, gen: int, w: int | None, args, n: int):
     from sgl_kara.config import QUERY_SOURCES
 
     name = system
-    system, _, source = system.partition(
-        ":"
-    )  # "kara:recompute": this system's own query source
+    # "kara:recompute": this system's own query source
+    system, _, source = system.partition(":")
     source = source or args.query_source
     if source not in QUERY_SOURCES:
         raise ValueError(
@@ -185,58 +184,55 @@ def cells(args):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--grid", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument(
-        "--model", default="tiny", help="tiny | smollm2 | a checkpoint path"
-    )
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--gens", type=int, nargs="+", default=[256, 512, 1024, 2048])
-    ap.add_argument(
-        "--pool-fractions", type=float, nargs="+", default=[0.5, 0.25, 0.125]
-    )
-    ap.add_argument("--windows", type=int, nargs="+", default=[64, 128, 512])
-    ap.add_argument(
+    arg = ap.add_argument
+    arg("--grid", action="store_true", help=argparse.SUPPRESS)
+    arg("--model", default="tiny", help="tiny | smollm2 | a checkpoint path")
+    arg("--requests", type=int, default=32)
+    arg("--gens", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    arg("--pool-fractions", type=float, nargs="+", default=[0.5, 0.25, 0.125])
+    arg("--windows", type=int, nargs="+", default=[64, 128, 512])
+    arg(
         "--systems",
         nargs="+",
         default=["vanilla", "kara", "snapkv", "streaming"],
         help="vanilla, kara, kara-pressure, kara-headroom, kara-buffer, or a baseline; ':<source>' after a name "
         "(kara:recompute) gives that system its own query source",
     )
-    ap.add_argument("--retention", type=float, default=0.25)
-    ap.add_argument("--max-running", type=int, default=256)
-    ap.add_argument("--omp-threads", type=int, default=1)
-    ap.add_argument(
+    arg("--retention", type=float, default=0.25)
+    arg("--max-running", type=int, default=256)
+    arg("--omp-threads", type=int, default=1)
+    arg(
         "--query-source",
         default="auto",
         choices=("auto", "capture", "recompute"),
         help="auto: sgl_kara's rule (ring rows bounded by the pool; with GQA, g >= 2, the ring is about g/2 of the pool or more: recompute)",
     )
-    ap.add_argument(
+    arg(
         "--repeats",
         type=int,
         default=1,
         help="runs per system and cell (order rotated); medians",
     )
-    ap.add_argument(
+    arg(
         "--spread",
         type=float,
         default=0.0,
         help="output lengths spread evenly over [G(1-S), G(1+S)], mean G (0: all G; waves)",
     )
-    ap.add_argument(
+    arg(
         "--pin",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="scheduler on the last core alone, the other engine processes on the rest (steadier CPU times)",
     )
-    ap.add_argument(
+    arg(
         "--kara-opt",
         action="append",
         default=[],
         metavar="NAME=VALUE",
         help="another sgl_kara option for every compressing system, e.g. phase=server (repeatable)",
     )
-    ap.add_argument("--out", required=True)
+    arg("--out", required=True)
     args = ap.parse_args(argv)
     try:
         kara_opts(args.kara_opt)
@@ -293,9 +289,8 @@ def main(argv=None):
         gen, frac, specs = runs[i]
         pool = int(frac * args.requests * (p_len + gen))
         k = (i + rep) % len(specs)
-        for label, opts, per_request in (
-            specs[k:] + specs[:k]
-        ):  # rotate the order per cell and repeat
+        # rotate the order per cell and repeat
+        for label, opts, per_request in specs[k:] + specs[:k]:
             r = run_one(
                 run_system, args, prompts, gen, pool, label, opts, per_request, record
             )
@@ -564,9 +559,8 @@ def write_table(rows, args, cmd: str) -> None:
 def settings(args) -> str:
     """The sgl_kara variables the engines ran with (they change what vanilla runs too), as recorded."""
     env = getattr(args, "env", None) or {}
-    stamp = getattr(
-        args, "stamp", None
-    )  # date and machine, recorded with the run (grids before it have none)
+    # date and machine, recorded with the run (grids before it have none)
+    stamp = getattr(args, "stamp", None)
     return (f"{stamp}\n" if stamp else "") + "".join(
         f"environment: {k}={v}\n" for k, v in sorted(env.items())
     )

@@ -353,14 +353,12 @@ def ensure_checkpoint(key: str, parts_dir: str | Path | None = None) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / (rec.checkpoint_name + ".lock"), "w") as lock:
-        fcntl.flock(
-            lock, fcntl.LOCK_EX
-        )  # a second process waits here, then finds it done
+        # a second process waits here, then finds it done
+        fcntl.flock(lock, fcntl.LOCK_EX)
         if is_converted(target):
             return target
-        for stale in target.parent.glob(
-            rec.checkpoint_name + ".tmp-*"
-        ):  # left by a killed conversion
+        # left by a killed conversion
+        for stale in target.parent.glob(rec.checkpoint_name + ".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(
             tempfile.mkdtemp(prefix=rec.checkpoint_name + ".tmp-", dir=target.parent)

@@ -217,39 +217,36 @@ def main(argv=None):
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument(
+    arg = ap.add_argument
+    arg(
         "--model-path",
         default=None,
         help="default: the embedded default model (the proxy)",
     )
-    ap.add_argument(
-        "--jsonl", default=None, help="MATH-500-style problems (real models, GPU)"
-    )
-    ap.add_argument("--n", type=int, default=500)
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument(
+    arg("--jsonl", default=None, help="MATH-500-style problems (real models, GPU)")
+    arg("--n", type=int, default=500)
+    arg("--seed", type=int, default=1234)
+    arg(
         "--size-min",
         type=int,
         default=21,
         help="proxy problem size (21 values -> 313 solution tokens)",
     )
-    ap.add_argument(
+    arg(
         "--size-max",
         type=int,
         default=62,
         help="proxy problem size (62 values -> 969 solution tokens)",
     )
-    ap.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.5])
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES))
-    ap.add_argument("--window", type=int, default=128)
-    ap.add_argument("--buffer", type=int, default=16)
-    ap.add_argument("--chunk-budget", type=int, default=8)
-    ap.add_argument("--max-chunk", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=8192)
-    ap.add_argument(
-        "--max-total-tokens", type=int, default=200_000, help="KV pool size (tokens)"
-    )
-    ap.add_argument(
+    arg("--ratios", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.5])
+    arg("--policies", nargs="+", default=list(POLICIES))
+    arg("--window", type=int, default=128)
+    arg("--buffer", type=int, default=16)
+    arg("--chunk-budget", type=int, default=8)
+    arg("--max-chunk", type=int, default=8)
+    arg("--max-new-tokens", type=int, default=8192)
+    arg("--max-total-tokens", type=int, default=200_000, help="KV pool size (tokens)")
+    arg(
         "--match",
         choices=("peak", "final", "mean", "trajectory"),
         default="peak",
@@ -257,7 +254,7 @@ def main(argv=None):
         "(proxy mode), or equal mean generated KV = equal KV-token-steps (--real), or Kara's "
         "generated KV at every decode step (--real: custom_params.kara.match_kara)",
     )
-    ap.add_argument(
+    arg(
         "--policy-file",
         action="append",
         default=[],
@@ -265,42 +262,40 @@ def main(argv=None):
         help="a Python file that registers a policy (@register); its name is then a policy "
         "(--real; repeatable)",
     )
-    ap.add_argument("--max-running", type=int, default=64)
-    ap.add_argument(
+    arg("--max-running", type=int, default=64)
+    arg(
         "--kara-opt",
         action="append",
         default=[],
         metavar="NAME=VALUE",
         help="another sgl_kara option for every compressing policy, e.g. phase=server (repeatable)",
     )
-    ap.add_argument(
+    arg(
         "--omp-threads",
         type=int,
         default=1,
         help="OMP_NUM_THREADS (+ OMP_WAIT_POLICY=PASSIVE) for the engine; 0 = leave as is",
     )
-    ap.add_argument(
+    arg(
         "--fidelity-n",
         type=int,
         default=100,
         help="fidelity to full KV (next-token agreement, KL) on the first N problems; 0 = off",
     )
-    ap.add_argument(
-        "--fidelity-only", action="store_true", help="skip the accuracy runs"
-    )
-    ap.add_argument(
+    arg("--fidelity-only", action="store_true", help="skip the accuracy runs")
+    arg(
         "--no-full",
         action="store_true",
         help="skip the full-KV run (another process runs it; combine with --merge)",
     )
-    ap.add_argument(
+    arg(
         "--merge",
         nargs="+",
         metavar="JSON",
         default=None,
         help="write one table + plot from these runs' quality.json (with --real: quality_real.json) files and exit",
     )
-    ap.add_argument(
+    arg(
         "--out",
         default=os.path.join(
             BENCH, "results", f"{datetime.date.today().isoformat()}-quality"
@@ -310,64 +305,59 @@ def main(argv=None):
     real = ap.add_argument_group(
         "real LM (--real): fidelity on the default model, bench/quality/real_lm.py"
     )
-    real.add_argument(
-        "--real", action="store_true", help="real-LM mode (model default: SmolLM2)"
-    )
-    real.add_argument("--prompts", default=os.path.join(HERE, "real_prompts.jsonl"))
-    real.add_argument(
+    opt = real.add_argument
+    opt("--real", action="store_true", help="real-LM mode (model default: SmolLM2)")
+    opt("--prompts", default=os.path.join(HERE, "real_prompts.jsonl"))
+    opt(
         "--stride",
         type=int,
         default=1,
         help="take every k-th prompt (the file is grouped by kind; 3 -> 16 prompts of every kind)",
     )
-    real.add_argument(
+    opt(
         "--new-tokens",
         type=int,
         default=1000,
         help="full-KV output length (EOS suppressed)",
     )
-    real.add_argument("--decoding", choices=("greedy", "sample"), default="greedy")
-    real.add_argument("--temperature", type=float, default=0.7)
-    real.add_argument("--top-p", type=float, default=0.95)
-    real.add_argument("--sample-seed", dest="seed_sample", type=int, default=0)
-    real.add_argument(
-        "--period", type=int, default=1, help="Kara's event period in the real-LM runs"
-    )
-    real.add_argument(
-        "--show", type=int, default=3, help="prompts decoded freely under every policy"
-    )
-    real.add_argument(
+    opt("--decoding", choices=("greedy", "sample"), default="greedy")
+    opt("--temperature", type=float, default=0.7)
+    opt("--top-p", type=float, default=0.95)
+    opt("--sample-seed", dest="seed_sample", type=int, default=0)
+    opt("--period", type=int, default=1, help="Kara's event period in the real-LM runs")
+    opt("--show", type=int, default=3, help="prompts decoded freely under every policy")
+    opt(
         "--free-only",
         action="store_true",
         help="only the free generations of --show prompts (needs --ref-dir with Kara's stored peaks "
         "for the threshold baselines)",
     )
-    real.add_argument(
+    opt(
         "--text",
         default=None,
         metavar="SOURCE",
         help="teacher-forced text instead of the prompts' answers: python | prose | a file, directory or "
         "glob (first 64 tokens = prompt, next --new-tokens forced; bench/quality/workloads.py)",
     )
-    real.add_argument(
+    opt(
         "--recall",
         action="store_true",
         help="teacher-forced recall: facts stated, prose, facts repeated; scored on the recalled values",
     )
-    real.add_argument("--facts", type=int, default=8, help="facts per --recall item")
-    real.add_argument(
+    opt("--facts", type=int, default=8, help="facts per --recall item")
+    opt(
         "--stopping",
         action="store_true",
         help="free generation with EOS allowed: do compressed answers stop where full KV's do "
         "(bench/quality/stopping.py)",
     )
-    real.add_argument(
+    opt(
         "--budget-from",
         default="kara",
         help="the Kara variant whose per-prompt peak / mean KV sets the threshold baselines' budgets "
         "(e.g. kara-r128)",
     )
-    real.add_argument(
+    opt(
         "--ref-dir",
         default=None,
         help="keep the full-KV record (outputs + per-step log-probs: 4 x vocab bytes per token, "
@@ -385,18 +375,16 @@ def main(argv=None):
         ap.error(str(e))
     from bench.record import RunRecord
 
-    args.record = RunRecord(
-        args.out, argv
-    )  # every mode: date, machine, commit, command; engines as they start
+    # every mode: date, machine, commit, command; engines as they start
+    args.record = RunRecord(args.out, argv)
     if args.real:
         given = argv if argv is not None else sys.argv[1:]
         if "--policies" not in given:
             args.policies = list(real_lm.POLICIES)
         if "--max-running" not in given:
             args.max_running = 16
-        if (
-            "--max-total-tokens" not in given
-        ):  # the proxy's 200k tokens would be 9 GB of SmolLM2 KV
+        # the proxy's 200k tokens would be 9 GB of SmolLM2 KV
+        if "--max-total-tokens" not in given:
             args.max_total_tokens = args.max_running * (args.new_tokens + 256)
         if sum(map(bool, (args.text, args.recall, args.stopping))) > 1:
             ap.error("--text, --recall and --stopping are separate workloads: give one")
@@ -486,9 +474,8 @@ def _policy_options(name, ratio, args, kara_budget):
     if name.startswith("kara"):
         m = args.window - args.buffer
         k = max(1, math.ceil(round(ratio * m, 6)))
-        chunk_budget = opts.pop(
-            "kara_chunk_budget", min(args.chunk_budget, k - 1)
-        )  # noT2C: 0
+        # noT2C: 0
+        chunk_budget = opts.pop("kara_chunk_budget", min(args.chunk_budget, k - 1))
         opts.update(
             kara_window=args.window,
             kara_buffer=args.buffer,

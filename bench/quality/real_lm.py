@@ -259,9 +259,8 @@ def _engine_options(name, ratio, args, kara_peaks=None, kara_means=None):
         )
         return opts, None
     kara = configs.schedule(args.window, args.buffer, ratio, args.period)
-    if (
-        spec["kara_policy"] not in THRESHOLD
-    ):  # a registered policy: Kara's window settings
+    # a registered policy: Kara's window settings
+    if spec["kara_policy"] not in THRESHOLD:
         extra, _ = configs.engine_options(spec["kara_policy"], kara)
         opts.update({k: v for k, v in extra.items() if k not in opts})
         return opts, None
@@ -274,9 +273,8 @@ def _engine_options(name, ratio, args, kara_peaks=None, kara_means=None):
     default_w = configs.option_fields(spec["kara_policy"]).get("window")
     # its own observation window where smaller than U (R-KV keeps 8 queries), else U
     w = min(default_w, args.buffer) if isinstance(default_w, int) else args.buffer
-    floor = (
-        w + 8
-    )  # server-wide N only needs to be valid (StreamingLLM's 4 sinks fit); requests bring their own
+    # server-wide N only needs to be valid (StreamingLLM's 4 sinks fit); requests bring their own
+    floor = w + 8
     opts.update(
         {
             prefix + "window": w,
@@ -498,9 +496,8 @@ def main(args, argv):
         kara_peaks: dict[float, list[int]] = {}
         kara_means: dict[float, list[float]] = {}
         src = budget_source(args)
-        for ratio in (
-            args.ratios
-        ):  # Kara's peaks from an earlier run on this record (it may not run now)
+        # Kara's peaks from an earlier run on this record (it may not run now)
+        for ratio in args.ratios:
             for store, what in ((kara_peaks, "peaks"), (kara_means, "means")):
                 if os.path.exists(os.path.join(d, f"kara_{what}_{ratio}{src}.json")):
                     with open(os.path.join(d, f"kara_{what}_{ratio}{src}.json")) as f:
@@ -559,9 +556,8 @@ def main(args, argv):
                     o["meta_info"]["kara"]["kv_mean_len"] - len(p["input_ids"])
                     for o, p in zip(outs, problems)
                 ]
-                if (
-                    args.ref_dir
-                ):  # a later run's baselines and "late" steps use them without Kara
+                # a later run's baselines and "late" steps use them without Kara
+                if args.ref_dir:
                     for store, what in ((kara_peaks, "peaks"), (kara_means, "means")):
                         with open(
                             os.path.join(d, f"kara_{what}_{ratio}{src}.json"), "w"

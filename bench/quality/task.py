@@ -57,12 +57,13 @@ COMPOUNDS = [
     "P",
     "L",
 ]  # Vk=d (value), Pk=d (pointer), Lk=d (the last step's pointer)
+# task vocabulary, in the proxy tokenizer's id order (it adds <pad> <bos> <eos> <unk>)
 WORDS = (
     SYMBOLS
     + DIGITS
     + [f"{f}{k}" for f in FAMILIES for k in range(MAX_NAMES)]
     + [f"{c}{k}={d}" for c in COMPOUNDS for k in range(MAX_NAMES) for d in range(10)]
-)  # task vocabulary, in the proxy tokenizer's id order (it adds <pad> <bos> <eos> <unk>)
+)
 
 
 _WORD_RE = re.compile(r"^(K|r|QA|QB|QE|V|P|L)(\d+)(?:=(\d))?$")

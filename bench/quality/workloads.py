@@ -30,56 +30,22 @@ import sysconfig
 import numpy as np
 
 PROMPT_TOKENS = 64
-PYTHON_FILES = (
-    "argparse.py",
-    "typing.py",
-    "dataclasses.py",
-    "inspect.py",
-    "subprocess.py",
-    "tarfile.py",
-    "pathlib.py",
-    "functools.py",
-    "enum.py",
-    "ast.py",
-    "difflib.py",
-    "threading.py",
-    "zipfile.py",
-    "shutil.py",
-    "pickle.py",
-    "logging/__init__.py",
+PYTHON_FILES = tuple(
+    (
+        "argparse.py typing.py dataclasses.py inspect.py subprocess.py "
+        "tarfile.py pathlib.py functools.py enum.py ast.py difflib.py "
+        "threading.py zipfile.py shutil.py pickle.py logging/__init__.py"
+    ).split()
 )
 LICENSES = "/usr/share/common-licenses"
-PROSE_FILES = (
-    "GPL-3",
-    "LGPL-2.1",
-    "GFDL-1.3",
-    "MPL-1.1",
-    "GPL-2",
-    "LGPL-2",
-    "GFDL-1.2",
-    "Apache-2.0",
+PROSE_FILES = tuple(
+    "GPL-3 LGPL-2.1 GFDL-1.3 MPL-1.1 GPL-2 LGPL-2 GFDL-1.2 Apache-2.0".split()
 )
-NAMES = (
-    "Alice",
-    "Bruno",
-    "Chen",
-    "Dana",
-    "Emeka",
-    "Farah",
-    "Goran",
-    "Hana",
-    "Ivan",
-    "Jun",
-    "Kofi",
-    "Lena",
-    "Mateo",
-    "Nadia",
-    "Omar",
-    "Priya",
-    "Quinn",
-    "Rosa",
-    "Sven",
-    "Tariq",
+NAMES = tuple(
+    (
+        "Alice Bruno Chen Dana Emeka Farah Goran Hana Ivan Jun Kofi Lena Mateo "
+        "Nadia Omar Priya Quinn Rosa Sven Tariq"
+    ).split()
 )
 
 
@@ -133,9 +99,8 @@ def recall_problems(
     """Recall items of exactly ``new_tokens`` forced tokens: facts, prose, the facts again;
     ``score_steps`` are the forced steps of the recalled values (each code's non-blank tokens)."""
     prose = []
-    for path in source_files("prose") + source_files(
-        "python"
-    ):  # license texts; Python where absent
+    # license texts; Python where absent
+    for path in source_files("prose") + source_files("python"):
         if os.path.exists(path) and len(prose) < 4 * new_tokens:
             with open(path, encoding="utf-8", errors="replace") as f:
                 prose += tok(f.read(), add_special_tokens=False)["input_ids"]

@@ -142,13 +142,9 @@ def read_templates(wheel: Path) -> dict:
                 {
                     k: rec[k]
                     for k in (
-                        "id_orig",
-                        "id_shuffled",
-                        "question",
-                        "answer",
-                        "question_annotated",
-                        "answer_annotated",
-                    )
+                        "id_orig id_shuffled question answer question_annotated "
+                        "answer_annotated"
+                    ).split()
                     if k in rec
                 }
             )

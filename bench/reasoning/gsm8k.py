@@ -124,12 +124,10 @@ def engine_options(
             f"{config} at r={ratio} needs the kara run at the same ratio first (budget matching)"
         )
     gap = args.window - args.buffer
-    w = (
-        8 if config == "rkv" else args.buffer
-    )  # R-KV keeps its own 8 observation queries
-    floor = (
-        w + 8
-    )  # the server-wide N only needs to be valid; every request brings its own
+    # R-KV keeps its own 8 observation queries
+    w = 8 if config == "rkv" else args.buffer
+    # the server-wide N only needs to be valid; every request brings its own
+    floor = w + 8
     prefix = f"kara_{config}_"
     opts.update(
         {
@@ -270,16 +268,8 @@ def run_config(
         engine.shutdown()
 
 
-KEEP = (
-    "id",
-    "correct",
-    "answer",
-    "completion_tokens",
-    "finish",
-    "compressions",
-    "kv_peak",
-    "kv_mean",
-    "budget",
+KEEP = tuple(
+    "id correct answer completion_tokens finish compressions kv_peak kv_mean budget".split()
 )
 
 
@@ -385,9 +375,8 @@ def _read_jsonl(path: str) -> list[dict]:
             if line.strip():
                 try:
                     rows.append(json.loads(line))
-                except (
-                    json.JSONDecodeError
-                ):  # a line cut by a kill: that problem is answered again
+                # a line cut by a kill: that problem is answered again
+                except json.JSONDecodeError:
                     pass
     return rows
 
@@ -585,51 +574,50 @@ def main(argv: list[str] | None = None) -> list[dict]:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument(
+    arg = ap.add_argument
+    arg(
         "--model",
         default="0.5b",
         help="0.5b / 1.5b (converted Qwen2.5-Coder, "
         "python -m bench.models.qwen_coder) or a model directory",
     )
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
-    ap.add_argument(
+    arg("--out", required=True)
+    arg("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    arg(
         "--ratio",
         type=float,
         default=0.25,
         help="retention r of the compressing configurations",
     )
-    ap.add_argument("--n", type=int, default=100, help="the first N problems")
-    ap.add_argument(
+    arg("--n", type=int, default=100, help="the first N problems")
+    arg(
         "--problems",
         default=None,
         help="a JSON-lines file of {question, answer ending '#### N'} "
         "instead of the GSM8K test problems",
     )
-    ap.add_argument("--max-new-tokens", type=int, default=1024)
-    ap.add_argument("--max-running", type=int, default=16)
-    ap.add_argument(
+    arg("--max-new-tokens", type=int, default=1024)
+    arg("--max-running", type=int, default=16)
+    arg(
         "--max-total-tokens",
         type=int,
         default=None,
         help="KV pool (default: max-running x (longest prompt + max-new-tokens) + 256: no retraction)",
     )
-    ap.add_argument("--window", type=int, default=128)
-    ap.add_argument("--buffer", type=int, default=16)
-    ap.add_argument("--period", type=int, default=32)
-    ap.add_argument(
-        "--recent", type=int, default=None, help="kara-band's R (default 2W)"
-    )
-    ap.add_argument("--omp-threads", type=int, default=1)
-    ap.add_argument(
+    arg("--window", type=int, default=128)
+    arg("--buffer", type=int, default=16)
+    arg("--period", type=int, default=32)
+    arg("--recent", type=int, default=None, help="kara-band's R (default 2W)")
+    arg("--omp-threads", type=int, default=1)
+    arg(
         "--answers-dir", default=None, help="where the answer texts go (default: --out)"
     )
-    ap.add_argument(
+    arg(
         "--report",
         action="store_true",
         help="only rewrite the table from what --out holds",
     )
-    ap.add_argument(
+    arg(
         "--regrade",
         action="store_true",
         help="grade every configuration in --out again from its stored answers "
@@ -640,9 +628,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     os.makedirs(args.out, exist_ok=True)
     if args.regrade:
         regrade(args.out)
-    if (
-        args.report or args.regrade
-    ):  # the table names the model; no need for its weights
+    # the table names the model; no need for its weights
+    if args.report or args.regrade:
         args.model_path = args.model
         return report(args)
     args.model_path = model_path(args.model)
@@ -676,9 +663,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         whole_events=WHOLE_EVENTS,
         omp_threads=args.omp_threads,
     )
-    order = sorted(
-        args.configs, key=lambda c: (c in THRESHOLD, CONFIGS.index(c))
-    )  # kara before the baselines
+    # kara before the baselines
+    order = sorted(args.configs, key=lambda c: (c in THRESHOLD, CONFIGS.index(c)))
     for config in order:
         name = result_name(config, args.ratio)
         if load_result(args.out, name) is not None:

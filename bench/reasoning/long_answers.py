@@ -430,24 +430,9 @@ def run_lanes(lanes, opts, requests, prompts, args, record) -> None:
 
 
 KEEP = (
-    "request",
-    "problems",
-    "golds",
-    "kinds",
-    "links",
-    "correct",
-    "answers",
-    "consistent",
-    "prompt_tokens",
-    "completion_tokens",
-    "finish",
-    "compressions",
-    "kv_final",
-    "kv_peak",
-    "kv_mean",
-    "budget",
-    "custom",
-)
+    "request problems golds kinds links correct answers consistent prompt_tokens "
+    "completion_tokens finish compressions kv_final kv_peak kv_mean budget custom"
+).split()
 
 
 # files in OUT that are not a configuration's result
@@ -571,6 +556,10 @@ def retention(r: dict, prompt: int = 0) -> tuple[float, float]:
     )
 
 
+def _avg(rows: list[dict], key: str) -> float:
+    return sum(r[key] for r in rows) / len(rows)
+
+
 def summarize(result: dict, full: dict | None, kara: dict | None, early: int) -> dict:
     """One table row."""
     reqs = result["requests"]
@@ -605,15 +594,15 @@ def summarize(result: dict, full: dict | None, kara: dict | None, early: int) ->
         "hi": hi,
         "acc_first": sum(first) / len(first) if first else None,
         "acc_later": sum(later) / len(later) if later else None,
-        "kv_final": sum(r["kv_final"] for r in reqs) / len(reqs),
-        "kv_mean": sum(r["kv_mean"] for r in reqs) / len(reqs),
+        "kv_final": _avg(reqs, "kv_final"),
+        "kv_mean": _avg(reqs, "kv_mean"),
         "ret_final": sum(final_ret) / len(reqs),
         "ret_final_max": max(final_ret),
         "ret_mean": sum(mean_ret) / len(reqs),
         "total_ret_final": sum(total_final) / len(reqs) if known_prompts else None,
         "total_ret_mean": sum(total_mean) / len(reqs) if known_prompts else None,
         "prompt_tokens": sum(prompt) / len(reqs) if known_prompts else None,
-        "answer_len": sum(r["completion_tokens"] for r in reqs) / len(reqs),
+        "answer_len": _avg(reqs, "completion_tokens"),
         "answer_min": min(r["completion_tokens"] for r in reqs),
         "answer_max": max(r["completion_tokens"] for r in reqs),
         "truncated": sum(r["finish"] == "length" for r in reqs),
@@ -623,12 +612,8 @@ def summarize(result: dict, full: dict | None, kara: dict | None, early: int) ->
     if result["config"] != "full" and (at := kara_at_lengths(result, kara)) is not None:
         row["kara_traj_final"], row["kara_traj_mean"] = at
     if kara is not None:
-        row["kara_run_final"] = sum(r["kv_final"] for r in kara["requests"]) / len(
-            kara["requests"]
-        )
-        row["kara_run_mean"] = sum(r["kv_mean"] for r in kara["requests"]) / len(
-            kara["requests"]
-        )
+        row["kara_run_final"] = _avg(kara["requests"], "kv_final")
+        row["kara_run_mean"] = _avg(kara["requests"], "kv_mean")
     links = per_link(result)
     if links:
         kinds = [
@@ -646,14 +631,10 @@ def summarize(result: dict, full: dict | None, kara: dict | None, early: int) ->
             links_consistent=sum(links.values()),
             final_right=sum(r["correct"][-1] for r in reqs),
         )
-        if (p := _paired(kara, links, per_link)) is not None and result[
-            "config"
-        ] != "kara":
-            row.update({f"cons_kara_{k}": v for k, v in p.items()})
-        if (p := _paired(full, links, per_link)) is not None and result[
-            "config"
-        ] != "full":
-            row.update({f"cons_full_{k}": v for k, v in p.items()})
+        for ref, name in ((kara, "kara"), (full, "full")):
+            p = _paired(ref, links, per_link)
+            if p is not None and result["config"] != name:
+                row.update({f"cons_{name}_{k}": v for k, v in p.items()})
     if full is not None:
         fr = {r["request"]: r for r in full["requests"]}
         same = [r for r in reqs if r["request"] in fr]
@@ -1047,13 +1028,12 @@ def parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--model", default="1.5b", help="0.5b / 1.5b or a model directory")
-    ap.add_argument(
-        "--dtype", default="bfloat16", help="weights and KV: bfloat16 / float32"
-    )
-    ap.add_argument("--out", default=None, help="results directory (required to run)")
-    ap.add_argument("--workload", choices=workload.WORKLOADS, default="independent")
-    ap.add_argument(
+    arg = ap.add_argument
+    arg("--model", default="1.5b", help="0.5b / 1.5b or a model directory")
+    arg("--dtype", default="bfloat16", help="weights and KV: bfloat16 / float32")
+    arg("--out", default=None, help="results directory (required to run)")
+    arg("--workload", choices=workload.WORKLOADS, default="independent")
+    arg(
         "--configs",
         nargs="+",
         default=None,
@@ -1062,68 +1042,60 @@ def parser() -> argparse.ArgumentParser:
         "kara-band, <budget policy>-mean / -final (default: full, kara, random and every "
         "budget-taking policy)",
     )
-    ap.add_argument("--ratio", type=float, default=0.2, help="Kara's r")
-    ap.add_argument(
+    arg("--ratio", type=float, default=0.2, help="Kara's r")
+    arg(
         "--ratios",
         type=float,
         nargs="+",
         default=None,
         help="run each configuration at every r, in one engine (requests pinned per request)",
     )
-    ap.add_argument(
+    arg(
         "--check-from",
         metavar="DIR",
         default=None,
         help="with --ratios: answer the first --check-requests requests at --ratio again in the "
         "same engine and compare them with DIR's answers (OUT/batching-check.json)",
     )
-    ap.add_argument("--check-requests", type=int, default=2)
-    ap.add_argument(
-        "--per-request", type=int, default=10, help="independent: problems per request"
-    )
-    ap.add_argument("--seed", type=int, default=0, help="shuffle of the problems")
-    ap.add_argument(
+    arg("--check-requests", type=int, default=2)
+    arg("--per-request", type=int, default=10, help="independent: problems per request")
+    arg("--seed", type=int, default=0, help="shuffle of the problems")
+    arg(
         "--problems",
         type=int,
         default=150,
         help="independent: the first N problems of the pool (GSM8K's 100, then instances)",
     )
-    ap.add_argument(
+    arg(
         "--instances",
         type=int,
         default=60,
         help="template instances added to GSM8K's 100 problems (bench/reasoning/symbolic.py)",
     )
-    ap.add_argument("--instance-seed", type=int, default=0)
-    ap.add_argument(
-        "--requests", type=int, default=None, help="only the first N requests"
-    )
-    ap.add_argument(
-        "--early", type=int, default=3, help="'first problems': positions 1..E"
-    )
-    ap.add_argument("--max-new-tokens", type=int, default=4096)
-    ap.add_argument(
-        "--max-running", type=int, default=None, help="default: all requests"
-    )
-    ap.add_argument("--max-total-tokens", type=int, default=None)
-    ap.add_argument("--window", type=int, default=256)
-    ap.add_argument("--buffer", type=int, default=32)
-    ap.add_argument("--period", type=int, default=32)
-    ap.add_argument(
+    arg("--instance-seed", type=int, default=0)
+    arg("--requests", type=int, default=None, help="only the first N requests")
+    arg("--early", type=int, default=3, help="'first problems': positions 1..E")
+    arg("--max-new-tokens", type=int, default=4096)
+    arg("--max-running", type=int, default=None, help="default: all requests")
+    arg("--max-total-tokens", type=int, default=None)
+    arg("--window", type=int, default=256)
+    arg("--buffer", type=int, default=32)
+    arg("--period", type=int, default=32)
+    arg(
         "--recent",
         type=int,
         default=64,
         help="kara-band's R (on ~2,000-token answers at W 256 / r 0.2, R 64 leaves the older "
         "windows r 0.14 at Kara's mean KV, R 128 r 0.07)",
     )
-    ap.add_argument(
+    arg(
         "--band-ratio",
         type=float,
         default=None,
         help="kara-band's r on older windows (default: Kara's mean KV, by replay of the kara run)",
     )
-    ap.add_argument("--omp-threads", type=int, default=2)
-    ap.add_argument(
+    arg("--omp-threads", type=int, default=2)
+    arg(
         "--policy-file",
         action="append",
         default=[],
@@ -1131,9 +1103,9 @@ def parser() -> argparse.ArgumentParser:
         help="a Python file that registers a policy (@register): its name is then a "
         "configuration (repeatable; bench/reasoning/configs.py)",
     )
-    ap.add_argument("--answers-dir", default=None)
-    ap.add_argument("--report", action="store_true", help="only rewrite the table")
-    ap.add_argument(
+    arg("--answers-dir", default=None)
+    arg("--report", action="store_true", help="only rewrite the table")
+    arg(
         "--regrade",
         metavar="DIR",
         default=None,
@@ -1310,23 +1282,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         **{
             k: getattr(args, k)
             for k in (
-                "model",
-                "dtype",
-                "max_new_tokens",
-                "max_running",
-                "max_total_tokens",
-                "ratio",
-                "ratios",
-                "check_from",
-                "window",
-                "buffer",
-                "period",
-                "recent",
-                "band_ratio",
-                "omp_threads",
-                "per_request",
-                "instances",
-            )
+                "model dtype max_new_tokens max_running max_total_tokens ratio ratios "
+                "check_from window buffer period recent band_ratio omp_threads "
+                "per_request instances"
+            ).split()
         },
         whole_events=configs.WHOLE_EVENTS,
     )
@@ -1334,10 +1293,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         sweep(args, requests, prompts, record)
         record.finish()
         return report(args)
+    # the kara run first where another configuration reads it
     order = sorted(
         args.configs,
         key=lambda c: legacy_match(c) is not None or c == "kara-band",
-    )  # the kara run first where another configuration reads it
+    )
     for config in order:
         kara = gsm8k.load_result(args.out, f"kara_r{args.ratio:g}")
         kara_rows = kara["requests"] if kara else None

@@ -293,9 +293,8 @@ class Template:
             if c.strip().lstrip("-").strip() not in ("", "True")
         ]
         self.answer = parse(answer.strip().splitlines()[0])
-        hashes = re.findall(
-            r"####\s*\{([^}]+)\}", rec.get("answer_annotated", "")
-        )  # the worked answer's own final expression, a second formula for the gold
+        # the worked answer's own final expression, a second formula for the gold
+        hashes = re.findall(r"####\s*\{([^}]+)\}", rec.get("answer_annotated", ""))
         self.answer_text = parse(hashes[-1]) if hashes else None
         self.words = words
 
