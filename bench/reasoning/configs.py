@@ -113,11 +113,7 @@ def schedule(
 ) -> dict:
     """Kara's window settings as ``custom_params.kara.match_kara`` takes them."""
     return dict(
-        window=window,
-        buffer=buffer,
-        retention=retention,
-        period=period,
-        recent=recent,
+        window=window, buffer=buffer, retention=retention, period=period, recent=recent
     )
 
 

@@ -201,8 +201,7 @@ def run_config(
     kara_rows: list[dict] | None,
 ) -> None:
     """Answer every problem not yet in OUT/<name>.partial.jsonl, appending each as it finishes."""
-    import sgl_kara
-    from bench.engine_env import engine_env
+    from bench.engine_env import start_engine
 
     name = result_name(config, ratio)
     partial = os.path.join(args.out, name + ".partial.jsonl")
@@ -212,14 +211,7 @@ def run_config(
     if not todo:
         return
     print(f"{name}: {len(todo)} of {len(problems)} problems to answer", flush=True)
-    with engine_env(args.omp_threads):
-        engine = sgl_kara.Engine(
-            model_path=args.model_path,
-            log_level="error",
-            random_seed=0,
-            disable_overlap_schedule=True,
-            **opts,
-        )
+    engine = start_engine(args.model_path, args.omp_threads, **opts)
     try:
         record.add_engine(name, engine)
         cpu0, tic = engine_cpu_seconds()[0], time.time()
@@ -575,35 +567,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     arg = ap.add_argument
-    arg(
-        "--model",
-        default="0.5b",
-        help="0.5b / 1.5b (converted Qwen2.5-Coder, "
-        "python -m bench.models.qwen_coder) or a model directory",
+    h = (
+        "0.5b / 1.5b (converted Qwen2.5-Coder, "
+        "python -m bench.models.qwen_coder) or a model directory"
     )
+    arg("--model", default="0.5b", help=h)
     arg("--out", required=True)
     arg("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
-    arg(
-        "--ratio",
-        type=float,
-        default=0.25,
-        help="retention r of the compressing configurations",
-    )
+    h = "retention r of the compressing configurations"
+    arg("--ratio", type=float, default=0.25, help=h)
     arg("--n", type=int, default=100, help="the first N problems")
-    arg(
-        "--problems",
-        default=None,
-        help="a JSON-lines file of {question, answer ending '#### N'} "
-        "instead of the GSM8K test problems",
+    h = (
+        "a JSON-lines file of {question, answer ending '#### N'} "
+        "instead of the GSM8K test problems"
     )
+    arg("--problems", default=None, help=h)
     arg("--max-new-tokens", type=int, default=1024)
     arg("--max-running", type=int, default=16)
-    arg(
-        "--max-total-tokens",
-        type=int,
-        default=None,
-        help="KV pool (default: max-running x (longest prompt + max-new-tokens) + 256: no retraction)",
-    )
+    h = "KV pool (default: max-running x (longest prompt + max-new-tokens) + 256: no retraction)"
+    arg("--max-total-tokens", type=int, default=None, help=h)
     arg("--window", type=int, default=128)
     arg("--buffer", type=int, default=16)
     arg("--period", type=int, default=32)
@@ -612,17 +594,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     arg(
         "--answers-dir", default=None, help="where the answer texts go (default: --out)"
     )
-    arg(
-        "--report",
-        action="store_true",
-        help="only rewrite the table from what --out holds",
+    h = "only rewrite the table from what --out holds"
+    arg("--report", action="store_true", help=h)
+    h = (
+        "grade every configuration in --out again from its stored answers "
+        "(--out/regrade.md: old and new), then rewrite the table"
     )
-    arg(
-        "--regrade",
-        action="store_true",
-        help="grade every configuration in --out again from its stored answers "
-        "(--out/regrade.md: old and new), then rewrite the table",
-    )
+    arg("--regrade", action="store_true", help=h)
     args = ap.parse_args(argv)
     args.recent = 2 * args.window if args.recent is None else args.recent
     os.makedirs(args.out, exist_ok=True)

@@ -262,10 +262,7 @@ def grade_items(text: str, items: list[dict]) -> dict:
         [Fraction(p["gold"]) for p in items],
         questions if all(questions) else None,
     )
-    out = {
-        "correct": [bool(c) for c, _ in graded],
-        "answers": [a for _, a in graded],
-    }
+    out = {"correct": [bool(c) for c, _ in graded], "answers": [a for _, a in graded]}
     if any(p.get("kind") == "link" for p in items):
         out["consistent"] = workload.consistent(items, out["answers"])
     return out
@@ -345,8 +342,7 @@ def run_config(config, requests, prompts, args, record, kara_rows) -> None:
 def run_lanes(lanes, opts, requests, prompts, args, record) -> None:
     """One engine answers every lane's requests at once (a lane's requests carry their own
     ``custom_params.kara``), each appended to its lane's partial file as it finishes."""
-    import sgl_kara
-    from bench.engine_env import engine_env
+    from bench.engine_env import start_engine
 
     lanes = [ln for ln in lanes if ln.todo]
     if not lanes:
@@ -357,14 +353,7 @@ def run_lanes(lanes, opts, requests, prompts, args, record) -> None:
             f"{ln.name}: {len(ln.todo)} of {len(requests)} requests to answer",
             flush=True,
         )
-    with engine_env(args.omp_threads):
-        engine = sgl_kara.Engine(
-            model_path=args.model_path,
-            log_level="error",
-            random_seed=0,
-            disable_overlap_schedule=True,
-            **opts,
-        )
+    engine = start_engine(args.model_path, args.omp_threads, **opts)
     try:
         record.add_engine(label, engine)
         cpu0, tic = engine_cpu_seconds()[0], time.time()
@@ -1033,45 +1022,27 @@ def parser() -> argparse.ArgumentParser:
     arg("--dtype", default="bfloat16", help="weights and KV: bfloat16 / float32")
     arg("--out", default=None, help="results directory (required to run)")
     arg("--workload", choices=workload.WORKLOADS, default="independent")
-    arg(
-        "--configs",
-        nargs="+",
-        default=None,
-        type=check_config,
-        help="full, any registered policy (a budget-taking one matched to Kara's trajectory), "
+    h = (
+        "full, any registered policy (a budget-taking one matched to Kara's trajectory), "
         "kara-band, <budget policy>-mean / -final (default: full, kara, random and every "
-        "budget-taking policy)",
+        "budget-taking policy)"
     )
+    arg("--configs", nargs="+", default=None, type=check_config, help=h)
     arg("--ratio", type=float, default=0.2, help="Kara's r")
-    arg(
-        "--ratios",
-        type=float,
-        nargs="+",
-        default=None,
-        help="run each configuration at every r, in one engine (requests pinned per request)",
+    h = "run each configuration at every r, in one engine (requests pinned per request)"
+    arg("--ratios", type=float, nargs="+", default=None, help=h)
+    h = (
+        "with --ratios: answer the first --check-requests requests at --ratio again in the "
+        "same engine and compare them with DIR's answers (OUT/batching-check.json)"
     )
-    arg(
-        "--check-from",
-        metavar="DIR",
-        default=None,
-        help="with --ratios: answer the first --check-requests requests at --ratio again in the "
-        "same engine and compare them with DIR's answers (OUT/batching-check.json)",
-    )
+    arg("--check-from", metavar="DIR", default=None, help=h)
     arg("--check-requests", type=int, default=2)
     arg("--per-request", type=int, default=10, help="independent: problems per request")
     arg("--seed", type=int, default=0, help="shuffle of the problems")
-    arg(
-        "--problems",
-        type=int,
-        default=150,
-        help="independent: the first N problems of the pool (GSM8K's 100, then instances)",
-    )
-    arg(
-        "--instances",
-        type=int,
-        default=60,
-        help="template instances added to GSM8K's 100 problems (bench/reasoning/symbolic.py)",
-    )
+    h = "independent: the first N problems of the pool (GSM8K's 100, then instances)"
+    arg("--problems", type=int, default=150, help=h)
+    h = "template instances added to GSM8K's 100 problems (bench/reasoning/symbolic.py)"
+    arg("--instances", type=int, default=60, help=h)
     arg("--instance-seed", type=int, default=0)
     arg("--requests", type=int, default=None, help="only the first N requests")
     arg("--early", type=int, default=3, help="'first problems': positions 1..E")
@@ -1081,37 +1052,26 @@ def parser() -> argparse.ArgumentParser:
     arg("--window", type=int, default=256)
     arg("--buffer", type=int, default=32)
     arg("--period", type=int, default=32)
-    arg(
-        "--recent",
-        type=int,
-        default=64,
-        help="kara-band's R (on ~2,000-token answers at W 256 / r 0.2, R 64 leaves the older "
-        "windows r 0.14 at Kara's mean KV, R 128 r 0.07)",
+    h = (
+        "kara-band's R (on ~2,000-token answers at W 256 / r 0.2, R 64 leaves the older "
+        "windows r 0.14 at Kara's mean KV, R 128 r 0.07)"
     )
-    arg(
-        "--band-ratio",
-        type=float,
-        default=None,
-        help="kara-band's r on older windows (default: Kara's mean KV, by replay of the kara run)",
-    )
+    arg("--recent", type=int, default=64, help=h)
+    h = "kara-band's r on older windows (default: Kara's mean KV, by replay of the kara run)"
+    arg("--band-ratio", type=float, default=None, help=h)
     arg("--omp-threads", type=int, default=2)
-    arg(
-        "--policy-file",
-        action="append",
-        default=[],
-        metavar="FILE",
-        help="a Python file that registers a policy (@register): its name is then a "
-        "configuration (repeatable; bench/reasoning/configs.py)",
+    h = (
+        "a Python file that registers a policy (@register): its name is then a "
+        "configuration (repeatable; bench/reasoning/configs.py)"
     )
+    arg("--policy-file", action="append", default=[], metavar="FILE", help=h)
     arg("--answers-dir", default=None)
     arg("--report", action="store_true", help="only rewrite the table")
-    arg(
-        "--regrade",
-        metavar="DIR",
-        default=None,
-        help="grade every configuration in DIR again from its stored answers (DIR/regrade.md: "
-        "old and new), then rewrite its table",
+    h = (
+        "grade every configuration in DIR again from its stored answers (DIR/regrade.md: "
+        "old and new), then rewrite its table"
     )
+    arg("--regrade", metavar="DIR", default=None, help=h)
     return ap
 
 
@@ -1295,8 +1255,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return report(args)
     # the kara run first where another configuration reads it
     order = sorted(
-        args.configs,
-        key=lambda c: legacy_match(c) is not None or c == "kara-band",
+        args.configs, key=lambda c: legacy_match(c) is not None or c == "kara-band"
     )
     for config in order:
         kara = gsm8k.load_result(args.out, f"kara_r{args.ratio:g}")
