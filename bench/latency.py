@@ -156,17 +156,9 @@ def commands(
         return cmd, {"KARA_CPU_KERNELS": "1"}
     # W, U, delta are Kara's options
     kara_flags = [] if system in BASELINES else workload["kara"]
-    cmd = [
-        py,
-        "-m",
-        "sgl_kara.launch_server",
-        *model_argv,
-        *kara_flags,
-        "--max-total-tokens",
-        str(resolved.max_total_tokens),
-        "--max-running-requests",
-        str(resolved.max_running_requests),
-    ]
+    cmd = [py, "-m", "sgl_kara.launch_server", *model_argv, *kara_flags]
+    cmd += ["--max-total-tokens", str(resolved.max_total_tokens)]
+    cmd += ["--max-running-requests", str(resolved.max_running_requests)]
     if system == "kara-before":
         cmd += (
             "--disable-overlap-schedule --kara-spread off --kara-query-source recompute"
@@ -181,17 +173,11 @@ def commands(
         cmd += ["--kara-policy", system]
         if system in THRESHOLD:
             flags = dict(zip(workload["kara"][::2], workload["kara"][1::2]))
-            window, buffer = (
-                int(flags.get("--kara-window", 512)),
-                int(flags.get("--kara-buffer", 32)),
-            )
+            window = int(flags.get("--kara-window", 512))
+            buffer = int(flags.get("--kara-buffer", 32))
             budget = buffer + round(0.25 * (window - buffer))
-            cmd += [
-                f"--kara-{system}-budget",
-                str(budget),
-                f"--kara-{system}-threshold",
-                str(budget + window - buffer),
-            ]
+            cmd += [f"--kara-{system}-budget", str(budget)]
+            cmd += [f"--kara-{system}-threshold", str(budget + window - buffer)]
     elif system != "kara":
         raise ValueError(f"unknown system {system!r}")
     return cmd, {}
@@ -232,12 +218,8 @@ def main(argv=None):
     if workload["pool"] == "quarter":
         # prompt (~20 tokens) + answer per request, all requests: a quarter of it
         full = workload["requests"] * (workload["tokens"] + 32)
-        probe += [
-            "--max-total-tokens",
-            str(full // 4),
-            "--max-running-requests",
-            str(workload["requests"]),
-        ]
+        probe += ["--max-total-tokens", str(full // 4)]
+        probe += ["--max-running-requests", str(workload["requests"])]
     _, resolved = parse(list(probe))
     record = RunRecord(args.out, argv)
     record.note(

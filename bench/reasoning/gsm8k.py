@@ -223,12 +223,8 @@ def run_config(
             if per_request is not None:
                 sp["custom_params"] = {"kara": per_request[i]}
             out = await engine.async_generate(input_ids=prompts[i], sampling_params=sp)
-            rec = problem_record(
-                problems[i],
-                out,
-                len(prompts[i]),
-                per_request[i]["budget"] if per_request is not None else None,
-            )
+            budget = per_request[i]["budget"] if per_request is not None else None
+            rec = problem_record(problems[i], out, len(prompts[i]), budget)
             tokens += rec["completion_tokens"]
             sink.write(json.dumps(rec) + "\n")
             sink.flush()
@@ -240,18 +236,10 @@ def run_config(
         with open(partial, "a") as sink:
             engine.loop.run_until_complete(all_of(sink))
         seconds, cpu = time.time() - tic, engine_cpu_seconds()[0] - cpu0
+        session = {"problems": len(todo), "tokens": tokens}
+        session.update(seconds=round(seconds, 2), cpu_seconds=round(cpu, 2))
         with open(os.path.join(args.out, name + ".sessions.jsonl"), "a") as f:
-            f.write(
-                json.dumps(
-                    {
-                        "problems": len(todo),
-                        "tokens": tokens,
-                        "seconds": round(seconds, 2),
-                        "cpu_seconds": round(cpu, 2),
-                    }
-                )
-                + "\n"
-            )
+            f.write(json.dumps(session) + "\n")
         print(
             f"{name}: {len(todo)} answers, {tokens} tokens in {seconds:.0f} s ({tokens / seconds:.1f} tok/s)",
             flush=True,
@@ -443,17 +431,12 @@ def report(args) -> list[dict]:
         if res is not None and "problems" in res:
             results[name] = res
     full = results.get("full")
-    rows = [
-        summarize(
-            res,
-            full,
-            res.get("max_new_tokens", args.max_new_tokens),
-            None
-            if res["ratio"] is None
-            else results.get(result_name("kara", res["ratio"])),
-        )
-        for res in results.values()
-    ]
+    rows = []
+    for res in results.values():
+        r = res["ratio"]
+        kara = None if r is None else results.get(result_name("kara", r))
+        n = res.get("max_new_tokens", args.max_new_tokens)
+        rows.append(summarize(res, full, n, kara))
     order = {c: i for i, c in enumerate(CONFIGS)}
     rows.sort(key=lambda r: (r["ratio"] or 0, order.get(r["config"], 99)))
 
@@ -482,11 +465,10 @@ def report(args) -> list[dict]:
     from bench.reasoning.long_answers import run_lines
 
     model = getattr(args, "model", None)
-    model = (
-        f"{RECIPES[model].upstream} (Q4_K_M GGUF, float32)"
-        if model in RECIPES
-        else args.model_path
-    )
+    if model in RECIPES:
+        model = f"{RECIPES[model].upstream} (Q4_K_M GGUF, float32)"
+    else:
+        model = args.model_path
     runs, stamp_lines = run_lines(args.out, "bench.reasoning.gsm8k")
     with open(os.path.join(args.out, "gsm8k.md"), "w") as f:
         f.write(
@@ -626,18 +608,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
             args.max_running * (max(map(len, prompts)) + args.max_new_tokens) + 256
         )
     record = RunRecord(args.out, argv, name=_record_path(args.out))
+    keys = (
+        "model max_new_tokens max_running max_total_tokens ratio window buffer period"
+    )
     record.note(
         problems=len(problems),
         source=args.problems or f"{data.PACKAGE}=={data.VERSION}",
-        model=args.model,
-        max_new_tokens=args.max_new_tokens,
-        max_running=args.max_running,
-        max_total_tokens=args.max_total_tokens,
-        ratio=args.ratio,
-        window=args.window,
-        buffer=args.buffer,
-        period=args.period,
-        recent=args.recent,
+        **{k: getattr(args, k) for k in keys.split() + ["recent"]},
         whole_events=WHOLE_EVENTS,
         omp_threads=args.omp_threads,
     )
@@ -648,26 +625,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if load_result(args.out, name) is not None:
             print(f"{name}: done earlier ({name}.json)", flush=True)
             continue
-        kara = (
-            load_result(args.out, result_name("kara", args.ratio))
-            if config in THRESHOLD
-            else None
-        )
+        kara = None
+        if config in THRESHOLD:
+            kara = load_result(args.out, result_name("kara", args.ratio))
         kara_rows = kara["problems"] if kara else None
-        if kara_rows is not None and [r["id"] for r in kara_rows] != [
-            p["id"] for p in problems
-        ]:
+        ids = [p["id"] for p in problems]
+        if kara_rows is not None and [r["id"] for r in kara_rows] != ids:
             raise SystemExit(
                 f"{config}: the kara run in {args.out} answered other problems"
             )
         run_config(config, args.ratio, problems, prompts, args, record, kara_rows)
-        finalize(
-            config,
-            args.ratio,
-            problems,
-            args,
-            engine_options(config, args.ratio, args, kara_rows)[0],
-        )
+        opts = engine_options(config, args.ratio, args, kara_rows)[0]
+        finalize(config, args.ratio, problems, args, opts)
         report(args)
     record.finish()
     return report(args)

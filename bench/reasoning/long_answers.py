@@ -382,15 +382,10 @@ def run_lanes(lanes, opts, requests, prompts, args, record) -> None:
 
         sinks = [open(ln.partial, "a") for ln in lanes]
         try:
+            jobs = [one(ln, i, sink) for ln, sink in zip(lanes, sinks) for i in ln.todo]
 
             async def all_of() -> None:
-                await asyncio.gather(
-                    *(
-                        one(ln, i, sink)
-                        for ln, sink in zip(lanes, sinks)
-                        for i in ln.todo
-                    )
-                )
+                await asyncio.gather(*jobs)
 
             engine.loop.run_until_complete(all_of())
         finally:
@@ -740,22 +735,12 @@ def regrade(out: str, answers_dir: str | None = None) -> list[dict]:
         was = result.get("grader")
         result["grader"] = grader_digest()
         write_result(gsm8k.result_path(out, name), result)
-        rows.append(
-            dict(
-                name=result["name"],
-                n=n,
-                old=old["right"],
-                new=new["right"],
-                gained=gained,
-                lost=lost,
-                old_consistent=old["consistent"],
-                new_consistent=new["consistent"],
-                old_final=old["final"],
-                new_final=new["final"],
-                chained=any("consistent" in r for r in result["requests"]),
-                old_grader=was,
-            )
-        )
+        row = dict(name=result["name"], n=n, old=old["right"], new=new["right"])
+        row.update(gained=gained, lost=lost, old_grader=was)
+        row["chained"] = any("consistent" in r for r in result["requests"])
+        for k in ("consistent", "final"):
+            row[f"old_{k}"], row[f"new_{k}"] = old[k], new[k]
+        rows.append(row)
         print(
             f"{result['name']}: {old['right']} -> {new['right']} of {n} right",
             flush=True,
@@ -769,17 +754,13 @@ def regrade(out: str, answers_dir: str | None = None) -> list[dict]:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        chain = (
-            (
-                f"{r['old_consistent']} / {r['new_consistent']}",
-                f"{r['old_final']} / {r['new_final']}",
-            )
-            if r["chained"]
-            else ("-", "-")
-        )
+        chain = "| - | - "
+        if r["chained"]:
+            chain = f"| {r['old_consistent']} / {r['new_consistent']} "
+            chain += f"| {r['old_final']} / {r['new_final']} "
         lines.append(
             f"| {r['name']} | {r['n']} | {r['old']} | {r['new']} | +{r['gained']} / -{r['lost']} "
-            f"| {chain[0]} | {chain[1]} | {r['old_grader'] or 'an earlier grader'} |"
+            f"{chain}| {r['old_grader'] or 'an earlier grader'} |"
         )
     with open(os.path.join(out, "regrade.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
@@ -921,15 +902,11 @@ def report(args) -> list[dict]:
                 )
             else:
                 chain = "| - | - | - | - | - | - "
-        traj = (
-            f"{r['kara_traj_final']:.0f} / {r['kara_traj_mean']:.1f}"
-            if "kara_traj_final" in r
+        traj, run = (
+            f"{r[k + '_final']:.0f} / {r[k + '_mean']:.1f}"
+            if k + "_final" in r
             else "-"
-        )
-        run = (
-            f"{r['kara_run_final']:.0f} / {r['kara_run_mean']:.1f}"
-            if "kara_run_final" in r
-            else "-"
+            for k in ("kara_traj", "kara_run")
         )
         lost = f" ({r['lost_first']} / {r['lost_later']})" if "lost_first" in r else ""
         lines.append(
