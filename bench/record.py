@@ -36,15 +36,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILE = "run.json"
 
 # SGLang server arguments that decide a benchmark's figures (``ServerArgs`` attributes).
-SERVER_FIELDS = tuple(
-    (
-        "model_path device dtype attention_backend page_size max_total_tokens "
-        "max_running_requests chunked_prefill_size disable_overlap_schedule "
-        "disable_cuda_graph disable_radix_cache kv_cache_dtype "
-        "mem_fraction_static random_seed dp_size tp_size schedule_policy "
-        "radix_cache_backend"
-    ).split()
-)
+SERVER_FIELDS = (
+    "model_path device dtype attention_backend page_size max_total_tokens "
+    "max_running_requests chunked_prefill_size disable_overlap_schedule "
+    "disable_cuda_graph disable_radix_cache kv_cache_dtype "
+    "mem_fraction_static random_seed dp_size tp_size schedule_policy "
+    "radix_cache_backend"
+).split()
 
 
 def cpu_model() -> str:

@@ -395,15 +395,8 @@ def stalls(rows: list[dict]) -> list[str]:
 
 def report(a) -> list[str]:
     gpu, cost = GPUS[a.gpu], Cost(a.compute_eff, a.bw_eff)
-    s = Schedule(
-        window=a.window,
-        buffer=a.buffer,
-        period=a.period,
-        part=a.part,
-        recompute_tokens=a.recompute_tokens,
-        ops_per_layer=a.ops_per_layer,
-        launch_us=a.launch_us,
-    )
+    keys = "window buffer period part recompute_tokens ops_per_layer launch_us"
+    s = Schedule(**{k: getattr(a, k) for k in keys.split()})
     rows = [
         estimate(MODELS[name], gpu, b, a.context, s, cost)
         for name in a.models

@@ -430,13 +430,11 @@ def record_server_config(launch_argv: tuple[str, ...]) -> dict:
 
 
 # ------------------------------------------------------------------ report
-KEYS = tuple(
-    (
-        "tok_s tok_per_sched_cpu_s itl_p50_ms itl_p99_ms itl_max_ms "
-        "mean_running running_while_waiting peak_running max_running_requests "
-        "events"
-    ).split()
-)
+KEYS = (
+    "tok_s tok_per_sched_cpu_s itl_p50_ms itl_p99_ms itl_max_ms "
+    "mean_running running_while_waiting peak_running max_running_requests "
+    "events"
+).split()
 
 
 def table(runs: list[dict], allows: dict) -> str:

@@ -46,16 +46,9 @@ def tiny_model() -> str:
 
     path = os.path.join(tempfile.gettempdir(), "sgl_kara_tiny_llama_h128_l4_s2026")
     if not os.path.exists(os.path.join(path, "config.json")):
+        shape = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2)
         write_tiny_model(
-            path,
-            "llama",
-            hidden_size=128,
-            num_layers=4,
-            num_heads=4,
-            num_kv_heads=2,
-            intermediate_size=256,
-            vocab_size=512,
-            seed=2026,
+            path, "llama", **shape, intermediate_size=256, vocab_size=512, seed=2026
         )
     return path
 
@@ -115,23 +108,12 @@ def system_spec(system: str, gen: int, w: int | None, args, n: int):
         )
     u, period = kara_shape(w)
     if system in KARA_VARIANTS:
-        return (
-            f"{name} W={w}",
-            {
-                **dict(
-                    kara_policy="kara",
-                    kara_window=w,
-                    kara_buffer=u,
-                    kara_period=period,
-                    kara_retention=args.retention,
-                    kara_max_seqs=256,
-                    kara_query_source=source,
-                    **KARA_VARIANTS[system],
-                ),
-                **extra,
-            },
-            None,
+        opts = dict(
+            kara_policy="kara", kara_window=w, kara_buffer=u, kara_period=period
         )
+        opts.update(kara_retention=args.retention, kara_max_seqs=256)
+        opts.update(kara_query_source=source, **KARA_VARIANTS[system])
+        return f"{name} W={w}", {**opts, **extra}, None
     gap = w - u
     peak = kara_peak(gen, w, args.retention)
     prefix = f"kara_{system}_"
@@ -231,11 +213,9 @@ def main(argv=None):
     p_len = max(len(tok(p)["input_ids"]) for p in prompts) + 1
     runs = []
     for gen, frac in cells(args):
-        specs = (
-            [system_spec("vanilla", gen, None, args, args.requests)]
-            if "vanilla" in args.systems
-            else []
-        )
+        specs = []
+        if "vanilla" in args.systems:
+            specs.append(system_spec("vanilla", gen, None, args, args.requests))
         specs += [
             system_spec(s, gen, w, args, args.requests)
             for w in args.windows
@@ -261,19 +241,10 @@ def main(argv=None):
             r = run_one(
                 run_system, args, prompts, gen, pool, label, opts, per_request, record
             )
-            results.append(
-                dict(
-                    gen=gen,
-                    frac=frac,
-                    pool=pool,
-                    label=label,
-                    repeat=rep,
-                    prompt_len=p_len,
-                    system=label.split(" W=")[0],
-                    window=int(label.split("W=")[1]) if "W=" in label else None,
-                    **r,
-                )
-            )
+            window = int(label.split("W=")[1]) if "W=" in label else None
+            row = dict(gen=gen, frac=frac, pool=pool, label=label, repeat=rep)
+            row.update(prompt_len=p_len, system=label.split(" W=")[0], window=window)
+            results.append({**row, **r})
             if bar is not None:
                 bar.set_postfix_str(
                     f"G={gen} pool={frac:g} {label}: {r['tps_sched']:.0f} tok/sched-CPU-s"
@@ -308,27 +279,15 @@ def run_one(
         label=label,
         record=record,
     )
-    return dict(
-        tps=r.tps,
-        tps_cpu=r.tps_cpu,
-        tps_sched=r.tps_scheduler_cpu,
-        seconds=r.seconds,
-        cpu_seconds=r.cpu_seconds,
-        scheduler_cpu_seconds=r.scheduler_cpu_seconds,
-        mean_running=r.mean_running,
-        peak_running=r.peak_running,
-        retractions=r.retractions,
-        events=r.events,
-        compress_share=r.compress_share,
-        lengths_ok=r.lengths_ok,
-        ring_bytes=r.ring_bytes,
-        fallbacks=r.fallbacks,
-        pool_bytes=pool * kv_bytes_per_token(args.model_path),
-        mean_kv=r.mean_kv,
-        skipped=r.skipped,
-        **concurrency_profile(r.trace),
-        **step_profile(r.trace),
+    out = dict(tps=r.tps, tps_cpu=r.tps_cpu, tps_sched=r.tps_scheduler_cpu)
+    same = (
+        "seconds cpu_seconds scheduler_cpu_seconds mean_running peak_running retractions "
+        "events compress_share lengths_ok ring_bytes fallbacks"
     )
+    out.update({k: getattr(r, k) for k in same.split()})
+    out["pool_bytes"] = pool * kv_bytes_per_token(args.model_path)
+    out.update(mean_kv=r.mean_kv, skipped=r.skipped)
+    return {**out, **concurrency_profile(r.trace), **step_profile(r.trace)}
 
 
 def step_profile(trace: list[dict]) -> dict:

@@ -335,6 +335,14 @@ def run_engine(
         engine.shutdown()
 
 
+def generated_kv(outs, problems, key: str) -> list[int]:
+    """Per request: its ``meta_info["kara"][key]`` KV length less its prompt."""
+    return [
+        o["meta_info"]["kara"][key] - len(p["input_ids"])
+        for o, p in zip(outs, problems)
+    ]
+
+
 def summarize_policy(name, ratio, steps_by_k, outs, problems, loops, late_from) -> dict:
     """steps_by_k: per problem {"agree", "kl", "nll", "hit"} lists (hit and the scored steps of
     teacher-forced workloads: bench/quality/workloads.py)."""
@@ -516,14 +524,8 @@ def main(args, argv):
                     f"{tag}: a forced output differs from the full-KV output"
                 )
             if name == args.budget_from:
-                kara_peaks[ratio] = [
-                    o["meta_info"]["kara"]["kv_peak_len"] - len(p["input_ids"])
-                    for o, p in zip(outs, problems)
-                ]
-                kara_means[ratio] = [
-                    o["meta_info"]["kara"]["kv_mean_len"] - len(p["input_ids"])
-                    for o, p in zip(outs, problems)
-                ]
+                kara_peaks[ratio] = generated_kv(outs, problems, "kv_peak_len")
+                kara_means[ratio] = generated_kv(outs, problems, "kv_mean_len")
                 # a later run's baselines and "late" steps use them without Kara
                 if args.ref_dir:
                     for store, what in ((kara_peaks, "peaks"), (kara_means, "means")):
@@ -690,15 +692,8 @@ def write(rows, texts, args, argv):
             for i, t in enumerate(outs):
                 f.write(f"**prompt {i}**: {json.dumps(t[:1500])}\n\n")
     with open(os.path.join(args.out, "quality_real.json"), "w") as f:
-        json.dump(
-            {
-                "rows": rows,
-                "texts": texts,
-                "args": {k: v for k, v in vars(args).items() if k != "record"},
-            },
-            f,
-            indent=1,
-        )
+        saved = {k: v for k, v in vars(args).items() if k != "record"}
+        json.dump({"rows": rows, "texts": texts, "args": saved}, f, indent=1)
 
 
 def plot(rows, args):

@@ -30,23 +30,17 @@ import sysconfig
 import numpy as np
 
 PROMPT_TOKENS = 64
-PYTHON_FILES = tuple(
-    (
-        "argparse.py typing.py dataclasses.py inspect.py subprocess.py "
-        "tarfile.py pathlib.py functools.py enum.py ast.py difflib.py "
-        "threading.py zipfile.py shutil.py pickle.py logging/__init__.py"
-    ).split()
-)
+PYTHON_FILES = (
+    "argparse.py typing.py dataclasses.py inspect.py subprocess.py "
+    "tarfile.py pathlib.py functools.py enum.py ast.py difflib.py "
+    "threading.py zipfile.py shutil.py pickle.py logging/__init__.py"
+).split()
 LICENSES = "/usr/share/common-licenses"
-PROSE_FILES = tuple(
-    "GPL-3 LGPL-2.1 GFDL-1.3 MPL-1.1 GPL-2 LGPL-2 GFDL-1.2 Apache-2.0".split()
-)
-NAMES = tuple(
-    (
-        "Alice Bruno Chen Dana Emeka Farah Goran Hana Ivan Jun Kofi Lena Mateo "
-        "Nadia Omar Priya Quinn Rosa Sven Tariq"
-    ).split()
-)
+PROSE_FILES = "GPL-3 LGPL-2.1 GFDL-1.3 MPL-1.1 GPL-2 LGPL-2 GFDL-1.2 Apache-2.0".split()
+NAMES = (
+    "Alice Bruno Chen Dana Emeka Farah Goran Hana Ivan Jun Kofi Lena Mateo "
+    "Nadia Omar Priya Quinn Rosa Sven Tariq"
+).split()
 
 
 def source_files(source: str) -> list[str]:

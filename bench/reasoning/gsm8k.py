@@ -248,9 +248,7 @@ def run_config(
         engine.shutdown()
 
 
-KEEP = tuple(
-    "id correct answer completion_tokens finish compressions kv_peak kv_mean budget".split()
-)
+KEEP = "id correct answer completion_tokens finish compressions kv_peak kv_mean budget".split()
 
 
 def finalize(config: str, ratio: float, problems: list[dict], args, opts: dict) -> dict:
