@@ -159,11 +159,7 @@ def main(argv=None):
             stop(proc)
             res["first_start_s"] = round(secs, 1)
             marker = next(iter(os.scandir(cache)), None)
-            done = (
-                os.path.join(marker.path, "sgl_kara_conversion.json")
-                if marker
-                else None
-            )
+            done = marker and os.path.join(marker.path, "sgl_kara_conversion.json")
             if done and os.path.exists(done):
                 res["conversion_s"] = json.load(open(done))["seconds"]
     # plain SGLang with the settings sgl_kara's launcher resolves to, for comparison
@@ -189,18 +185,14 @@ def main(argv=None):
     proc, url, secs = start(env, os.path.join(args.out, "server.log"), 600)
     try:
         res["startup_s"] = round(secs, 1)
-        res["rss_idle_mb"], res["pss_idle_mb"] = (
-            round(x) for x in tree_memory_mb(proc.pid)
-        )
+        res["rss_idle_mb"], res["pss_idle_mb"] = map(round, tree_memory_mb(proc.pid))
         res["decode_1_tok_s"] = round(decode_rate(url, 1, args.new_tokens), 1)
         res["decode_8_tok_s"] = round(decode_rate(url, 8, args.new_tokens), 1)
         out = generate(
             url, "Write a long story about a dragon who learns to cook.", 700
         )
         res["long_answer_kara"] = out["meta_info"]["kara"]
-        res["rss_after_mb"], res["pss_after_mb"] = (
-            round(x) for x in tree_memory_mb(proc.pid)
-        )
+        res["rss_after_mb"], res["pss_after_mb"] = map(round, tree_memory_mb(proc.pid))
         res["alive"] = proc.poll() is None
     finally:
         stop(proc)

