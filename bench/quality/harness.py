@@ -278,10 +278,7 @@ def main(argv=None):
     opt("--sample-seed", dest="seed_sample", type=int, default=0)
     opt("--period", type=int, default=1, help="Kara's event period in the real-LM runs")
     opt("--show", type=int, default=3, help="prompts decoded freely under every policy")
-    h = (
-        "only the free generations of --show prompts (needs --ref-dir with Kara's stored peaks "
-        "for the threshold baselines)"
-    )
+    h = "only the free generations of --show prompts (needs --ref-dir with Kara's stored peaks for the threshold baselines)"
     opt("--free-only", action="store_true", help=h)
     h = (
         "teacher-forced text instead of the prompts' answers: python | prose | a file, directory or "
