@@ -29,6 +29,21 @@ def engine_env(omp_threads: int, **extra: str):
         os.environ.update(saved)
 
 
+def start_engine(model_path: str, omp_threads: int, **opts):
+    """An ``sgl_kara.Engine`` as the accuracy harnesses run it: greedy-ready (seed 0), SGLang's
+    logs at errors only, the overlap scheduler off (a logit processor's step index needs it)."""
+    import sgl_kara
+
+    with engine_env(omp_threads):
+        return sgl_kara.Engine(
+            model_path=model_path,
+            log_level="error",
+            random_seed=0,
+            disable_overlap_schedule=True,
+            **opts,
+        )
+
+
 def parse_value(text: str):
     """A ``--kara-opt`` value: int, float, or the string itself."""
     for kind in (int, float):

@@ -147,13 +147,8 @@ def run_system(
     trace_path = tempfile.mktemp(prefix=f"trace_{system}_", suffix=".jsonl")
     # Both sides at SGLang's defaults (the overlap scheduler on); plain SGLang runs sgl_kara's CPU
     # kernels (KARA_CPU_KERNELS=1) so that only compression differs.
-    common = dict(
-        max_total_tokens=pool,
-        max_running_requests=max_running,
-        log_level="error",
-        random_seed=0,
-        disable_radix_cache=False,
-    )
+    common = dict(max_total_tokens=pool, max_running_requests=max_running)
+    common.update(log_level="error", random_seed=0, disable_radix_cache=False)
     kernels = {"KARA_CPU_KERNELS": "1"} if system == "vanilla" else {}
     if args.model_path:
         common["model_path"] = args.model_path
@@ -191,14 +186,18 @@ def run_system(
         for o in outs
         if (o["meta_info"].get("kara") or {}).get("kv_mean_len")
     ]
-    if (
-        not kv
-    ):  # vanilla: every row grows by one per step, prompt + half the output on average
+    # vanilla: every row grows by one per step, prompt + half the output on average
+    if not kv:
         kv = [
             o["meta_info"]["prompt_tokens"] + o["meta_info"]["completion_tokens"] / 2
             for o in outs
         ]
     want = [p["max_new_tokens"] for p in params]
+    first, last = (trace[0], trace[-1]) if trace else ({}, {})
+
+    def grew(key: str):
+        return last.get(key, 0) - first.get(key, 0)
+
     return RunResult(
         system=label or system,
         pool=pool,
@@ -209,26 +208,14 @@ def run_system(
         retractions=sum(o["meta_info"].get("num_retractions", 0) or 0 for o in outs),
         mean_running=sum(running) / max(1, len(running)),
         peak_running=max(running, default=0),
-        events=trace[-1]["kara_events"] if trace else 0,
-        compress_seconds=(trace[-1]["kara_seconds"] - trace[0]["kara_seconds"])
-        if trace
-        else 0.0,
+        events=last.get("kara_events", 0),
+        compress_seconds=float(grew("kara_seconds")),
         trace=trace,
         repeat=repeat,
         cpu_seconds=cpu1 - cpu0,
         scheduler_cpu_seconds=sched1 - sched0,
-        ring_bytes=trace[-1].get("kara_ring_bytes", 0) if trace else 0,
-        fallbacks=(
-            trace[-1].get("kara_recompute_fallbacks", 0)
-            - trace[0].get("kara_recompute_fallbacks", 0)
-        )
-        if trace
-        else 0,
+        ring_bytes=last.get("kara_ring_bytes", 0),
+        fallbacks=grew("kara_recompute_fallbacks"),
         mean_kv=sum(kv) / len(kv),
-        skipped=(
-            trace[-1].get("kara_skipped_no_memory", 0)
-            - trace[0].get("kara_skipped_no_memory", 0)
-        )
-        if trace
-        else 0,
+        skipped=grew("kara_skipped_no_memory"),
     )

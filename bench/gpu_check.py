@@ -65,9 +65,8 @@ SMALL_TP_MODELS = {
     "tiny-a": dict(layers=3, q_heads=16, kv_heads=2, head_dim=16),
     "tiny-b": dict(layers=2, q_heads=8, kv_heads=4, head_dim=16),
 }
-KARA = dict(
-    gk.KARA
-)  # W 512, U 32, r 0.25: 480 keys, 120 kept; alpha 16, gamma 8 (the paper's)
+# W 512, U 32, r 0.25: 480 keys, 120 kept; alpha 16, gamma 8 (the paper's)
+KARA = dict(gk.KARA)
 # W 64 keeps 14 of 56 with alpha 7 and gamma 4: three Token2Chunk chunks, as the paper's two
 SMALL_KARA = dict(window=64, buffer=8, retention=0.25, period=8, max_chunk=4)
 BATCH, SMALL_BATCH = 16, 2  # requests per scoring launch
@@ -256,9 +255,8 @@ def estimate_seconds(small: bool = False) -> float:
             + SELECT_REF_ROWS * EST_SELECT_REF_S
         )
     )
-    total += (
-        12 * (1 << 30) / gk.EST_BYTES_PER_S
-    )  # the device copy, 6 times read and written
+    # the device copy, 6 times read and written
+    total += 12 * (1 << 30) / gk.EST_BYTES_PER_S
     return total
 
 

@@ -231,9 +231,7 @@ def _int_class(n: int) -> str:
 
 
 def specialisations(
-    shapes,
-    score_dtypes=(("bf16", "bf16"), ("fp16", "bf16")),
-    slot_dtypes=("int64",),
+    shapes, score_dtypes=(("bf16", "bf16"), ("fp16", "bf16")), slot_dtypes=("int64",)
 ) -> set[tuple]:
     """The kernels Triton compiles for ``shapes`` (dicts of layers, q_heads, kv_heads, head_dim;
     a bf16 pool): one per kernel, argument dtypes, constexprs and class (``_int_class``) of each
@@ -291,9 +289,8 @@ def estimate_seconds(small: bool = False, batch: int | None = None) -> float:
 # --------------------------------------------------------------------------------- running
 def _setup(args):
     if args.small and not _cuda_available_quietly():
-        os.environ.setdefault(
-            "TRITON_INTERPRET", "1"
-        )  # read when triton is first imported
+        # read when triton is first imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _cuda_available_quietly() -> bool:
@@ -534,9 +531,8 @@ def run_model(
     _, first = timer.once(lambda: compact_kv(kb, vb, src, dst))
     exact = compaction_matches(want, dst)
     del want
-    ms = timed(
-        lambda: compact_kv(kb, vb, src, dst), first
-    )  # idempotent: src, dst disjoint
+    # idempotent: src, dst disjoint
+    ms = timed(lambda: compact_kv(kb, vb, src, dst), first)
     record("compact_kv", exact, first, ms)
 
     # copy_slots: tails to fresh pages (disjoint), then an overlapping shift (staged).
@@ -942,18 +938,7 @@ def main(argv=None) -> int:
             indent=1,
             default=str,
         )
-    cols = [
-        "model",
-        "kernel",
-        "B",
-        "ok",
-        "first_ms",
-        "ms",
-        "gb_s",
-        "of_peak",
-        "tflop_s",
-        "rel_err",
-    ]
+    cols = "model kernel B ok first_ms ms gb_s of_peak tflop_s rel_err".split()
     lines = [f"- {k}: {v}" for k, v in head.items()] + [
         "",
         "| " + " | ".join(cols) + " |",

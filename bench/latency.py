@@ -1,49 +1,39 @@
 """Throughput and inter-token latency of plain SGLang and sgl_kara servers on the same requests.
 
-Each system is a launched server (the way users run it), given the same streamed requests, all
-sent at once (they decode in step and, under ``--kara-phase request``, fall due for compression
-together: the worst case for stalls); the client timestamps every streamed chunk:
+Each system is a launched server given the same streamed requests, all sent at once (they decode
+in step and, under ``--kara-phase request``, fall due for compression together: the worst case
+for stalls); the client timestamps every streamed chunk:
 
-    ITL          per request, the seconds between consecutive output tokens (a chunk holding
-                 k tokens counts its gap once per token, divided by k); p50 / p99 over all
-                 requests' tokens, and the longest gap (max): a decode step stalled by an event
-                 shows as one long gap in every running request
+    ITL          per request, the seconds between consecutive output tokens (a k-token chunk
+                 counts its gap once per token, divided by k); p50 / p99 over all tokens, and
+                 the longest gap: a step stalled by an event shows as one long gap
     throughput   output tokens / wall seconds from the first request sent to the last finished
     TTFT         median seconds to the first token
 
 Systems (``--systems``; the same model, KV pool, request limit and CPU kernels on every side):
 
-    sglang        ``python -m sglang.launch_server`` at SGLang's defaults (overlap scheduler on),
-                  the settings sgl_kara's launcher resolves to, sgl_kara's CPU kernels opted
-                  into (KARA_CPU_KERNELS=1) so that only compression differs
-    sglang-nooverlap   the same with --disable-overlap-schedule (the baseline earlier sgl_kara
-                  figures were measured against: labelled so)
-    kara-before   sgl_kara as it ran before overlap support: --disable-overlap-schedule
-                  --kara-spread off --kara-query-source recompute (each event whole in one
-                  scheduler step, its window recomputed; the former CPU default for the default model)
-    kara          sgl_kara at its defaults (overlap on, --kara-spread even, --kara-query-source auto:
-                  capture on CPU while the ring fits)
-    kara-recompute  the defaults with --kara-query-source recompute (spread recompute forwards)
-    kara-nospread sgl_kara with overlap on, --kara-spread off (each event whole in its step)
-    kara-capN     sgl_kara with --kara-spread-max N
-    POLICY        sgl_kara at its defaults with --kara-policy POLICY (snapkv, h2o, streaming, rkv,
-                  random); a threshold baseline keeps Kara's kept KV (budget U + r (W - U)) and
-                  triggers one window later (threshold budget + W - U): the same compression
-                  rhythm as Kara, with its own events and observers
+    sglang        ``python -m sglang.launch_server`` with the settings sgl_kara's launcher
+                  resolves to and KARA_CPU_KERNELS=1, so that only compression differs
+    sglang-nooverlap   the same with --disable-overlap-schedule
+    kara-before   --disable-overlap-schedule --kara-spread off --kara-query-source recompute
+                  (sgl_kara before overlap support: each event whole, its window recomputed)
+    kara          sgl_kara at its defaults; kara-recompute: --kara-query-source recompute
+    kara-nospread --kara-spread off; kara-capN: --kara-spread-max N
+    POLICY        --kara-policy POLICY (snapkv, h2o, streaming, rkv, random); a threshold
+                  baseline keeps Kara's kept KV (budget U + r (W - U)) and triggers one window
+                  later (threshold budget + W - U): Kara's compression rhythm
 
 Workloads (``--workload``):
 
-    free    the default server's settings (W 512, U 32, delta 128), 8 requests x 700 tokens: the
-            KV pool holds every request uncompressed (memory does not bind); one event per
-            request, at its 640th token
-    bound   the memory-fair throughput setting: pool = 1/4 of the requests' full KV, W 64, U 8,
-            delta 16, 33 requests x 512 tokens (plain SGLang runs ~8 at once, sgl_kara more)
+    free    the default server's settings (W 512, U 32, delta 128), 8 requests x 700 tokens, a
+            pool that holds them uncompressed; one event per request, at its 640th token
+    bound   memory-fair: pool = 1/4 of the requests' full KV, W 64, U 8, delta 16, 33 requests
+            x 512 tokens
 
     python -m bench.latency --out DIR [--workload free|bound] [--model default|tiny] [--reps 2]
 
 Runs alternate between systems (``--reps`` rounds). Writes latency.json, latency.md and the run
-record (run.json) under --out. Timings are this machine's at that moment: run it with nothing
-else on the CPU.
+record (run.json) under --out. Run it with nothing else on the CPU.
 """
 
 from __future__ import annotations
@@ -164,28 +154,15 @@ def commands(
         if system == "sglang-nooverlap":
             cmd.append("--disable-overlap-schedule")
         return cmd, {"KARA_CPU_KERNELS": "1"}
-    kara_flags = (
-        [] if system in BASELINES else workload["kara"]
-    )  # W, U, delta are Kara's options
-    cmd = [
-        py,
-        "-m",
-        "sgl_kara.launch_server",
-        *model_argv,
-        *kara_flags,
-        "--max-total-tokens",
-        str(resolved.max_total_tokens),
-        "--max-running-requests",
-        str(resolved.max_running_requests),
-    ]
+    # W, U, delta are Kara's options
+    kara_flags = [] if system in BASELINES else workload["kara"]
+    cmd = [py, "-m", "sgl_kara.launch_server", *model_argv, *kara_flags]
+    cmd += ["--max-total-tokens", str(resolved.max_total_tokens)]
+    cmd += ["--max-running-requests", str(resolved.max_running_requests)]
     if system == "kara-before":
-        cmd += [
-            "--disable-overlap-schedule",
-            "--kara-spread",
-            "off",
-            "--kara-query-source",
-            "recompute",
-        ]
+        cmd += (
+            "--disable-overlap-schedule --kara-spread off --kara-query-source recompute"
+        ).split()
     elif system == "kara-nospread":
         cmd += ["--kara-spread", "off"]
     elif system == "kara-recompute":
@@ -196,17 +173,11 @@ def commands(
         cmd += ["--kara-policy", system]
         if system in THRESHOLD:
             flags = dict(zip(workload["kara"][::2], workload["kara"][1::2]))
-            window, buffer = (
-                int(flags.get("--kara-window", 512)),
-                int(flags.get("--kara-buffer", 32)),
-            )
+            window = int(flags.get("--kara-window", 512))
+            buffer = int(flags.get("--kara-buffer", 32))
             budget = buffer + round(0.25 * (window - buffer))
-            cmd += [
-                f"--kara-{system}-budget",
-                str(budget),
-                f"--kara-{system}-threshold",
-                str(budget + window - buffer),
-            ]
+            cmd += [f"--kara-{system}-budget", str(budget)]
+            cmd += [f"--kara-{system}-threshold", str(budget + window - buffer)]
     elif system != "kara":
         raise ValueError(f"unknown system {system!r}")
     return cmd, {}
@@ -214,15 +185,14 @@ def commands(
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="free")
-    ap.add_argument("--model", choices=("default", "tiny"), default="default")
-    ap.add_argument(
-        "--systems", default="sglang,sglang-nooverlap,kara-before,kara,kara-recompute"
-    )
-    ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--requests", type=int, default=None)
-    ap.add_argument("--tokens", type=int, default=None)
+    arg = ap.add_argument
+    arg("--out", required=True)
+    arg("--workload", choices=sorted(WORKLOADS), default="free")
+    arg("--model", choices=("default", "tiny"), default="default")
+    arg("--systems", default="sglang,sglang-nooverlap,kara-before,kara,kara-recompute")
+    arg("--reps", type=int, default=2)
+    arg("--requests", type=int, default=None)
+    arg("--tokens", type=int, default=None)
     args = ap.parse_args(argv)
     from bench.record import RunRecord
     from sgl_kara.launch_server import parse
@@ -241,24 +211,15 @@ def main(argv=None):
             ),
         ]
         if args.workload == "free":
-            workload["kara"] = [
-                "--kara-window",
-                "128",
-                "--kara-buffer",
-                "16",
-                "--kara-period",
-                "32",
-            ]
+            workload["kara"] = (
+                "--kara-window 128 --kara-buffer 16 --kara-period 32"
+            ).split()
     probe = model_argv + workload["kara"]
     if workload["pool"] == "quarter":
         # prompt (~20 tokens) + answer per request, all requests: a quarter of it
         full = workload["requests"] * (workload["tokens"] + 32)
-        probe += [
-            "--max-total-tokens",
-            str(full // 4),
-            "--max-running-requests",
-            str(workload["requests"]),
-        ]
+        probe += ["--max-total-tokens", str(full // 4)]
+        probe += ["--max-running-requests", str(workload["requests"])]
     _, resolved = parse(list(probe))
     record = RunRecord(args.out, argv)
     record.note(
@@ -291,9 +252,8 @@ def main(argv=None):
                 internal = requests.get(url + "/server_info", timeout=30).json()[
                     "internal_states"
                 ][0]
-                res["cpu_kernels"] = internal.get(
-                    "kara_cpu_kernels"
-                )  # None: SGLang's own code
+                # None: SGLang's own code
+                res["cpu_kernels"] = internal.get("kara_cpu_kernels")
                 if not system.startswith("sglang"):
                     state = internal["kara"]
                     res.update(
@@ -308,16 +268,9 @@ def main(argv=None):
             print(system, rep, res, flush=True)
     with open(os.path.join(args.out, "latency.json"), "w") as f:
         json.dump(results, f, indent=1)
-    keys = [
-        "tok_s",
-        "itl_p50_ms",
-        "itl_p99_ms",
-        "itl_max_ms",
-        "ttft_p50_s",
-        "kv_mean",
-        "events",
-        "event_max_ms",
-    ]
+    keys = (
+        "tok_s itl_p50_ms itl_p99_ms itl_max_ms ttft_p50_s kv_mean events event_max_ms"
+    ).split()
     lines = [
         "| system | rep | " + " | ".join(keys) + " |",
         "|---|---|" + "---|" * len(keys),

@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 
@@ -37,25 +38,12 @@ FILE = "run.json"
 
 # SGLang server arguments that decide a benchmark's figures (``ServerArgs`` attributes).
 SERVER_FIELDS = (
-    "model_path",
-    "device",
-    "dtype",
-    "attention_backend",
-    "page_size",
-    "max_total_tokens",
-    "max_running_requests",
-    "chunked_prefill_size",
-    "disable_overlap_schedule",
-    "disable_cuda_graph",
-    "disable_radix_cache",
-    "kv_cache_dtype",
-    "mem_fraction_static",
-    "random_seed",
-    "dp_size",
-    "tp_size",
-    "schedule_policy",
-    "radix_cache_backend",
-)
+    "model_path device dtype attention_backend page_size max_total_tokens "
+    "max_running_requests chunked_prefill_size disable_overlap_schedule "
+    "disable_cuda_graph disable_radix_cache kv_cache_dtype "
+    "mem_fraction_static random_seed dp_size tp_size schedule_policy "
+    "radix_cache_backend"
+).split()
 
 
 def cpu_model() -> str:
@@ -81,9 +69,8 @@ def cpu_model() -> str:
 
 def ram_gib() -> float | None:
     try:
-        return round(
-            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1
-        )
+        pages = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return round(pages / 2**30, 1)
     except (ValueError, OSError, AttributeError):
         return None
 
@@ -160,13 +147,7 @@ def command_line(argv: list[str] | None = None) -> str:
             "python",
             os.path.relpath(sys.argv[0], ROOT) if sys.argv and sys.argv[0] else "-",
         ]
-    return " ".join(head + [_quote(a) for a in args])
-
-
-def _quote(arg: str) -> str:
-    import shlex
-
-    return shlex.quote(str(arg))
+    return " ".join(head + [shlex.quote(str(a)) for a in args])
 
 
 def kernel_switches() -> dict:
@@ -211,6 +192,10 @@ def server_config(launch_argv: list[str]) -> dict:
     }
 
 
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
 def _plain(value):
     """JSON-safe: tuples to lists, anything else unknown to its string."""
     return json.loads(json.dumps(value, default=str))
@@ -223,7 +208,7 @@ class RunRecord:
         os.makedirs(out_dir, exist_ok=True)
         self.path = os.path.join(out_dir, name)
         self.data = {
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "date": _now(),
             "machine": machine(),
             "git": git_state(),
             "command": command_line(argv),
@@ -279,9 +264,7 @@ class RunRecord:
         self.write()
 
     def finish(self) -> None:
-        self.data["finished"] = datetime.datetime.now(datetime.UTC).isoformat(
-            timespec="seconds"
-        )
+        self.data["finished"] = _now()
         self.write()
 
     def write(self) -> None:

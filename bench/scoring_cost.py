@@ -4,35 +4,28 @@
                                  [--context TOKENS] [--out DIR]
 
 A model, not a measurement: a roofline (time = max(FLOPs / (peak * compute_eff), bytes /
-(HBM * bw_eff)), on one GPU; the models' real GQA configurations with a gated MLP) applied to the passes a scoring schedule adds to decoding.
-Kara scores every window of W queries against its W - U region keys; the frontier moves W - U
-rows per window, so a request decoding one token per step scores W / (W - U) queries per step on
-average, whatever the schedule. The schedules differ in how those queries are batched into passes,
-and each pass has a fixed cost besides its FLOPs:
+(HBM * bw_eff)), on one GPU, the models' real GQA configurations with a gated MLP) applied to the
+passes a scoring schedule adds to decoding. Kara scores every window of W queries against its
+W - U region keys, so a request scores W / (W - U) queries per step on average whatever the
+schedule; the schedules differ in how those queries are batched into passes, each with a fixed
+cost besides its FLOPs:
 
-    (a) spread parts, recompute    every request's window in parts of ``part`` queries (MIN_CHUNK),
-                                   on steps staggered per request: a step carries the parts of the
-                                   requests whose turn it is, one eager extend forward of their
-                                   queries through the layers (stopped at the last layer's
-                                   attention), outside any CUDA graph
-    (b) whole window, recompute    all W queries at the window's due step, the windows due at that
-                                   step in one forward (request phase: each request due at its own
-                                   steps; server phase: every request due together, every period)
+    (a) spread parts, recompute    every window in parts of ``part`` queries on steps staggered
+                                   per request: one eager extend forward of the due parts,
+                                   stopped at the last layer's attention, outside any CUDA graph
+    (b) whole window, recompute    all W queries at the window's due step, the windows due then
+                                   in one forward (request or server phase)
     (c) capture                    the decode forward writes its queries to a ring (an eager
-                                   decode: a replayed graph would not call the hook); scoring reads
-                                   the ring: the scoring kernels alone, at the due step
-    (d) parts in the decode        (a)'s parts computed inside the decode forward, one eager mixed
-                                   batch: the weights read once for both (not built; the bound)
+                                   decode); scoring reads the ring: the scoring kernels alone
+    (d) parts in the decode        (a)'s parts inside the decode forward, one eager mixed batch
+                                   (not built; the bound)
 
-A recompute forward reads the weights once (minus the last layer's o-projection and MLP and the
-LM head, which it never reaches), does 2 FLOPs per weight per token, attends each query to its
-request's context (reading that context's KV once per layer) and launches ``ops_per_layer``
-kernels per layer from the host at ``launch_us`` each. With the overlap scheduler that host time
-runs while the previous decode step's GPU work does, so it adds only where it is longer. The
-scoring kernels (kernels/window_score.py: two passes of Q K^T over the region) run in every
-schedule. The decode step is a CUDA-graph replay: its roofline alone. Compaction, the same for
-every schedule, is not counted. The context per request defaults to the KV pool shared by the
-batch (the pool full: the regime compression is for), with SGLang's H100 memory defaults.
+A recompute forward reads the weights once (less what it never reaches), does 2 FLOPs per weight
+per token, reads its requests' context KV once per layer and launches ``ops_per_layer`` kernels
+per layer at ``launch_us`` each, host time that the overlap scheduler hides behind the previous
+step's GPU work where shorter. The scoring kernels run in every schedule; the decode step is a
+CUDA-graph replay (its roofline alone); compaction, the same for all, is not counted. The context
+per request defaults to the batch's share of SGLang's H100 KV pool (the pool full).
 """
 
 from __future__ import annotations
@@ -76,9 +69,8 @@ class ModelConfig:
             1 if self.tie_embeddings else 2
         )
 
-    def matmul_params(
-        self,
-    ):  # weights multiplied per decoded token (embedding: a lookup)
+    # weights multiplied per decoded token (embedding: a lookup)
+    def matmul_params(self):
         return self.layers * self.layer_params() + self.vocab * self.hidden
 
     def kv_bytes_per_token(self):  # K and V, all layers, all KV heads
@@ -305,9 +297,8 @@ def estimate(
     )
     mixed = roofline(flops, nbytes, gpu, cost)
     mixed = mixed + score_kernels(m, gpu, reqs, s.part, cost, s)
-    put(
-        "fused", added(mixed, h, mixed) - decode, share
-    )  # eager: the host issue is its own
+    # eager: the host issue is its own
+    put("fused", added(mixed, h, mixed) - decode, share)
 
     # (b) whole windows at their due step, those due at one step in one batch
     def whole(name, n_windows, share):
@@ -404,15 +395,8 @@ def stalls(rows: list[dict]) -> list[str]:
 
 def report(a) -> list[str]:
     gpu, cost = GPUS[a.gpu], Cost(a.compute_eff, a.bw_eff)
-    s = Schedule(
-        window=a.window,
-        buffer=a.buffer,
-        period=a.period,
-        part=a.part,
-        recompute_tokens=a.recompute_tokens,
-        ops_per_layer=a.ops_per_layer,
-        launch_us=a.launch_us,
-    )
+    keys = "window buffer period part recompute_tokens ops_per_layer launch_us"
+    s = Schedule(**{k: getattr(a, k) for k in keys.split()})
     rows = [
         estimate(MODELS[name], gpu, b, a.context, s, cost)
         for name in a.models
@@ -461,40 +445,24 @@ def parse(argv=None):
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    arg = p.add_argument
     d = Schedule()
-    p.add_argument("--gpu", default="h100", choices=list(GPUS))
-    p.add_argument(
+    arg("--gpu", default="h100", choices=list(GPUS))
+    arg(
         "--models",
         type=lambda v: v.split(","),
         default=["Qwen3-8B", "R1-Llama-8B"],
         help=f"comma-separated, of {list(MODELS)}",
     )
-    p.add_argument(
-        "--batches", type=lambda v: [int(x) for x in v.split(",")], default=[64, 256]
-    )
-    p.add_argument(
-        "--context",
-        type=int,
-        default=None,
-        help="KV tokens per request (default: the pool shared by the running requests)",
-    )
-    p.add_argument("--compute-eff", type=float, default=Cost().compute_eff)
-    p.add_argument("--bw-eff", type=float, default=Cost().bw_eff)
-    for name in (
-        "window",
-        "buffer",
-        "period",
-        "part",
-        "recompute_tokens",
-        "ops_per_layer",
-    ):
-        p.add_argument(
-            "--" + name.replace("_", "-"), type=int, default=getattr(d, name)
-        )
-    p.add_argument("--launch-us", type=float, default=d.launch_us)
-    p.add_argument(
-        "--out", default=None, help="folder for scoring_cost.md and run.json"
-    )
+    arg("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[64, 256])
+    h = "KV tokens per request (default: the pool shared by the running requests)"
+    arg("--context", type=int, default=None, help=h)
+    arg("--compute-eff", type=float, default=Cost().compute_eff)
+    arg("--bw-eff", type=float, default=Cost().bw_eff)
+    for name in "window buffer period part recompute_tokens ops_per_layer".split():
+        arg("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    arg("--launch-us", type=float, default=d.launch_us)
+    arg("--out", default=None, help="folder for scoring_cost.md and run.json")
     a = p.parse_args(argv)
     bad = [n for n in a.models if n not in MODELS]
     if bad:

@@ -132,16 +132,12 @@ def decode_rate(url: str, concurrent: int, n: int) -> float:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument(
-        "--fresh-cache", action="store_true", help="also time the first conversion"
-    )
-    ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument(
-        "--vanilla",
-        action="store_true",
-        help="also time plain `python -m sglang.launch_server`",
-    )
+    arg = ap.add_argument
+    arg("--out", required=True)
+    arg("--fresh-cache", action="store_true", help="also time the first conversion")
+    arg("--new-tokens", type=int, default=256)
+    h = "also time plain `python -m sglang.launch_server`"
+    arg("--vanilla", action="store_true", help=h)
     args = ap.parse_args(argv)
     from bench.record import RunRecord
 
@@ -163,37 +159,21 @@ def main(argv=None):
             stop(proc)
             res["first_start_s"] = round(secs, 1)
             marker = next(iter(os.scandir(cache)), None)
-            done = (
-                os.path.join(marker.path, "sgl_kara_conversion.json")
-                if marker
-                else None
-            )
+            done = marker and os.path.join(marker.path, "sgl_kara_conversion.json")
             if done and os.path.exists(done):
                 res["conversion_s"] = json.load(open(done))["seconds"]
-    if (
-        args.vanilla
-    ):  # plain SGLang with the settings sgl_kara's launcher resolves to, for comparison
+    # plain SGLang with the settings sgl_kara's launcher resolves to, for comparison
+    if args.vanilla:
         from sgl_kara.launch_server import parse
 
         _, sa = parse([])
         command = [
-            sys.executable,
-            "-m",
-            "sglang.launch_server",
-            "--model-path",
-            sa.model_path,
-            "--device",
-            "cpu",
-            "--attention-backend",
-            "torch_native",
-            "--dtype",
-            "float32",
-            "--page-size",
-            "1",
-            "--max-total-tokens",
-            str(sa.max_total_tokens),
-            "--max-running-requests",
-            str(sa.max_running_requests),
+            *(sys.executable, "-m", "sglang.launch_server"),
+            *("--model-path", sa.model_path),
+            *("--device", "cpu", "--attention-backend", "torch_native"),
+            *("--dtype", "float32", "--page-size", "1"),
+            *("--max-total-tokens", str(sa.max_total_tokens)),
+            *("--max-running-requests", str(sa.max_running_requests)),
         ]
         record.add_config(
             "vanilla sglang", {"kara": {"policy": "none"}, "argv": command[1:]}
@@ -205,18 +185,14 @@ def main(argv=None):
     proc, url, secs = start(env, os.path.join(args.out, "server.log"), 600)
     try:
         res["startup_s"] = round(secs, 1)
-        res["rss_idle_mb"], res["pss_idle_mb"] = (
-            round(x) for x in tree_memory_mb(proc.pid)
-        )
+        res["rss_idle_mb"], res["pss_idle_mb"] = map(round, tree_memory_mb(proc.pid))
         res["decode_1_tok_s"] = round(decode_rate(url, 1, args.new_tokens), 1)
         res["decode_8_tok_s"] = round(decode_rate(url, 8, args.new_tokens), 1)
         out = generate(
             url, "Write a long story about a dragon who learns to cook.", 700
         )
         res["long_answer_kara"] = out["meta_info"]["kara"]
-        res["rss_after_mb"], res["pss_after_mb"] = (
-            round(x) for x in tree_memory_mb(proc.pid)
-        )
+        res["rss_after_mb"], res["pss_after_mb"] = map(round, tree_memory_mb(proc.pid))
         res["alive"] = proc.poll() is None
     finally:
         stop(proc)

@@ -1,31 +1,25 @@
 """SGLang's own ``bench_serving`` against launched servers: throughput, inter-token latency and the
 running-request timeline of plain SGLang and sgl_kara on the same requests.
 
-Each system is started the way users start it (a launched server), given SGLang's benchmark
-client (``python -m sglang.benchmark.serving``, backend ``sglang``, the ``random-ids`` dataset:
-prompts of random token ids, nothing downloaded; every request sent at once, ``ignore_eos``), then
-stopped; the server writes one trace line per decode step (``KARA_TRACE``, plugin.py
-``_trace_hook``: running and waiting requests, free slots, KV rows, the scheduler's CPU clock),
-which plain SGLang writes too. Per system and round:
+Each system is launched as users launch it, given SGLang's benchmark client (``python -m
+sglang.benchmark.serving``, backend ``sglang``, dataset ``random-ids``, every request sent at
+once, ``ignore_eos``), then stopped; the server writes one ``KARA_TRACE`` line per decode step
+(plain SGLang too). Per system and round:
 
-    throughput    bench_serving's output tokens / s (its ``output_throughput``)
-    ITL           bench_serving's median and P99 inter-token latency, and the longest gap (the
-                  maximum over its per-request ``itls``)
-    running       running requests, mean over the decode steps of the run, by tenth of the run's
-                  wall time, and while a request waited for admission
-    CPU           output tokens per scheduler CPU-second over the traced steps (less sensitive
-                  than wall time to other load on the machine)
-    pool allows   (sgl_kara) how many requests the KV pool holds at what admission charges them
-                  (``admission_charges``): a request admitted is charged its prompt plus what its
-                  KV may grow by, a running one what it holds plus what it may still grow by
+    throughput    bench_serving's ``output_throughput``
+    ITL           its median and P99 inter-token latency, and the longest gap (max of ``itls``)
+    running       running requests, mean over the decode steps, by tenth of the run's wall time,
+                  and while a request waited for admission
+    CPU           output tokens per scheduler CPU-second over the traced steps
+    pool allows   (sgl_kara) how many requests the pool holds at what admission charges them
+                  (``admission_charges``)
 
 Systems (``--systems``, comma-separated; ``NAME@REV`` runs NAME from a git worktree of revision
-REV, e.g. ``kara@HEAD~1``, for a before / after):
+REV, e.g. ``kara@HEAD~1``):
 
     sglang   ``python -m sglang.launch_server`` with the settings ``python -m
-             sgl_kara.launch_server`` resolves to on this machine (model, device, attention
-             backend, dtype, page size, KV pool, request limit) and sgl_kara's CPU kernels opted
-             into (KARA_CPU_KERNELS=1): only compression differs
+             sgl_kara.launch_server`` resolves to here and KARA_CPU_KERNELS=1: only compression
+             differs
     kara     ``python -m sgl_kara.launch_server --max-total-tokens POOL`` at its defaults, or
              with ``--kara-flags``
 
@@ -33,9 +27,9 @@ REV, e.g. ``kara@HEAD~1``, for a before / after):
         [--prompts 16] [--input-len 128] [--output-len 1536] [--pool 8192]
         [--kara-flags "--kara-window 256 --kara-period 32 ..."]
 
-Rounds alternate the systems (the order rotates each round). Writes serving.json, serving.md,
-per run the client's result (``<label>-<round>.bench.jsonl.gz``), the server's trace (gzipped) and
-log, and the run record (run.json) under --out. Imports nothing from SGLang at module level.
+Rounds alternate the systems. Writes serving.json, serving.md, per run the client's result
+(``<label>-<round>.bench.jsonl.gz``), the server's trace (gzipped) and log, and the run record
+(run.json) under --out. Imports nothing from SGLang at module level.
 """
 
 from __future__ import annotations
@@ -83,44 +77,18 @@ def server_command(
 
 
 def client_command(
-    url: str,
-    result: str,
-    prompts: int,
-    input_len: int,
-    output_len: int,
-    seed: int = 42,
+    url: str, result: str, prompts: int, input_len: int, output_len: int, seed: int = 42
 ) -> list[str]:
     """SGLang's benchmark client: every prompt sent at once, fixed lengths (range ratio 1), no
     warm-up request of its own (the server was warmed up before: its steps stay out of the
     trace window)."""
     return [
-        sys.executable,
-        "-m",
-        CLIENT,
-        "--backend",
-        "sglang",
-        "--base-url",
-        url,
-        "--dataset-name",
-        "random-ids",
-        "--num-prompts",
-        str(prompts),
-        "--random-input-len",
-        str(input_len),
-        "--random-output-len",
-        str(output_len),
-        "--random-range-ratio",
-        "1",
-        "--request-rate",
-        "inf",
-        "--warmup-requests",
-        "0",
-        "--seed",
-        str(seed),
-        "--output-file",
-        result,
-        "--output-details",
-        "--disable-tqdm",
+        *(sys.executable, "-m", CLIENT, "--backend", "sglang", "--base-url", url),
+        *("--dataset-name", "random-ids", "--num-prompts", str(prompts)),
+        *("--random-input-len", str(input_len), "--random-output-len", str(output_len)),
+        *("--random-range-ratio", "1", "--request-rate", "inf"),
+        *("--warmup-requests", "0", "--seed", str(seed), "--output-file", result),
+        *("--output-details", "--disable-tqdm"),
     ]
 
 
@@ -367,15 +335,7 @@ def resolve(pool: int, kara_flags: tuple[str, ...] = ()):
         raise
 
 
-def run_one(
-    label: str,
-    name: str,
-    cwd: str,
-    resolved,
-    args,
-    rnd: int,
-    record,
-) -> dict:
+def run_one(label: str, name: str, cwd: str, resolved, args, rnd: int, record) -> dict:
     import requests
 
     from bench.latency import run_load
@@ -424,9 +384,8 @@ def run_one(
     config = {"server": server, "argv": cmd[1:], "env": extra}
     if name == "sglang":
         config["kara"] = {"policy": "none"}
-    elif (
-        cwd == ROOT
-    ):  # the launcher's own resolution (another revision's: its server log)
+    # the launcher's own resolution (another revision's: its server log)
+    elif cwd == ROOT:
         config["kara"] = record_server_config(tuple(cmd[3:]))["kara"]
     record.add_config(label, {**config, "commit": commit_of(None, cwd)})
     with open(result_path) as f:
@@ -472,17 +431,10 @@ def record_server_config(launch_argv: tuple[str, ...]) -> dict:
 
 # ------------------------------------------------------------------ report
 KEYS = (
-    "tok_s",
-    "tok_per_sched_cpu_s",
-    "itl_p50_ms",
-    "itl_p99_ms",
-    "itl_max_ms",
-    "mean_running",
-    "running_while_waiting",
-    "peak_running",
-    "max_running_requests",
-    "events",
-)
+    "tok_s tok_per_sched_cpu_s itl_p50_ms itl_p99_ms itl_max_ms "
+    "mean_running running_while_waiting peak_running max_running_requests "
+    "events"
+).split()
 
 
 def table(runs: list[dict], allows: dict) -> str:
@@ -517,24 +469,18 @@ def table(runs: list[dict], allows: dict) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--systems", default="sglang,kara")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=1536)
-    ap.add_argument("--pool", type=int, default=8192, help="KV pool tokens, both sides")
-    ap.add_argument(
-        "--wait-ram",
-        type=float,
-        default=30,
-        help="minutes to wait, retrying, while a server is refused for want of RAM",
-    )
-    ap.add_argument(
-        "--kara-flags",
-        default="",
-        help="sgl_kara's --kara-* flags, one string (e.g. the long-reasoning preset's)",
-    )
+    arg = ap.add_argument
+    arg("--out", required=True)
+    arg("--systems", default="sglang,kara")
+    arg("--rounds", type=int, default=2)
+    arg("--prompts", type=int, default=16)
+    arg("--input-len", type=int, default=128)
+    arg("--output-len", type=int, default=1536)
+    arg("--pool", type=int, default=8192, help="KV pool tokens, both sides")
+    h = "minutes to wait, retrying, while a server is refused for want of RAM"
+    arg("--wait-ram", type=float, default=30, help=h)
+    h = "sgl_kara's --kara-* flags, one string (e.g. the long-reasoning preset's)"
+    arg("--kara-flags", default="", help=h)
     args = ap.parse_args(argv)
     args.kara_flags = tuple(shlex.split(args.kara_flags))
     bad = [
@@ -542,9 +488,8 @@ def main(argv=None):
     ]
     if bad:
         ap.error(f"--kara-flags takes --kara-* flags only, got {bad}")
-    args.out = os.path.abspath(
-        args.out
-    )  # servers of other revisions run from elsewhere
+    # servers of other revisions run from elsewhere
+    args.out = os.path.abspath(args.out)
     os.makedirs(args.out, exist_ok=True)
     from bench.record import RunRecord
 

@@ -1,23 +1,21 @@
 """Where a throughput ratio comes from: per-step costs from a run's KARA_TRACE lines.
 
 Each trace record is written when the scheduler has picked the next decode batch: its running
-requests B, the KV rows they hold (``rows``, physical: what attention reads), the requests
-waiting for admission and the scheduler process's CPU clock (``cpu``). The interval to the next
-record is that batch's step -- its forward, sampling and result processing, plus any compression
-event (``kara_seconds`` grows by its time) or prefill folded in. So per interval:
+requests B, the KV rows they hold (``rows``: what attention reads), the requests waiting for
+admission and the scheduler's CPU clock (``cpu``). The interval to the next record is that
+batch's step, with any compression event (``kara_seconds`` grows by its time) or prefill folded
+in. So per interval:
 
     tokens = B (one per running request)     cpu = cpu[next] - cpu[this]     event = kara[next] - kara[this]
 
 Two uses (bench/throughput_grid.py):
 
 - **saturated phase**: tokens per scheduler CPU-second over the intervals where a request waited
-  for admission -- the rate of a server whose queue does not empty, without the finite batch's
-  drain (the last requests finishing with few companions);
-- **step-cost model**: a decode step costs ``a + b B + c rows`` CPU-seconds (fixed per step: weights
-  read, per-step Python; per request: the matmuls of one token; per KV row: attention), fitted by
-  least squares to the event-free, admission-free intervals of vanilla's and one compressing
-  system's runs in a cell (same model, same code). It predicts a system's rate at any (B, rows per request), hence each ratio's parts:
-  concurrency, shorter rows, compression -- and the ratio Kara would reach at its footprint limit.
+  for admission -- the rate of a server whose queue does not empty, without the batch's drain;
+- **step-cost model**: a decode step costs ``a + b B + c rows`` CPU-seconds, fitted by least
+  squares to the event-free, admission-free intervals of vanilla's and one compressing system's
+  runs in a cell; it splits each ratio into concurrency, shorter rows and compression, and
+  predicts the ratio Kara would reach at its footprint limit.
 
 No SGLang import: pure functions on trace dicts (tests/test_throughput_harness.py).
 """

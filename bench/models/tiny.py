@@ -28,15 +28,9 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-SPECIAL_TOKENS = [
-    "<|bos|>",
-    "<|eos|>",
-    "<|pad|>",
-    "<|system|>",
-    "<|user|>",
-    "<|assistant|>",
-    "<|end|>",
-]
+SPECIAL_TOKENS = (
+    "<|bos|> <|eos|> <|pad|> <|system|> <|user|> <|assistant|> <|end|>"
+).split()
 
 
 def write_tokenizer(path: Path, vocab_size: int = 512) -> int:

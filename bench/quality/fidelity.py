@@ -107,9 +107,8 @@ class FidelityProcessor(CustomLogitProcessor):
                     )
                 with open(path, "ab") as f:
                     f.write(row.tobytes())
-                if (
-                    "tokens" in p
-                ):  # teacher-forced text: full KV reads the text, not its own output
+                # teacher-forced text: full KV reads the text, not its own output
+                if "tokens" in p:
                     logits[i] = force(logits[i], p["tokens"][step])
                 continue
             tokens, key = p["tokens"], (p["tag"], p["k"])

@@ -185,13 +185,8 @@ def merge(paths, args, argv):
     for path in paths:
         for r in json.load(open(path)):
             row = joined.setdefault((r["policy"], r["ratio"]), {})
-            clash = [
-                f
-                for f in r
-                if f in row
-                and row[f] != r[f]
-                and f not in ("lost", "gained", "seconds")
-            ]
+            paired = ("lost", "gained", "seconds")
+            clash = [f for f in r if f in row and row[f] != r[f] and f not in paired]
             if clash:
                 raise SystemExit(
                     f"--merge: {r['policy']} r={r['ratio']} has different {clash} in {path}"
@@ -217,39 +212,25 @@ def main(argv=None):
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument(
-        "--model-path",
-        default=None,
-        help="default: the embedded default model (the proxy)",
-    )
-    ap.add_argument(
-        "--jsonl", default=None, help="MATH-500-style problems (real models, GPU)"
-    )
-    ap.add_argument("--n", type=int, default=500)
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument(
-        "--size-min",
-        type=int,
-        default=21,
-        help="proxy problem size (21 values -> 313 solution tokens)",
-    )
-    ap.add_argument(
-        "--size-max",
-        type=int,
-        default=62,
-        help="proxy problem size (62 values -> 969 solution tokens)",
-    )
-    ap.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.5])
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES))
-    ap.add_argument("--window", type=int, default=128)
-    ap.add_argument("--buffer", type=int, default=16)
-    ap.add_argument("--chunk-budget", type=int, default=8)
-    ap.add_argument("--max-chunk", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=8192)
-    ap.add_argument(
-        "--max-total-tokens", type=int, default=200_000, help="KV pool size (tokens)"
-    )
-    ap.add_argument(
+    arg = ap.add_argument
+    h = "default: the embedded default model (the proxy)"
+    arg("--model-path", default=None, help=h)
+    arg("--jsonl", default=None, help="MATH-500-style problems (real models, GPU)")
+    arg("--n", type=int, default=500)
+    arg("--seed", type=int, default=1234)
+    h = "proxy problem size (21 values -> 313 solution tokens)"
+    arg("--size-min", type=int, default=21, help=h)
+    h = "proxy problem size (62 values -> 969 solution tokens)"
+    arg("--size-max", type=int, default=62, help=h)
+    arg("--ratios", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.5])
+    arg("--policies", nargs="+", default=list(POLICIES))
+    arg("--window", type=int, default=128)
+    arg("--buffer", type=int, default=16)
+    arg("--chunk-budget", type=int, default=8)
+    arg("--max-chunk", type=int, default=8)
+    arg("--max-new-tokens", type=int, default=8192)
+    arg("--max-total-tokens", type=int, default=200_000, help="KV pool size (tokens)")
+    arg(
         "--match",
         choices=("peak", "final", "mean", "trajectory"),
         default="peak",
@@ -257,50 +238,24 @@ def main(argv=None):
         "(proxy mode), or equal mean generated KV = equal KV-token-steps (--real), or Kara's "
         "generated KV at every decode step (--real: custom_params.kara.match_kara)",
     )
-    ap.add_argument(
-        "--policy-file",
-        action="append",
-        default=[],
-        metavar="FILE",
-        help="a Python file that registers a policy (@register); its name is then a policy "
-        "(--real; repeatable)",
+    h = (
+        "a Python file that registers a policy (@register); its name is then a policy "
+        "(--real; repeatable)"
     )
-    ap.add_argument("--max-running", type=int, default=64)
-    ap.add_argument(
-        "--kara-opt",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="another sgl_kara option for every compressing policy, e.g. phase=server (repeatable)",
-    )
-    ap.add_argument(
-        "--omp-threads",
-        type=int,
-        default=1,
-        help="OMP_NUM_THREADS (+ OMP_WAIT_POLICY=PASSIVE) for the engine; 0 = leave as is",
-    )
-    ap.add_argument(
-        "--fidelity-n",
-        type=int,
-        default=100,
-        help="fidelity to full KV (next-token agreement, KL) on the first N problems; 0 = off",
-    )
-    ap.add_argument(
-        "--fidelity-only", action="store_true", help="skip the accuracy runs"
-    )
-    ap.add_argument(
-        "--no-full",
-        action="store_true",
-        help="skip the full-KV run (another process runs it; combine with --merge)",
-    )
-    ap.add_argument(
-        "--merge",
-        nargs="+",
-        metavar="JSON",
-        default=None,
-        help="write one table + plot from these runs' quality.json (with --real: quality_real.json) files and exit",
-    )
-    ap.add_argument(
+    arg("--policy-file", action="append", default=[], metavar="FILE", help=h)
+    arg("--max-running", type=int, default=64)
+    h = "another sgl_kara option for every compressing policy, e.g. phase=server (repeatable)"
+    arg("--kara-opt", action="append", default=[], metavar="NAME=VALUE", help=h)
+    h = "OMP_NUM_THREADS (+ OMP_WAIT_POLICY=PASSIVE) for the engine; 0 = leave as is"
+    arg("--omp-threads", type=int, default=1, help=h)
+    h = "fidelity to full KV (next-token agreement, KL) on the first N problems; 0 = off"
+    arg("--fidelity-n", type=int, default=100, help=h)
+    arg("--fidelity-only", action="store_true", help="skip the accuracy runs")
+    h = "skip the full-KV run (another process runs it; combine with --merge)"
+    arg("--no-full", action="store_true", help=h)
+    h = "write one table + plot from these runs' quality.json (with --real: quality_real.json) files and exit"
+    arg("--merge", nargs="+", metavar="JSON", default=None, help=h)
+    arg(
         "--out",
         default=os.path.join(
             BENCH, "results", f"{datetime.date.today().isoformat()}-quality"
@@ -310,69 +265,44 @@ def main(argv=None):
     real = ap.add_argument_group(
         "real LM (--real): fidelity on the default model, bench/quality/real_lm.py"
     )
-    real.add_argument(
-        "--real", action="store_true", help="real-LM mode (model default: SmolLM2)"
+    opt = real.add_argument
+    opt("--real", action="store_true", help="real-LM mode (model default: SmolLM2)")
+    opt("--prompts", default=os.path.join(HERE, "real_prompts.jsonl"))
+    h = "take every k-th prompt (the file is grouped by kind; 3 -> 16 prompts of every kind)"
+    opt("--stride", type=int, default=1, help=h)
+    h = "full-KV output length (EOS suppressed)"
+    opt("--new-tokens", type=int, default=1000, help=h)
+    opt("--decoding", choices=("greedy", "sample"), default="greedy")
+    opt("--temperature", type=float, default=0.7)
+    opt("--top-p", type=float, default=0.95)
+    opt("--sample-seed", dest="seed_sample", type=int, default=0)
+    opt("--period", type=int, default=1, help="Kara's event period in the real-LM runs")
+    opt("--show", type=int, default=3, help="prompts decoded freely under every policy")
+    h = "only the free generations of --show prompts (needs --ref-dir with Kara's stored peaks for the threshold baselines)"
+    opt("--free-only", action="store_true", help=h)
+    h = (
+        "teacher-forced text instead of the prompts' answers: python | prose | a file, directory or "
+        "glob (first 64 tokens = prompt, next --new-tokens forced; bench/quality/workloads.py)"
     )
-    real.add_argument("--prompts", default=os.path.join(HERE, "real_prompts.jsonl"))
-    real.add_argument(
-        "--stride",
-        type=int,
-        default=1,
-        help="take every k-th prompt (the file is grouped by kind; 3 -> 16 prompts of every kind)",
+    opt("--text", default=None, metavar="SOURCE", help=h)
+    h = "teacher-forced recall: facts stated, prose, facts repeated; scored on the recalled values"
+    opt("--recall", action="store_true", help=h)
+    opt("--facts", type=int, default=8, help="facts per --recall item")
+    h = (
+        "free generation with EOS allowed: do compressed answers stop where full KV's do "
+        "(bench/quality/stopping.py)"
     )
-    real.add_argument(
-        "--new-tokens",
-        type=int,
-        default=1000,
-        help="full-KV output length (EOS suppressed)",
+    opt("--stopping", action="store_true", help=h)
+    h = (
+        "the Kara variant whose per-prompt peak / mean KV sets the threshold baselines' budgets "
+        "(e.g. kara-r128)"
     )
-    real.add_argument("--decoding", choices=("greedy", "sample"), default="greedy")
-    real.add_argument("--temperature", type=float, default=0.7)
-    real.add_argument("--top-p", type=float, default=0.95)
-    real.add_argument("--sample-seed", dest="seed_sample", type=int, default=0)
-    real.add_argument(
-        "--period", type=int, default=1, help="Kara's event period in the real-LM runs"
+    opt("--budget-from", default="kara", help=h)
+    h = (
+        "keep the full-KV record (outputs + per-step log-probs: 4 x vocab bytes per token, "
+        "9.4 GB for SmolLM2 x 48 prompts x 1,000 tokens) here and reuse it when it matches, so rows can be added in later runs"
     )
-    real.add_argument(
-        "--show", type=int, default=3, help="prompts decoded freely under every policy"
-    )
-    real.add_argument(
-        "--free-only",
-        action="store_true",
-        help="only the free generations of --show prompts (needs --ref-dir with Kara's stored peaks "
-        "for the threshold baselines)",
-    )
-    real.add_argument(
-        "--text",
-        default=None,
-        metavar="SOURCE",
-        help="teacher-forced text instead of the prompts' answers: python | prose | a file, directory or "
-        "glob (first 64 tokens = prompt, next --new-tokens forced; bench/quality/workloads.py)",
-    )
-    real.add_argument(
-        "--recall",
-        action="store_true",
-        help="teacher-forced recall: facts stated, prose, facts repeated; scored on the recalled values",
-    )
-    real.add_argument("--facts", type=int, default=8, help="facts per --recall item")
-    real.add_argument(
-        "--stopping",
-        action="store_true",
-        help="free generation with EOS allowed: do compressed answers stop where full KV's do "
-        "(bench/quality/stopping.py)",
-    )
-    real.add_argument(
-        "--budget-from",
-        default="kara",
-        help="the Kara variant whose per-prompt peak / mean KV sets the threshold baselines' budgets "
-        "(e.g. kara-r128)",
-    )
-    real.add_argument(
-        "--ref-dir",
-        default=None,
-        help="keep the full-KV record (outputs + per-step log-probs: 4 x vocab bytes per token, "
-        "9.4 GB for SmolLM2 x 48 prompts x 1,000 tokens) here and reuse it when it matches, so rows can be added in later runs",
-    )
+    opt("--ref-dir", default=None, help=h)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--policy-file", action="append", default=[])
     from bench.reasoning import configs
@@ -385,18 +315,16 @@ def main(argv=None):
         ap.error(str(e))
     from bench.record import RunRecord
 
-    args.record = RunRecord(
-        args.out, argv
-    )  # every mode: date, machine, commit, command; engines as they start
+    # every mode: date, machine, commit, command; engines as they start
+    args.record = RunRecord(args.out, argv)
     if args.real:
         given = argv if argv is not None else sys.argv[1:]
         if "--policies" not in given:
             args.policies = list(real_lm.POLICIES)
         if "--max-running" not in given:
             args.max_running = 16
-        if (
-            "--max-total-tokens" not in given
-        ):  # the proxy's 200k tokens would be 9 GB of SmolLM2 KV
+        # the proxy's 200k tokens would be 9 GB of SmolLM2 KV
+        if "--max-total-tokens" not in given:
             args.max_total_tokens = args.max_running * (args.new_tokens + 256)
         if sum(map(bool, (args.text, args.recall, args.stopping))) > 1:
             ap.error("--text, --recall and --stopping are separate workloads: give one")
@@ -486,9 +414,8 @@ def _policy_options(name, ratio, args, kara_budget):
     if name.startswith("kara"):
         m = args.window - args.buffer
         k = max(1, math.ceil(round(ratio * m, 6)))
-        chunk_budget = opts.pop(
-            "kara_chunk_budget", min(args.chunk_budget, k - 1)
-        )  # noT2C: 0
+        # noT2C: 0
+        chunk_budget = opts.pop("kara_chunk_budget", min(args.chunk_budget, k - 1))
         opts.update(
             kara_window=args.window,
             kara_buffer=args.buffer,
@@ -504,10 +431,8 @@ def _policy_options(name, ratio, args, kara_budget):
         )
     # Threshold baselines: the server-wide N only needs to be valid; each request's own budget
     # (custom_params.kara.budget) is Kara's, and the threshold keeps the gap W - U.
-    policy, budget = (
-        POLICIES[name]["kara_policy"],
-        max(args.buffer + 1, 2 * args.buffer),
-    )
+    policy = POLICIES[name]["kara_policy"]
+    budget = max(args.buffer + 1, 2 * args.buffer)
     opts.update(
         {
             f"kara_{policy}_window": args.buffer,
@@ -559,19 +484,17 @@ def fidelity_pass(problems, names, args, argv, rows):
 
     ks = list(range(len(problems)))
     kara_budget: dict[float, list[int]] = {}
+
+    def run(opts, per_request, forced, label):
+        model, threads, record = args.model_path, args.omp_threads, args.record
+        return run_engine(
+            model, opts, problems, per_request, threads, forced, record, label
+        )
+
     with tempfile.TemporaryDirectory(prefix="kara_fidelity_") as d:
         rec = [{"mode": "record", "dir": d, "k": k} for k in ks]
         opts, _ = policy_options("none", None, args, kara_budget)
-        outs = run_engine(
-            args.model_path,
-            opts,
-            problems,
-            None,
-            args.omp_threads,
-            rec,
-            args.record,
-            "none",
-        )
+        outs = run(opts, None, rec, "none")
         tokens = [o["output_ids"] for o in outs]
         roles = None
         words = [o["text"].split() for o in outs]
@@ -591,16 +514,8 @@ def fidelity_pass(problems, names, args, argv, rows):
                 for k in ks
             ]
             opts, per_request = policy_options(name, ratio, args, kara_budget)
-            outs = run_engine(
-                args.model_path,
-                opts,
-                problems,
-                per_request,
-                args.omp_threads,
-                forced,
-                args.record,
-                name if ratio is None else f"{name} r={ratio}",
-            )
+            label = name if ratio is None else f"{name} r={ratio}"
+            outs = run(opts, per_request, forced, label)
             if any(o["output_ids"] != t for o, t in zip(outs, tokens)):
                 raise RuntimeError(
                     f"fidelity {tag}: a forced output differs from the full-KV output"

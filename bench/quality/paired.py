@@ -64,12 +64,8 @@ def main(argv=None):
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--dir", required=True, help="the --ref-dir of the quality runs")
-    ap.add_argument(
-        "pairs",
-        nargs="+",
-        metavar="A:B",
-        help="two tags, e.g. kara_0.25:streaming_0.25_mean",
-    )
+    h = "two tags, e.g. kara_0.25:streaming_0.25_mean"
+    ap.add_argument("pairs", nargs="+", metavar="A:B", help=h)
     args = ap.parse_args(argv)
     print(
         "| A | B | prompts | agreement A - B [95% CI] | A better (agreement) | KL A - B [95% CI] | A better (KL) |"

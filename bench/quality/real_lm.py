@@ -1,40 +1,31 @@
 """Quality on a real LM (``python -m bench.quality --real``): fidelity to full KV, through the runtime.
 
 The default model (SmolLM2-135M-Instruct) answers the committed prompts (real_prompts.jsonl: 48
-prompts -- explanations, step-by-step arithmetic, lists, code, stories -- asking for long
-answers) with full KV; EOS is suppressed for ``--new-tokens`` so every output has that length.
-Greedy by default; ``--decoding sample`` draws the full-KV outputs with seeded sampling instead
-(this small model's greedy outputs often fall into repetition loops, which favour recency).
-Then each policy is fed that output (bench/quality/fidelity.py: the full-KV output forced
-token by token through a custom logit processor) and, per step, compared with full KV:
+prompts asking for long answers) with full KV; EOS is suppressed for ``--new-tokens`` so every
+output has that length. Greedy by default; ``--decoding sample`` draws the full-KV outputs with
+seeded sampling (this small model's greedy outputs often loop, which favours recency). Then each
+policy is fed that output (bench/quality/fidelity.py) and, per step, compared with full KV:
 
     agreement      the policy's greedy choice equals full KV's
     KL             KL(p_full || p_policy), nats per token
-    PPL            perplexity of the full-KV text under the policy, each step's distribution
-                   without the EOS tokens (suppressed while the forced output runs)
+    PPL            perplexity of the full-KV text under the policy (EOS tokens left out)
     shared prefix  first disagreement = length of the output free greedy decoding would share
                    with full KV (median over prompts; "identical" = never disagrees)
 
 each also on the steps before the full-KV output's first repetition loop ("no-loop") and on the
-steps after both Kara and the baseline have compressed ("late": steps past Kara's peak KV, the
-baseline's first trigger), since a threshold baseline compresses first only at Kara's peak.
-Policies: the named variants below (``POLICIES``: Kara without Token2Chunk, with buffer scoring,
-...), ``<kara variant or random>-r<R>`` (a recency band), or any registered policy by its name
-(``--policy-file FILE`` imports a file that registers one: bench/reasoning/configs.py). Budgets:
-Kara runs first at each ratio; every budget-taking baseline (SnapKV, StreamingLLM, H2O, R-KV, and
-any policy registered with ``budget`` in its request options) gets, per prompt, N = Kara's peak
-generated KV - (W - U), so its peak (N + W - U) equals Kara's (``--match peak``); ``--match mean``
-equal mean generated KV; ``--match trajectory`` Kara's generated KV at every decode step
-(``custom_params.kara.match_kara``: needs no Kara run, and the forced output has the same length
-under every policy, so every KV figure equals Kara's). A few prompts are also decoded freely
-under every policy and shown as text.
+steps past Kara's peak KV ("late": after both Kara and the baseline have compressed). Policies:
+``POLICIES``, ``<kara variant or random>-r<R>`` (a recency band), or any registered policy
+(``--policy-file FILE``: bench/reasoning/configs.py). Kara runs first at each ratio; every
+budget-taking baseline gets, per prompt, N = Kara's peak generated KV - (W - U), so its peak
+equals Kara's (``--match peak``); ``--match mean``: equal mean generated KV; ``--match
+trajectory``: Kara's generated KV at every decode step (``custom_params.kara.match_kara``, no
+Kara run needed). A few prompts are also decoded freely under every policy and shown as text.
 
 A long table can be filled over several runs: ``--ref-dir DIR`` keeps the full-KV record (and
 Kara's peaks per ratio) and reuses it when model, prompts, length and decoding match; ``--merge
 A.json B.json ...`` writes one table and plot from the runs' quality_real.json files;
-``--free-only`` adds the free generations to a kept record without rerunning rows; ``--stride k``
-takes every k-th prompt (the file is grouped by kind). ``bench/quality/paired.py`` compares two
-rows of one kept record prompt by prompt (bootstrap intervals over prompts).
+``--free-only`` adds the free generations to a kept record; ``--stride k`` takes every k-th
+prompt. ``bench/quality/paired.py`` compares two rows of one kept record prompt by prompt.
 """
 
 from __future__ import annotations
@@ -259,9 +250,8 @@ def _engine_options(name, ratio, args, kara_peaks=None, kara_means=None):
         )
         return opts, None
     kara = configs.schedule(args.window, args.buffer, ratio, args.period)
-    if (
-        spec["kara_policy"] not in THRESHOLD
-    ):  # a registered policy: Kara's window settings
+    # a registered policy: Kara's window settings
+    if spec["kara_policy"] not in THRESHOLD:
         extra, _ = configs.engine_options(spec["kara_policy"], kara)
         opts.update({k: v for k, v in extra.items() if k not in opts})
         return opts, None
@@ -274,9 +264,8 @@ def _engine_options(name, ratio, args, kara_peaks=None, kara_means=None):
     default_w = configs.option_fields(spec["kara_policy"]).get("window")
     # its own observation window where smaller than U (R-KV keeps 8 queries), else U
     w = min(default_w, args.buffer) if isinstance(default_w, int) else args.buffer
-    floor = (
-        w + 8
-    )  # server-wide N only needs to be valid (StreamingLLM's 4 sinks fit); requests bring their own
+    # server-wide N only needs to be valid (StreamingLLM's 4 sinks fit); requests bring their own
+    floor = w + 8
     opts.update(
         {
             prefix + "window": w,
@@ -308,20 +297,12 @@ def run_engine(
     per_request / fidelity its custom_params.kara / .fidelity (None: none); the prompt is
     ``problem["input_ids"]``, or the text ``text_of(problem)``; ``record``: a
     bench.record.RunRecord that gets the engine's resolved settings under ``label``."""
-    import sgl_kara
-    from bench.engine_env import engine_env
+    from bench.engine_env import start_engine
 
     opts = dict(opts)
     if fidelity:
         opts["enable_custom_logit_processor"] = True
-    with engine_env(threads):
-        engine = sgl_kara.Engine(
-            model_path=model_path,
-            log_level="error",
-            random_seed=0,
-            disable_overlap_schedule=True,
-            **opts,
-        )
+    engine = start_engine(model_path, threads, **opts)
     if record is not None:
         record.add_engine(label or opts.get("kara_policy", "engine"), engine)
     try:
@@ -352,6 +333,14 @@ def run_engine(
         )
     finally:
         engine.shutdown()
+
+
+def generated_kv(outs, problems, key: str) -> list[int]:
+    """Per request: its ``meta_info["kara"][key]`` KV length less its prompt."""
+    return [
+        o["meta_info"]["kara"][key] - len(p["input_ids"])
+        for o, p in zip(outs, problems)
+    ]
 
 
 def summarize_policy(name, ratio, steps_by_k, outs, problems, loops, late_from) -> dict:
@@ -423,15 +412,13 @@ def main(args, argv):
     T = args.new_tokens
     ks = list(range(len(problems)))
 
+    greedy = {"max_new_tokens": T, "min_new_tokens": T, "temperature": 0.0}
+
     def full_params(i, p):
-        sp = {"max_new_tokens": T, "min_new_tokens": T, "temperature": 0.0}
-        if args.decoding == "sample":
-            sp.update(
-                temperature=args.temperature,
-                top_p=args.top_p,
-                sampling_seed=args.seed + i,
-            )
-        return sp
+        if args.decoding != "sample":
+            return dict(greedy)
+        sampled = dict(temperature=args.temperature, top_p=args.top_p)
+        return dict(greedy, **sampled, sampling_seed=args.seed + i)
 
     rows, texts = [], {}
     tic = time.time()
@@ -449,19 +436,10 @@ def main(args, argv):
                     or name == REFERENCE
                 ):
                     os.remove(os.path.join(d, name))
-            rec = [
-                dict(
-                    mode="record",
-                    dir=d,
-                    k=k,
-                    **(
-                        {"tokens": problems[k]["target"]}
-                        if "target" in problems[k]
-                        else {}
-                    ),
-                )
-                for k in ks
-            ]
+            rec = [dict(mode="record", dir=d, k=k) for k in ks]
+            for r, p in zip(rec, problems):
+                if "target" in p:  # teacher-forced text: the record is of that text
+                    r["tokens"] = p["target"]
             outs = run_engine(
                 args.model_path,
                 engine_options("none", None, args)[0],
@@ -498,18 +476,13 @@ def main(args, argv):
         kara_peaks: dict[float, list[int]] = {}
         kara_means: dict[float, list[float]] = {}
         src = budget_source(args)
-        for ratio in (
-            args.ratios
-        ):  # Kara's peaks from an earlier run on this record (it may not run now)
+        # Kara's peaks from an earlier run on this record (it may not run now)
+        for ratio in args.ratios:
             for store, what in ((kara_peaks, "peaks"), (kara_means, "means")):
                 if os.path.exists(os.path.join(d, f"kara_{what}_{ratio}{src}.json")):
                     with open(os.path.join(d, f"kara_{what}_{ratio}{src}.json")) as f:
                         store[ratio] = json.load(f)
-        forced_params = lambda i, p: {
-            "max_new_tokens": T,
-            "min_new_tokens": T,
-            "temperature": 0.0,
-        }  # noqa: E731
+        forced_params = lambda i, p: dict(greedy)
         if args.free_only:  # the rows come from earlier runs on this record
             missing = [r for r in args.ratios if r not in kara_peaks]
             if missing and any(n in THRESHOLD for n in args.policies):
@@ -551,17 +524,10 @@ def main(args, argv):
                     f"{tag}: a forced output differs from the full-KV output"
                 )
             if name == args.budget_from:
-                kara_peaks[ratio] = [
-                    o["meta_info"]["kara"]["kv_peak_len"] - len(p["input_ids"])
-                    for o, p in zip(outs, problems)
-                ]
-                kara_means[ratio] = [
-                    o["meta_info"]["kara"]["kv_mean_len"] - len(p["input_ids"])
-                    for o, p in zip(outs, problems)
-                ]
-                if (
-                    args.ref_dir
-                ):  # a later run's baselines and "late" steps use them without Kara
+                kara_peaks[ratio] = generated_kv(outs, problems, "kv_peak_len")
+                kara_means[ratio] = generated_kv(outs, problems, "kv_mean_len")
+                # a later run's baselines and "late" steps use them without Kara
+                if args.ref_dir:
                     for store, what in ((kara_peaks, "peaks"), (kara_means, "means")):
                         with open(
                             os.path.join(d, f"kara_{what}_{ratio}{src}.json"), "w"
@@ -641,24 +607,15 @@ def run_order(names, ratios, first="kara"):
 
 def free_generation(args, problems, texts, kara_peaks, kara_means, tok):
     ratio = 0.25 if 0.25 in args.ratios else args.ratios[0]
-    params = lambda i, p: {
-        "max_new_tokens": args.new_tokens,
-        "min_new_tokens": args.new_tokens,  # noqa: E731
-        "temperature": 0.0,
-    }
+    n = args.new_tokens
+    params = lambda i, p: {"max_new_tokens": n, "min_new_tokens": n, "temperature": 0.0}
     for name in args.policies:
         if name == "none":
             continue
-        peaks = (
-            {ratio: kara_peaks.get(ratio, [0] * args.n)[: len(problems)]}
-            if name in THRESHOLD
-            else None
-        )
-        means = (
-            {ratio: kara_means.get(ratio, [0] * args.n)[: len(problems)]}
-            if name in THRESHOLD
-            else None
-        )
+        peaks = means = None
+        if name in THRESHOLD:
+            peaks = {ratio: kara_peaks.get(ratio, [0] * args.n)[: len(problems)]}
+            means = {ratio: kara_means.get(ratio, [0] * args.n)[: len(problems)]}
         opts, per_request = engine_options(name, ratio, args, peaks, means)
         outs = run_engine(
             args.model_path,
@@ -735,15 +692,8 @@ def write(rows, texts, args, argv):
             for i, t in enumerate(outs):
                 f.write(f"**prompt {i}**: {json.dumps(t[:1500])}\n\n")
     with open(os.path.join(args.out, "quality_real.json"), "w") as f:
-        json.dump(
-            {
-                "rows": rows,
-                "texts": texts,
-                "args": {k: v for k, v in vars(args).items() if k != "record"},
-            },
-            f,
-            indent=1,
-        )
+        saved = {k: v for k, v in vars(args).items() if k != "record"}
+        json.dump({"rows": rows, "texts": texts, "args": saved}, f, indent=1)
 
 
 def plot(rows, args):

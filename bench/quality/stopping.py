@@ -155,22 +155,11 @@ def main(args, argv):
             label=f"{name} r={ratio}",
         )
         if name == args.budget_from:
-            peaks[ratio] = [
-                o["meta_info"]["kara"]["kv_peak_len"] - len(p["input_ids"])
-                for o, p in zip(outs, problems)
-            ]
-            means[ratio] = [
-                o["meta_info"]["kara"]["kv_mean_len"] - len(p["input_ids"])
-                for o, p in zip(outs, problems)
-            ]
+            peaks[ratio] = real_lm.generated_kv(outs, problems, "kv_peak_len")
+            means[ratio] = real_lm.generated_kv(outs, problems, "kv_mean_len")
             lens[ratio] = [o["meta_info"]["completion_tokens"] for o in outs]
-        row = dict(
-            policy=name,
-            ratio=ratio,
-            seconds=time.time() - t0,
-            **compare(full, outs, limit),
-            **kv_stats(outs, problems),
-        )
+        row = dict(policy=name, ratio=ratio, seconds=time.time() - t0)
+        row.update(**compare(full, outs, limit), **kv_stats(outs, problems))
         if name in real_lm.THRESHOLD and args.match != "peak":
             row["match"] = args.match
         rows.append(row)
@@ -215,12 +204,6 @@ def write(rows, args, argv):
         os.path.join(args.out, "quality_stopping.md"), "\n".join(lines)
     )
     with open(os.path.join(args.out, "quality_stopping.json"), "w") as fh:
-        json.dump(
-            {
-                "rows": rows,
-                "args": {k: v for k, v in vars(args).items() if k != "record"},
-            },
-            fh,
-            indent=1,
-        )
+        saved = {k: v for k, v in vars(args).items() if k != "record"}
+        json.dump({"rows": rows, "args": saved}, fh, indent=1)
     return "\n".join(lines)

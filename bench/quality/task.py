@@ -6,36 +6,26 @@ digit δ_k, in **shuffled** order. Step k computes
 
     v_k = (v_{k-1} + v_p) mod 10,   p = k - 2 - 3·δ_k      (so p is 2..29 steps back)
 
-so every step fetches one value generated far back (by name) and one generated just before, and
-the last value depends on all of them. The answer is three values: two from the first half and
-the last, fetched again by name at the very end.
+so every step fetches one value generated far back (by name) and one generated just before. The
+answer is three values: two from the first half and the last, fetched again by name at the end.
 
     prompt   : L45=0 P43=0 P44=0 P42=0 ; query QA40 QB41 QE45 ; seed V40=7 V41=2 .
     solution : K42 P42=0 r40 V40=7 ; r41 V41=2 ; 2 + 7 = 9 ; V42=9 .
-               K43 P43=0 r41 V41=2 ; r42 V42=9 ; 9 + 2 = 1 ; V43=1 .
                ...
                K45 L45=0 r43 V43=6 ; r44 V44=3 ; 3 + 6 = 9 ; V45=9
                answer r40 V40=7 and r41 V41=2 last r45 V45=9
 
-(the solution is one line; breaks added here). Word meanings: ``Vk=d`` states v_k = d (the only
-place values appear); ``Pk=δ`` is step k's pointer (``Lk=δ`` for the last step); ``Kk`` opens step k and asks for its
-pointer; ``rk`` asks for v_k's value; ``QAk``/``QBk``/``QEk`` are the queried names (QE = the
-last step).
+(one line; breaks added here). ``Vk=d`` states v_k = d; ``Pk=δ`` is step k's pointer (``Lk=δ``
+for the last step); ``Kk`` opens step k and asks for its pointer; ``rk`` asks for v_k's value;
+``QAk``/``QBk``/``QEk`` are the queried names (QE = the last step).
 
-Why compound words: every lookup is then a *one-hop* associative recall -- the asking word
-(``Kk``, ``rk``) and the word holding the answer (``Pk=δ``, ``Vk=d``) share the name k in their
-own embeddings, and the payload is in the same word. Probes on this machine showed a 2.4M-param
-Llama learns such recall in ~150 steps, while recall that needs a two-layer induction circuit
-(``vk = d`` as three words) stayed near chance after 500+ steps. Values are fetched by name,
-never by position: look-back distances vary from 1 to 29 steps (16 words each), i.e. up to
-~460 tokens inside a step and up to ~1,000 tokens for the answer, and the prompt holds only two
-seed values, so a KV-cache policy that drops the wrong generated entries breaks the chain.
-
-The stop decision is local: the last step recalls an ``Lk=δ`` pointer instead of ``Pk=δ`` (the
-same one-hop recall), so when its closing ``Vk=d`` is written the step itself says "this was the
-last one", and ``answer`` follows directly (no ``.``). In the proxy's first training stages (format 2) every
-pointer was ``Pk=δ`` and stopping meant *comparing* the current name with the queried ``QEk``,
-which the model failed on ~1 problem in 3 (bench/results/reasoning.md).
+Compound words make every lookup a *one-hop* associative recall (the asking word and the word
+holding the answer share the name k, and the payload is in the same word), which a 2.4M-param
+Llama learns in ~150 steps, where a two-layer induction circuit stayed near chance. Look-back
+distances vary from 1 to 29 steps (16 words each), up to ~1,000 tokens for the answer, and the
+prompt holds only two seed values, so a KV-cache policy that drops the wrong generated entries
+breaks the chain. The stop decision is local: the last step recalls an ``Lk=δ`` pointer, so
+``answer`` follows its closing ``Vk=d`` directly (no ``.``).
 
 Size N = number of values (2 seeds + N-2 steps); the solution is 16 * (N - 2) + 8 words
 (N=21 -> 312, N=62 -> 968).
@@ -57,12 +47,13 @@ COMPOUNDS = [
     "P",
     "L",
 ]  # Vk=d (value), Pk=d (pointer), Lk=d (the last step's pointer)
+# task vocabulary, in the proxy tokenizer's id order (it adds <pad> <bos> <eos> <unk>)
 WORDS = (
     SYMBOLS
     + DIGITS
     + [f"{f}{k}" for f in FAMILIES for k in range(MAX_NAMES)]
     + [f"{c}{k}={d}" for c in COMPOUNDS for k in range(MAX_NAMES) for d in range(10)]
-)  # task vocabulary, in the proxy tokenizer's id order (it adds <pad> <bos> <eos> <unk>)
+)
 
 
 _WORD_RE = re.compile(r"^(K|r|QA|QB|QE|V|P|L)(\d+)(?:=(\d))?$")

@@ -31,56 +31,16 @@ import numpy as np
 
 PROMPT_TOKENS = 64
 PYTHON_FILES = (
-    "argparse.py",
-    "typing.py",
-    "dataclasses.py",
-    "inspect.py",
-    "subprocess.py",
-    "tarfile.py",
-    "pathlib.py",
-    "functools.py",
-    "enum.py",
-    "ast.py",
-    "difflib.py",
-    "threading.py",
-    "zipfile.py",
-    "shutil.py",
-    "pickle.py",
-    "logging/__init__.py",
-)
+    "argparse.py typing.py dataclasses.py inspect.py subprocess.py "
+    "tarfile.py pathlib.py functools.py enum.py ast.py difflib.py "
+    "threading.py zipfile.py shutil.py pickle.py logging/__init__.py"
+).split()
 LICENSES = "/usr/share/common-licenses"
-PROSE_FILES = (
-    "GPL-3",
-    "LGPL-2.1",
-    "GFDL-1.3",
-    "MPL-1.1",
-    "GPL-2",
-    "LGPL-2",
-    "GFDL-1.2",
-    "Apache-2.0",
-)
+PROSE_FILES = "GPL-3 LGPL-2.1 GFDL-1.3 MPL-1.1 GPL-2 LGPL-2 GFDL-1.2 Apache-2.0".split()
 NAMES = (
-    "Alice",
-    "Bruno",
-    "Chen",
-    "Dana",
-    "Emeka",
-    "Farah",
-    "Goran",
-    "Hana",
-    "Ivan",
-    "Jun",
-    "Kofi",
-    "Lena",
-    "Mateo",
-    "Nadia",
-    "Omar",
-    "Priya",
-    "Quinn",
-    "Rosa",
-    "Sven",
-    "Tariq",
-)
+    "Alice Bruno Chen Dana Emeka Farah Goran Hana Ivan Jun Kofi Lena Mateo "
+    "Nadia Omar Priya Quinn Rosa Sven Tariq"
+).split()
 
 
 def source_files(source: str) -> list[str]:
@@ -132,20 +92,22 @@ def recall_problems(
 ) -> list[dict]:
     """Recall items of exactly ``new_tokens`` forced tokens: facts, prose, the facts again;
     ``score_steps`` are the forced steps of the recalled values (each code's non-blank tokens)."""
+
+    def ids_of(text: str) -> list[int]:
+        return tok(text, add_special_tokens=False)["input_ids"]
+
     prose = []
-    for path in source_files("prose") + source_files(
-        "python"
-    ):  # license texts; Python where absent
+    # license texts; Python where absent
+    for path in source_files("prose") + source_files("python"):
         if os.path.exists(path) and len(prose) < 4 * new_tokens:
             with open(path, encoding="utf-8", errors="replace") as f:
-                prose += tok(f.read(), add_special_tokens=False)["input_ids"]
+                prose += ids_of(f.read())
     if len(prose) < new_tokens:
         prose = prose * math.ceil(new_tokens / max(1, len(prose)))
-    prompt = tok(
+    prompt = ids_of(
         "The following notes list the access code of each member of the team. Read them carefully: "
-        "at the end, every code is written down again from memory.\n\n",
-        add_special_tokens=False,
-    )["input_ids"]
+        "at the end, every code is written down again from memory.\n\n"
+    )
     out = []
     for i in range(n):
         rng = random.Random(seed * 1000 + i)
@@ -154,22 +116,15 @@ def recall_problems(
 
         # (tokens, the value's offsets): stated and recalled with the same tokens
         def fact(name, codes=codes):
-            before = tok(f"The access code of {name} is", add_special_tokens=False)[
-                "input_ids"
-            ]
-            value = tok(f" {codes[name]}", add_special_tokens=False)["input_ids"]
-            ids = before + value + tok(".\n", add_special_tokens=False)["input_ids"]
+            before = ids_of(f"The access code of {name} is")
+            value = ids_of(f" {codes[name]}")
+            ids = before + value + ids_of(".\n")
             return ids, [
                 len(before) + j for j, t in enumerate(value) if tok.decode([t]).strip()
             ]
 
         head = [t for name in names for t in fact(name)[0]]
-        tail, steps = (
-            tok("\nNow, from memory, the codes again:\n", add_special_tokens=False)[
-                "input_ids"
-            ],
-            [],
-        )
+        tail, steps = ids_of("\nNow, from memory, the codes again:\n"), []
         order = names[:]
         rng.shuffle(order)
         for name in order:
@@ -185,15 +140,9 @@ def recall_problems(
         middle = prose[off : off + room]
         target = head + middle + tail
         base = len(head) + len(middle)
-        out.append(
-            dict(
-                id=f"recall-{i}",
-                input_ids=prompt,
-                target=target,
-                score_steps=[base + s for s in steps],
-                distance=len(middle),
-            )
-        )
+        scored = [base + s for s in steps]
+        row = dict(id=f"recall-{i}", input_ids=prompt, target=target)
+        out.append(dict(row, score_steps=scored, distance=len(middle)))
     return out
 
 
@@ -215,16 +164,9 @@ def full_kv_row(directory: str, problems: list[dict]) -> dict:
         for t in p.get("score_steps", ()):
             s_nll.append(float(-lp[t]))
             s_hit.append(bool(h[t]))
-    row = dict(
-        policy="none",
-        ratio=None,
-        agree=1.0,
-        kl=0.0,
-        ppl=math.exp(sum(nll) / len(nll)),
-        hit=sum(hit) / len(hit),
-        n=len(problems),
-        tokens=len(nll),
-    )
+    row = dict(policy="none", ratio=None, agree=1.0, kl=0.0)
+    row.update(ppl=math.exp(sum(nll) / len(nll)), hit=sum(hit) / len(hit))
+    row.update(n=len(problems), tokens=len(nll))
     if s_nll:
         row.update(
             agree_scored=1.0,

@@ -1,27 +1,21 @@
 """Any registered policy as a benchmark configuration, its KV matched to Kara's. No engine.
 
 The harnesses (bench/reasoning/long_answers.py, bench/quality/real_lm.py) name policies as the
-registry does (``sgl_kara.policies``: ``@register``), so a policy registered anywhere -- in a file
-of its own, in a test -- runs without editing a list here. What a policy gets depends on what it
-declares:
+registry does (``sgl_kara.policies``: ``@register``), so a policy registered anywhere runs without
+editing a list here. What a policy gets depends on what it declares:
 
-    "budget" in request_options    a budget-taking baseline: matched to Kara at equal trajectory
-                                   -- per request ``custom_params.kara.match_kara`` with Kara's
-                                   W, U, r, delta, R, so its generated KV follows Kara's at every
-                                   decode step (sgl_kara/policies/trajectory.py); it must also take
-                                   ``match_kara`` (every ThresholdPolicy does). Server-wide, its
-                                   observation window w = min(its own default, U) and a budget /
-                                   threshold that only need to be valid (requests bring theirs)
+    "budget" in request_options    a budget-taking baseline, matched to Kara at equal trajectory:
+                                   per request ``custom_params.kara.match_kara`` with Kara's W, U,
+                                   r, delta, R (sgl_kara/policies/trajectory.py; every
+                                   ThresholdPolicy takes it); server-wide, its observation window
+                                   min(its own default, U) and a budget that only needs to be valid
     any other policy               the Kara window settings its Options declares (window, buffer,
-                                   retention, period, recent: Kara and random take all five)
+                                   retention, period, recent)
 
-``--kara-spread off`` (each event whole at its due step, the schedule the trajectory assumes),
-``--kara-max-seqs`` large (no event delayed) and captured queries for every compressing policy.
-
-A policy in a file of one's own (``--policy-file FILE`` of the harnesses): the file is imported
-(its ``@register`` runs) in the harness process and, through ``POLICY_FILES`` in the environment,
-in the engine's scheduler process, which SGLang starts by spawn: spawn imports the harness's main
-module again there, and importing this module imports the files listed.
+Every compressing policy runs with ``--kara-spread off``, a large ``--kara-max-seqs`` and captured
+queries. ``--policy-file FILE`` imports the file (its ``@register``) in the harness process and,
+through ``POLICY_FILES`` in the environment, in the engine's scheduler process: SGLang starts it by
+spawn, which imports the harness's main module and so this module, which imports the files.
 """
 
 from __future__ import annotations
@@ -113,11 +107,7 @@ def schedule(
 ) -> dict:
     """Kara's window settings as ``custom_params.kara.match_kara`` takes them."""
     return dict(
-        window=window,
-        buffer=buffer,
-        retention=retention,
-        period=period,
-        recent=recent,
+        window=window, buffer=buffer, retention=retention, period=period, recent=recent
     )
 
 

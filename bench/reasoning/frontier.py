@@ -72,16 +72,10 @@ def load(dirs: dict[str, list[str]]) -> tuple[dict[str, dict], dict[str, Point]]
                     full[workload] = res
                     continue
                 opts = res.get("engine_options") or {}
-                point = points.setdefault(
-                    name,
-                    Point(
-                        name,
-                        res["config"],
-                        res.get("ratio"),
-                        (res.get("kara_schedule") or {}).get("window")
-                        or opts.get("kara_window"),
-                    ),
-                )
+                window = (res.get("kara_schedule") or {}).get("window")
+                window = window or opts.get("kara_window")
+                point = Point(name, res["config"], res.get("ratio"), window)
+                point = points.setdefault(name, point)
                 if workload in point.results:
                     raise ValueError(f"{workload}: {name} found twice ({path})")
                 point.results[workload] = res
@@ -122,19 +116,9 @@ def cell(full: dict, results: list[tuple[str, dict]]) -> dict:
         requests += res["requests"]
     p = stats.paired(a, b)
     mean, final = kv_shares({"requests": requests})
-    return {
-        "solved": sum(b),
-        "n": len(b),
-        "full_solved": sum(a),
-        "diff": p["diff"],
-        "lo": p["diff_lo"],
-        "hi": p["diff_hi"],
-        "won": p["won"],
-        "lost": p["lost"],
-        "p": p["mcnemar_p"],
-        "kv_mean": mean,
-        "kv_final": final,
-    }
+    out = dict(solved=sum(b), n=len(b), full_solved=sum(a), diff=p["diff"])
+    out.update(lo=p["diff_lo"], hi=p["diff_hi"], won=p["won"], lost=p["lost"])
+    return dict(out, p=p["mcnemar_p"], kv_mean=mean, kv_final=final)
 
 
 def rows(full: dict, points: dict[str, Point]) -> list[dict]:

@@ -124,12 +124,10 @@ def engine_options(
             f"{config} at r={ratio} needs the kara run at the same ratio first (budget matching)"
         )
     gap = args.window - args.buffer
-    w = (
-        8 if config == "rkv" else args.buffer
-    )  # R-KV keeps its own 8 observation queries
-    floor = (
-        w + 8
-    )  # the server-wide N only needs to be valid; every request brings its own
+    # R-KV keeps its own 8 observation queries
+    w = 8 if config == "rkv" else args.buffer
+    # the server-wide N only needs to be valid; every request brings its own
+    floor = w + 8
     prefix = f"kara_{config}_"
     opts.update(
         {
@@ -203,8 +201,7 @@ def run_config(
     kara_rows: list[dict] | None,
 ) -> None:
     """Answer every problem not yet in OUT/<name>.partial.jsonl, appending each as it finishes."""
-    import sgl_kara
-    from bench.engine_env import engine_env
+    from bench.engine_env import start_engine
 
     name = result_name(config, ratio)
     partial = os.path.join(args.out, name + ".partial.jsonl")
@@ -214,14 +211,7 @@ def run_config(
     if not todo:
         return
     print(f"{name}: {len(todo)} of {len(problems)} problems to answer", flush=True)
-    with engine_env(args.omp_threads):
-        engine = sgl_kara.Engine(
-            model_path=args.model_path,
-            log_level="error",
-            random_seed=0,
-            disable_overlap_schedule=True,
-            **opts,
-        )
+    engine = start_engine(args.model_path, args.omp_threads, **opts)
     try:
         record.add_engine(name, engine)
         cpu0, tic = engine_cpu_seconds()[0], time.time()
@@ -233,12 +223,8 @@ def run_config(
             if per_request is not None:
                 sp["custom_params"] = {"kara": per_request[i]}
             out = await engine.async_generate(input_ids=prompts[i], sampling_params=sp)
-            rec = problem_record(
-                problems[i],
-                out,
-                len(prompts[i]),
-                per_request[i]["budget"] if per_request is not None else None,
-            )
+            budget = per_request[i]["budget"] if per_request is not None else None
+            rec = problem_record(problems[i], out, len(prompts[i]), budget)
             tokens += rec["completion_tokens"]
             sink.write(json.dumps(rec) + "\n")
             sink.flush()
@@ -250,18 +236,10 @@ def run_config(
         with open(partial, "a") as sink:
             engine.loop.run_until_complete(all_of(sink))
         seconds, cpu = time.time() - tic, engine_cpu_seconds()[0] - cpu0
+        session = {"problems": len(todo), "tokens": tokens}
+        session.update(seconds=round(seconds, 2), cpu_seconds=round(cpu, 2))
         with open(os.path.join(args.out, name + ".sessions.jsonl"), "a") as f:
-            f.write(
-                json.dumps(
-                    {
-                        "problems": len(todo),
-                        "tokens": tokens,
-                        "seconds": round(seconds, 2),
-                        "cpu_seconds": round(cpu, 2),
-                    }
-                )
-                + "\n"
-            )
+            f.write(json.dumps(session) + "\n")
         print(
             f"{name}: {len(todo)} answers, {tokens} tokens in {seconds:.0f} s ({tokens / seconds:.1f} tok/s)",
             flush=True,
@@ -270,17 +248,7 @@ def run_config(
         engine.shutdown()
 
 
-KEEP = (
-    "id",
-    "correct",
-    "answer",
-    "completion_tokens",
-    "finish",
-    "compressions",
-    "kv_peak",
-    "kv_mean",
-    "budget",
-)
+KEEP = "id correct answer completion_tokens finish compressions kv_peak kv_mean budget".split()
 
 
 def finalize(config: str, ratio: float, problems: list[dict], args, opts: dict) -> dict:
@@ -295,12 +263,7 @@ def finalize(config: str, ratio: float, problems: list[dict], args, opts: dict) 
     if missing:
         raise RuntimeError(f"{name}: problems {missing[:10]} unanswered")
     ordered = [rows[p["id"]] for p in problems]
-    os.makedirs(args.answers_dir or args.out, exist_ok=True)
-    with gzip.open(
-        os.path.join(args.answers_dir or args.out, name + ".answers.jsonl.gz"), "wt"
-    ) as f:
-        for r in ordered:
-            f.write(json.dumps({"id": r["id"], "text": r["text"]}) + "\n")
+    write_answers(args.answers_dir or args.out, name, ordered, "id")
     sessions = _read_jsonl(os.path.join(args.out, name + ".sessions.jsonl"))
     result = {
         "config": config,
@@ -314,6 +277,13 @@ def finalize(config: str, ratio: float, problems: list[dict], args, opts: dict) 
     write_result(os.path.join(args.out, name + ".json"), result)
     os.remove(os.path.join(args.out, name + ".partial.jsonl"))
     return result
+
+
+def write_answers(folder: str, name: str, rows: list[dict], key: str) -> None:
+    """The answer texts, ``{key: row[key], "text": ...}`` a line, in FOLDER/<name>.answers.jsonl.gz."""
+    os.makedirs(folder, exist_ok=True)
+    with gzip.open(os.path.join(folder, name + ".answers.jsonl.gz"), "wt") as f:
+        f.writelines(json.dumps({key: r[key], "text": r["text"]}) + "\n" for r in rows)
 
 
 def write_result(path: str, result: dict, rows: str = "problems") -> None:
@@ -385,9 +355,8 @@ def _read_jsonl(path: str) -> list[dict]:
             if line.strip():
                 try:
                     rows.append(json.loads(line))
-                except (
-                    json.JSONDecodeError
-                ):  # a line cut by a kill: that problem is answered again
+                # a line cut by a kill: that problem is answered again
+                except json.JSONDecodeError:
                     pass
     return rows
 
@@ -416,15 +385,9 @@ def summarize(
     tokens = sum(s["tokens"] for s in sessions)
     seconds = sum(s["seconds"] for s in sessions)
     cpu = sum(s.get("cpu_seconds", 0) for s in sessions)
-    row = {
-        "name": result["name"],
-        "config": result["config"],
-        "ratio": result["ratio"],
-        "n": n,
-        "correct": k,
-        "acc": k / n,
-        "lo": lo,
-        "hi": hi,
+    row = {key: result[key] for key in ("name", "config", "ratio")}
+    row.update(n=n, correct=k, acc=k / n, lo=lo, hi=hi)
+    row |= {
         "kv_mean": sum(r["kv_mean"] for r in probs) / n,
         "kv_peak": sum(r["kv_peak"] for r in probs) / n,
         "kv_peak_max": max(r["kv_peak"] for r in probs),
@@ -462,17 +425,12 @@ def report(args) -> list[dict]:
         if res is not None and "problems" in res:
             results[name] = res
     full = results.get("full")
-    rows = [
-        summarize(
-            res,
-            full,
-            res.get("max_new_tokens", args.max_new_tokens),
-            None
-            if res["ratio"] is None
-            else results.get(result_name("kara", res["ratio"])),
-        )
-        for res in results.values()
-    ]
+    rows = []
+    for res in results.values():
+        r = res["ratio"]
+        kara = None if r is None else results.get(result_name("kara", r))
+        n = res.get("max_new_tokens", args.max_new_tokens)
+        rows.append(summarize(res, full, n, kara))
     order = {c: i for i, c in enumerate(CONFIGS)}
     rows.sort(key=lambda r: (r["ratio"] or 0, order.get(r["config"], 99)))
 
@@ -501,11 +459,10 @@ def report(args) -> list[dict]:
     from bench.reasoning.long_answers import run_lines
 
     model = getattr(args, "model", None)
-    model = (
-        f"{RECIPES[model].upstream} (Q4_K_M GGUF, float32)"
-        if model in RECIPES
-        else args.model_path
-    )
+    if model in RECIPES:
+        model = f"{RECIPES[model].upstream} (Q4_K_M GGUF, float32)"
+    else:
+        model = args.model_path
     runs, stamp_lines = run_lines(args.out, "bench.reasoning.gsm8k")
     with open(os.path.join(args.out, "gsm8k.md"), "w") as f:
         f.write(
@@ -585,64 +542,48 @@ def main(argv: list[str] | None = None) -> list[dict]:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument(
-        "--model",
-        default="0.5b",
-        help="0.5b / 1.5b (converted Qwen2.5-Coder, "
-        "python -m bench.models.qwen_coder) or a model directory",
+    arg = ap.add_argument
+    h = (
+        "0.5b / 1.5b (converted Qwen2.5-Coder, "
+        "python -m bench.models.qwen_coder) or a model directory"
     )
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
-    ap.add_argument(
-        "--ratio",
-        type=float,
-        default=0.25,
-        help="retention r of the compressing configurations",
+    arg("--model", default="0.5b", help=h)
+    arg("--out", required=True)
+    arg("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    h = "retention r of the compressing configurations"
+    arg("--ratio", type=float, default=0.25, help=h)
+    arg("--n", type=int, default=100, help="the first N problems")
+    h = (
+        "a JSON-lines file of {question, answer ending '#### N'} "
+        "instead of the GSM8K test problems"
     )
-    ap.add_argument("--n", type=int, default=100, help="the first N problems")
-    ap.add_argument(
-        "--problems",
-        default=None,
-        help="a JSON-lines file of {question, answer ending '#### N'} "
-        "instead of the GSM8K test problems",
-    )
-    ap.add_argument("--max-new-tokens", type=int, default=1024)
-    ap.add_argument("--max-running", type=int, default=16)
-    ap.add_argument(
-        "--max-total-tokens",
-        type=int,
-        default=None,
-        help="KV pool (default: max-running x (longest prompt + max-new-tokens) + 256: no retraction)",
-    )
-    ap.add_argument("--window", type=int, default=128)
-    ap.add_argument("--buffer", type=int, default=16)
-    ap.add_argument("--period", type=int, default=32)
-    ap.add_argument(
-        "--recent", type=int, default=None, help="kara-band's R (default 2W)"
-    )
-    ap.add_argument("--omp-threads", type=int, default=1)
-    ap.add_argument(
+    arg("--problems", default=None, help=h)
+    arg("--max-new-tokens", type=int, default=1024)
+    arg("--max-running", type=int, default=16)
+    h = "KV pool (default: max-running x (longest prompt + max-new-tokens) + 256: no retraction)"
+    arg("--max-total-tokens", type=int, default=None, help=h)
+    arg("--window", type=int, default=128)
+    arg("--buffer", type=int, default=16)
+    arg("--period", type=int, default=32)
+    arg("--recent", type=int, default=None, help="kara-band's R (default 2W)")
+    arg("--omp-threads", type=int, default=1)
+    arg(
         "--answers-dir", default=None, help="where the answer texts go (default: --out)"
     )
-    ap.add_argument(
-        "--report",
-        action="store_true",
-        help="only rewrite the table from what --out holds",
+    h = "only rewrite the table from what --out holds"
+    arg("--report", action="store_true", help=h)
+    h = (
+        "grade every configuration in --out again from its stored answers "
+        "(--out/regrade.md: old and new), then rewrite the table"
     )
-    ap.add_argument(
-        "--regrade",
-        action="store_true",
-        help="grade every configuration in --out again from its stored answers "
-        "(--out/regrade.md: old and new), then rewrite the table",
-    )
+    arg("--regrade", action="store_true", help=h)
     args = ap.parse_args(argv)
     args.recent = 2 * args.window if args.recent is None else args.recent
     os.makedirs(args.out, exist_ok=True)
     if args.regrade:
         regrade(args.out)
-    if (
-        args.report or args.regrade
-    ):  # the table names the model; no need for its weights
+    # the table names the model; no need for its weights
+    if args.report or args.regrade:
         args.model_path = args.model
         return report(args)
     args.model_path = model_path(args.model)
@@ -661,49 +602,35 @@ def main(argv: list[str] | None = None) -> list[dict]:
             args.max_running * (max(map(len, prompts)) + args.max_new_tokens) + 256
         )
     record = RunRecord(args.out, argv, name=_record_path(args.out))
+    keys = (
+        "model max_new_tokens max_running max_total_tokens ratio window buffer period"
+    )
     record.note(
         problems=len(problems),
         source=args.problems or f"{data.PACKAGE}=={data.VERSION}",
-        model=args.model,
-        max_new_tokens=args.max_new_tokens,
-        max_running=args.max_running,
-        max_total_tokens=args.max_total_tokens,
-        ratio=args.ratio,
-        window=args.window,
-        buffer=args.buffer,
-        period=args.period,
-        recent=args.recent,
+        **{k: getattr(args, k) for k in keys.split() + ["recent"]},
         whole_events=WHOLE_EVENTS,
         omp_threads=args.omp_threads,
     )
-    order = sorted(
-        args.configs, key=lambda c: (c in THRESHOLD, CONFIGS.index(c))
-    )  # kara before the baselines
+    # kara before the baselines
+    order = sorted(args.configs, key=lambda c: (c in THRESHOLD, CONFIGS.index(c)))
     for config in order:
         name = result_name(config, args.ratio)
         if load_result(args.out, name) is not None:
             print(f"{name}: done earlier ({name}.json)", flush=True)
             continue
-        kara = (
-            load_result(args.out, result_name("kara", args.ratio))
-            if config in THRESHOLD
-            else None
-        )
+        kara = None
+        if config in THRESHOLD:
+            kara = load_result(args.out, result_name("kara", args.ratio))
         kara_rows = kara["problems"] if kara else None
-        if kara_rows is not None and [r["id"] for r in kara_rows] != [
-            p["id"] for p in problems
-        ]:
+        ids = [p["id"] for p in problems]
+        if kara_rows is not None and [r["id"] for r in kara_rows] != ids:
             raise SystemExit(
                 f"{config}: the kara run in {args.out} answered other problems"
             )
         run_config(config, args.ratio, problems, prompts, args, record, kara_rows)
-        finalize(
-            config,
-            args.ratio,
-            problems,
-            args,
-            engine_options(config, args.ratio, args, kara_rows)[0],
-        )
+        opts = engine_options(config, args.ratio, args, kara_rows)[0]
+        finalize(config, args.ratio, problems, args, opts)
         report(args)
     record.finish()
     return report(args)

@@ -186,9 +186,8 @@ def engine_options(config: str, args, kara_rows: list[dict] | None):
     """(sgl_kara.Engine keywords, per-request custom_params.kara list or None)."""
     n = args.n_requests
     if config == "kara-band":
-        opts, per = configs.engine_options(
-            "kara", kara_schedule(args, args.band_ratio, args.recent)
-        )
+        band = kara_schedule(args, args.band_ratio, args.recent)
+        opts, per = configs.engine_options("kara", band)
     else:
         base = base_policy(config)
         opts, per = configs.engine_options(base, kara_schedule(args))
@@ -201,15 +200,10 @@ def engine_options(config: str, args, kara_rows: list[dict] | None):
             gap = args.window - args.buffer
             floor = opts[f"kara_{configs.registry().policy_class(base).prefix}budget"]
             if match == "mean":
-                per = [
-                    {"budget": b}
-                    for b in gsm8k.threshold_budgets(kara_rows, gap, floor)
-                ]
+                budgets = gsm8k.threshold_budgets(kara_rows, gap, floor)
             else:
-                per = [
-                    {"budget": final_budget(r["kv_final"], gap, floor)}
-                    for r in kara_rows
-                ]
+                budgets = [final_budget(r["kv_final"], gap, floor) for r in kara_rows]
+            per = [{"budget": b} for b in budgets]
             opts["kara_max_seqs"] = 30
             return _common(opts, args), per
     return _common(opts, args), None if per is None else [dict(per)] * n
@@ -262,10 +256,7 @@ def grade_items(text: str, items: list[dict]) -> dict:
         [Fraction(p["gold"]) for p in items],
         questions if all(questions) else None,
     )
-    out = {
-        "correct": [bool(c) for c, _ in graded],
-        "answers": [a for _, a in graded],
-    }
+    out = {"correct": [bool(c) for c, _ in graded], "answers": [a for _, a in graded]}
     if any(p.get("kind") == "link" for p in items):
         out["consistent"] = workload.consistent(items, out["answers"])
     return out
@@ -332,21 +323,14 @@ def run_config(config, requests, prompts, args, record, kara_rows) -> None:
     """Answer every request not yet in OUT/<name>.partial.jsonl, appending each as it finishes."""
     one = lane(config, args, kara_rows)
     if one.todo:
-        run_lanes(
-            [one],
-            engine_options(config, args, kara_rows)[0],
-            requests,
-            prompts,
-            args,
-            record,
-        )
+        opts = engine_options(config, args, kara_rows)[0]
+        run_lanes([one], opts, requests, prompts, args, record)
 
 
 def run_lanes(lanes, opts, requests, prompts, args, record) -> None:
     """One engine answers every lane's requests at once (a lane's requests carry their own
     ``custom_params.kara``), each appended to its lane's partial file as it finishes."""
-    import sgl_kara
-    from bench.engine_env import engine_env
+    from bench.engine_env import start_engine
 
     lanes = [ln for ln in lanes if ln.todo]
     if not lanes:
@@ -357,14 +341,7 @@ def run_lanes(lanes, opts, requests, prompts, args, record) -> None:
             f"{ln.name}: {len(ln.todo)} of {len(requests)} requests to answer",
             flush=True,
         )
-    with engine_env(args.omp_threads):
-        engine = sgl_kara.Engine(
-            model_path=args.model_path,
-            log_level="error",
-            random_seed=0,
-            disable_overlap_schedule=True,
-            **opts,
-        )
+    engine = start_engine(args.model_path, args.omp_threads, **opts)
     try:
         record.add_engine(label, engine)
         cpu0, tic = engine_cpu_seconds()[0], time.time()
@@ -393,15 +370,10 @@ def run_lanes(lanes, opts, requests, prompts, args, record) -> None:
 
         sinks = [open(ln.partial, "a") for ln in lanes]
         try:
+            jobs = [one(ln, i, sink) for ln, sink in zip(lanes, sinks) for i in ln.todo]
 
             async def all_of() -> None:
-                await asyncio.gather(
-                    *(
-                        one(ln, i, sink)
-                        for ln, sink in zip(lanes, sinks)
-                        for i in ln.todo
-                    )
-                )
+                await asyncio.gather(*jobs)
 
             engine.loop.run_until_complete(all_of())
         finally:
@@ -430,24 +402,9 @@ def run_lanes(lanes, opts, requests, prompts, args, record) -> None:
 
 
 KEEP = (
-    "request",
-    "problems",
-    "golds",
-    "kinds",
-    "links",
-    "correct",
-    "answers",
-    "consistent",
-    "prompt_tokens",
-    "completion_tokens",
-    "finish",
-    "compressions",
-    "kv_final",
-    "kv_peak",
-    "kv_mean",
-    "budget",
-    "custom",
-)
+    "request problems golds kinds links correct answers consistent prompt_tokens "
+    "completion_tokens finish compressions kv_final kv_peak kv_mean budget custom"
+).split()
 
 
 # files in OUT that are not a configuration's result
@@ -468,11 +425,7 @@ def finalize(config, requests, args, opts) -> dict:
     if missing:
         raise RuntimeError(f"{name}: requests {missing} unanswered")
     ordered = [rows[i] for i in range(len(requests))]
-    answers = args.answers_dir or args.out
-    os.makedirs(answers, exist_ok=True)
-    with gzip.open(os.path.join(answers, name + ".answers.jsonl.gz"), "wt") as f:
-        for r in ordered:
-            f.write(json.dumps({"request": r["request"], "text": r["text"]}) + "\n")
+    gsm8k.write_answers(args.answers_dir or args.out, name, ordered, "request")
     result = {
         "config": config,
         "name": name,
@@ -571,6 +524,10 @@ def retention(r: dict, prompt: int = 0) -> tuple[float, float]:
     )
 
 
+def _avg(rows: list[dict], key: str) -> float:
+    return sum(r[key] for r in rows) / len(rows)
+
+
 def summarize(result: dict, full: dict | None, kara: dict | None, early: int) -> dict:
     """One table row."""
     reqs = result["requests"]
@@ -589,31 +546,23 @@ def summarize(result: dict, full: dict | None, kara: dict | None, early: int) ->
     # an engine shared by several configurations: its own throughput, all lanes' tokens
     tokens = sum(s.get("engine_tokens", s["tokens"]) for s in sessions)
     seconds = sum(s["seconds"] for s in sessions)
-    row = {
-        "name": result["name"],
-        "config": result["config"],
-        "ratio": result["ratio"],
-        "match": result.get("match"),
-        "workload": result.get("workload", "independent"),
-        "grader": result.get("grader"),
-        "budget_ratio": result.get("engine_options", {}).get("kara_retention"),
-        "requests": len(reqs),
-        "n": n,
-        "correct": k,
-        "acc": k / n,
-        "lo": lo,
-        "hi": hi,
+    row = {key: result[key] for key in ("name", "config", "ratio")}
+    row.update(match=result.get("match"), grader=result.get("grader"))
+    row["workload"] = result.get("workload", "independent")
+    row["budget_ratio"] = result.get("engine_options", {}).get("kara_retention")
+    row.update(requests=len(reqs), n=n, correct=k, acc=k / n, lo=lo, hi=hi)
+    row |= {
         "acc_first": sum(first) / len(first) if first else None,
         "acc_later": sum(later) / len(later) if later else None,
-        "kv_final": sum(r["kv_final"] for r in reqs) / len(reqs),
-        "kv_mean": sum(r["kv_mean"] for r in reqs) / len(reqs),
+        "kv_final": _avg(reqs, "kv_final"),
+        "kv_mean": _avg(reqs, "kv_mean"),
         "ret_final": sum(final_ret) / len(reqs),
         "ret_final_max": max(final_ret),
         "ret_mean": sum(mean_ret) / len(reqs),
         "total_ret_final": sum(total_final) / len(reqs) if known_prompts else None,
         "total_ret_mean": sum(total_mean) / len(reqs) if known_prompts else None,
         "prompt_tokens": sum(prompt) / len(reqs) if known_prompts else None,
-        "answer_len": sum(r["completion_tokens"] for r in reqs) / len(reqs),
+        "answer_len": _avg(reqs, "completion_tokens"),
         "answer_min": min(r["completion_tokens"] for r in reqs),
         "answer_max": max(r["completion_tokens"] for r in reqs),
         "truncated": sum(r["finish"] == "length" for r in reqs),
@@ -623,12 +572,8 @@ def summarize(result: dict, full: dict | None, kara: dict | None, early: int) ->
     if result["config"] != "full" and (at := kara_at_lengths(result, kara)) is not None:
         row["kara_traj_final"], row["kara_traj_mean"] = at
     if kara is not None:
-        row["kara_run_final"] = sum(r["kv_final"] for r in kara["requests"]) / len(
-            kara["requests"]
-        )
-        row["kara_run_mean"] = sum(r["kv_mean"] for r in kara["requests"]) / len(
-            kara["requests"]
-        )
+        row["kara_run_final"] = _avg(kara["requests"], "kv_final")
+        row["kara_run_mean"] = _avg(kara["requests"], "kv_mean")
     links = per_link(result)
     if links:
         kinds = [
@@ -646,14 +591,10 @@ def summarize(result: dict, full: dict | None, kara: dict | None, early: int) ->
             links_consistent=sum(links.values()),
             final_right=sum(r["correct"][-1] for r in reqs),
         )
-        if (p := _paired(kara, links, per_link)) is not None and result[
-            "config"
-        ] != "kara":
-            row.update({f"cons_kara_{k}": v for k, v in p.items()})
-        if (p := _paired(full, links, per_link)) is not None and result[
-            "config"
-        ] != "full":
-            row.update({f"cons_full_{k}": v for k, v in p.items()})
+        for ref, name in ((kara, "kara"), (full, "full")):
+            p = _paired(ref, links, per_link)
+            if p is not None and result["config"] != name:
+                row.update({f"cons_{name}_{k}": v for k, v in p.items()})
     if full is not None:
         fr = {r["request"]: r for r in full["requests"]}
         same = [r for r in reqs if r["request"] in fr]
@@ -770,22 +711,12 @@ def regrade(out: str, answers_dir: str | None = None) -> list[dict]:
         was = result.get("grader")
         result["grader"] = grader_digest()
         write_result(gsm8k.result_path(out, name), result)
-        rows.append(
-            dict(
-                name=result["name"],
-                n=n,
-                old=old["right"],
-                new=new["right"],
-                gained=gained,
-                lost=lost,
-                old_consistent=old["consistent"],
-                new_consistent=new["consistent"],
-                old_final=old["final"],
-                new_final=new["final"],
-                chained=any("consistent" in r for r in result["requests"]),
-                old_grader=was,
-            )
-        )
+        row = dict(name=result["name"], n=n, old=old["right"], new=new["right"])
+        row.update(gained=gained, lost=lost, old_grader=was)
+        row["chained"] = any("consistent" in r for r in result["requests"])
+        for k in ("consistent", "final"):
+            row[f"old_{k}"], row[f"new_{k}"] = old[k], new[k]
+        rows.append(row)
         print(
             f"{result['name']}: {old['right']} -> {new['right']} of {n} right",
             flush=True,
@@ -799,17 +730,13 @@ def regrade(out: str, answers_dir: str | None = None) -> list[dict]:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        chain = (
-            (
-                f"{r['old_consistent']} / {r['new_consistent']}",
-                f"{r['old_final']} / {r['new_final']}",
-            )
-            if r["chained"]
-            else ("-", "-")
-        )
+        chain = "| - | - "
+        if r["chained"]:
+            chain = f"| {r['old_consistent']} / {r['new_consistent']} "
+            chain += f"| {r['old_final']} / {r['new_final']} "
         lines.append(
             f"| {r['name']} | {r['n']} | {r['old']} | {r['new']} | +{r['gained']} / -{r['lost']} "
-            f"| {chain[0]} | {chain[1]} | {r['old_grader'] or 'an earlier grader'} |"
+            f"{chain}| {r['old_grader'] or 'an earlier grader'} |"
         )
     with open(os.path.join(out, "regrade.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
@@ -951,15 +878,11 @@ def report(args) -> list[dict]:
                 )
             else:
                 chain = "| - | - | - | - | - | - "
-        traj = (
-            f"{r['kara_traj_final']:.0f} / {r['kara_traj_mean']:.1f}"
-            if "kara_traj_final" in r
+        traj, run = (
+            f"{r[k + '_final']:.0f} / {r[k + '_mean']:.1f}"
+            if k + "_final" in r
             else "-"
-        )
-        run = (
-            f"{r['kara_run_final']:.0f} / {r['kara_run_mean']:.1f}"
-            if "kara_run_final" in r
-            else "-"
+            for k in ("kara_traj", "kara_run")
         )
         lost = f" ({r['lost_first']} / {r['lost_later']})" if "lost_first" in r else ""
         lines.append(
@@ -1047,99 +970,61 @@ def parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--model", default="1.5b", help="0.5b / 1.5b or a model directory")
-    ap.add_argument(
-        "--dtype", default="bfloat16", help="weights and KV: bfloat16 / float32"
-    )
-    ap.add_argument("--out", default=None, help="results directory (required to run)")
-    ap.add_argument("--workload", choices=workload.WORKLOADS, default="independent")
-    ap.add_argument(
-        "--configs",
-        nargs="+",
-        default=None,
-        type=check_config,
-        help="full, any registered policy (a budget-taking one matched to Kara's trajectory), "
+    arg = ap.add_argument
+    arg("--model", default="1.5b", help="0.5b / 1.5b or a model directory")
+    arg("--dtype", default="bfloat16", help="weights and KV: bfloat16 / float32")
+    arg("--out", default=None, help="results directory (required to run)")
+    arg("--workload", choices=workload.WORKLOADS, default="independent")
+    h = (
+        "full, any registered policy (a budget-taking one matched to Kara's trajectory), "
         "kara-band, <budget policy>-mean / -final (default: full, kara, random and every "
-        "budget-taking policy)",
+        "budget-taking policy)"
     )
-    ap.add_argument("--ratio", type=float, default=0.2, help="Kara's r")
-    ap.add_argument(
-        "--ratios",
-        type=float,
-        nargs="+",
-        default=None,
-        help="run each configuration at every r, in one engine (requests pinned per request)",
+    arg("--configs", nargs="+", default=None, type=check_config, help=h)
+    arg("--ratio", type=float, default=0.2, help="Kara's r")
+    h = "run each configuration at every r, in one engine (requests pinned per request)"
+    arg("--ratios", type=float, nargs="+", default=None, help=h)
+    h = (
+        "with --ratios: answer the first --check-requests requests at --ratio again in the "
+        "same engine and compare them with DIR's answers (OUT/batching-check.json)"
     )
-    ap.add_argument(
-        "--check-from",
-        metavar="DIR",
-        default=None,
-        help="with --ratios: answer the first --check-requests requests at --ratio again in the "
-        "same engine and compare them with DIR's answers (OUT/batching-check.json)",
+    arg("--check-from", metavar="DIR", default=None, help=h)
+    arg("--check-requests", type=int, default=2)
+    arg("--per-request", type=int, default=10, help="independent: problems per request")
+    arg("--seed", type=int, default=0, help="shuffle of the problems")
+    h = "independent: the first N problems of the pool (GSM8K's 100, then instances)"
+    arg("--problems", type=int, default=150, help=h)
+    h = "template instances added to GSM8K's 100 problems (bench/reasoning/symbolic.py)"
+    arg("--instances", type=int, default=60, help=h)
+    arg("--instance-seed", type=int, default=0)
+    arg("--requests", type=int, default=None, help="only the first N requests")
+    arg("--early", type=int, default=3, help="'first problems': positions 1..E")
+    arg("--max-new-tokens", type=int, default=4096)
+    arg("--max-running", type=int, default=None, help="default: all requests")
+    arg("--max-total-tokens", type=int, default=None)
+    arg("--window", type=int, default=256)
+    arg("--buffer", type=int, default=32)
+    arg("--period", type=int, default=32)
+    h = (
+        "kara-band's R (on ~2,000-token answers at W 256 / r 0.2, R 64 leaves the older "
+        "windows r 0.14 at Kara's mean KV, R 128 r 0.07)"
     )
-    ap.add_argument("--check-requests", type=int, default=2)
-    ap.add_argument(
-        "--per-request", type=int, default=10, help="independent: problems per request"
+    arg("--recent", type=int, default=64, help=h)
+    h = "kara-band's r on older windows (default: Kara's mean KV, by replay of the kara run)"
+    arg("--band-ratio", type=float, default=None, help=h)
+    arg("--omp-threads", type=int, default=2)
+    h = (
+        "a Python file that registers a policy (@register): its name is then a "
+        "configuration (repeatable; bench/reasoning/configs.py)"
     )
-    ap.add_argument("--seed", type=int, default=0, help="shuffle of the problems")
-    ap.add_argument(
-        "--problems",
-        type=int,
-        default=150,
-        help="independent: the first N problems of the pool (GSM8K's 100, then instances)",
+    arg("--policy-file", action="append", default=[], metavar="FILE", help=h)
+    arg("--answers-dir", default=None)
+    arg("--report", action="store_true", help="only rewrite the table")
+    h = (
+        "grade every configuration in DIR again from its stored answers (DIR/regrade.md: "
+        "old and new), then rewrite its table"
     )
-    ap.add_argument(
-        "--instances",
-        type=int,
-        default=60,
-        help="template instances added to GSM8K's 100 problems (bench/reasoning/symbolic.py)",
-    )
-    ap.add_argument("--instance-seed", type=int, default=0)
-    ap.add_argument(
-        "--requests", type=int, default=None, help="only the first N requests"
-    )
-    ap.add_argument(
-        "--early", type=int, default=3, help="'first problems': positions 1..E"
-    )
-    ap.add_argument("--max-new-tokens", type=int, default=4096)
-    ap.add_argument(
-        "--max-running", type=int, default=None, help="default: all requests"
-    )
-    ap.add_argument("--max-total-tokens", type=int, default=None)
-    ap.add_argument("--window", type=int, default=256)
-    ap.add_argument("--buffer", type=int, default=32)
-    ap.add_argument("--period", type=int, default=32)
-    ap.add_argument(
-        "--recent",
-        type=int,
-        default=64,
-        help="kara-band's R (on ~2,000-token answers at W 256 / r 0.2, R 64 leaves the older "
-        "windows r 0.14 at Kara's mean KV, R 128 r 0.07)",
-    )
-    ap.add_argument(
-        "--band-ratio",
-        type=float,
-        default=None,
-        help="kara-band's r on older windows (default: Kara's mean KV, by replay of the kara run)",
-    )
-    ap.add_argument("--omp-threads", type=int, default=2)
-    ap.add_argument(
-        "--policy-file",
-        action="append",
-        default=[],
-        metavar="FILE",
-        help="a Python file that registers a policy (@register): its name is then a "
-        "configuration (repeatable; bench/reasoning/configs.py)",
-    )
-    ap.add_argument("--answers-dir", default=None)
-    ap.add_argument("--report", action="store_true", help="only rewrite the table")
-    ap.add_argument(
-        "--regrade",
-        metavar="DIR",
-        default=None,
-        help="grade every configuration in DIR again from its stored answers (DIR/regrade.md: "
-        "old and new), then rewrite its table",
-    )
+    arg("--regrade", metavar="DIR", default=None, help=h)
     return ap
 
 
@@ -1310,23 +1195,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         **{
             k: getattr(args, k)
             for k in (
-                "model",
-                "dtype",
-                "max_new_tokens",
-                "max_running",
-                "max_total_tokens",
-                "ratio",
-                "ratios",
-                "check_from",
-                "window",
-                "buffer",
-                "period",
-                "recent",
-                "band_ratio",
-                "omp_threads",
-                "per_request",
-                "instances",
-            )
+                "model dtype max_new_tokens max_running max_total_tokens ratio ratios "
+                "check_from window buffer period recent band_ratio omp_threads "
+                "per_request instances"
+            ).split()
         },
         whole_events=configs.WHOLE_EVENTS,
     )
@@ -1334,10 +1206,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         sweep(args, requests, prompts, record)
         record.finish()
         return report(args)
+    # the kara run first where another configuration reads it
     order = sorted(
-        args.configs,
-        key=lambda c: legacy_match(c) is not None or c == "kara-band",
-    )  # the kara run first where another configuration reads it
+        args.configs, key=lambda c: legacy_match(c) is not None or c == "kara-band"
+    )
     for config in order:
         kara = gsm8k.load_result(args.out, f"kara_r{args.ratio:g}")
         kara_rows = kara["requests"] if kara else None

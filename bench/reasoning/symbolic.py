@@ -14,29 +14,21 @@ beside each of its 100 GSM8K test problems, an annotated template::
     - divides(x, m+n)
     #answer: ((m*x)//(m+n))
 
-This module reads those templates with its own evaluator (a restricted expression language: numbers,
-names, lists and tuples, arithmetic, comparisons, ``and`` / ``or`` / ``not``, ``x if c else y`` and
-the package's helpers below) and draws instances by rejection: every ``#init`` line in order (the
-package writes them in dependency order), then every ``#conditions`` line must hold, else all are
-drawn again. Numbers are exact fractions throughout (``7 / 2`` is 7/2, ``0.25`` is 1/4), so the gold
-answer -- the ``#answer`` expression -- is exact.
+This module reads them with its own evaluator (numbers, names, lists and tuples, arithmetic,
+comparisons, ``and`` / ``or`` / ``not``, ``x if c else y`` and the package's helpers: ``sample``,
+``range`` (one value, the end excluded), ``range_list``, ``range_str``, ``arange``,
+``sample_sequential``, ``divides``, ``is_int``, ``int``, ``round``, ``float`` (kept exact),
+``len``, ``str``, ``list``, ``ensure_int``, ``plural`` and the word lists of
+``replacements.json``) and draws instances by rejection: every ``#init`` line in order, then
+every ``#conditions`` line must hold, else all are drawn again. Numbers are exact fractions
+throughout, so the gold -- the ``#answer`` expression -- is exact.
 
-Helpers, as the package defines them for sampling: ``sample(items, n=1)``, ``range(a, b, step=1)``
-(one value of ``range(a, b, step)``: the end excluded, as the package's enumeration of valid
-combinations does), ``range_list(a, b, step=1)``, ``range_str(a, b, step, numbers)`` (a pair
-``(numbers[i - 1], i)``), ``arange(a, b, step)`` (a decimal string), ``sample_sequential(items,
-n)``, ``divides``, ``is_int``, ``int``, ``round``, ``float`` (kept exact), ``len``, ``str``,
-``list``, ``ensure_int``, ``plural``; the word lists of the package's ``replacements.json``.
-
-An instance is kept only when (1) its gold is a non-negative integer (as GSM8K's are), (2) the
-answer text's own ``#### {...}`` expression (``answer_annotated``) evaluates to the same value, and
-(3) it differs from the verbatim problem. A template is used only when (4) its ``#answer`` at the
-defaults written in the question (``{m,7}``) gives the verbatim problem's gold, where those
-defaults determine it. A template any of whose lines this evaluator cannot read is skipped (the
-count of usable templates is reported by ``usable``).
-
-The question is rendered as the package does for English: each ``{var,default}`` replaced by the
-drawn value, numbers of 10,000 and more with thousands separators, sentences capitalised.
+An instance is kept only when (1) its gold is a non-negative integer, (2) the answer text's own
+``#### {...}`` expression gives the same value, and (3) it differs from the verbatim problem. A
+template is used only when (4) its ``#answer`` at the question's defaults (``{m,7}``) gives the
+verbatim problem's gold, where those defaults determine it; one with a line this evaluator cannot
+read is skipped (``usable`` counts the rest). The question is rendered as the package does for
+English: values in place, thousands separators from 10,000, sentences capitalised.
 """
 
 from __future__ import annotations
@@ -293,9 +285,8 @@ class Template:
             if c.strip().lstrip("-").strip() not in ("", "True")
         ]
         self.answer = parse(answer.strip().splitlines()[0])
-        hashes = re.findall(
-            r"####\s*\{([^}]+)\}", rec.get("answer_annotated", "")
-        )  # the worked answer's own final expression, a second formula for the gold
+        # the worked answer's own final expression, a second formula for the gold
+        hashes = re.findall(r"####\s*\{([^}]+)\}", rec.get("answer_annotated", ""))
         self.answer_text = parse(hashes[-1]) if hashes else None
         self.words = words
 
