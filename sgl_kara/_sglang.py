@@ -191,16 +191,15 @@ _FOUND: dict[str, bool] = {}
 
 # Adapter functions that serve one side of a touch point only: a hook's (not used where SGLang
 # has the extension point) and an extension point's (used only where SGLang has it). The rest
-# serve both; one on both sides runs only with part of the series (``_run_cached_extend``: 0007
-# without 0010). tests/test_adapter_surface.py counts the names each side touches.
+# serve both (a partial series is refused: backends.choose). tests/test_adapter_surface.py counts
+# the names each side touches.
 HOOK_PATH = {
     "drop_rows": "kv_tail",
     "shrink_lengths": "kv_tail",
     "kv_writes_to": "cached_extend",
-    "_run_stopped": "cached_extend",
+    "run_eager": "cached_extend",
     # the recompute pass's batch, built and run by sgl_kara (until 0010 exists)
     "recompute_batch": "cached_extend_batch",
-    "_run_cached_extend": "cached_extend_batch",
     "batch_kind": "positions",  # the init_new hook (kept until 0006, 0007 and 0008 exist)
     "batch_rows": "positions",
     "host_lengths": "positions",
@@ -212,7 +211,6 @@ HOOK_PATH = {
 }
 EXTENSION_PATH = {
     "release_kv_tail": "kv_tail",
-    "_run_cached_extend": "cached_extend",
     "run_cached_extend": "cached_extend_batch",
     "forward_view": "attention",
     "position_offsets": "positions",
@@ -258,15 +256,6 @@ def has_extension(point: str) -> bool:
         _, path, name = EXTENSION_POINTS[point]
         _FOUND[point] = _sglang_defines(_resolve(path), name)
     return _FOUND[point]
-
-
-def touch_points() -> dict[str, str]:
-    """Each touch point and what serves it here: SGLang's extension point (its patch) or
-    sgl_kara's hook."""
-    return {
-        point: f"extension point ({patch})" if has_extension(point) else "hook"
-        for point, (patch, _, _) in EXTENSION_POINTS.items()
-    }
 
 
 def register_custom_params_validator(key: str, validator) -> None:
@@ -477,8 +466,6 @@ ATTRIBUTES = {
         "req_pool_indices",
         "rids",
         "seq_lens_cpu",
-        # SGLang's cached extend (patches/upstream 0007)
-        "kv_already_cached",
     ],
     "sglang.srt.model_executor.forward_batch_info.ForwardMode": [
         "EXTEND",
@@ -1031,25 +1018,8 @@ class SchedulerParts:
 
     def run_eager(self, batch, stop) -> None:
         """One forward of ``batch``, an extend over rows whose K/V are cached, outside any CUDA
-        graph: SGLang's cached extend where it has one (patches/upstream 0007), else one ended
-        early by ``stop``."""
-        if has_extension("cached_extend"):
-            self._run_cached_extend(batch)
-        else:
-            self._run_stopped(batch, stop)
-
-    def _run_cached_extend(self, batch) -> None:
-        """The forward batch says its K/V are cached: SGLang writes none and replays no prefill
-        graph; the forward runs to its end."""
-        forward_batch = ForwardBatch.init_new(
-            batch, self.model_runner, return_hidden_states_before_norm=False
-        )
-        forward_batch.kv_already_cached = True
-        with torch.inference_mode():
-            self.model_runner.forward(forward_batch)
-
-    def _run_stopped(self, batch, stop) -> None:
-        """The prefill graph runner held back (a replayed graph would never call the attention
+        graph (SGLang without the series: with it, ``run_cached_extend``): the prefill graph
+        runner held back (a replayed graph would never call the attention
         hook, and was recorded with K/V writes on); the forward ended early by ``stop`` (an
         exception the attention hook raises once the pass has what it needs)."""
         runner = self.model_runner
@@ -1068,11 +1038,9 @@ class SchedulerParts:
         finally:
             runner.prefill_cuda_graph_runner = graphs
 
-    def position_offsets(self) -> torch.Tensor | None:
+    def position_offsets(self) -> torch.Tensor:
         """[rows] int64: SGLang's per-row position offsets, which ForwardBatch.init_new adds to
-        every forward's positions (patches/upstream 0008); None where SGLang has none."""
-        if not has_extension("positions"):
-            return None
+        every forward's positions (patches/upstream 0008)."""
         return self.scheduler.req_to_token_pool.enable_position_offsets()
 
 

@@ -72,6 +72,7 @@ def shutdown_cleanly(engine, shutdown=None) -> None:
     tasks (0.5.23; patches/upstream 0011 releases them itself): what ``sgl_kara.Engine.shutdown``
     does, for a plain ``sglang.Engine`` too (benchmarks, tests)."""
     from sgl_kara import _sglang as adapter
+    from sgl_kara import backends
 
     try:
         if shutdown is not None:
@@ -79,8 +80,7 @@ def shutdown_cleanly(engine, shutdown=None) -> None:
         else:
             adapter.shutdown_engine(engine)
     finally:
-        if not adapter.has_extension("engine_shutdown"):
-            release_loop_tasks(engine)
+        backends.current().release_loop_tasks(engine)
 
 
 class MainGuardMissing(RuntimeError):

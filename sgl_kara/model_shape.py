@@ -79,31 +79,10 @@ class ModelShape:
             or getattr(text, "torch_dtype", None)
             or "float32"
         )
-        rope = [
-            getattr(c, a, None)
-            for c in (cfg, text)
-            for a in ("rope_scaling", "rope_parameters")
-        ]
-        mrope = any(
-            isinstance(r, dict) and ("mrope_section" in r or r.get("type") == "mrope")
-            for r in rope
-        )
-        # transformers derives layer_types for the interleaved local / global models (Gemma-2/3,
-        # Cohere2, Exaone4, GPT-OSS: sliding_attention; Llama-4: chunked_attention) and for
-        # hybrids (Qwen3-Next: linear_attention); a model without it attends globally on every
-        # layer in SGLang 0.5.23 (Mistral's sliding_window is not applied by its Llama model).
+        mrope = _uses_mrope(cfg, text)
         kinds = list(getattr(text, "layer_types", None) or [])
         local = [k for k in kinds if k in LOCAL_LAYER_KINDS]
-        window = (
-            getattr(text, "attention_chunk_size", None)
-            if "chunked_attention" in local
-            else None
-        )
-        window = (
-            window
-            or getattr(text, "sliding_window", None)
-            or getattr(text, "sliding_window_size", None)
-        )
+        window = _local_window(text, local)
         vocab = int(getattr(text, "vocab_size", 0) or 0)
         hidden = int(getattr(text, "hidden_size", 0) or 0)
         others = {k for k in kinds if k not in ("full_attention", *LOCAL_LAYER_KINDS)}
@@ -174,6 +153,37 @@ class ModelShape:
             stored = ITEMSIZE.get(self.checkpoint_dtype, 4)
             return self.weight_file_bytes * itemsize // stored
         return self.parameters * itemsize
+
+
+def _uses_mrope(cfg, text) -> bool:
+    """Multimodal RoPE (sections per modality), in either config's rope settings."""
+    rope = [
+        getattr(c, a, None)
+        for c in (cfg, text)
+        for a in ("rope_scaling", "rope_parameters")
+    ]
+    return any(
+        isinstance(r, dict) and ("mrope_section" in r or r.get("type") == "mrope")
+        for r in rope
+    )
+
+
+def _local_window(text, local: list[str]):
+    """The window of the local layers. transformers derives ``layer_types`` for the interleaved
+    local / global models (Gemma-2/3, Cohere2, Exaone4, GPT-OSS: sliding_attention; Llama-4:
+    chunked_attention) and for hybrids (Qwen3-Next: linear_attention); a model without it
+    attends globally on every layer in SGLang 0.5.23 (Mistral's sliding_window is not applied
+    by its Llama model)."""
+    chunk = (
+        getattr(text, "attention_chunk_size", None)
+        if "chunked_attention" in local
+        else None
+    )
+    return (
+        chunk
+        or getattr(text, "sliding_window", None)
+        or getattr(text, "sliding_window_size", None)
+    )
 
 
 def config_parameters(text, cfg=None) -> int:

@@ -134,51 +134,41 @@ def serving():
 
 
 def serving_hooks() -> list:
-    """Kara's hooks, each only where the installed SGLang has no extension point for its touch
-    point (``_sglang.has_extension``; patches/upstream: where it has one, ``register_extensions``
-    and the scheduler's overrides use it instead)."""
+    """Kara's hooks where the installed SGLang has none of the upstream series' extension points
+    (the hooked backend, sgl_kara.backends; with the series: none, SGLang's extension points and
+    the scheduler's overrides serve instead, ``register_extensions``)."""
     from sgl_kara import _sglang as adapter
+    from sgl_kara import backends
     from sgl_kara.scheduler.output import unwrap_meta_hook
 
-    has = adapter.has_extension
+    if not backends.current().hooked:
+        return []
     H = adapter.HookType
-    hooks = []
-    if not has("decode_step"):
-        hooks += [
-            (adapter.TARGET_UPDATE_RUNNING_BATCH, _decode_step_hook, H.BEFORE),
-            (adapter.TARGET_GET_INTERNAL_STATE, _kara_state_hook, H.AFTER),
-        ]
-    if not (has("attention") and has("cached_extend") and has("positions")):
-        hooks.append((adapter.TARGET_INIT_NEW, _init_new_hook, H.AROUND))
-    if not (has("attention") and has("cached_extend")):
-        hooks.append((adapter.TARGET_ATTENTION, _attention_hook, H.AROUND))
-    if not has("retraction"):
-        hooks += [
-            (adapter.TARGET_RESET_FOR_RETRACT, _reset_for_retract_hook, H.AFTER),
-            (adapter.TARGET_RETRACTION_ORDER, _retraction_order_hook, H.AROUND),
-        ]
-    if not has("request_info"):
-        hooks.append((adapter.TARGET_META_INFO, unwrap_meta_hook, H.AROUND))
-    if not has("custom_params"):
-        hooks.append((adapter.TARGET_SAMPLING_VERIFY, _verify_hook, H.AFTER))
-    if not has("input_ids"):
-        hooks.append(
-            (adapter.TARGET_VALIDATE_REQUEST, _validate_input_ids_hook, H.AFTER)
-        )
-    return hooks
+    return [
+        (adapter.TARGET_UPDATE_RUNNING_BATCH, _decode_step_hook, H.BEFORE),
+        (adapter.TARGET_GET_INTERNAL_STATE, _kara_state_hook, H.AFTER),
+        (adapter.TARGET_INIT_NEW, _init_new_hook, H.AROUND),
+        (adapter.TARGET_ATTENTION, _attention_hook, H.AROUND),
+        (adapter.TARGET_RESET_FOR_RETRACT, _reset_for_retract_hook, H.AFTER),
+        (adapter.TARGET_RETRACTION_ORDER, _retraction_order_hook, H.AROUND),
+        (adapter.TARGET_META_INFO, unwrap_meta_hook, H.AROUND),
+        (adapter.TARGET_SAMPLING_VERIFY, _verify_hook, H.AFTER),
+        (adapter.TARGET_VALIDATE_REQUEST, _validate_input_ids_hook, H.AFTER),
+    ]
 
 
 def register_extensions() -> None:
-    """The serving part's registrations in SGLang's own registries, where it has them:
+    """The serving part's registrations in SGLang's own registries, where it has the series:
     ``custom_params.kara``'s validator (0003), the ``kara`` retraction policy (0005)."""
     from sgl_kara import _sglang as adapter
+    from sgl_kara import backends
 
-    if adapter.has_extension("custom_params"):
-        adapter.register_custom_params_validator(KEY, _validate_kara_params)
-    if adapter.has_extension("retraction"):
-        from sgl_kara.scheduler.retraction import register_policy
+    if backends.current().hooked:
+        return
+    adapter.register_custom_params_validator(KEY, _validate_kara_params)
+    from sgl_kara.scheduler.retraction import register_policy
 
-        register_policy()
+    register_policy()
 
 
 def _validate_kara_params(value, sampling_params) -> None:

@@ -75,11 +75,13 @@ def scheduler_process(cfg: KaraConfig):
 
 def check_sglang() -> None:
     """The installed SGLang is the release sgl_kara is made for (checked before any of its
-    modules is imported), and every SGLang callable a serving process here hooks or overrides is
-    there with its pinned signature (``pinned_callables``): else UnsupportedSGLang, one line.
+    modules is imported), it has the whole upstream series or none of it (the one backend of
+    this process, chosen here: sgl_kara.backends), and every SGLang callable a serving process
+    here hooks or overrides is there with its pinned signature (``pinned_callables``): else UnsupportedSGLang, one line.
     Run by the launcher, ``sgl_kara.Engine`` and Kara's scheduler process function; never by the
     plugin, so plain SGLang with sgl_kara installed starts whatever its version."""
     startup.check_sglang_version()
+    startup.check_backend()
     startup.check_pins(pinned_callables())
 
 

@@ -169,6 +169,17 @@ def check_sglang_version() -> None:
     )
 
 
+def check_backend() -> None:
+    """Choose this process's SGLang backend (sgl_kara.backends): refused (UnsupportedSGLang, one
+    line) where SGLang has only part of the upstream series."""
+    from sgl_kara import backends
+
+    try:
+        backends.choose()
+    except backends.PartialSeries as e:
+        raise UnsupportedSGLang(str(e)) from None
+
+
 def check_pins(pinned: dict[str, tuple[str, str]]) -> None:
     """Refuse (UnsupportedSGLang, one line naming the first, and how many more) where the
     installed SGLang lacks a callable sgl_kara hooks or overrides, or gives it another signature
@@ -348,6 +359,28 @@ def prepare_server_args(
         if cfg.query_source == "auto":
             return dataclasses.replace(cfg, query_source="recompute")
         return cfg
+    _refuse_unsupported(server_args, cfg)
+    _select_sglang_parts(server_args)
+    # SGLang's overlap scheduler stays as the user set it (on by default): events are ordered
+    # after the overlapped forward (scheduler/runtime.py) and count a request's tokens the same
+    # way under both schedulers (scheduler/plan.py decoded_tokens).
+    if shape is None:
+        shape = model_shape(server_args)
+    if shape is not None:
+        check_model(shape, server_args.model_path, cfg.policy)
+    check_tensor_parallel(server_args, cfg)
+    check_vocabulary(server_args, cfg)
+    cfg = resolve_query_source(cfg, server_args, shape)
+    keep_decode_eager(server_args, cfg)
+    device = serving_device(server_args)
+    if device != "cpu":
+        check_ring_planned(server_args, cfg, device)
+        reserve_device_memory(server_args, cfg, shape)
+    return cfg
+
+
+def _refuse_unsupported(server_args, cfg: KaraConfig) -> None:
+    """The SGLang features, environment variables and radix backends Kara cannot serve with."""
     for name, enabled, flag, why in _UNSUPPORTED:
         value = getattr(server_args, name, None)
         if value is not None and enabled(value):
@@ -367,42 +400,32 @@ def prepare_server_args(
             f"{cfg.policy}: Kara needs its own backend ('kara') so compressed KV never "
             "enters the tree"
         )
+
+
+def _select_sglang_parts(server_args) -> None:
+    """Kara's radix backend; with the upstream series, Kara's retraction order over the policy
+    the user chose (SGLang's registry, patches/upstream 0005: the backend's ``configure``)."""
     from sgl_kara import _sglang as adapter
+    from sgl_kara import backends
 
     adapter.set_server_arg(server_args, "radix_cache_backend", "kara")
-    if adapter.has_extension("retraction"):
-        # SGLang's retraction-policy registry (patches/upstream 0005): Kara's order over the
-        # policy the user chose (scheduler/retraction.py)
-        from sgl_kara.scheduler.retraction import policy_name
+    backends.current().configure(server_args)
 
-        base = getattr(server_args, "retraction_policy", None) or "length"
-        adapter.set_server_arg(server_args, "retraction_policy", policy_name(base))
-    # SGLang's overlap scheduler stays as the user set it (on by default): events are ordered
-    # after the overlapped forward (scheduler/runtime.py) and count a request's tokens the same
-    # way under both schedulers (scheduler/plan.py decoded_tokens).
-    if shape is None:
-        shape = model_shape(server_args)
-    if shape is not None:
-        check_model(shape, server_args.model_path, cfg.policy)
-    check_tensor_parallel(server_args, cfg)
-    check_vocabulary(server_args, cfg)
-    cfg = resolve_query_source(cfg, server_args, shape)
-    keep_decode_eager(server_args, cfg)
-    device = serving_device(server_args)
-    if device != "cpu":
-        if (
-            cfg.query_source == "capture"
-            and cfg.query_ring_capacity
-            and not planned_ring_rows(server_args, cfg)
-        ):
-            raise UnsupportedFeature(
-                f"--kara-query-source capture with --kara-policy {cfg.policy} on {device} "
-                "needs --max-running-requests or --kara-query-ring-rows: the capture ring (one "
-                "row per running request) is taken from the KV pool's share of the GPU at "
-                "start-up, so its rows must be known; or use --kara-query-source recompute"
-            )
-        reserve_device_memory(server_args, cfg, shape)
-    return cfg
+
+def check_ring_planned(server_args, cfg: KaraConfig, device: str) -> None:
+    """On a GPU the capture ring is taken from the KV pool's share at start-up: its rows must
+    be known."""
+    if (
+        cfg.query_source == "capture"
+        and cfg.query_ring_capacity
+        and not planned_ring_rows(server_args, cfg)
+    ):
+        raise UnsupportedFeature(
+            f"--kara-query-source capture with --kara-policy {cfg.policy} on {device} "
+            "needs --max-running-requests or --kara-query-ring-rows: the capture ring (one "
+            "row per running request) is taken from the KV pool's share of the GPU at "
+            "start-up, so its rows must be known; or use --kara-query-source recompute"
+        )
 
 
 def footprint(

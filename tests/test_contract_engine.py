@@ -19,6 +19,7 @@ from oracle import check_policy_through_engine
 from sgl_kara.policies.base import Region
 from sgl_kara.scheduler.plan import Job
 from sgl_kara.scheduler.scoring import Scorer
+from sgl_kara.scheduler.shared import StepShared
 from sgl_kara.scheduler.staging import DeviceStaging
 
 # the tier run on SGLang with the upstream series applied too (docs/TESTING.md)
@@ -41,7 +42,7 @@ def test_recompute_pass_is_split_by_chunked_prefill_size(tokens, jobs, forwards)
     each sub-pass scores exactly its own requests' rows and slots, results in the jobs' order."""
     calls = []
     parts = SimpleNamespace(recompute_tokens=tokens)
-    runner = Scorer(None, parts, None, None, DeviceStaging("cpu"))
+    runner = Scorer(StepShared(None, parts, DeviceStaging("cpu")), None, None)
 
     def scoring_pass(sub, slots):
         return SimpleNamespace(

@@ -14,7 +14,7 @@ from sgl_kara.policies.base import Region
 from sgl_kara.scheduler import events
 from sgl_kara.scheduler.events import EventRunner
 from sgl_kara.scheduler.plan import Job
-from sgl_kara.scheduler.runtime import KaraStats
+from sgl_kara.scheduler.shared import KaraStats, StepShared
 from sgl_kara.scheduler.staging import DeviceStaging
 
 
@@ -29,7 +29,8 @@ def _runner(compress, free=1000, recompute_tokens=8192):
     )
     rt = SimpleNamespace(stats=KaraStats(), parts=parts)
     policy = SimpleNamespace(needs_queries=False, observes_decode=False)
-    runner = EventRunner(policy, parts, None, None, DeviceStaging("cpu"), rt.stats)
+    shared = StepShared(policy, parts, DeviceStaging("cpu"), stats=rt.stats)
+    runner = EventRunner(shared, None, None)
     runner._compress = compress
     return rt, runner
 

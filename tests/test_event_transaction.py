@@ -26,8 +26,8 @@ from sgl_kara.scheduler.events import EventRunner
 from sgl_kara.scheduler.evictions import EvictionRecorder
 from sgl_kara.scheduler.observers import Observers
 from sgl_kara.scheduler.plan import plan_jobs
-from sgl_kara.scheduler.runtime import KaraStats
 from sgl_kara.scheduler.scoring import Scorer
+from sgl_kara.scheduler.shared import KaraStats, StepShared
 from sgl_kara.scheduler.staging import DeviceStaging
 from sgl_kara.scheduler.state import KaraReqState
 
@@ -179,19 +179,15 @@ def world(lengths, budget=12, recorder=None):
 def events(rt) -> EventRunner:
     """The event runner over the world's pools (the policy scores without queries), with the
     faults the environment injects (sgl_kara/diagnostics)."""
-    staging = DeviceStaging("cpu")
-    scorer = Scorer(rt.policy, rt.parts, rt.forward, None, staging)
-    return EventRunner(
+    shared = StepShared(
         rt.policy,
         rt.parts,
-        scorer,
-        rt.forward,
-        staging,
-        rt.stats,
-        None,
-        rt.recorder,
+        DeviceStaging("cpu"),
+        stats=rt.stats,
         observers=Observers(fault_observers()),
     )
+    scorer = Scorer(shared, rt.forward, None)
+    return EventRunner(shared, scorer, rt.forward, rt.recorder)
 
 
 def snapshot(rt, req):

@@ -75,6 +75,7 @@ def test_the_engine_reports_its_touch_points_and_hooks(tiny_llama, engines):
     )
     assert out[0]["meta_info"]["kara"]["compressions"] >= 1, out[0]["meta_info"]["kara"]
     stats = engine.get_server_info()["internal_states"][0]["kara"]
+    assert stats["backend"] == ("extension points" if PATCHED else "hooks")
     points = stats["touch_points"]
     assert set(points) == set(adapter.EXTENSION_POINTS)
     want = "extension point" if PATCHED else "hook"
@@ -89,6 +90,24 @@ def test_the_engine_reports_its_touch_points_and_hooks(tiny_llama, engines):
         assert hooks == {adapter.TARGET_SCHEDULER}, hooks
     else:
         assert set(HOOKED) <= hooks, set(HOOKED) - hooks
+
+
+def test_the_other_backend_is_never_imported():
+    """In a fresh interpreter on this SGLang, a scheduler's modules loaded and the backend
+    chosen: the hooked backend exists only without the series, the patched one only with it."""
+    probe = (
+        "import sys; from sgl_kara import plugin, startup; "
+        "from sgl_kara.scheduler import runtime, events, output; "
+        "startup.check_backend(); "
+        "print(sorted(m for m in sys.modules if m.startswith('sgl_kara.backends.')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=os.environ
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    loaded = out.stdout.strip().splitlines()[-1]
+    want = "patched" if PATCHED else "hooked"
+    assert loaded == f"['sgl_kara.backends.{want}']", loaded
 
 
 @pytest.mark.integration  # builds the patched tree and starts two interpreters

@@ -144,6 +144,7 @@ def test_recompute_pass_writes_no_kv_with_fused_rope_write(sglang_context):
     from sglang.srt.managers.schedule_batch import ScheduleBatch
 
     from sgl_kara.scheduler.scoring import Scorer
+    from sgl_kara.scheduler.shared import StepShared
 
     pool = Pool()
     req_to_token = torch.zeros(4, 64, dtype=torch.int32)
@@ -179,7 +180,7 @@ def test_recompute_pass_writes_no_kv_with_fused_rope_write(sglang_context):
     rows = torch.tensor([1, 2])
     region = req_to_token[rows[:, None], 8 + torch.arange(12)].to(torch.int64)
     before = [t.clone() for t in pool.k + pool.v]
-    scorer = Scorer(policy, parts, ctx, None, DeviceStaging("cpu"))
+    scorer = Scorer(StepShared(policy, parts, DeviceStaging("cpu")), ctx, None)
     scores = scorer._recompute_scores(jobs, rows, region, [8, 8], 16)
     (batch,) = mr.batches
     assert isinstance(batch, ScheduleBatch) and batch.forward_mode.is_extend()
@@ -456,6 +457,7 @@ def test_captured_scores_are_read_in_bounded_chunks():
     from sgl_kara.kernels.window_score import window_scores_paged_ref
     from sgl_kara.scheduler.ring import QueryRing
     from sgl_kara.scheduler.scoring import Scorer
+    from sgl_kara.scheduler.shared import StepShared
 
     pool = Pool()
     policy = KaraPolicy(KaraOptions(window=16, buffer=4, period=4))
@@ -477,7 +479,7 @@ def test_captured_scores_are_read_in_bounded_chunks():
     parts = types.SimpleNamespace(
         keys=pool.get_key_buffer, layer_ids=list(range(LAYERS)), recompute_tokens=32
     )
-    scorer = Scorer(policy, parts, None, ring, DeviceStaging("cpu"))
+    scorer = Scorer(StepShared(policy, parts, DeviceStaging("cpu")), None, ring)
     got = scorer._captured_scores(jobs, rows, region, [8] * 5, 16)
     assert reads and max(reads) <= 2, reads  # 32 tokens / 16 per window
     for lid in range(LAYERS):

@@ -9,6 +9,7 @@ process).
     cpu         the CPU serving kit                                    the core but its scheduler; no wiring
     --- the core: what a GPU server imports ---
     startup     start-up refusals and resolution (startup.py)         config, memory_plan, model_shape
+    backends    the SGLang backend chosen at start-up                  the adapter only
     scheduler   runtime glue                                           config, mem_cache, policies, kernels
     mem_cache   compaction, radix cap, integrity                       kernels (not scheduler)
     config      KaraConfig                                             policies
@@ -43,6 +44,7 @@ CORE = (
     "memory_plan.py",
     "model_shape.py",
     "_sglang.py",
+    "backends",
     "request_options.py",
     "env.py",
     "process.py",
@@ -73,6 +75,15 @@ FORBIDDEN = {
         "sgl_kara.cpu",
     ),
     "mem_cache": ("sgl_kara.scheduler", "sgl_kara.cpu"),
+    "startup.py": ("sgl_kara.scheduler", "sgl_kara.mem_cache", "sgl_kara.cpu", *WIRING),
+    "backends": (
+        "sgl_kara.scheduler",
+        "sgl_kara.mem_cache",
+        "sgl_kara.policies",
+        "sgl_kara.startup",
+        "sgl_kara.cpu",
+        *WIRING,
+    ),
     "model_shape.py": ("sgl_kara", "sglang"),
     "process.py": ("sgl_kara", "sglang"),
     "cpu": (*WIRING, "sgl_kara.scheduler"),
@@ -729,3 +740,37 @@ def test_the_cpu_kits_declared_names_are_counted_right_in_patches():
     text = (ROOT.parent / "patches" / "README.md").read_text()
     stated = re.findall(r"CPU serving kit declares its own (\d+)", text)
     assert stated == [str(sum(len(names) for names in kit.ATTRIBUTES.values()))], stated
+
+
+def test_the_backend_is_the_only_reader_of_what_sglang_offers():
+    """Which SGLang this is (the series applied or not) is read where the backend is chosen
+    (backends/__init__.py) and by the adapter (its pins); every other module asks the backend."""
+    readers = sorted(
+        str(p.relative_to(ROOT))
+        for p in ROOT.rglob("*.py")
+        if "has_extension" in p.read_text()
+    )
+    assert readers == ["_sglang.py", "backends/__init__.py"], readers
+
+
+def test_no_function_outside_the_kernels_is_over_60_lines():
+    """A function a reader takes in at once: none longer than 60 lines, its docstring included
+    (Triton kernels and their launchers, under sgl_kara/kernels, are exempt)."""
+    long = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if "kernels" in path.relative_to(ROOT).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 60:
+                    long.append(f"{path.relative_to(ROOT)}::{node.name} {lines}")
+    assert not long, long
+
+
+def test_the_runtimes_wiring_is_short():
+    """KaraRuntime.__init__ wires the parts (each built from what it uses): at most 40 lines."""
+    from sgl_kara.scheduler.runtime import KaraRuntime
+
+    lines, _ = inspect.getsourcelines(KaraRuntime.__init__)
+    assert len(lines) <= 40, len(lines)

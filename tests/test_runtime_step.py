@@ -13,7 +13,8 @@ import torch
 from sgl_kara.mem_cache.compaction import CompactionPlan, prepare_compaction
 from sgl_kara.scheduler import runtime as runtime_mod
 from sgl_kara.scheduler.observers import Observers
-from sgl_kara.scheduler.runtime import KaraRuntime, KaraStats
+from sgl_kara.scheduler.runtime import KaraRuntime
+from sgl_kara.scheduler.shared import KaraStats
 
 
 def bare_runtime(freed: int, calls: list):

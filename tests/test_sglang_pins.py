@@ -232,8 +232,14 @@ def test_an_extension_points_override_is_checked_where_sglang_has_it(
     adapter, monkeypatch, refusal, fake, line
 ):
     """Scheduler.pre_decode_step (0004) is found by feature: where SGLang has it, KaraScheduler
-    overrides it, and its signature must be the pinned one; where not, nothing is checked."""
+    overrides it, and its signature must be the pinned one; where not, nothing is checked. (One
+    extension point alone is a partial series, refused before the pins: that check is left out
+    here, test_a_partial_series_is_refused_in_one_line.)"""
     from sglang.srt.managers.scheduler import Scheduler
+
+    from sgl_kara import startup
+
+    monkeypatch.setattr(startup, "check_backend", lambda: None)
 
     for name in ("pre_decode_step", "extra_internal_state"):  # as plain 0.5.23 has it
         monkeypatch.delattr(Scheduler, name, raising=False)
@@ -256,6 +262,34 @@ def test_an_extension_points_override_is_checked_where_sglang_has_it(
         Scheduler, "extra_internal_state", _extra_internal_state, raising=False
     )
     assert refusal() == (None if line is None else line + INSTALL)
+
+
+def test_a_partial_series_is_refused_in_one_line(adapter, monkeypatch, refusal):
+    """SGLang with some of the series' extension points and not the others: no backend serves
+    it (half of Kara would run through hooks on an SGLang changed under them), so start-up
+    refuses, naming what is missing; with all or none, a backend is chosen."""
+    from sgl_kara import backends
+
+    points = list(adapter.EXTENSION_POINTS)
+    for have in ([], points):
+        monkeypatch.setattr(adapter, "_FOUND", {p: p in have for p in points})
+        assert backends.choose().hooked is (not have)
+    monkeypatch.setattr(
+        adapter, "_FOUND", {p: p in ("decode_step", "kv_tail") for p in points}
+    )
+    with pytest.raises(backends.PartialSeries):
+        backends.choose()
+    text = refusal()
+    assert text.startswith(
+        f"the installed SGLang has 2 of the {len(points)} extension "
+    )
+    assert "missing: 0001 input_ids, 0002 request_info" in text and "0004" not in text
+    assert "\n" not in text
+    monkeypatch.setattr(adapter, "_FOUND", {})
+    assert refusal() is None
+    assert backends.current().hooked is not all(
+        adapter.has_extension(p) for p in points
+    )
 
 
 def test_a_hook_applied_or_a_class_replaced_hides_no_mismatch(adapter, monkeypatch):

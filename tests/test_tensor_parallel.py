@@ -240,6 +240,7 @@ def _fault_scenario(rank: int, group, layout: str, agree: str) -> dict:
     from sgl_kara.scheduler.events import EventRunner
     from sgl_kara.scheduler.observers import Observers
     from sgl_kara.scheduler.scoring import Scorer
+    from sgl_kara.scheduler.shared import StepShared
     from sgl_kara.scheduler.staging import DeviceStaging
     from sgl_kara.scheduler.tp_lockstep import FailureAgreement
 
@@ -257,15 +258,18 @@ def _fault_scenario(rank: int, group, layout: str, agree: str) -> dict:
     }
     os.environ.update(fault)
     try:
-        runner = EventRunner(
+        shared = StepShared(
             rt.policy,
             rt.parts,
-            Scorer(rt.policy, rt.parts, rt.forward, None, staging),
-            rt.forward,
             staging,
-            rt.stats,
-            agreement=FailureAgreement(rank, 2, group) if agree == "agreed" else None,
+            stats=rt.stats,
             observers=Observers(fault_observers(rank, 2)),
+        )
+        runner = EventRunner(
+            shared,
+            Scorer(shared, rt.forward, None),
+            rt.forward,
+            agreement=FailureAgreement(rank, 2, group) if agree == "agreed" else None,
         )
         runner.run(batch, plan(rt, reqs))
     finally:

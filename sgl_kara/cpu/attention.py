@@ -194,6 +194,16 @@ def run_sdpa_forward_decode(
             return _decode_padded(
                 backend, padded, query, output, k_cache, v_cache, scaling
             )
+    return _decode_per_request(
+        backend, meta, query, output, k_cache, v_cache, scaling, enable_gqa, causal
+    )
+
+
+def _decode_per_request(
+    backend, meta, query, output, k_cache, v_cache, scaling, enable_gqa, causal
+):
+    """Each request's keys and values gathered once into reused buffers, one SDPA call per
+    request (rows of unequal length, or the padded path off)."""
     slots, bounds = meta.slots, meta.bounds
     n = slots.numel()
     keys = torch.index_select(k_cache, 0, slots, out=_buffer(backend, k_cache, n, 0))

@@ -205,6 +205,17 @@ def _fork_after_set_envs(result, server_args):
     return result
 
 
+def _window_extend(query, sliding_window_size) -> bool:
+    """Does this causal extend take the window path: Kara's recompute pass in flight, on a
+    CPU, no sliding window, the fast CPU decode on?"""
+    return (
+        scoring_in_flight()
+        and query.device.type == "cpu"
+        and (sliding_window_size is None or sliding_window_size <= -1)
+        and env.fast_cpu_decode()
+    )
+
+
 def _recompute_extend_hook(
     original,
     backend,
@@ -226,15 +237,8 @@ def _recompute_extend_hook(
 ):
     """torch_native extend: Kara's recompute pass on CPU takes cpu.attention.run_window_extend
     (window queries only); every other extend (prefills, plain SGLang) takes SGLang's path."""
-    if (
-        scoring_in_flight()
-        and causal
-        and encoder_lens is None
-        and not is_cross_attn
-        and query.device.type == "cpu"
-        and (sliding_window_size is None or sliding_window_size <= -1)
-        and env.fast_cpu_decode()
-    ):
+    plain = encoder_lens is None and not is_cross_attn and causal
+    if plain and _window_extend(query, sliding_window_size):
         from sgl_kara.cpu.attention import run_window_extend
 
         return run_window_extend(

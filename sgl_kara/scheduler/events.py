@@ -55,45 +55,35 @@ from sgl_kara.mem_cache.compaction import (
     prepare_compaction,
 )
 from sgl_kara.memory_plan import event_chunk
-from sgl_kara.scheduler.observers import Observers
 from sgl_kara.scheduler.spread import ScoringJob
 
 logger = logging.getLogger(__name__)
 
 
 class EventRunner:
-    """``parts``: the pools (_sglang.SchedulerParts); ``scorer``: scoring.Scorer; ``forward``:
-    the device offsets; ``recorder``: the eviction record or None; ``stats`` / ``metrics``:
-    counters; ``staging``: host-to-device index copies; ``agreement``: the tensor-parallel
-    ranks' agreement on each chunk's outcome (tp_lockstep.FailureAgreement; None: one rank);
-    ``observers``: the runtime's step observers, told of each chunk's ``score`` and
-    ``commit`` stages (observers.py; none in production)."""
+    """``shared``: the step's policy, pools, staging, counters, observers (told of each chunk's
+    ``score`` and ``commit`` stages; none in production) and backend (how SGLang's rows and
+    lengths are released) (shared.StepShared); ``scorer``: scoring.Scorer; ``forward``: the
+    device offsets; ``recorder``: the eviction record or None; ``agreement``: the
+    tensor-parallel ranks' agreement on each chunk's outcome (tp_lockstep.FailureAgreement;
+    None: one rank)."""
 
-    def __init__(
-        self,
-        policy,
-        parts,
-        scorer,
-        forward,
-        staging,
-        stats,
-        metrics=None,
-        recorder=None,
-        check: bool = False,
-        agreement=None,
-        observers: Observers | None = None,
-    ):
-        self.check = check  # the kernels verify slot values (KARA_CHECK_INTEGRITY)
-        self.policy = policy
-        self.parts = parts
+    def __init__(self, shared, scorer, forward, recorder=None, agreement=None):
+        self.policy, self.parts, self.backend = (
+            shared.policy,
+            shared.parts,
+            shared.backend,
+        )
+        self.staging, self.stats, self.metrics = (
+            shared.staging,
+            shared.stats,
+            shared.metrics,
+        )
+        self.observers, self.check = shared.observers, shared.check
         self.scorer = scorer
         self.forward = forward
-        self.staging = staging
-        self.stats = stats
-        self.metrics = metrics
         self.recorder = recorder
         self.agreement = agreement
-        self.observers = observers if observers is not None else Observers()
         self.agreed = False  # this attempt's outcome told to the other TP ranks
 
     # -------------------------------------------------------------------------- events
@@ -239,7 +229,9 @@ class EventRunner:
         return self.staging.to_device(ids).reshape(len(jobs), M)
 
     def _compress(self, batch, jobs) -> tuple[int, int]:
-        parts = self.parts
+        """One chunk's transaction: score -> select -> prepare -> commit; undone (its fresh
+        slots given back) if anything before the commit fails. Returns (jobs, rows dropped
+        from each)."""
         M, K = jobs[0].region.length, jobs[0].region.keep
         rows, starts, region_slots = self._region_slots(jobs, M)
         self.observers.stage("score", jobs)  # before the rest of the window is scored
@@ -249,71 +241,82 @@ class EventRunner:
         else:
             kept = self.policy.select(scores, K)
         lengths = [j.length for j in jobs]
-        plan = CompactionPlan(
-            rows=rows,
-            starts=[j.region.start for j in jobs],
-            lengths=lengths,
-            region=M,
-            kept=kept,
-            row_ids=[j.row for j in jobs],
-            device_starts=starts,
-            region_slots=region_slots,
-        )
-        k_bufs = [parts.keys(layer_id) for layer_id in parts.layer_ids]
-        v_bufs = [parts.values(layer_id) for layer_id in parts.layer_ids]
-        prepared = prepare_compaction(
-            plan,
-            parts.req_to_token,
-            k_bufs,
-            v_bufs,
-            parts.alloc,
-            parts.free_page_ids,
-            parts.page_size,
-            check=self.check,
-        )
+        prepared = self._prepare(jobs, rows, starts, region_slots, kept, lengths)
         try:
             relaid = [
                 self._relaid_policy_state(j, M, kept[b], lengths[b])
                 for b, j in enumerate(jobs)
             ]
-            records = None
-            if self.recorder is not None:
-                records = [
-                    self.recorder.prepare(
-                        adapter.rid(j.req),
-                        j.state,
-                        j.region.start,
-                        M,
-                        kept[b],
-                        lengths[b] + j.state.pos_offset,
-                    )
-                    for b, j in enumerate(jobs)
-                ]
+            records = self._records(jobs, M, kept, lengths)
             self.observers.stage("commit", jobs)
             self._agree()
         except BaseException:
-            prepared.abort(parts.free_page_ids)
+            prepared.abort(self.parts.free_page_ids)
             raise
-        # ---- commit: index writes and host bookkeeping only
-        if adapter.has_extension("kv_tail"):
-            # SGLang's tail release (patches/upstream 0009): the rows, the old slots and the
-            # request's and batch's lengths, each request's through one call
-            for j, (start, slots, stop) in zip(jobs, prepared.ranges):
-                dropped = adapter.release_kv_tail(batch, j.index, start, slots, stop)
-            prepared.released()
-            dropped = prepared.dropped
-        else:
-            dropped = prepared.commit(parts.req_to_token, parts.free_page_ids)
+        return len(jobs), self._commit(batch, jobs, rows, prepared, relaid, records)
+
+    def _prepare(self, jobs, rows, starts, region_slots, kept, lengths):
+        """Fresh slots allocated and the kept K/V copied into them (mem_cache.compaction);
+        nothing any request reads changed yet."""
+        parts = self.parts
+        plan = CompactionPlan(
+            rows=rows,
+            starts=[j.region.start for j in jobs],
+            lengths=lengths,
+            region=jobs[0].region.length,
+            kept=kept,
+            row_ids=[j.row for j in jobs],
+            device_starts=starts,
+            region_slots=region_slots,
+        )
+        return prepare_compaction(
+            plan,
+            parts.req_to_token,
+            [parts.keys(layer_id) for layer_id in parts.layer_ids],
+            [parts.values(layer_id) for layer_id in parts.layer_ids],
+            parts.alloc,
+            parts.free_page_ids,
+            parts.page_size,
+            check=self.check,
+        )
+
+    def _records(self, jobs, M: int, kept, lengths) -> list | None:
+        """KARA_RECORD_EVICTIONS: each request's eviction record, prepared (None: not asked)."""
+        if self.recorder is None:
+            return None
+        return [
+            self.recorder.prepare(
+                adapter.rid(j.req),
+                j.state,
+                j.region.start,
+                M,
+                kept[b],
+                lengths[b] + j.state.pos_offset,
+            )
+            for b, j in enumerate(jobs)
+        ]
+
+    def _commit(self, batch, jobs, rows, prepared, relaid, records) -> int:
+        """Index writes and host bookkeeping only: SGLang's rows, slots and lengths (the
+        backend's tail release), then Kara's state. Returns the rows dropped from each."""
+        dropped = self.backend.release_tail(
+            batch, jobs, prepared, self.parts, self.staging
+        )
+        keep = jobs[0].region.keep
         for b, j in enumerate(jobs):
             if relaid[b] is not None:
                 j.state.policy_state = relaid[b]
             if records is not None:
                 self.recorder.commit(j.state, records[b])
             j.state.scoring = None
-        self._shrink(batch, jobs, rows, dropped, K)
+            j.state.pos_offset += dropped
+            j.state.frontier = j.region.start + keep
+            j.state.compressions += 1
+        if dropped:
+            self.forward.add_offset(rows, dropped)
         self.stats.requests_compressed += len(jobs)
         self.stats.tokens_dropped += dropped * len(jobs)
-        return len(jobs), dropped
+        return dropped
 
     def _relaid_policy_state(self, job, M: int, kept: torch.Tensor, length: int):
         """The policy's per-request state re-laid for the compaction, in a copy (None: nothing
@@ -337,22 +340,6 @@ class EventRunner:
         if self.agreement is not None and not self.agreed:
             self.agreed = True
             self.agreement.failed_ranks(True)
-
-    def _shrink(self, batch, jobs, rows: torch.Tensor, dropped: int, keep: int) -> None:
-        released = adapter.has_extension("kv_tail")  # SGLang shrank its lengths itself
-        for j in jobs:
-            if not released:
-                adapter.drop_rows(j.req, dropped)
-            j.state.pos_offset += dropped
-            j.state.frontier = j.region.start + keep
-            j.state.compressions += 1
-        if dropped:
-            self.forward.add_offset(rows, dropped)
-            if not released:
-                index = [j.index for j in jobs]
-                adapter.shrink_lengths(
-                    batch, index, dropped, self.staging.to_device(index)
-                )
 
     # -------------------------------------------------------------------------- scores
     def _complete_scores(self, jobs, rows, region_slots) -> torch.Tensor:

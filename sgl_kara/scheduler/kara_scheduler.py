@@ -72,9 +72,10 @@ def replica_stats(runtime) -> dict:
         "free_slots": parts.available(),
         "evictable_slots": parts.evictable(),
         "pool_slots": parts.pool_tokens,
-        # each touch point served by SGLang's extension point or by sgl_kara's hook, and the
-        # hooks this scheduler process registered
-        "touch_points": adapter.touch_points(),
+        # the backend chosen at start-up (backends): each touch point served by SGLang's
+        # extension point or by sgl_kara's hook, and the hooks this scheduler process registered
+        "backend": runtime.backend.name,
+        "touch_points": runtime.backend.touch_points(),
         "hooks": list(STATE.hooks),
         # recompute forwards: built and run by SGLang (patches/upstream 0010) or by sgl_kara
         "recompute_forwards": dict(runtime.scorer.forwards),

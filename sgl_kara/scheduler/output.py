@@ -10,6 +10,7 @@ plugin's hook on ``update_request_meta_info``) unwraps; either way clients read
 from __future__ import annotations
 
 from sgl_kara import _sglang as adapter
+from sgl_kara import backends
 from sgl_kara.scheduler import runtime
 
 KEY = "kara"
@@ -28,10 +29,7 @@ def make_output_streamer(base):
                 kara.meta(r) if kara is not None and adapter.finished(r) else None
                 for r in reqs
             ]
-            if adapter.has_extension("request_info"):
-                out[KEY] = metas  # SGLang sends a finished request's value once
-            else:
-                out[KEY] = [[m] if m else [] for m in metas]
+            out[KEY] = backends.current().request_info(metas)
             return out
 
         def is_request_level_customized_info_key(self, key: str) -> bool:

@@ -247,32 +247,21 @@ class Planner:
     """Decides a decode step's scoring (``chunks``, scored first) and event (``jobs``) from the
     running requests and their state.
 
-    ``cfg``: phase, spread_max, max_seqs; ``spreading``: spread scoring on for this policy;
-    ``slack``: rows admission charges for a capped spread; ``part``: spread part size;
-    ``in_flight``: a running request's newest rows a forward in flight writes while the step
-    is planned (SGLang's overlap scheduler: 1); ``on_protected(req, state)``: told when
-    a request's protected prefix is fixed (the step observers')."""
+    ``cfg``: phase, spread, spread_max, max_seqs; ``parts``: the scheduler's page size, device
+    and schedule (_sglang.SchedulerParts); ``on_protected(req, state)``: told when a request's
+    protected prefix is fixed (the step observers'). Derived: ``spreading`` (spread scoring on
+    for this policy), ``slack`` (rows admission charges for a capped spread), ``part`` (the
+    spread part size), ``in_flight`` (a running request's newest rows a forward in flight
+    writes while the step is planned: 1 under SGLang's overlap scheduler)."""
 
-    def __init__(
-        self,
-        policy,
-        cfg,
-        page_size: int,
-        spreading: bool,
-        slack: int,
-        part: int,
-        in_flight: int = 0,
-        on_protected=None,
-    ):
+    def __init__(self, policy, cfg, parts, on_protected=None):
         self.policy = policy
-        self.in_flight = in_flight
-        self.phase = cfg.phase
-        self.cap = cfg.spread_max
-        self.max_seqs = cfg.max_seqs
-        self.page_size = page_size
-        self.spreading = spreading
-        self.slack = slack
-        self.part = part
+        self.phase, self.cap, self.max_seqs = cfg.phase, cfg.spread_max, cfg.max_seqs
+        self.page_size = parts.page_size
+        self.spreading = spread.spreads(policy, cfg.spread)
+        self.slack = spread.slack(policy, cfg.spread_max) if self.spreading else 0
+        self.part = spread.part_size(parts.req_to_token.device.type)
+        self.in_flight = 1 if parts.overlap else 0
         self.on_protected = on_protected
 
     def now(self, step: int):

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from sgl_kara import _sglang as adapter
+from sgl_kara import backends
 
 # SGLang's allocators never hand out slot 0 (page 0): padded tokens write their dummy K/V there.
 PADDING_SLOT = 0
@@ -71,7 +72,7 @@ def extend_rows(
         # SGLang's cached extend (patches/upstream 0007) writes no K/V: the window's own slots;
         # else the padding slot, where a fused RoPE + K/V write lands harmlessly
         out_cache_loc=window_slots
-        if adapter.has_extension("cached_extend")
+        if not backends.current().recompute_writes_kv
         else torch.full(
             (n * len(jobs),), PADDING_SLOT, dtype=torch.int64, device=device
         ),

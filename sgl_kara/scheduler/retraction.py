@@ -17,14 +17,8 @@ Kara's, and the retract callback; the start-up selects ``kara-<the user's
 from __future__ import annotations
 
 from sgl_kara import _sglang as adapter
+from sgl_kara.backends import RETRACTION_PREFIX, retraction_policy_name
 from sgl_kara.process import STATE
-
-PREFIX = "kara-"
-
-
-def policy_name(base: str) -> str:
-    """The registered name of Kara's order over SGLang's ``base`` policy."""
-    return base if base.startswith(PREFIX) else PREFIX + base
 
 
 def kara_order(order: list[int], reqs) -> list[int]:
@@ -67,7 +61,9 @@ def register_policy() -> None:
 
     registered = adapter.registered_retraction_policies()
     for base in registered:
-        if not base.startswith(PREFIX) and policy_name(base) not in registered:
+        if not base.startswith(RETRACTION_PREFIX) and (
+            retraction_policy_name(base) not in registered
+        ):
             adapter.register_retraction_policy(
-                policy_name(base), KaraRetractionPolicy(base)
+                retraction_policy_name(base), KaraRetractionPolicy(base)
             )

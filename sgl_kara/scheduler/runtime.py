@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -41,7 +40,6 @@ from sgl_kara.policies import base as policy_base
 from sgl_kara.policies.base import RowView
 from sgl_kara.process import STATE
 from sgl_kara.request_options import PER_REQUEST, check_supported, validate
-from sgl_kara.scheduler import spread
 from sgl_kara.scheduler.events import EventRunner
 from sgl_kara.scheduler.evictions import EvictionRecorder
 from sgl_kara.scheduler.forward import ForwardContext
@@ -50,6 +48,7 @@ from sgl_kara.scheduler.plan import Planner, decoded_tokens
 from sgl_kara.scheduler.pressure import DEFERRING, growth_within, horizon, memory_binds
 from sgl_kara.scheduler.ring import make_ring
 from sgl_kara.scheduler.scoring import Scorer
+from sgl_kara.scheduler.shared import StepShared
 from sgl_kara.scheduler.staging import DeviceStaging
 from sgl_kara.scheduler.state import KaraReqState, RequestTable
 from sgl_kara.scheduler.tp_lockstep import FailureAgreement, PlanDigest
@@ -79,133 +78,41 @@ def state_of(req) -> KaraReqState | None:
     return None if runtime is None else runtime.table.get(req)
 
 
-@dataclass
-class KaraStats:
-    events: int = 0
-    requests_compressed: int = 0
-    tokens_dropped: int = 0
-    compression_seconds: float = 0.0
-    recompute_fallbacks: int = 0
-    skipped_no_memory: int = 0
-    deferred_events: int = 0  # trigger=pressure / headroom: due events not run
-    failed_requests: int = 0
-    # CUDA: most device memory an event allocated above its start
-    event_peak_bytes: int = 0
-    # --kara-spread: window queries scored ahead of their events
-    spread_queries: int = 0
-    # ... and the time it took (part of compression_seconds)
-    spread_seconds: float = 0.0
-    event_max_seconds: float = 0.0  # the longest Kara work in one decode step
-    # KARA_CHECK_TP_PLAN: gathers at which every rank's digest agreed
-    tp_plan_checks: int = 0
-
-
 class KaraRuntime:
     # KARA_CHECK_TP_PLAN under --tp-size > 1 (tp_lockstep.PlanDigest; set in __init__)
     plan_check: PlanDigest | None = None
 
     def __init__(self, cfg, scheduler, server_args):
-        self.cfg = cfg
-        self.policy = cfg.make_policy()
-        if (
-            self.policy.needs_tokens
-        ):  # its tokenizer was checked at start-up (startup.py)
-            self.policy.bind_vocabulary(
-                token_pieces(
-                    adapter.server_arg(server_args, "model_path"),
-                    adapter.server_arg(server_args, "revision"),
-                )
-            )
+        """The wiring: each part built from what it uses, in the order they need each other."""
+        self.cfg, self.decode_steps, self.table = cfg, 0, RequestTable()
+        policy = self.policy = _policy(cfg, server_args)
         parts = self.parts = adapter.SchedulerParts.of(
             scheduler, server_args, recompute_tokens
         )
-        self.table = RequestTable()
-        self.stats = KaraStats()
-        self.metrics = None
-        if parts.metrics and parts.tp_rank == 0:  # one rank exports, as SGLang's own
-            from sgl_kara.scheduler.metrics import KaraMetrics
-
-            self.metrics = KaraMetrics()
-        self.check = env.check_integrity()
-        # Tensor parallelism: each rank scores and compacts its own KV heads, the model's
-        # [first, first + H_kv) of ``model_heads``: SGLang splits them evenly, or with fewer
-        # heads than ranks gives rank r head r * heads // ranks (replicated: refused for
-        # policies that score from attention, startup.replicated_kv_heads).
-        tp_rank, tp_size, tp_group = parts.tp_rank, parts.tp_size, parts.tp_group
-        model_heads = ModelShape.from_config(
-            adapter.model_hf_config(scheduler)
-        ).kv_heads
-        first_head = tp_rank * model_heads // tp_size
-        self.plan_check = PlanDigest.from_env(tp_rank, tp_size, tp_group)
-        # the diagnostics asked for, shared by the components that call them (filled
-        # last, by _register_observers)
-        self.observers = Observers()
-        agreement = None
-        if tp_size > 1:
-            agreement = FailureAgreement(tp_rank, tp_size, tp_group)
         device = parts.req_to_token.device
-        self.staging = DeviceStaging(device, self.observers)
-        capacity = self.policy.schedule.query_capacity()
-        self.ring = None
-        if cfg.query_source == "capture" and capacity:
-            self.ring = make_ring(parts, cfg, capacity, poison=self.check)
-        self.forward = ForwardContext(
-            self.policy,
-            self.ring,
-            parts.req_to_token,
-            parts.keys,
-            parts.layer_ids[0],
-            self.table,
-            offsets=parts.position_offsets(),
-            heads=(parts.q_heads, parts.head_dim),
+        observers = self.observers = Observers()  # filled last: _register_observers
+        shared = self.shared = _shared(policy, parts, observers)
+        self.backend, self.stats = shared.backend, shared.stats
+        self.metrics, self.staging, self.check = (
+            shared.metrics,
+            shared.staging,
+            shared.check,
         )
-        # SGLang's attention observers and cached extend (patches/upstream 0006, 0007): the
-        # forward's work through them, no hook on RadixAttention.forward (plugin.py)
-        self.remove_observer = None
-        if adapter.has_extension("attention") and adapter.has_extension(
-            "cached_extend"
-        ):
-            self.remove_observer = adapter.register_attention_observer(
-                self.forward.observer()
-            )
-        spreading = spread.spreads(self.policy, cfg.spread)
-        # rows admission charges for a capped spread
-        self.slack = spread.slack(self.policy, cfg.spread_max) if spreading else 0
-        self.planner = Planner(
-            self.policy,
-            cfg,
-            parts.page_size,
-            spreading,
-            self.slack,
-            spread.part_size(device.type),
-            in_flight=1 if parts.overlap else 0,
-            on_protected=self.observers.protected,
-        )
+        self.ring = _ring(parts, cfg, policy, self.check)
+        self.forward = _forward_context(shared, self.ring, self.table)
+        # SGLang's attention observers (patches/upstream 0006) where it has them, else the
+        # plugin's attention hook calls the forward context (plugin.py)
+        self.remove_observer = self.backend.observe_attention(self.forward.observer())
+        self.planner = Planner(policy, cfg, parts, observers.protected)
+        heads = _kv_heads(scheduler, parts)
         self.scorer = Scorer(
-            self.policy,
-            parts,
-            self.forward,
-            self.ring,
-            self.staging,
-            check=self.check,
-            on_fallback=self._count_fallbacks,
-            heads=(first_head, model_heads),
+            shared, self.forward, self.ring, self._count_fallbacks, heads
         )
-        self.recorder = EvictionRecorder.from_env(tp_rank, tp_size, first_head)
+        self.plan_check = PlanDigest.from_env(*_ranks(parts))
+        recorder = EvictionRecorder.from_env(*_ranks(parts)[:2], heads[0])
         self.events = EventRunner(
-            self.policy,
-            parts,
-            self.scorer,
-            self.forward,
-            self.staging,
-            self.stats,
-            self.metrics,
-            self.recorder,
-            check=self.check,
-            agreement=agreement,
-            observers=self.observers,
+            shared, self.scorer, self.forward, recorder, _agreement(parts)
         )
-        self.decode_steps = 0
         self._register_observers()
         if device.type == "cuda":
             self._warm_up()
@@ -280,6 +187,11 @@ class KaraRuntime:
         return meta
 
     # ------------------------------------------------------------------ admission
+    @property
+    def slack(self) -> int:
+        """Rows admission charges beyond the policy's growth for a capped spread (the planner's)."""
+        return self.planner.slack
+
     def charge(self, req, running: bool) -> int | None:
         """The ``max_new_tokens`` admission presents for ``req`` (admission.py): its output so
         far plus what its KV may still grow by (``schedule.growth``) beyond what it holds -- a
@@ -435,3 +347,80 @@ class KaraRuntime:
         self.stats.recompute_fallbacks += windows
         if self.metrics is not None:
             self.metrics.fallbacks.inc(windows)
+
+
+# ---------------------------------------------------------------------- the wiring's parts
+def _policy(cfg, server_args):
+    """The configured policy, given the model's vocabulary where it reads token text (its
+    tokenizer was checked at start-up, startup.py)."""
+    policy = cfg.make_policy()
+    if policy.needs_tokens:
+        policy.bind_vocabulary(
+            token_pieces(
+                adapter.server_arg(server_args, "model_path"),
+                adapter.server_arg(server_args, "revision"),
+            )
+        )
+    return policy
+
+
+def _shared(policy, parts, observers) -> StepShared:
+    staging = DeviceStaging(parts.req_to_token.device, observers)
+    return StepShared(
+        policy,
+        parts,
+        staging,
+        observers=observers,
+        metrics=_metrics(parts),
+        check=env.check_integrity(),
+    )
+
+
+def _ranks(parts) -> tuple:
+    """(this rank, the ranks, their group) under tensor parallelism."""
+    return parts.tp_rank, parts.tp_size, parts.tp_group
+
+
+def _metrics(parts):
+    """Kara's Prometheus counters where SGLang exports metrics, on one rank as SGLang's own."""
+    if not (parts.metrics and parts.tp_rank == 0):
+        return None
+    from sgl_kara.scheduler.metrics import KaraMetrics
+
+    return KaraMetrics()
+
+
+def _ring(parts, cfg, policy, poison: bool):
+    """The capture ring where queries are captured and the policy reads any (None else)."""
+    capacity = policy.schedule.query_capacity()
+    if cfg.query_source != "capture" or not capacity:
+        return None
+    return make_ring(parts, cfg, capacity, poison=poison)
+
+
+def _forward_context(shared, ring, table) -> ForwardContext:
+    parts = shared.parts
+    return ForwardContext(
+        shared.policy,
+        ring,
+        parts.req_to_token,
+        parts.keys,
+        parts.layer_ids[0],
+        table,
+        offsets=shared.backend.position_offsets(parts),
+        heads=(parts.q_heads, parts.head_dim),
+    )
+
+
+def _kv_heads(scheduler, parts) -> tuple[int, int]:
+    """(this rank's first KV head, the model's KV heads). Tensor parallelism: each rank scores
+    and compacts its own heads, the model's [first, first + H_kv): SGLang splits them evenly, or
+    with fewer heads than ranks gives rank r head r * heads // ranks (replicated: refused for
+    policies that score from attention, startup.replicated_kv_heads)."""
+    model_heads = ModelShape.from_config(adapter.model_hf_config(scheduler)).kv_heads
+    return parts.tp_rank * model_heads // parts.tp_size, model_heads
+
+
+def _agreement(parts):
+    """The ranks' agreement on each chunk's outcome under --tp-size > 1 (None: one rank)."""
+    return FailureAgreement(*_ranks(parts)) if parts.tp_size > 1 else None

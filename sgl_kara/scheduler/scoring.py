@@ -31,6 +31,7 @@ class ScoringPass:
         rows,
         regions,
         heads: tuple[int, int | None] = (0, None),
+        backend=None,
     ):
         self.policy = policy
         self.heads = heads
@@ -87,38 +88,29 @@ class ScoringPass:
 class Scorer:
     """Scores regions of jobs from the best query source they have.
 
-    ``parts``: the scheduler's pools and model (_sglang.SchedulerParts); ``forward``: the
-    forward hooks' context (a recompute pass is routed to its ScoringPass); ``ring``: the capture
-    ring or None; ``staging``: host-to-device copies; ``on_fallback(n)``: windows a recompute
-    had to score instead of the ring; ``heads``: this tensor-parallel rank's KV heads among the
-    model's (ScoringPass)."""
+    ``shared``: the step's policy, pools, staging and backend (shared.StepShared); ``forward``:
+    the forward hooks' context (a recompute pass is routed to its ScoringPass); ``ring``: the
+    capture ring or None; ``on_fallback(n)``: windows a recompute had to score instead of the
+    ring; ``heads``: this tensor-parallel rank's KV heads among the model's (ScoringPass)."""
 
     def __init__(
         self,
-        policy,
-        parts,
+        shared,
         forward,
         ring,
-        staging,
-        check: bool = False,
         on_fallback=None,
         heads: tuple[int, int | None] = (0, None),
     ):
-        self.policy = policy
+        self.policy, self.parts = shared.policy, shared.parts
+        self.staging, self.check = shared.staging, shared.check
         self.heads = heads
-        self.parts = parts
         self.forward = forward
         # SGLang builds and runs the recompute forward itself (patches/upstream 0010) where
         # its observers see the queries and the extend writes no K/V (0006, 0007)
-        self.sglang_runs_recompute = all(
-            adapter.has_extension(p)
-            for p in ("attention", "cached_extend", "cached_extend_batch")
-        )
+        self.sglang_runs_recompute = shared.backend.runs_recompute
         # recompute forwards run, by who built them (/server_info)
         self.forwards = {"sglang": 0, "sgl_kara": 0}
         self.ring = ring
-        self.staging = staging
-        self.check = check
         self.on_fallback = on_fallback
 
     def scoring_pass(self, jobs, region_slots) -> ScoringPass:

@@ -1,0 +1,107 @@
+"""The SGLang backend of this process: how Kara reaches SGLang at each touch point, chosen once
+at start-up by what the installed SGLang offers (never by its version string), and the same for
+the life of the process.
+
+    every extension point of the upstream series (patches/upstream)  ->  patched.ExtensionPoints
+    none of them (SGLang 0.5.23 as released)                          ->  hooked.Hooks
+    some of them                                                       ->  refused (PartialSeries)
+
+What differs between the two, and nothing else of Kara does:
+
+| member | patched (extension points) | hooked (plain 0.5.23) |
+|---|---|---|
+| ``hooked`` | False: the plugin registers no serving hook | True: the plugin's hooks stand in |
+| ``runs_recompute`` | SGLang builds and runs the recompute forward (0010) | sgl_kara builds it, ends it early |
+| ``recompute_writes_kv`` | False: the cached extend writes no K/V (0007) | True: writes land in the padding slot |
+| ``touch_points()`` | every point served by its patch | every point served by a hook |
+| ``configure(server_args)`` | Kara's retraction order over the user's (0005) | nothing: the order hook |
+| ``position_offsets(parts)`` | SGLang's per-row offsets (0008) | None: the ``init_new`` hook adds them |
+| ``observe_attention(observer)`` | SGLang's attention observers (0006) | None: the attention hook calls the forward |
+| ``release_tail(batch, jobs, prepared, parts, staging)`` | ``ScheduleBatch.release_kv_tail`` (0009) | rows, slots and lengths rewritten here |
+| ``request_info(metas)`` | a finished request's value, sent once (0002) | a per-token list the meta hook unwraps |
+| ``release_loop_tasks(engine)`` | nothing: SGLang's shutdown does it (0011) | the tasks SGLang's shutdown leaves |
+
+``choose`` is called by the start-up checks (server_setup.check_sglang: the launcher,
+``sgl_kara.Engine``, Kara's scheduler process) and ``current`` returns it from then on; a module
+imported without those (a test, a plugin in a tokenizer process) chooses on first use. The hooked
+implementation is imported only where SGLang has none of the series.
+"""
+
+from __future__ import annotations
+
+from sgl_kara import _sglang as adapter
+
+# Kara's retraction order registered in SGLang's registry (0005) over each of SGLang's policies
+RETRACTION_PREFIX = "kara-"
+
+
+def retraction_policy_name(base: str) -> str:
+    """The registered name of Kara's order over SGLang's ``base`` retraction policy."""
+    return base if base.startswith(RETRACTION_PREFIX) else RETRACTION_PREFIX + base
+
+
+class PartialSeries(RuntimeError):
+    """SGLang has some of the upstream series' extension points but not all."""
+
+
+class Backend:
+    """What Kara does differently on each SGLang (the table above); one instance per process."""
+
+    name = ""
+    hooked = False
+    runs_recompute = False
+    recompute_writes_kv = True
+
+    def touch_points(self) -> dict[str, str]:
+        raise NotImplementedError
+
+    def configure(self, server_args) -> None:
+        raise NotImplementedError
+
+    def position_offsets(self, parts):
+        raise NotImplementedError
+
+    def observe_attention(self, observer):
+        raise NotImplementedError
+
+    def release_tail(self, batch, jobs, prepared, parts, staging) -> int:
+        raise NotImplementedError
+
+    def request_info(self, metas: list) -> list:
+        raise NotImplementedError
+
+    def release_loop_tasks(self, engine) -> None:
+        raise NotImplementedError
+
+
+_CHOSEN: list[Backend] = []
+
+
+def choose() -> Backend:
+    """The backend for the installed SGLang (PartialSeries, one line, where it has part of the
+    series: half of Kara would run through hooks on an SGLang that changed under them)."""
+    found = {point: adapter.has_extension(point) for point in adapter.EXTENSION_POINTS}
+    if all(found.values()):
+        from sgl_kara.backends.patched import ExtensionPoints
+
+        backend = ExtensionPoints()
+    elif not any(found.values()):
+        from sgl_kara.backends.hooked import Hooks
+
+        backend = Hooks()
+    else:
+        missing = [
+            f"{adapter.EXTENSION_POINTS[p][0]} {p}" for p, ok in found.items() if not ok
+        ]
+        raise PartialSeries(
+            f"the installed SGLang has {sum(found.values())} of the {len(found)} extension "
+            f"points of sgl_kara's upstream series (missing: {', '.join(missing)}): apply "
+            "the whole series (patches/upstream) or none"
+        )
+    _CHOSEN[:] = [backend]
+    return backend
+
+
+def current() -> Backend:
+    """This process's backend (chosen now if start-up did not)."""
+    return _CHOSEN[0] if _CHOSEN else choose()
