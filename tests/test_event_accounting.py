@@ -26,6 +26,7 @@ def _runner(compress, free=1000, recompute_tokens=8192):
         reserve=lambda n: None,
         recompute_tokens=recompute_tokens,
         req_to_token=torch.zeros(2, 8, dtype=torch.int32),
+        forward_stream=None,
     )
     rt = SimpleNamespace(stats=KaraStats(), parts=parts)
     policy = SimpleNamespace(needs_queries=False, observes_decode=False)

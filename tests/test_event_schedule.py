@@ -19,7 +19,16 @@ from support import FakeReq, flush_when_idle, start_engine
 from sgl_kara.policies.base import RowView
 from sgl_kara.policies.kara import KaraOptions, KaraPolicy
 from sgl_kara.policies.snapkv import SnapKVOptions, SnapKVPolicy
-from sgl_kara.scheduler.plan import choose, decoded_tokens, due_at, overdue, plan_jobs
+from sgl_kara.scheduler.plan import (
+    StepPlan,
+    apply,
+    choose,
+    decoded_tokens,
+    due_at,
+    overdue,
+    plan_jobs,
+    snapshot,
+)
 from sgl_kara.scheduler.state import KaraReqState
 
 
@@ -99,11 +108,11 @@ def simulate(
             if r.kara.protected >= 0:
                 max_tail = max(max_tail, r.kv.kv_committed_len - r.kara.frontier)
         if phase == "request" or policy.schedule.due(step):
+            seen = snapshot(running, lambda r: r.kara, 1)
+            apply(StepPlan(fixed=[s for s in seen if s.fixes]))
             jobs = plan_jobs(
                 policy,
-                running,
-                lambda r: r.kara,
-                1,
+                seen,
                 max_seqs,
                 due=lambda r, s, step=step: due_at(policy, phase, step, r, s),
             )

@@ -22,10 +22,10 @@ from support import FakeReq
 
 from sgl_kara.diagnostics import fault_observers
 from sgl_kara.policies.threshold import ThresholdOptions, ThresholdPolicy
+from sgl_kara.scheduler import plan as planning
 from sgl_kara.scheduler.events import EventRunner
 from sgl_kara.scheduler.evictions import EvictionRecorder
 from sgl_kara.scheduler.observers import Observers
-from sgl_kara.scheduler.plan import plan_jobs
 from sgl_kara.scheduler.scoring import Scorer
 from sgl_kara.scheduler.shared import KaraStats, StepShared
 from sgl_kara.scheduler.staging import DeviceStaging
@@ -150,6 +150,7 @@ def world(lengths, budget=12, recorder=None):
         evictable=lambda: 0,
         page_size=1,
         recompute_tokens=8192,
+        forward_stream=None,
     )
     rt = types.SimpleNamespace(
         parts=parts,
@@ -220,7 +221,9 @@ def check_ownership(rt, reqs):
 
 
 def plan(rt, reqs):
-    jobs = plan_jobs(rt.policy, reqs, lambda r: r.kara, 1, 30)
+    seen = planning.snapshot(reqs, lambda r: r.kara, 1)
+    planning.apply(planning.StepPlan(fixed=[s for s in seen if s.fixes]))
+    jobs = planning.plan_jobs(rt.policy, seen, 30)
     assert len(jobs) == len(reqs)
     return jobs
 

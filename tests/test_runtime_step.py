@@ -1,8 +1,8 @@
 """The runtime's glue around an event, without an engine: freed slots reopen SGLang's admission;
 under the overlap scheduler on CUDA, event work that rewrites rows is ordered after the in-flight
-forward (the fence), and scoring of settled rows runs before it; a step scores its spread parts
-before it plans its event; an event reads no device tensor back to the host for what it already
-knows."""
+forward (the fence), and scoring of settled rows runs before it; a step plans once, scores its
+spread parts, then runs its event; an event reads no device tensor back to the host for what it
+already knows."""
 
 from __future__ import annotations
 
@@ -11,23 +11,26 @@ import types
 import torch
 
 from sgl_kara.mem_cache.compaction import CompactionPlan, prepare_compaction
-from sgl_kara.scheduler import runtime as runtime_mod
+from sgl_kara.scheduler import events as events_mod
+from sgl_kara.scheduler import step as step_mod
+from sgl_kara.scheduler.events import EventRunner
 from sgl_kara.scheduler.observers import Observers
+from sgl_kara.scheduler.plan import StepPlan
 from sgl_kara.scheduler.runtime import KaraRuntime
 from sgl_kara.scheduler.shared import KaraStats
 
 
-def bare_runtime(freed: int, calls: list):
+def bare_runtime(freed: int, calls: list, monkeypatch):
     rt = KaraRuntime.__new__(KaraRuntime)
-    rt.stats, rt.decode_steps, rt.ring = KaraStats(), 0, None
+    rt.stats, rt.decode_steps, rt.ring, rt.plan_check = KaraStats(), 0, None, None
     rt.observers = Observers()
-    rt._observe = lambda reqs: calls.append("observe")
+    monkeypatch.setattr(step_mod, "observe", lambda rt, reqs: calls.append("observe"))
 
-    def step(batch, reqs):
+    def compress(rt, batch, reqs):
         calls.append("step")
         return freed
 
-    rt._step = step
+    monkeypatch.setattr(step_mod, "compress", compress)
     return rt
 
 
@@ -35,15 +38,16 @@ def batch(full: bool):
     return types.SimpleNamespace(reqs=[object()], batch_is_full=full)
 
 
-def test_an_event_that_frees_slots_reopens_admission():
+def test_an_event_that_frees_slots_reopens_admission(monkeypatch):
     """SGLang's prefill skips admission while ``running_batch.batch_is_full`` (scheduler.py
     get_new_batch_prefill) and clears it only when a request leaves: an event's freed slots
     must clear it too, or waiting requests wait for the next finished request."""
     b = batch(full=True)
-    bare_runtime(freed=40, calls=[]).on_decode_step(b)
-    assert b.batch_is_full is False
+    calls = []
+    bare_runtime(freed=40, calls=calls, monkeypatch=monkeypatch).on_decode_step(b)
+    assert b.batch_is_full is False and calls == ["observe", "step"]
     b = batch(full=True)
-    bare_runtime(freed=0, calls=[]).on_decode_step(b)
+    bare_runtime(freed=0, calls=[], monkeypatch=monkeypatch).on_decode_step(b)
     assert b.batch_is_full is True  # nothing freed: SGLang's own judgement stands
 
 
@@ -57,47 +61,49 @@ class Stream:
 
 def test_event_work_waits_for_the_overlapped_forward_on_cuda(monkeypatch):
     log = []
-    rt = KaraRuntime.__new__(KaraRuntime)
-    rt.observers = Observers()
-    rt.parts = types.SimpleNamespace(forward_stream=Stream("forward", log))
+    runner = EventRunner.__new__(EventRunner)
+    runner.observers = Observers()
+    runner.parts = types.SimpleNamespace(forward_stream=Stream("forward", log))
     schedule = Stream("schedule", log)
-    monkeypatch.setattr(runtime_mod.torch.cuda, "current_stream", lambda: schedule)
-    rt._fence()
+    monkeypatch.setattr(events_mod.torch.cuda, "current_stream", lambda: schedule)
+    runner._fence()
     assert log == ["schedule waits forward"]
-    rt.parts.forward_stream = None  # CPU, or no overlap: nothing to order
-    rt._fence()
+    runner.parts.forward_stream = None  # CPU, or no overlap: nothing to order
+    runner._fence()
     assert log == ["schedule waits forward"]
 
 
-def test_the_runtime_fences_before_any_event_rewrite():
-    """_step: the spread parts (settled rows only) are scored before the fence; the event is
-    planned after them (a part may complete a due window) and handed the fence, which it calls
-    once its settled work is done and before anything that rewrites rows."""
+def test_the_step_fences_before_any_event_rewrite():
+    """step.compress: one plan, its openings applied, its spread parts (settled rows only) scored,
+    then the event, which settles, fences and only then rewrites rows."""
     order = []
     rt = KaraRuntime.__new__(KaraRuntime)
     rt.cfg = types.SimpleNamespace(trigger="schedule")
     rt.decode_steps, rt.stats = 1, KaraStats()
     rt.observers, rt.plan_check = Observers(), None
-    rt._fence = lambda: order.append("fence")
-
-    def run(batch, jobs, fence, settled):
-        order.append("settle")
-        fence()
-        order.append("commit")
-        return 0
-
-    rt.events = types.SimpleNamespace(
-        advance=lambda c: order.append("advance"), run=run
-    )
+    rt.observers.fenced = lambda: order.append("fence")
     job = types.SimpleNamespace(req=object())
+
+    def plan(reqs, state_of, step):
+        order.append("plan")
+        return StepPlan(chunks=[("job", 1)], jobs=[job])
+
+    runner = EventRunner.__new__(EventRunner)
+    runner.observers = rt.observers
+    runner.parts = types.SimpleNamespace(forward_stream=None)
+    runner.advance = lambda chunks: order.append("advance")
+    runner._settle = lambda pending: order.append("settle") or []
+    runner.stats, runner.metrics = rt.stats, None
+    rt.events = runner
     rt.planner = types.SimpleNamespace(
-        chunks=lambda reqs, state_of, step: order.append("chunks") or [("job", 1)],
-        jobs=lambda reqs, state_of, step: order.append("jobs") or [job],
-        again=lambda reqs, state_of, step, done: [],
-        settled=lambda job: 0,
+        plan=plan, again=lambda reqs, state_of, step, done: []
     )
-    rt._step(types.SimpleNamespace(reqs=[]), [])
-    assert order == ["chunks", "advance", "jobs", "settle", "fence", "commit"]
+    rt.state_of = lambda req: None
+    runner.parts.req_to_token = torch.zeros(1, 1)
+    runner.parts.recompute_tokens = 8
+    job.region = types.SimpleNamespace(shape=(1,), query_len=1)
+    step_mod.compress(rt, types.SimpleNamespace(reqs=[]), [])
+    assert order == ["plan", "advance", "settle", "fence"]
 
 
 class DeviceLike(torch.Tensor):

@@ -14,7 +14,13 @@ from sgl_kara.kernels.window_score import window_scores_paged, window_scores_pag
 from sgl_kara.policies.base import RowView
 from sgl_kara.policies.kara import KaraOptions, KaraPolicy
 from sgl_kara.policies.snapkv import SnapKVOptions, SnapKVPolicy
-from sgl_kara.scheduler.plan import decoded_tokens, plan_chunks
+from sgl_kara.scheduler.plan import (
+    StepPlan,
+    apply,
+    decoded_tokens,
+    plan_chunks,
+    snapshot,
+)
 from sgl_kara.scheduler.spread import (
     MIN_CHUNK,
     ScoringJob,
@@ -89,9 +95,17 @@ class Req:
         self.kv.kv_allocated_len += 1
 
 
+def _plan_chunks(policy, reqs, cap: int):
+    """The step's spread parts as the runtime plans them, the plan's openings applied."""
+    seen = snapshot(reqs, lambda r: r.kara, 1)
+    chunks, opened = plan_chunks(policy, seen, cap, lambda r, s: decoded_tokens(r, s))
+    apply(StepPlan(fixed=[s for s in seen if s.fixes], opened=opened))
+    return chunks
+
+
 def simulate(policy, cap: int, steps: int, others: int = 0, prompt: int = 9):
     """One request (plus ``others`` co-running ones started later) decoded ``steps`` steps with the
-    runtime's two calls per step (plan_chunks, then the due check), compaction's effect on the
+    runtime's plan per step (its spread parts, then the due check), compaction's effect on the
     row applied at each due step whose window is scored. Returns per step the queries scored for
     the first request and, per compression of it, the first due step at which its window was
     complete and the step at which it was compressed."""
@@ -100,9 +114,7 @@ def simulate(policy, cap: int, steps: int, others: int = 0, prompt: int = 9):
     for t in range(steps):
         if t == 40 and others:
             reqs += [Req(prompt + i, 10_000) for i in range(others)]
-        chunks = plan_chunks(
-            policy, reqs, lambda r: r.kara, 1, cap, lambda r, s: decoded_tokens(r, s)
-        )
+        chunks = _plan_chunks(policy, reqs, cap)
         got = {id(j.req): n for j, n in chunks}
         for j, n in chunks:
             region, state = j.region, j.state
@@ -244,9 +256,7 @@ def test_requests_in_step_score_their_parts_on_different_steps():
         reqs.append(r)
     per_step = []
     for _t in range(80):
-        chunks = plan_chunks(
-            policy, reqs, lambda r: r.kara, 1, 0, lambda r, s: decoded_tokens(r, s)
-        )
+        chunks = _plan_chunks(policy, reqs, 0)
         for j, n in chunks:
             j.state.scoring.add(torch.zeros(1, 1, j.region.length), n)
         per_step.append(len(chunks))

@@ -66,9 +66,12 @@ class EventRunner:
     lengths are released) (shared.StepShared); ``scorer``: scoring.Scorer; ``forward``: the
     device offsets; ``recorder``: the eviction record or None; ``agreement``: the
     tensor-parallel ranks' agreement on each chunk's outcome (tp_lockstep.FailureAgreement;
-    None: one rank)."""
+    None: one rank); ``in_flight``: a running request's newest rows a forward in flight writes
+    while the step runs (SGLang's overlap scheduler: 1), scored only after the fence."""
 
-    def __init__(self, shared, scorer, forward, recorder=None, agreement=None):
+    def __init__(
+        self, shared, scorer, forward, recorder=None, agreement=None, in_flight: int = 0
+    ):
         self.policy, self.parts, self.backend = (
             shared.policy,
             shared.parts,
@@ -85,12 +88,13 @@ class EventRunner:
         self.recorder = recorder
         self.agreement = agreement
         self.agreed = False  # this attempt's outcome told to the other TP ranks
+        # a running request's newest rows a forward in flight writes (overlap scheduler: 1)
+        self.in_flight = in_flight
 
     # -------------------------------------------------------------------------- events
-    def run(self, batch, jobs, fence=None, settled=None) -> int:
-        """Compress ``jobs``; returns the KV slots freed. ``fence()`` orders what follows after
-        the forward in flight (None: nothing to order); ``settled(job)``: the rows of the job's
-        request no forward in flight writes (None: all of them)."""
+    def run(self, batch, jobs) -> int:
+        """Compress ``jobs``: settle, fence, then chunk by chunk score -> select -> prepare ->
+        commit. Returns the KV slots freed."""
         tic = time.perf_counter()
         cuda = self.parts.req_to_token.device.type == "cuda"
         if cuda:  # allocator statistics: host-side, no wait
@@ -106,9 +110,8 @@ class EventRunner:
                 self.parts.recompute_tokens, group[0].region.query_len or 1
             )
             pending += [group[i : i + per] for i in range(0, len(group), per)]
-        pending = self._settle(pending, settled)
-        if fence is not None:
-            fence()
+        pending = self._settle(pending)
+        self._fence()
         pending.reverse()
         while pending:
             chunk, short = self._fit(pending.pop(), evict=False)
@@ -145,7 +148,19 @@ class EventRunner:
                 self.metrics.record_event(done, dropped)
         return dropped
 
-    def _settle(self, chunks, settled) -> list:
+    def _fence(self) -> None:
+        """Under SGLang's overlap scheduler on CUDA the previous batch's forward may still run on
+        the forward stream while this step is planned, reading the rows and slots an event
+        rewrites and writing the ring / observer state and the newest row it reads: order this
+        event's work after it on the device (stream order, as SGLang's own barrier does; the
+        host does not wait: every copy of the step is staged, staging.py, and pages are freed by
+        id). The next forward waits for this stream (SGLang's run_batch). A host wait before the
+        fence waits for the schedule stream only, not for that forward."""
+        self.observers.fenced()
+        if self.parts.forward_stream is not None:
+            torch.cuda.current_stream().wait_stream(self.parts.forward_stream)
+
+    def _settle(self, chunks) -> list:
         """Before the fence: each chunk's jobs fitted to the pool as it is (no credit for what
         earlier chunks free; a job left out is fitted again after the fence, and scored then),
         the radix tree evicted for those that fit, and their query windows scored as far as
@@ -173,8 +188,9 @@ class EventRunner:
                 s = job.state.scoring = ScoringJob(job.region)
             r = job.region
             end = r.query_start + r.query_len
-            if settled is not None:
-                end = min(end, settled(job))
+            end = min(
+                end, job.length - self.in_flight
+            )  # rows no forward in flight writes
             n = end - (r.query_start + s.done)
             if n > 0 and (policy.additive or n == s.remaining):
                 parts_now.append((job, n))

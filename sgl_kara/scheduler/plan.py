@@ -30,7 +30,7 @@ backlog after a retraction, a job dropped) is scored whole at its event.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sgl_kara import _sglang as adapter
 from sgl_kara.mem_cache.compaction import fresh_slots_needed
@@ -66,22 +66,60 @@ class Job:
         return fresh_slots_needed(r.start, self.length, r.length, r.keep, page_size)
 
 
-def fix_protected(req, state: KaraReqState, length: int, page_size: int) -> bool:
-    """Fix P once the row reaches it and its prefill's result is processed (the radix tree may
-    then have swapped the prompt's slots for its own: under the overlap scheduler the first
-    decode step is planned before that); False until then."""
+def protected_length(
+    req, state: KaraReqState, length: int, page_size: int
+) -> int | None:
+    """P: the state's once fixed; else the length it is fixed at now -- the tree-owned prefix and
+    the prompt, rounded up to a page -- once the row reached it and its prefill's result is
+    processed (the radix tree may then have swapped the prompt's slots for its own: under the
+    overlap scheduler the first decode step is planned before that); None until then."""
     if state.protected >= 0:
-        return True
+        return state.protected
     if not adapter.output_length(req):
-        return False
+        return None
     p = max(adapter.tree_prefix_length(req), len(adapter.prompt_ids(req)))
     if page_size > 1:
         p = -(-p // page_size) * page_size
-    if length < p:
-        return False
-    state.protected = p
-    state.frontier = p
-    return True
+    return p if length >= p else None
+
+
+@dataclass
+class Seen:
+    """A running request an event may touch now, as this step's plan sees it: its row (the
+    step's one snapshot of it), the tokens it has still to generate, and whether its protected
+    prefix P is fixed by this step's plan."""
+
+    index: int  # position in the running batch
+    req: object
+    state: KaraReqState
+    row: RowView
+    remaining: int
+    fixes: bool
+
+    def job(self, region: Region) -> Job:
+        return Job(self.index, self.req, self.state, region)
+
+
+def snapshot(reqs, state_of, page_size: int) -> list[Seen]:
+    """The running requests (in batch order) an event may touch now: compression on for it, not
+    finishing, its KV fully committed, more than one token to go, P known. Reads only."""
+    out = []
+    for i, req in enumerate(reqs):
+        state = state_of(req)
+        if not state.enabled or adapter.finishing(req) or not adapter.kv_settled(req):
+            continue
+        length = adapter.kv_length(req)
+        remaining = adapter.max_new_tokens(req) - decoded_tokens(req, state)
+        if remaining <= 1:
+            continue  # about to finish: its slots are freed anyway
+        p = protected_length(req, state, length, page_size)
+        if p is None:
+            continue
+        fixes = state.protected < 0
+        frontier = p if fixes else state.frontier
+        row = RowView(p, frontier, length, state.pos_offset, state)
+        out.append(Seen(i, req, state, row, remaining, fixes))
+    return out
 
 
 def decoded_tokens(req, state: KaraReqState) -> int:
@@ -116,64 +154,23 @@ def choose(tails: list[int], charges: list, interval: int, max_seqs: int) -> lis
     return [i for i in order if i in picked]
 
 
-def eligible(
-    req, state: KaraReqState, page_size: int, on_protected=None
-) -> tuple[RowView, int] | None:
-    """(its row as a policy sees it, tokens still to generate) of a request an event may touch
-    now: compression on for it, not finishing, its KV fully committed, P fixed (here, at the
-    first check once the row reaches it). None otherwise."""
-    if not state.enabled or adapter.finishing(req):
-        return None
-    if not adapter.kv_settled(req):
-        return None
-    length = adapter.kv_length(req)
-    remaining = adapter.max_new_tokens(req) - decoded_tokens(req, state)
-    if remaining <= 1:
-        return None  # about to finish: its slots are freed anyway
-    fixed_now = state.protected < 0
-    if not fix_protected(req, state, length, page_size):
-        return None
-    if fixed_now and on_protected is not None:
-        on_protected(req, state)
-    return RowView(
-        state.protected, state.frontier, length, state.pos_offset, state
-    ), remaining
-
-
 def plan_jobs(
-    policy,
-    reqs,
-    state_of,
-    page_size: int,
-    max_seqs: int,
-    on_protected=None,
-    due=None,
-    slack: int = 0,
+    policy, seen: list[Seen], max_seqs: int, due=None, slack: int = 0
 ) -> list[Job]:
-    """Jobs for the requests ``reqs`` (the running batch's, in order) for which ``due(req,
+    """Jobs for the requests ``seen`` (this step's snapshot, in batch order) for which ``due(req,
     state)`` holds (None: all of them). A request not due costs one check: with
     ``--kara-phase request`` this runs at every decode step. ``slack``: rows admission charged
     beyond the policy's tail charge (a capped ``--kara-spread`` may delay an event by that
     much)."""
     cands = []
-    for i, req in enumerate(reqs):
-        state = state_of(req)
-        if due is not None and not due(req, state):
+    for s in seen:
+        if due is not None and not due(s.req, s.state):
             continue
-        ok = eligible(req, state, page_size, on_protected)
-        if ok is None:
-            continue
-        row, remaining = ok
-        region = policy.region(row)
-        if region is not None and policy.schedule.worth_compressing(row, remaining):
-            charge = policy.schedule.tail_charge(row)
-            cands.append(
-                (
-                    row.length - state.frontier,
-                    None if charge is None else charge + slack,
-                    Job(i, req, state, region),
-                )
-            )
+        region = policy.region(s.row)
+        if region is not None and policy.schedule.worth_compressing(s.row, s.remaining):
+            charge = policy.schedule.tail_charge(s.row)
+            limit = None if charge is None else charge + slack
+            cands.append((s.row.length - s.row.frontier, limit, s.job(region)))
     picked = choose(
         [c[0] for c in cands],
         [c[1] for c in cands],
@@ -185,47 +182,38 @@ def plan_jobs(
 
 def plan_chunks(
     policy,
-    reqs,
-    state_of,
-    page_size: int,
+    seen: list[Seen],
     cap: int,
     now_of,
-    on_protected=None,
     least: int = spread.MIN_CHUNK,
     in_flight: int = 0,
-) -> list[tuple[Job, int]]:
-    """This step's spread scoring: ``[(Job, n)]``, the next ``n`` queries of each running
-    request's upcoming window (a job is opened on the request's row state the first step its
-    keys are all decoded). ``now_of(req, state)``: the count the policy's due steps are in (the
-    request's own decoded tokens, or the scheduler's step under ``--kara-phase server``);
-    ``least``: the part size (spread.part_size); ``in_flight``: a row's newest rows a forward
-    in flight still writes (SGLang's overlap scheduler: 1), never scored ahead."""
-    out = []
-    for i, req in enumerate(reqs):
-        state = state_of(req)
-        ok = eligible(req, state, page_size, on_protected)
-        if ok is None:
-            continue
-        row, remaining = ok
-        up = policy.schedule.upcoming(row)
+) -> tuple[list[tuple[Job, int]], list[tuple[KaraReqState, spread.ScoringJob]]]:
+    """This step's spread scoring: ``[(Job, n)]``, the next ``n`` queries of each request's
+    upcoming window, and the spread jobs it opens ``[(state, ScoringJob)]`` (one is opened on
+    the request's row the first step its window's keys are all decoded; applied by ``apply``
+    before the parts are scored). ``now_of(req, state)``: the count the policy's due steps are
+    in (the request's own decoded tokens, or the scheduler's step under ``--kara-phase
+    server``); ``least``: the part size (spread.part_size); ``in_flight``: a row's newest rows
+    a forward in flight still writes (SGLang's overlap scheduler: 1), never scored ahead."""
+    out, opened = [], []
+    for s in seen:
+        up = policy.schedule.upcoming(s.row)
         if up is None:
             continue
         region, to_region = up
-        job = state.scoring
-        now = now_of(req, state)
+        job = s.state.scoring
+        now = now_of(s.req, s.state)
         if job is None or not job.covers(region):
-            ahead = dataclasses.replace(row, length=row.length + to_region)
-            if not policy.schedule.worth_compressing(ahead, remaining - to_region):
+            ahead = dataclasses.replace(s.row, length=s.row.length + to_region)
+            if not policy.schedule.worth_compressing(ahead, s.remaining - to_region):
                 continue  # it finishes before this window would be compressed
             steps = (
                 spread.deadline(policy, now, to_region, region.query_len, cap) - now + 1
             )
             stride = spread.stride_for(region.query_len, steps, cap, least)
-            job = state.scoring = spread.ScoringJob(
-                region,
-                start=now + spread.phase(adapter.prompt_ids(req), stride),
-                stride=stride,
-            )
+            start = now + spread.phase(adapter.prompt_ids(s.req), stride)
+            job = spread.ScoringJob(region, start=start, stride=stride)
+            opened.append((s.state, job))
         if job.remaining <= 0:
             continue
         steps_left = spread.deadline(policy, now, to_region, job.remaining, cap) - now
@@ -233,14 +221,37 @@ def plan_chunks(
             continue  # not one of its scoring steps
         n = spread.chunk(
             job.remaining,
-            spread.decoded(region, row.length - in_flight, job.done),
+            spread.decoded(region, s.row.length - in_flight, job.done),
             steps_left // job.stride,
             cap,
             least if not cap else 1,
         )
         if n:
-            out.append((Job(i, req, state, region), n))
-    return out
+            out.append((s.job(region), n))
+    return out, opened
+
+
+@dataclass
+class StepPlan:
+    """A decode step's compression work, decided at once from the step's snapshot: the
+    protected prefixes it fixes and the spread jobs it opens (written first, ``apply``), the
+    spread parts it scores, then the event's jobs."""
+
+    fixed: list[Seen] = field(default_factory=list)
+    opened: list = field(default_factory=list)  # [(KaraReqState, ScoringJob)]
+    chunks: list = field(default_factory=list)  # [(Job, n)]
+    jobs: list = field(default_factory=list)  # [Job]
+
+
+def apply(plan: StepPlan, on_protected=None) -> None:
+    """The plan's openings, written before any of its work runs: each P fixed now (the frontier
+    at it; ``on_protected(req, state)`` told, the step observers'), each spread job opened."""
+    for s in plan.fixed:
+        s.state.protected = s.state.frontier = s.row.protected
+        if on_protected is not None:
+            on_protected(s.req, s.state)
+    for state, job in plan.opened:
+        state.scoring = job
 
 
 class Planner:
@@ -270,26 +281,22 @@ class Planner:
 
         return now_of
 
-    def chunks(self, reqs, state_of, step: int) -> list:
-        if not self.spreading:
-            return []
-        return plan_chunks(
-            self.policy,
-            reqs,
-            state_of,
-            self.page_size,
-            self.cap,
-            self.now(step),
-            self.on_protected,
-            self.part,
-            self.in_flight,
-        )
+    def plan(self, reqs, state_of, step: int) -> StepPlan:
+        """This step's plan from one snapshot of the running requests; writes nothing."""
+        seen = snapshot(reqs, state_of, self.page_size)
+        plan = StepPlan(fixed=[s for s in seen if s.fixes])
+        if self.spreading:
+            plan.chunks, plan.opened = plan_chunks(
+                self.policy, seen, self.cap, self.now(step), self.part, self.in_flight
+            )
+        plan.jobs = self._ready(self._due(seen, step), plan, seen)
+        return plan
 
     def settled(self, job) -> int:
         """Rows of a job's request that no forward in flight writes."""
         return job.length - self.in_flight
 
-    def due_jobs(self, reqs, state_of, step: int) -> list[Job]:
+    def _due(self, seen: list[Seen], step: int) -> list[Job]:
         """The jobs of the requests due at this step (before the spread rule)."""
         if self.phase == "server" and not self.policy.schedule.due(step):
             return []
@@ -297,42 +304,37 @@ class Planner:
         def due(req, state) -> bool:
             return due_at(self.policy, self.phase, step, req, state)
 
-        return plan_jobs(
-            self.policy,
-            reqs,
-            state_of,
-            self.page_size,
-            self.max_seqs,
-            on_protected=self.on_protected,
-            due=due,
-            slack=self.slack,
-        )
+        return plan_jobs(self.policy, seen, self.max_seqs, due=due, slack=self.slack)
 
-    def ready(self, jobs: list[Job]) -> list[Job]:
-        """Due jobs an event takes now: a spread window still being scored waits for a later due
-        step (its scores then complete: spread.deadline), unless its tail would outgrow what
-        admission charged it."""
+    def _ready(self, jobs: list[Job], plan: StepPlan, seen: list[Seen]) -> list[Job]:
+        """Due jobs an event takes now: a spread window whose scoring this step's parts leave
+        unfinished waits for a later due step (its scores then complete: spread.deadline),
+        unless its tail would outgrow what admission charged it."""
         if not self.spreading:
             return jobs
+        opened = {id(state): job for state, job in plan.opened}
+        parts = {id(j.state): n for j, n in plan.chunks}
+        rows = {id(s.state): s.row for s in seen}
         out = []
         for j in jobs:
-            s = j.state.scoring
-            if s is not None and s.covers(j.region) and s.remaining > 0:
-                row = j.view()
+            key = id(j.state)
+            s = opened.get(key, j.state.scoring)
+            if (
+                s is not None
+                and s.covers(j.region)
+                and s.remaining - parts.get(key, 0) > 0
+            ):
+                row = rows[key]
                 charge = self.policy.schedule.tail_charge(row)
-                tail = row.length - row.frontier
                 limit = None if charge is None else charge + self.slack
+                tail = row.length - row.frontier
                 if not overdue(tail, limit, self.policy.schedule.event_interval()):
                     continue
             out.append(j)
         return out
 
-    def jobs(self, reqs, state_of, step: int) -> list[Job]:
-        """The event's jobs at this step (after this step's spread parts were scored)."""
-        return self.ready(self.due_jobs(reqs, state_of, step))
-
     def again(self, reqs, state_of, step: int, compressed: set[int]) -> list[Job]:
-        """Catch-up: the requests of ``compressed`` (ids) still due after their compression."""
-        return [
-            j for j in self.due_jobs(reqs, state_of, step) if id(j.req) in compressed
-        ]
+        """Catch-up: the requests of ``compressed`` (ids) still due after their compression
+        (re-planned on their committed rows)."""
+        seen = snapshot(reqs, state_of, self.page_size)
+        return [j for j in self._due(seen, step) if id(j.req) in compressed]

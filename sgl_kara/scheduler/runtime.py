@@ -1,12 +1,12 @@
-"""KaraRuntime: Kara in one scheduler process -- its components, built once, and a decode step
-passed through them once: plan -> score -> select -> compact.
+"""KaraRuntime: Kara in one scheduler process -- its components, wired once, the requests'
+state and the admission charge. Its decode step reads top to bottom in step.py.
 
 | stage | SGLang | Kara (where) |
 |---|---|---|
 | created | TokenizerManager validates the request | ``custom_params.kara`` checked, a 400 names the field (plugin ``_verify_hook``) |
 | admitted | ``PrefillAdder.add_one_req`` | charged its compressed footprint (admission.py, ``charge``) |
 | prefilled | extend forward | nothing: the row is exact, positions are SGLang's |
-| decoding | ``update_running_batch``, every step | ``on_decode_step``: state, statistics, ring row, device offset (forward.py) |
+| decoding | ``update_running_batch``, every step | ``on_decode_step`` (step.py): state, statistics, ring row, device offset (forward.py) |
 | scoring ahead | every step once a window's keys are decoded | ``--kara-spread even``: the planner's parts, scored by the events' scorer |
 | compressed | an event when due (plan.py), before SGLang's decode memory check | scored, selected, compacted (events.py); pos_offset grows |
 | retracted | ``Req.reset_for_retract`` | ``on_retract``: the row state is reset; its ring row returns at the next step |
@@ -28,9 +28,6 @@ runtime of this process through ``active()``. Diagnostics are step observers
 from __future__ import annotations
 
 import logging
-import time
-
-import torch
 
 from sgl_kara import _sglang as adapter
 from sgl_kara import env
@@ -44,23 +41,18 @@ from sgl_kara.scheduler.events import EventRunner
 from sgl_kara.scheduler.evictions import EvictionRecorder
 from sgl_kara.scheduler.forward import ForwardContext
 from sgl_kara.scheduler.observers import Observers
-from sgl_kara.scheduler.plan import Planner, decoded_tokens
-from sgl_kara.scheduler.pressure import DEFERRING, growth_within, horizon, memory_binds
+from sgl_kara.scheduler.plan import Planner
 from sgl_kara.scheduler.ring import make_ring
 from sgl_kara.scheduler.scoring import Scorer
 from sgl_kara.scheduler.shared import StepShared
 from sgl_kara.scheduler.staging import DeviceStaging
 from sgl_kara.scheduler.state import KaraReqState, RequestTable
+from sgl_kara.scheduler.step import decode_step
 from sgl_kara.scheduler.tp_lockstep import FailureAgreement, PlanDigest
 from sgl_kara.scheduler.warm_up import warm_up_kernels
 from sgl_kara.vocabulary import token_pieces
 
 logger = logging.getLogger(__name__)
-
-MAX_CATCH_UP_PASSES = 8
-# trigger=pressure / headroom: a deferred backlog (several windows per request) is compressed
-# while memory binds, at most this many windows per request in one event.
-MAX_PRESSURE_PASSES = 64
 
 
 def active() -> KaraRuntime | None:
@@ -111,7 +103,12 @@ class KaraRuntime:
         self.plan_check = PlanDigest.from_env(*_ranks(parts))
         recorder = EvictionRecorder.from_env(*_ranks(parts)[:2], heads[0])
         self.events = EventRunner(
-            shared, self.scorer, self.forward, recorder, _agreement(parts)
+            shared,
+            self.scorer,
+            self.forward,
+            recorder,
+            _agreement(parts),
+            in_flight=self.planner.in_flight,
         )
         self._register_observers()
         if device.type == "cuda":
@@ -223,125 +220,8 @@ class KaraRuntime:
 
     # ------------------------------------------------------------------ decode steps
     def on_decode_step(self, batch) -> None:
-        """Called once per decode step, before SGLang's decode memory check."""
-        reqs = adapter.running_requests(batch)
-        if not reqs:
-            return
-        tic = time.perf_counter()
-        try:
-            self.observers.before_step(self, batch)
-            self._observe(reqs)
-            self.decode_steps += 1
-            freed = self._step(batch, reqs)
-        finally:
-            self.observers.after_step()
-        if freed:
-            adapter.reopen_admission(batch)
-        seconds = time.perf_counter() - tic
-        self.stats.event_max_seconds = max(self.stats.event_max_seconds, seconds)
-        if self.plan_check is not None:
-            self.plan_check.step_state(reqs, self.table, self.parts.req_to_token)
-            self.plan_check.check(self.decode_steps, "step")
-            self.stats.tp_plan_checks += 1
-
-    def _observe(self, reqs) -> None:
-        """Each running request's state, statistics, device offset and ring row."""
-        ring = self.ring
-        if ring is not None:
-            ring.sweep({adapter.row_index(r) for r in reqs})
-        for req in reqs:
-            state = self.state_of(req)
-            row, length = adapter.row_index(req), adapter.kv_length(req)
-            self.forward.sync_offset(row, state)
-            if ring is not None and (
-                state.capture_from is None or not ring.holds(req, row)
-            ):
-                # This step's forward writes the query of logical position length + offset.
-                held = ring.assign(req, row)
-                state.capture_from = length + state.pos_offset if held else None
-            state.record_step(length)
-
-    def _step(self, batch, reqs) -> int:
-        """This step's compression work: spread parts, then the due event. Returns the KV slots
-        freed. Work that reads only settled rows (scoring, SGLang's eviction) runs before the
-        fence; what rewrites rows and slots the forward in flight reads runs after it."""
-        step = self.decode_steps
-        chunks = self.planner.chunks(reqs, self.state_of, step)
-        if self.plan_check is not None:
-            self.plan_check.spread(chunks)
-        if chunks:
-            self._lockstep()
-            self.events.advance(chunks)  # settled rows only (plan.plan_chunks)
-        jobs = self.planner.jobs(reqs, self.state_of, step)
-        deferring = self.cfg.trigger in DEFERRING
-        if jobs and deferring and not self._memory_binds(reqs, jobs):
-            self.stats.deferred_events += 1
-            if self.metrics is not None:
-                self.metrics.deferred.inc()
-            return 0
-        passes = freed = 0
-        limit = MAX_PRESSURE_PASSES if deferring else MAX_CATCH_UP_PASSES
-        while jobs:
-            jobs = self._lockstep(jobs)
-            freed += self.events.run(batch, jobs, self._fence, self.planner.settled)
-            self.observers.after_event(reqs)
-            # Catch-up: a request still due after its compression (re-prefilled after a
-            # retraction, left out by max_seqs, or a backlog deferred under pressure /
-            # headroom) is compressed again in this event.
-            passes += 1
-            if passes >= limit:
-                break
-            compressed = {id(j.req) for j in jobs}
-            jobs = self.planner.again(reqs, self.state_of, step, compressed)
-            if jobs and deferring and not self._memory_binds(reqs, jobs):
-                break
-        return freed
-
-    def _lockstep(self, jobs=None):
-        """KARA_CHECK_TP_PLAN: the ranks agree on the plan so far, and on the event's ``jobs``,
-        before work that may enter a collective (tp_lockstep.py). Returns the jobs to run."""
-        if jobs is not None:
-            jobs = self.observers.planned(jobs)
-        if self.plan_check is not None:
-            if jobs is not None:
-                jobs = self.plan_check.planned(jobs, self.parts.page_size)
-            self.plan_check.check(self.decode_steps, "event")
-            self.stats.tp_plan_checks += 1
-        return jobs
-
-    def _fence(self) -> None:
-        """Under SGLang's overlap scheduler on CUDA the previous batch's forward may still run on
-        the forward stream while this step is planned, reading the rows and slots an event
-        rewrites and writing the ring / observer state and the newest row it reads: order this
-        step's event work after it on the device (stream order, as SGLang's own barrier does;
-        the host does not wait: every copy of the step is staged, staging.py, and pages are
-        freed by id). The next forward waits for this stream (SGLang's run_batch). A host wait
-        before the fence waits for the schedule stream only, not for that forward."""
-        self.observers.fenced()
-        if self.parts.forward_stream is not None:
-            torch.cuda.current_stream().wait_stream(self.parts.forward_stream)
-
-    def _memory_binds(self, reqs, jobs) -> bool:
-        """trigger=pressure / headroom: are the slots these jobs free needed (pressure.py)?"""
-        parts = self.parts
-        remaining = [
-            adapter.max_new_tokens(r) - decoded_tokens(r, self.state_of(r))
-            for r in reqs
-        ]
-        growth = growth_within(
-            remaining,
-            horizon(self.cfg.trigger, self.policy.schedule.event_interval()),
-            parts.page_size,
-        )
-        fresh = sum(j.fresh_slots(parts.page_size) for j in jobs)
-        return memory_binds(
-            parts.available() + parts.evictable(),
-            growth,
-            fresh,
-            parts.waiting(),
-            len(reqs),
-            parts.max_running,
-        )
+        """Called once per decode step, before SGLang's decode memory check (step.py)."""
+        decode_step(self, batch)
 
     def _count_fallbacks(self, windows: int) -> None:
         self.stats.recompute_fallbacks += windows
