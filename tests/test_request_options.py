@@ -124,7 +124,8 @@ def test_the_runtime_keeps_a_requests_own_options_for_its_policy(policy, opts, k
 
     cls = base.policy_class(policy)
     rt = KaraRuntime.__new__(KaraRuntime)
-    rt.policy, rt.table = cls(cls.Options()), RequestTable()
+    rt.policy = cls(cls.Options())
+    rt.table = RequestTable(rt.policy)
     req = _Req(opts)
     state = rt.state_of(req)
     assert state.request == request_options.validate({"kara": opts})

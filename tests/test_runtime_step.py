@@ -98,7 +98,7 @@ def test_the_step_fences_before_any_event_rewrite():
     rt.planner = types.SimpleNamespace(
         plan=plan, again=lambda reqs, state_of, step, done: []
     )
-    rt.state_of = lambda req: None
+    rt.table = types.SimpleNamespace(state_of=lambda req: None)
     runner.parts.req_to_token = torch.zeros(1, 1)
     runner.parts.recompute_tokens = 8
     job.region = types.SimpleNamespace(shape=(1,), query_len=1)
@@ -149,3 +149,79 @@ def test_compaction_reads_no_row_index_back_to_the_host():
     prepared.commit(req_to_token, lambda s: None)
     assert DeviceLike.reads == [], DeviceLike.reads
     assert req_to_token[1, :15].unique().numel() == 15  # rewritten: 4 + 3 kept + 8 tail
+
+
+OBSERVERS = "scheduler/observers.py"
+
+
+def test_a_decode_step_reads_top_down():
+    """A decode step followed through the code (a real runtime's step over three requests an
+    event compresses): no module of sgl_kara is entered again while a call of it is still open
+    further up (no callback: the step calls down, each part returns), and among the step's own
+    parts it goes back to a module it had left at most 3 times. The step observers' hook points
+    (observers.py) are left out of that count: in production their list is empty (a diagnostic
+    registers one only where a KARA_* variable asks), so a reader never follows them."""
+    import pathlib
+    import sys
+
+    from test_event_transaction import world
+
+    import sgl_kara
+    from sgl_kara.scheduler.plan import Planner
+    from sgl_kara.scheduler.scoring import Scorer
+    from sgl_kara.scheduler.shared import StepShared
+    from sgl_kara.scheduler.staging import DeviceStaging
+    from sgl_kara.scheduler.state import RequestTable
+
+    w, b, reqs = world([30, 31, 32])
+    w.parts.overlap, w.parts.forward_stream, w.parts.waiting = False, None, lambda: 0
+    w.forward.sync_offset = lambda row, state: None
+    rt = KaraRuntime.__new__(KaraRuntime)
+    rt.cfg = types.SimpleNamespace(
+        phase="request", spread="off", spread_max=0, max_seqs=30, trigger="schedule"
+    )
+    rt.policy, rt.parts, rt.forward, rt.ring = w.policy, w.parts, w.forward, None
+    rt.observers, rt.stats, rt.metrics = Observers(), KaraStats(), None
+    rt.plan_check, rt.decode_steps = None, 0
+    rt.table = RequestTable(w.policy)
+    for r in reqs:
+        r.kara.protected = -1
+        rt.table.add(r, r.kara)
+    shared = StepShared(w.policy, w.parts, DeviceStaging("cpu"), stats=rt.stats)
+    rt.planner = Planner(w.policy, rt.cfg, w.parts)
+    rt.events = EventRunner(shared, Scorer(shared, w.forward, None), w.forward)
+    b.batch_is_full = True
+    root = pathlib.Path(sgl_kara.__file__).parent
+    # the step's own parts (the adapter, policies, kernels and mem_cache are what they call)
+    own = {"scheduler", "backends"}
+    trail = []
+
+    def profile(frame, event, arg):
+        path = pathlib.Path(frame.f_code.co_filename)
+        if event in ("call", "return") and path.is_relative_to(root):
+            rel = path.relative_to(root)
+            if rel.parts[0] in own:
+                trail.append((event, str(rel)))
+
+    sys.setprofile(profile)
+    try:
+        rt.on_decode_step(b)
+    finally:
+        sys.setprofile(None)
+    assert rt.stats.requests_compressed == 3 and b.batch_is_full is False
+    stack, callbacks, step_calls = [], [], []
+    for event, module in trail:
+        if event == "return":
+            stack.pop()
+            continue
+        if stack and module != stack[-1] and module in stack:
+            callbacks.append(f"{stack[-1]} -> {module}")
+        caller = stack[-1] if stack else None
+        if caller == "scheduler/step.py" and module not in (caller, OBSERVERS):
+            if not step_calls or step_calls[-1] != module:
+                step_calls.append(module)  # the step's callees in order, repeats merged
+        stack.append(module)
+    assert not callbacks, sorted(set(callbacks))
+    assert "scheduler/plan.py" in step_calls and "scheduler/events.py" in step_calls
+    returns = len(step_calls) - len(set(step_calls))
+    assert returns <= 3, step_calls

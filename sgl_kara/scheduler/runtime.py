@@ -33,10 +33,8 @@ from sgl_kara import _sglang as adapter
 from sgl_kara import env
 from sgl_kara.memory_plan import recompute_tokens
 from sgl_kara.model_shape import ModelShape
-from sgl_kara.policies import base as policy_base
 from sgl_kara.policies.base import RowView
 from sgl_kara.process import STATE
-from sgl_kara.request_options import PER_REQUEST, check_supported, validate
 from sgl_kara.scheduler.events import EventRunner
 from sgl_kara.scheduler.evictions import EvictionRecorder
 from sgl_kara.scheduler.forward import ForwardContext
@@ -76,8 +74,9 @@ class KaraRuntime:
 
     def __init__(self, cfg, scheduler, server_args):
         """The wiring: each part built from what it uses, in the order they need each other."""
-        self.cfg, self.decode_steps, self.table = cfg, 0, RequestTable()
+        self.cfg, self.decode_steps = cfg, 0
         policy = self.policy = _policy(cfg, server_args)
+        self.table = RequestTable(policy)
         parts = self.parts = adapter.SchedulerParts.of(
             scheduler, server_args, recompute_tokens
         )
@@ -142,32 +141,7 @@ class KaraRuntime:
     # ------------------------------------------------------------------ request state
     def state_of(self, req) -> KaraReqState:
         """The request's state, created (from its ``custom_params.kara``) when first seen."""
-        state = self.table.get(req)
-        if state is not None:
-            return state
-        opts = validate(adapter.custom_params(req))
-        request = {k: opts[k] for k in PER_REQUEST if opts.get(k) is not None}
-        state = self.table.add(
-            req, KaraReqState(enabled=opts.get("enable", True), request=request)
-        )
-        for name in request:
-            if name not in self.policy.request_options:
-                accepting = [
-                    p.name for p in policy_base.policies() if name in p.request_options
-                ]
-                state.enabled = False
-                adapter.abort(
-                    req,
-                    f"custom_params.kara.{name} applies to --kara-policy "
-                    f"{'/'.join(accepting)}, not {self.policy.name}",
-                    400,
-                )
-        try:  # also checked in the tokenizer (plugin); a request that got here is aborted
-            check_supported(adapter.sampling_params(req), self.policy.name)
-        except ValueError as e:
-            state.enabled = False
-            adapter.abort(req, str(e), 400)
-        return state
+        return self.table.state_of(req)
 
     def on_retract(self, req) -> None:
         """A retracted request is re-prefilled from its tokens: its KV is exact again."""

@@ -91,13 +91,51 @@ class KaraReqState:
 class RequestTable:
     """Kara's state of every request this scheduler has seen and SGLang still holds."""
 
-    def __init__(self):
+    def __init__(self, policy=None):
+        self.policy = policy  # the served policy (``state_of``)
         self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # request id -> state, for what sees a forward batch's ids only (an attention observer)
         self._by_rid: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     def get(self, req) -> KaraReqState | None:
         return self._states.get(req)
+
+    def state_of(self, req) -> KaraReqState:
+        """The request's state, created when first seen from its ``custom_params.kara``: a
+        request option the served policy does not take, or a sampling mode it cannot serve,
+        disables compression for it and aborts it with a 400 (also checked in the tokenizer:
+        plugin)."""
+        state = self.get(req)
+        if state is not None:
+            return state
+        from sgl_kara import _sglang as adapter
+        from sgl_kara.policies import base as policy_base
+        from sgl_kara.request_options import PER_REQUEST, check_supported, validate
+
+        opts = validate(adapter.custom_params(req))
+        request = {k: opts[k] for k in PER_REQUEST if opts.get(k) is not None}
+        state = self.add(
+            req, KaraReqState(enabled=opts.get("enable", True), request=request)
+        )
+        served = self.policy.name
+        for name in request:
+            if name not in self.policy.request_options:
+                takers = [
+                    p.name for p in policy_base.policies() if name in p.request_options
+                ]
+                state.enabled = False
+                adapter.abort(
+                    req,
+                    f"custom_params.kara.{name} applies to --kara-policy "
+                    f"{'/'.join(takers)}, not {served}",
+                    400,
+                )
+        try:
+            check_supported(adapter.sampling_params(req), served)
+        except ValueError as e:
+            state.enabled = False
+            adapter.abort(req, str(e), 400)
+        return state
 
     def by_rid(self, rid) -> KaraReqState | None:
         return self._by_rid.get(rid)

@@ -64,7 +64,7 @@ def observe(rt, reqs) -> None:
     if ring is not None:
         ring.sweep({adapter.row_index(r) for r in reqs})
     for req in reqs:
-        state = rt.state_of(req)
+        state = rt.table.state_of(req)
         row, length = adapter.row_index(req), adapter.kv_length(req)
         rt.forward.sync_offset(row, state)
         if ring is not None and (
@@ -79,7 +79,7 @@ def observe(rt, reqs) -> None:
 def compress(rt, batch, reqs) -> int:
     """This step's plan carried out: its spread parts, then its event and the catch-up.
     Returns the KV slots freed."""
-    plan = rt.planner.plan(reqs, rt.state_of, rt.decode_steps)
+    plan = rt.planner.plan(reqs, rt.table.state_of, rt.decode_steps)
     apply(plan, rt.observers.protected)
     if rt.plan_check is not None:
         rt.plan_check.spread(plan.chunks)
@@ -103,7 +103,7 @@ def compress(rt, batch, reqs) -> int:
         if passes >= limit:
             break
         compressed = {id(j.req) for j in jobs}
-        jobs = rt.planner.again(reqs, rt.state_of, rt.decode_steps, compressed)
+        jobs = rt.planner.again(reqs, rt.table.state_of, rt.decode_steps, compressed)
         if jobs and deferring and not binds(rt, reqs, jobs):
             break
     return freed
@@ -127,7 +127,8 @@ def binds(rt, reqs, jobs) -> bool:
     """trigger=pressure / headroom: are the slots these jobs free needed (pressure.py)?"""
     parts = rt.parts
     remaining = [
-        adapter.max_new_tokens(r) - decoded_tokens(r, rt.state_of(r)) for r in reqs
+        adapter.max_new_tokens(r) - decoded_tokens(r, rt.table.state_of(r))
+        for r in reqs
     ]
     growth = growth_within(
         remaining,
