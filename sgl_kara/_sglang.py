@@ -163,6 +163,7 @@ EXTENSION_POINTS = {
         "sglang.srt.managers.tokenizer_manager.TokenizerManager",
         "release_event_loop",
     ),
+    "admission": ("0012", _ADDER, "reserved_new_tokens"),
 }
 # Methods sgl_kara overrides on the classes an extension point adds or extends, each pinned as
 # the series defines it (patches/upstream): overridden, and checked at start-up (``pins``), only
@@ -180,6 +181,8 @@ EXTENSION_OVERRIDES: dict[str, dict[str, str]] = {
         f"{_RETRACTION_POLICY}.get_retraction_order": "(self, reqs)",
         f"{_RETRACTION_POLICY}.on_retract": "(self, req)",
     },
+    # KaraPrefillAdder's reservation (scheduler/admission.py, 0012)
+    "admission": {f"{_ADDER}.reserved_new_tokens": "(self, req, running)"},
     # ForwardContext's KaraObserver (scheduler/forward.py, 0006)
     "attention": {
         f"{_OBSERVER}.before_attention": "(self, layer, q, k, v, forward_batch)",
@@ -208,6 +211,7 @@ HOOK_PATH = {
     "add_internal_state": "decode_step",
     "vocab_size": "input_ids",
     "release_loop_tasks": "engine_shutdown",
+    "max_new_tokens_as": "admission",
 }
 EXTENSION_PATH = {
     "release_kv_tail": "kv_tail",

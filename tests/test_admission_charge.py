@@ -114,3 +114,28 @@ def test_the_admission_charge_is_the_growth_of_a_fresh_row_plus_the_spread_slack
         policy=p, slack=0, state_of=lambda _: KaraReqState(enabled=False)
     )
     assert KaraRuntime.charge(rt, req, False) is None
+
+
+def test_with_the_series_the_adder_asks_for_each_reservation():
+    """Where SGLang's adder has ``reserved_new_tokens`` (patches/upstream 0012) Kara's adder
+    answers it with the charge (a running request's, or one being admitted), SGLang's own answer
+    where compression is off, and presents nothing as ``max_new_tokens``."""
+    from sgl_kara.scheduler.admission import make_prefill_adder
+
+    class Adder:
+        def reserved_new_tokens(self, req, running):
+            return req.sampling_params.max_new_tokens
+
+    asked = []
+
+    def charge(req, running):
+        asked.append(running)
+        return None if req.rid == "off" else 300 + running
+
+    adder = make_prefill_adder(Adder, charge, asks=True)()
+    on = FakeReq("on", max_new=1000)
+    assert adder.reserved_new_tokens(on, True) == 301
+    assert adder.reserved_new_tokens(on, False) == 300
+    assert adder.reserved_new_tokens(FakeReq("off", max_new=1000), True) == 1000
+    assert asked == [True, False, True]
+    assert on.sampling_params.max_new_tokens == 1000

@@ -79,6 +79,10 @@ MARKERS = {
         "from sglang.srt.managers.tokenizer_manager import TokenizerManager",
         'hasattr(TokenizerManager, "release_event_loop")',
     ),
+    12: (
+        "from sglang.srt.managers.schedule_policy import PrefillAdder",
+        'hasattr(PrefillAdder, "reserved_new_tokens")',
+    ),
 }
 
 

@@ -12,6 +12,7 @@ What differs between the two, and nothing else of Kara does:
 |---|---|---|
 | ``hooked`` | False: the plugin registers no serving hook | True: the plugin's hooks stand in |
 | ``runs_recompute`` | SGLang builds and runs the recompute forward (0010) | sgl_kara builds it, ends it early |
+| ``asks_admission`` | SGLang's adder asks each request's reservation (0012) | the charge presented as max_new_tokens |
 | ``recompute_writes_kv`` | False: the cached extend writes no K/V (0007) | True: writes land in the padding slot |
 | ``touch_points()`` | every point served by its patch | every point served by a hook |
 | ``configure(server_args)`` | Kara's retraction order over the user's (0005) | nothing: the order hook |
@@ -51,6 +52,7 @@ class Backend:
     hooked = False
     runs_recompute = False
     recompute_writes_kv = True
+    asks_admission = False
 
     def touch_points(self) -> dict[str, str]:
         raise NotImplementedError

@@ -15,6 +15,7 @@ class Hooks(Backend):
         False  # sgl_kara builds the recompute batch; the attention hook ends it
     )
     recompute_writes_kv = True  # a fused RoPE + K/V write lands in the padding slot
+    asks_admission = False  # the charge presented as max_new_tokens (admission.py)
 
     def touch_points(self) -> dict[str, str]:
         return {point: "hook" for point in adapter.EXTENSION_POINTS}

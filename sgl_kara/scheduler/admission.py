@@ -14,9 +14,11 @@ it runs: room freed that way would wait for a request to leave, since SGLang's p
 look at the waiting queue again until then. Without this discount the freed memory would never
 admit more requests and compression would buy no throughput.
 
-``charge(req, running)`` (the runtime's) is the ``max_new_tokens`` to present for a request: its
-output so far plus what its KV may still grow by (None: compression off for it, SGLang's own
-count applies). It is presented for the duration of SGLang's own accounting only.
+``charge(req, running)`` (the runtime's) is the ``max_new_tokens`` admission counts for a request:
+its output so far plus what its KV may still grow by (None: compression off for it, SGLang's own
+count applies). With the upstream series SGLang asks for it (``PrefillAdder.reserved_new_tokens``,
+patches/upstream 0012); on plain SGLang it is presented as the request's ``max_new_tokens`` for
+the duration of SGLang's own accounting only.
 """
 
 from __future__ import annotations
@@ -26,7 +28,22 @@ import contextlib
 from sgl_kara import _sglang as adapter
 
 
-def make_prefill_adder(base, charge):
+def make_prefill_adder(base, charge, asks: bool = False):
+    """SGLang's prefill adder ``base`` charging each request ``charge(req, running)``: through
+    its ``reserved_new_tokens`` where SGLang asks for it (``asks``: the series' 0012), else by
+    presenting the charge as ``max_new_tokens`` around its two accounting calls."""
+    if asks:
+
+        class KaraReservingAdder(base):
+            def reserved_new_tokens(self, req, running):
+                value = charge(req, running)
+                if value is None:
+                    return super().reserved_new_tokens(req, running)
+                return value
+
+        KaraReservingAdder.__name__ = f"Kara{base.__name__}"
+        return KaraReservingAdder
+
     class KaraPrefillAdder(base):
         def _get_running_request_total_token_offset(self, req):
             with presented(req, charge, running=True):

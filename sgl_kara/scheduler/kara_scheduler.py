@@ -42,7 +42,11 @@ class KaraScheduler(Scheduler):
         return make_output_streamer(super().get_output_streamer_class())
 
     def get_prefill_adder_class(self):
-        return make_prefill_adder(super().get_prefill_adder_class(), self.kara.charge)
+        return make_prefill_adder(
+            super().get_prefill_adder_class(),
+            self.kara.charge,
+            self.kara.backend.asks_admission,
+        )
 
     # SGLang's subclass points where it has them (never called by an SGLang without them, whose
     # scheduler is hooked instead: plugin.serving_hooks)
