@@ -181,6 +181,11 @@ EXTENSION_OVERRIDES: dict[str, dict[str, str]] = {
         f"{_RETRACTION_POLICY}.get_retraction_order": "(self, reqs)",
         f"{_RETRACTION_POLICY}.on_retract": "(self, req)",
     },
+    # KaraFinalValueStreamer's key (scheduler/output.py, 0002)
+    "request_info": {
+        f"{_STREAMER}.build_additional_customized_info": "(self, reqs)",
+        f"{_STREAMER}.is_final_value_customized_info_key": "(self, key)",
+    },
     # KaraPrefillAdder's reservation (scheduler/admission.py, 0012)
     "admission": {f"{_ADDER}.reserved_new_tokens": "(self, req, running)"},
     # ForwardContext's KaraObserver (scheduler/forward.py, 0006)

@@ -410,6 +410,7 @@ FACTORY_CLASSES = {
     ("sgl_kara.scheduler.output", "KaraOutputStreamer"): _built_output_streamer,
     ("sgl_kara.scheduler.admission", "KaraPrefillAdder"): _built_prefill_adder,
     ("sgl_kara.scheduler.admission", "KaraReservingAdder"): "admission",
+    ("sgl_kara.scheduler.output", "KaraFinalValueStreamer"): "request_info",
     ("sgl_kara.scheduler.retraction", "KaraRetractionPolicy"): "retraction",
     ("sgl_kara.scheduler.forward", "KaraObserver"): "attention",
 }

@@ -10,7 +10,7 @@ What differs between the two, and nothing else of Kara does:
 
 | member | patched (extension points) | hooked (plain 0.5.23) |
 |---|---|---|
-| ``hooked`` | False: the plugin registers no serving hook | True: the plugin's hooks stand in |
+| ``hooked`` | False: no serving hook; the overrides of the series' subclass points (``kara`` a final value, 0002) | True: the plugin's hooks stand in (``kara`` a list the meta hook unwraps) |
 | ``runs_recompute`` | SGLang builds and runs the recompute forward (0010) | sgl_kara builds it, ends it early |
 | ``asks_admission`` | SGLang's adder asks each request's reservation (0012) | the charge presented as max_new_tokens |
 | ``recompute_writes_kv`` | False: the cached extend writes no K/V (0007) | True: writes land in the padding slot |
@@ -19,7 +19,6 @@ What differs between the two, and nothing else of Kara does:
 | ``position_offsets(parts)`` | SGLang's per-row offsets (0008) | None: the ``init_new`` hook adds them |
 | ``observe_attention(observer)`` | SGLang's attention observers (0006) | None: the attention hook calls the forward |
 | ``release_tail(batch, jobs, prepared, parts, staging)`` | ``ScheduleBatch.release_kv_tail`` (0009) | rows, slots and lengths rewritten here |
-| ``request_info(metas)`` | a finished request's value, sent once (0002) | a per-token list the meta hook unwraps |
 | ``release_loop_tasks(engine)`` | nothing: SGLang's shutdown does it (0011) | the tasks SGLang's shutdown leaves |
 
 ``choose`` is called by the start-up checks (server_setup.check_sglang: the launcher,
@@ -67,9 +66,6 @@ class Backend:
         raise NotImplementedError
 
     def release_tail(self, batch, jobs, prepared, parts, staging) -> int:
-        raise NotImplementedError
-
-    def request_info(self, metas: list) -> list:
         raise NotImplementedError
 
     def release_loop_tasks(self, engine) -> None:

@@ -42,8 +42,5 @@ class Hooks(Backend):
             adapter.shrink_lengths(batch, index, dropped, staging.to_device(index))
         return dropped
 
-    def request_info(self, metas: list) -> list:
-        return [[m] if m else [] for m in metas]  # the meta hook takes the one entry
-
     def release_loop_tasks(self, engine) -> None:
         adapter.release_loop_tasks(engine)

@@ -40,8 +40,5 @@ class ExtensionPoints(Backend):
         prepared.released()
         return prepared.dropped
 
-    def request_info(self, metas: list) -> list:
-        return metas  # SGLang sends a finished request's value once (0002)
-
     def release_loop_tasks(self, engine) -> None:
         pass  # SGLang's shutdown releases them (0011)

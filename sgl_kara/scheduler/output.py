@@ -1,9 +1,10 @@
 """Per-request Kara stats in every response's ``meta_info["kara"]``.
 
-SGLang's supported extension point: a SchedulerOutputStreamer subclass adds request-level
-``customized_info``. Where SGLang delivers a request-level key as one value (patches/upstream
-0002) the streamer hands it the dict, else a one-element list that the tokenizer side (the
-plugin's hook on ``update_request_meta_info``) unwraps; either way clients read
+SGLang's supported extension point: a SchedulerOutputStreamer subclass adds ``customized_info``.
+Where SGLang delivers a key once, as one value, with the final output (patches/upstream 0002:
+``is_final_value_customized_info_key``) the streamer flags ``kara`` so and hands it the dict;
+else it flags it request-level and hands a one-element list that the tokenizer side (the
+plugin's hook on ``update_request_meta_info``) unwraps. Either way clients read
 ``meta_info["kara"]["compressions"]`` directly.
 """
 
@@ -18,18 +19,15 @@ KEY = "kara"
 
 def make_output_streamer(base):
     """Built while SGLang's Scheduler.__init__ runs, so the runtime is looked up per call."""
+    if not backends.current().hooked:
+        return _final_value_streamer(base)
 
     class KaraOutputStreamer(base):
         has_additional_customized_info = True
 
         def build_additional_customized_info(self, reqs):
             out = super().build_additional_customized_info(reqs)
-            kara = runtime.active()
-            metas = [
-                kara.meta(r) if kara is not None and adapter.finished(r) else None
-                for r in reqs
-            ]
-            out[KEY] = backends.current().request_info(metas)
+            out[KEY] = [[m] if m else [] for m in _metas(reqs)]  # the meta hook unwraps
             return out
 
         def is_request_level_customized_info_key(self, key: str) -> bool:
@@ -37,6 +35,32 @@ def make_output_streamer(base):
 
     KaraOutputStreamer.__name__ = f"Kara{base.__name__}"
     return KaraOutputStreamer
+
+
+def _metas(reqs) -> list:
+    """Each finished request's ``meta_info["kara"]`` (None: not finished, or not Kara's)."""
+    kara = runtime.active()
+    return [
+        kara.meta(r) if kara is not None and adapter.finished(r) else None for r in reqs
+    ]
+
+
+def _final_value_streamer(base):
+    """With the upstream series (0002): ``kara`` flagged a final value, sent once as the dict."""
+
+    class KaraFinalValueStreamer(base):
+        has_additional_customized_info = True
+
+        def build_additional_customized_info(self, reqs):
+            out = super().build_additional_customized_info(reqs)
+            out[KEY] = _metas(reqs)
+            return out
+
+        def is_final_value_customized_info_key(self, key: str) -> bool:
+            return key == KEY or super().is_final_value_customized_info_key(key)
+
+    KaraFinalValueStreamer.__name__ = f"Kara{base.__name__}"
+    return KaraFinalValueStreamer
 
 
 def unwrap_meta_hook(
