@@ -17,7 +17,7 @@ What differs between the two, and nothing else of Kara does:
 | ``touch_points()`` | every point served by its patch | every point served by a hook |
 | ``configure(server_args)`` | Kara's retraction order over the user's (0005) | nothing: the order hook |
 | ``position_offsets(parts)`` | SGLang's per-row offsets (0008) | None: the ``init_new`` hook adds them |
-| ``observe_attention(observer)`` | SGLang's attention observers (0006) | None: the attention hook calls the forward |
+| ``observe_attention(forward)`` | SGLang's attention observers (0006) | None: the attention hook calls the forward |
 | ``release_tail(batch, jobs, prepared, parts, staging)`` | ``ScheduleBatch.release_kv_tail`` (0009) | rows, slots and lengths rewritten here |
 | ``release_loop_tasks(engine)`` | nothing: SGLang's shutdown does it (0011) | the tasks SGLang's shutdown leaves |
 
@@ -62,7 +62,7 @@ class Backend:
     def position_offsets(self, parts):
         raise NotImplementedError
 
-    def observe_attention(self, observer):
+    def observe_attention(self, forward):
         raise NotImplementedError
 
     def release_tail(self, batch, jobs, prepared, parts, staging) -> int:

@@ -28,7 +28,7 @@ class Hooks(Backend):
             None  # the init_new hook adds each row's offset to the forward's positions
         )
 
-    def observe_attention(self, observer):
+    def observe_attention(self, forward):
         return None  # the attention hook calls the forward context itself
 
     def release_tail(self, batch, jobs, prepared, parts, staging) -> int:

@@ -30,8 +30,9 @@ class ExtensionPoints(Backend):
     def position_offsets(self, parts):
         return parts.position_offsets()  # 0008
 
-    def observe_attention(self, observer):
-        return adapter.register_attention_observer(observer)  # 0006
+    def observe_attention(self, forward):
+        """``forward``'s attention observer registered with SGLang (0006); its removal."""
+        return adapter.register_attention_observer(forward.observer())
 
     def release_tail(self, batch, jobs, prepared, parts, staging) -> int:
         """Each request's rows, old slots and lengths through one SGLang call (0009)."""

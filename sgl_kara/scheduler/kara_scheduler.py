@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from sgl_kara import backends
 from sgl_kara._sglang import Scheduler
 from sgl_kara.config import KaraConfig
 from sgl_kara.scheduler import runtime
@@ -39,7 +40,9 @@ class KaraScheduler(Scheduler):
         logger.info("sgl_kara: compression active, %s", self.kara_config)
 
     def get_output_streamer_class(self):
-        return make_output_streamer(super().get_output_streamer_class())
+        return make_output_streamer(
+            super().get_output_streamer_class(), not backends.current().hooked
+        )
 
     def get_prefill_adder_class(self):
         return make_prefill_adder(

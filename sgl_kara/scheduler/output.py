@@ -11,15 +11,15 @@ plugin's hook on ``update_request_meta_info``) unwraps. Either way clients read
 from __future__ import annotations
 
 from sgl_kara import _sglang as adapter
-from sgl_kara import backends
 from sgl_kara.scheduler import runtime
 
 KEY = "kara"
 
 
-def make_output_streamer(base):
-    """Built while SGLang's Scheduler.__init__ runs, so the runtime is looked up per call."""
-    if not backends.current().hooked:
+def make_output_streamer(base, final_value: bool = False):
+    """Built while SGLang's Scheduler.__init__ runs, so the runtime is looked up per call.
+    ``final_value``: SGLang takes ``kara`` as a final value (the series' 0002)."""
+    if final_value:
         return _final_value_streamer(base)
 
     class KaraOutputStreamer(base):

@@ -93,7 +93,7 @@ class KaraRuntime:
         self.forward = _forward_context(shared, self.ring, self.table)
         # SGLang's attention observers (patches/upstream 0006) where it has them, else the
         # plugin's attention hook calls the forward context (plugin.py)
-        self.remove_observer = self.backend.observe_attention(self.forward.observer())
+        self.remove_observer = self.backend.observe_attention(self.forward)
         self.planner = Planner(policy, cfg, parts, observers.protected)
         heads = _kv_heads(scheduler, parts)
         self.scorer = Scorer(
