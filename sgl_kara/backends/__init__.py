@@ -29,6 +29,8 @@ implementation is imported only where SGLang has none of the series.
 
 from __future__ import annotations
 
+import abc
+
 from sgl_kara import _sglang as adapter
 
 # Kara's retraction order registered in SGLang's registry (0005) over each of SGLang's policies
@@ -44,7 +46,7 @@ class PartialSeries(RuntimeError):
     """SGLang has some of the upstream series' extension points but not all."""
 
 
-class Backend:
+class Backend(abc.ABC):
     """What Kara does differently on each SGLang (the table above); one instance per process."""
 
     name = ""
@@ -53,23 +55,23 @@ class Backend:
     recompute_writes_kv = True
     asks_admission = False
 
-    def touch_points(self) -> dict[str, str]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def touch_points(self) -> dict[str, str]: ...
 
-    def configure(self, server_args) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def configure(self, server_args) -> None: ...
 
-    def position_offsets(self, parts):
-        raise NotImplementedError
+    @abc.abstractmethod
+    def position_offsets(self, parts): ...
 
-    def observe_attention(self, forward):
-        raise NotImplementedError
+    @abc.abstractmethod
+    def observe_attention(self, forward): ...
 
-    def release_tail(self, batch, jobs, prepared, parts, staging) -> int:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def release_tail(self, batch, jobs, prepared, parts, staging) -> int: ...
 
-    def release_loop_tasks(self, engine) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def release_loop_tasks(self, engine) -> None: ...
 
 
 _CHOSEN: list[Backend] = []

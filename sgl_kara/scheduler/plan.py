@@ -292,10 +292,6 @@ class Planner:
         plan.jobs = self._ready(self._due(seen, step), plan, seen)
         return plan
 
-    def settled(self, job) -> int:
-        """Rows of a job's request that no forward in flight writes."""
-        return job.length - self.in_flight
-
     def _due(self, seen: list[Seen], step: int) -> list[Job]:
         """The jobs of the requests due at this step (before the spread rule)."""
         if self.phase == "server" and not self.policy.schedule.due(step):

@@ -82,7 +82,7 @@ class KaraRuntime:
         )
         device = parts.req_to_token.device
         observers = self.observers = Observers()  # filled last: _register_observers
-        shared = self.shared = _shared(policy, parts, observers)
+        shared = _shared(policy, parts, observers)
         self.backend, self.stats = shared.backend, shared.stats
         self.metrics, self.staging, self.check = (
             shared.metrics,
