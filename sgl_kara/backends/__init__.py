@@ -11,9 +11,8 @@ What differs between the two, and nothing else of Kara does:
 | member | patched (extension points) | hooked (plain 0.5.23) |
 |---|---|---|
 | ``hooked`` | False: no serving hook; the overrides of the series' subclass points (``kara`` a final value, 0002) | True: the plugin's hooks stand in (``kara`` a list the meta hook unwraps) |
-| ``runs_recompute`` | SGLang builds and runs the recompute forward (0010) | sgl_kara builds it, ends it early |
+| ``runs_recompute`` | SGLang builds and runs the recompute forward over cached K/V, writing none (0007, 0010) | sgl_kara builds it, ends it early; K/V writes land in the padding slot |
 | ``asks_admission`` | SGLang's adder asks each request's reservation (0012) | the charge presented as max_new_tokens |
-| ``recompute_writes_kv`` | False: the cached extend writes no K/V (0007) | True: writes land in the padding slot |
 | ``touch_points()`` | every point served by its patch | every point served by a hook |
 | ``configure(server_args)`` | Kara's retraction order over the user's (0005) | nothing: the order hook |
 | ``position_offsets(parts)`` | SGLang's per-row offsets (0008) | None: the ``init_new`` hook adds them |
@@ -52,7 +51,6 @@ class Backend(abc.ABC):
     name = ""
     hooked = False
     runs_recompute = False
-    recompute_writes_kv = True
     asks_admission = False
 
     @abc.abstractmethod

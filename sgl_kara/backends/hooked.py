@@ -14,7 +14,6 @@ class Hooks(Backend):
     runs_recompute = (
         False  # sgl_kara builds the recompute batch; the attention hook ends it
     )
-    recompute_writes_kv = True  # a fused RoPE + K/V write lands in the padding slot
     asks_admission = False  # the charge presented as max_new_tokens (admission.py)
 
     def touch_points(self) -> dict[str, str]:

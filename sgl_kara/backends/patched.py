@@ -11,7 +11,6 @@ class ExtensionPoints(Backend):
     name = "extension points"
     hooked = False
     runs_recompute = True  # 0010, its queries seen by the attention observers (0006)
-    recompute_writes_kv = False  # 0007
     asks_admission = True  # PrefillAdder.reserved_new_tokens (0012)
 
     def touch_points(self) -> dict[str, str]:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import torch
 
 from sgl_kara import _sglang as adapter
-from sgl_kara import backends
 
 # SGLang's allocators never hand out slot 0 (page 0): padded tokens write their dummy K/V there.
 PADDING_SLOT = 0
@@ -42,10 +41,17 @@ class ScoringComplete(Exception):
 
 
 def extend_rows(
-    jobs, rows: torch.Tensor, req_to_token, q_lo: list[int], n: int, staging
+    jobs,
+    rows: torch.Tensor,
+    req_to_token,
+    q_lo: list[int],
+    n: int,
+    staging,
+    kv_cached: bool = False,
 ):
     """(``ExtendRows`` of ``n`` query tokens of each job from physical row ``q_lo[b]``, the
-    window's pool slots [B * n]) -- from host data, staged to the device."""
+    window's pool slots [B * n]) -- from host data, staged to the device. ``kv_cached``: SGLang
+    runs the extend over cached K/V and writes none (the series' 0007 / 0010)."""
     ids, positions, seq = [], [], []
     for j, lo_row in zip(jobs, q_lo):
         lo = lo_row + j.state.pos_offset
@@ -72,7 +78,7 @@ def extend_rows(
         # SGLang's cached extend (patches/upstream 0007) writes no K/V: the window's own slots;
         # else the padding slot, where a fused RoPE + K/V write lands harmlessly
         out_cache_loc=window_slots
-        if not backends.current().recompute_writes_kv
+        if kv_cached
         else torch.full(
             (n * len(jobs),), PADDING_SLOT, dtype=torch.int64, device=device
         ),

@@ -218,7 +218,13 @@ class Scorer:
     def _recompute(self, jobs, rows, scoring: ScoringPass, q_lo, n: int) -> None:
         """One recompute forward over ``n`` query tokens of each job, feeding ``scoring``."""
         extend, window_slots = extend_rows(
-            jobs, rows, self.parts.req_to_token, q_lo, n, self.staging
+            jobs,
+            rows,
+            self.parts.req_to_token,
+            q_lo,
+            n,
+            self.staging,
+            kv_cached=self.sglang_runs_recompute,
         )
         scoring.positions = extend.positions
         scoring.window_slots = window_slots
