@@ -18,10 +18,10 @@ from sgl_kara.policies.rkv import rkv_redundancy
 
 @pytest.fixture
 def variants():
-    """The two modules, imported (and registered) for this test only."""
+    """The modules, imported (and registered) for this test only."""
     with policy_registry_restored():
         mods = []
-        for n in ("kara_redundancy", "kara_structure", "kara_global"):
+        for n in ("kara_redundancy", "kara_structure", "kara_global", "kara_together"):
             name = f"bench.policies.{n}"
             # imported before: import again, to register again
             mod = sys.modules.get(name)
@@ -38,7 +38,7 @@ def _kara_select():
 
 
 def test_redundancy_score_is_the_attention_share_less_redundancy(variants):
-    red, _, _ = variants
+    red, *_ = variants
     g = torch.Generator().manual_seed(0)
     att = torch.rand(2, 3, 20, generator=g)
     keys = torch.randn(2, 20, 3, 8, generator=g)
@@ -58,7 +58,7 @@ def test_redundancy_score_is_the_attention_share_less_redundancy(variants):
 
 
 def test_structure_marks_line_heads_and_boxed_spans(variants):
-    _, st, _ = variants
+    _, st, *_ = variants
     pieces = [
         "a",
         "\n",
@@ -84,7 +84,7 @@ def test_structure_marks_line_heads_and_boxed_spans(variants):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_protected_selection_matches_its_reference_and_keeps_k(variants, seed):
-    _, st, _ = variants
+    _, st, *_ = variants
     g = torch.Generator().manual_seed(seed)
     b, lyr, h, m = 2, 2, 3, 40
     scores = torch.rand(b, lyr, h, m, generator=g)
@@ -110,7 +110,7 @@ def test_protected_selection_matches_its_reference_and_keeps_k(variants, seed):
 
 
 def test_variant_options_name_the_bad_field(variants):
-    red, st, _ = variants
+    red, st, *_ = variants
     with pytest.raises(OptionError) as e:
         red.RedundancyOptions(mix_lambda=1.5)
     assert e.value.field == "mix_lambda"
@@ -127,7 +127,7 @@ class _State:
 
 
 def test_global_region_widens_kara_window_to_every_generated_row(variants):
-    *_, gl = variants
+    _, _, gl, _ = variants
     from sgl_kara.policies.base import RowView
     from sgl_kara.policies.kara import KaraOptions, KaraPolicy, kept_count
 
@@ -151,3 +151,97 @@ def test_global_region_widens_kara_window_to_every_generated_row(variants):
     st.request["retention"] = 0.5
     r = glob.region(RowView(40, 50, 50 + 64, 0, st))
     assert r.keep == 10 + kept_count(56, 0.5)
+
+
+def _rows(policy, tags, p=40, extra=(0, 70)):
+    """RowViews of requests due now, request i naming variant ``tags[i]`` by its retention;
+    window-aligned frontiers with 0 or 3 windows compressed before."""
+    from sgl_kara.policies.base import RowView
+
+    o = policy.options
+    rows = []
+    for i, tag in enumerate(tags):
+        st = _State()
+        st.request["retention"] = policy.retention_of(o.retention, tag)
+        f = p + (3 * o.kept_per_window if i % 2 else 0)
+        rows.append(RowView(p, f, f + o.window + extra[i % 2], 0, st))
+    return rows
+
+
+def test_together_serves_each_request_as_its_variant_alone(variants):
+    """Kara, kara_redundancy and kara_global requests in one batch: each one's region and score
+    are those of an engine of its own variant, and its K is Kara's at r."""
+    from sgl_kara.policies.base import ScoreInput
+    from sgl_kara.policies.kara import KaraOptions, KaraPolicy
+
+    *_, tg = variants
+    opts = dict(window=64, buffer=8, retention=0.2, period=8)
+    pol = base.policy_class("kara_together")(
+        tg.TogetherOptions(**opts, variants="kara_redundancy,kara_global")
+    )
+    alone = [KaraPolicy(KaraOptions(**opts))] + [
+        base.policy_class(n)(base.policy_class(n).Options(**opts))
+        for n in ("kara_redundancy", "kara_global")
+    ]
+    g = torch.Generator().manual_seed(0)
+    s, h_kv, h_q, d = 400, 2, 4, 16
+    k_buffer = torch.randn(s, h_kv, d, generator=g)
+    tags = [0, 1, 2, 1, 0, 2]
+    rows = _rows(pol, tags)
+    regions = [pol.region(r) for r in rows]
+    for r, t, reg in zip(rows, tags, regions):
+        assert reg == alone[t].region(r)
+        assert reg.length - reg.keep == 56 - alone[0].options.kept_per_window
+    # one batch per region shape, as the runtime batches them
+    shapes = {}
+    for b, reg in enumerate(regions):
+        shapes.setdefault(reg.shape, []).append(b)
+    assert any(len({tags[b] for b in idx}) > 1 for idx in shapes.values())
+    for idx in shapes.values():
+        m, _, q = regions[idx[0]].shape
+        slots = torch.stack([torch.randperm(s, generator=g)[:m] for _ in idx])
+        queries = torch.randn(len(idx), q, h_q, d, generator=g)
+        inp = ScoreInput(
+            0,
+            queries,
+            k_buffer,
+            slots,
+            [rows[b] for b in idx],
+            [regions[b] for b in idx],
+        )
+        got = pol.score(inp)
+        for n, b in enumerate(idx):
+            one = ScoreInput(
+                0,
+                queries[n : n + 1],
+                k_buffer,
+                slots[n : n + 1],
+                [rows[b]],
+                [regions[b]],
+            )
+            want = alone[tags[b]].score(one)
+            assert torch.allclose(got[n : n + 1], want, rtol=1e-6, atol=1e-7)
+        keep = regions[idx[0]].keep
+        sel = torch.rand(len(idx), 2, h_kv, m, generator=g)
+        assert torch.equal(pol.select(sel, keep), alone[0].select(sel, keep))
+
+
+def test_together_refuses_what_cannot_share_karas_engine(variants):
+    *_, tg = variants
+    opts = dict(window=64, buffer=8, retention=0.2, period=8)
+    cls = base.policy_class("kara_together")
+    for names in ("kara_structure", "snapkv", "nothing", "kara_together"):
+        with pytest.raises(OptionError) as e:
+            cls(tg.TogetherOptions(**opts, variants=names))
+        assert e.value.field == "variants", names
+    # 11.999 / 56 keeps 12 of 56 rows; its tag 1 would keep 13
+    with pytest.raises(OptionError) as e:
+        tg.TogetherOptions(**dict(opts, retention=11.999 / 56), variants="kara_global")
+    assert "changes K" in str(e.value)
+    st = _State()
+    st.request["retention"] = 0.2005  # tag 5 of one variant
+    pol = cls(tg.TogetherOptions(**opts, variants="kara_global"))
+    from sgl_kara.policies.base import RowView
+
+    with pytest.raises(ValueError, match="names no variant"):
+        pol.region(RowView(40, 40, 40 + 64, 0, st))

@@ -62,18 +62,51 @@ def test_ratios_share_one_engine_and_each_follows_its_own_trajectory(
 
 @pytest.mark.slow
 @pytest.mark.harness  # bench-only policies: run before recording their results
-def test_the_variants_under_trial_hold_karas_kv_at_every_step(tiny_llama, tmp_path):
+def test_the_variants_under_trial_hold_karas_kv_and_answer_alike_together(
+    tiny_llama, tmp_path
+):
+    """Each variant in an engine of its own holds Kara's KV at every step; Kara and the variants
+    that change only the region or the score, answered in one engine (``--together``), give
+    each the answers of its own engine."""
     files = [os.path.join(ROOT, "bench", "policies", f) for f in VARIANTS]
+    names = [f.removesuffix(".py") for f in VARIANTS]
+    alone, together = tmp_path / "alone", tmp_path / "together"
+    policy_files = [x for f in files for x in ("--policy-file", f)]
     _harness(
-        tmp_path,
-        *("--model", tiny_llama, "--ratio", "0.3"),
-        *(x for f in files for x in ("--policy-file", f)),
-        configs=[f.removesuffix(".py") for f in VARIANTS],
+        alone,
+        *("--model", tiny_llama, "--ratio", "0.3", *policy_files),
+        configs=["kara", *names],
     )
     t = trajectory(Schedule(32, 8, 0.3, 4), 120)
-    for f in VARIANTS:
-        res = gsm8k.load_result(str(tmp_path), f"{f.removesuffix('.py')}_r0.3")
+    for name in names:
+        res = gsm8k.load_result(str(alone), f"{name}_r0.3")
         assert any(q["compressions"] > 0 for q in res["requests"])
         for q in res["requests"]:
             g = q["completion_tokens"]
             assert (q["kv_final"], q["kv_peak"]) == (t.final(g), t.peak_kv(g))
+    mixed = ["kara", "kara_redundancy", "kara_global"]
+    _harness(
+        together,
+        *("--model", tiny_llama, "--ratio", "0.3", "--together", *policy_files),
+        *("--check-from", str(alone), "--check-requests", "1"),
+        configs=mixed,
+    )
+    for tag, name in enumerate(mixed):
+        res = gsm8k.load_result(str(together), f"{name}_r0.3")
+        assert res["engine_options"]["together"]["kara_together_variants"] == (
+            "kara_redundancy,kara_global"
+        )
+        assert [q["custom"] for q in res["requests"]] == [
+            {"retention": round(0.3 + tag * 1e-4, 6)}
+        ] * 2
+        mine = _answers(together, f"{name}_r0.3")
+        assert mine == _answers(alone, f"{name}_r0.3"), name
+        assert any(q["compressions"] > 0 for q in res["requests"])
+    check = json.loads((together / "batching-check.json").read_text())["kara_r0.3"]
+    assert check["same_text"] == [0], check
+
+
+def _answers(out, name: str) -> dict:
+    from bench.reasoning.long_answers import answer_texts
+
+    return answer_texts(str(out), name)

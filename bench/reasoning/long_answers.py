@@ -990,6 +990,12 @@ def parser() -> argparse.ArgumentParser:
     )
     arg("--check-from", metavar="DIR", default=None, help=h)
     arg("--check-requests", type=int, default=2)
+    h = (
+        "answer every configuration (kara and Kara variants that change only the region or the "
+        "score) in one engine: bench/policies/kara_together.py; with --check-from, kara's first "
+        "--check-requests requests are checked against DIR's"
+    )
+    arg("--together", action="store_true", help=h)
     arg("--per-request", type=int, default=10, help="independent: problems per request")
     arg("--seed", type=int, default=0, help="shuffle of the problems")
     h = "independent: the first N problems of the pool (GSM8K's 100, then instances)"
@@ -1130,6 +1136,59 @@ def sweep(args, requests, prompts, record) -> None:
         report(args)
 
 
+TOGETHER = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    "policies",
+    "kara_together.py",
+)
+
+
+def together_options(args) -> tuple[dict, list[str]]:
+    """(the engine keywords of ``--together``, its variants in tag order); refuses a
+    configuration that cannot share Kara's engine, before any engine starts."""
+    variants = [c for c in args.configs if c != "kara"]
+    bad = [c for c in variants if c in ("full", "kara-band") or legacy_match(c)]
+    if bad or not variants:
+        raise SystemExit(
+            f"--together: {', '.join(bad) or 'kara alone'}: give kara and Kara variants"
+        )
+    opts, _ = engine_options("kara_together", args, None)
+    opts["kara_together_variants"] = ",".join(variants)
+    cls = configs.registry().policy_class("kara_together")
+    try:
+        cls(cls.Options(**kara_schedule(args), variants=opts["kara_together_variants"]))
+    except ValueError as e:
+        raise SystemExit(f"--together: {e}") from None
+    return opts, variants
+
+
+def together(args, requests, prompts, record) -> None:
+    """``--together``: every configuration in one engine, a lane each, its requests naming their
+    variant by retention (bench/policies/kara_together.py); each finalized as if alone, its
+    ``engine_options`` its own with the shared engine's under ``together``."""
+    opts, variants = together_options(args)
+    kt = sys.modules[configs.load_policy_files([TOGETHER])[0]]
+    tags = {c: 0 if c == "kara" else 1 + variants.index(c) for c in args.configs}
+    todo = [c for c in args.configs if not done_earlier(c, args)]
+    for c in args.configs:
+        if c not in todo:
+            print(f"{result_name(c, args)}: done earlier", flush=True)
+    lanes = [
+        lane(c, args, None, [{"retention": kt.retention_of(args.ratio, tags[c])}] * n)
+        for c in todo
+        for n in [args.n_requests]
+    ]
+    check = check_lane("kara", args)
+    if check is not None:
+        lanes.append(check)
+    run_lanes(lanes, opts, requests, prompts, args, record)
+    for c in todo:
+        own = engine_options(c, args, None)[0]
+        finalize(c, requests, args, dict(own, together=opts))
+    if check is not None:
+        batching_check(args.out, args.check_from, result_name("kara", args))
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--policy-file", action="append", default=[])
@@ -1145,8 +1204,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for r in [args.ratio, *(args.ratios or [])]:
         if not 0.0 < r <= 1.0:
             ap.error(f"--ratio / --ratios: {r:g} is not in (0, 1]")
-    if args.check_from and not args.ratios:
-        ap.error("--check-from goes with --ratios")
+    if args.check_from and not (args.ratios or args.together):
+        ap.error("--check-from goes with --ratios or --together")
+    if args.ratios and args.together:
+        ap.error("--ratios and --together: give one")
+    if args.together:
+        configs.use_policy_files([TOGETHER])
     os.makedirs(args.out, exist_ok=True)
     if args.report:
         return report(args)
@@ -1161,7 +1224,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args.problem_ids = [[p["id"] for p in r] for r in requests]
     prompts = chat_prompts(requests, args.model_path)
     if args.max_running is None:  # every request of an engine at once
-        lanes = len(args.ratios) if args.ratios else 1
+        lanes = len(args.ratios or (args.configs if args.together else [1]))
         check = min(args.check_requests, len(requests)) if args.check_from else 0
         args.max_running = lanes * len(requests) + check
     if args.max_total_tokens is None:
@@ -1202,8 +1265,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         },
         whole_events=configs.WHOLE_EVENTS,
     )
-    if args.ratios:
-        sweep(args, requests, prompts, record)
+    if args.ratios or args.together:
+        (sweep if args.ratios else together)(args, requests, prompts, record)
         record.finish()
         return report(args)
     # the kara run first where another configuration reads it
