@@ -147,23 +147,20 @@ EXTENSION_POINTS = {
         "register_attention_observer",
     ),
     "cached_extend": ("0007", _FB, "kv_already_cached"),
+    # the batched KV compaction RFC: positions, the tail release, the cached extend
     "positions": (
         "0008",
         "sglang.srt.mem_cache.memory_pool.ReqToTokenPool",
         "enable_position_offsets",
     ),
-    "kv_tail": (
-        "0009",
-        "sglang.srt.managers.schedule_batch.ScheduleBatch",
-        "release_kv_tail",
-    ),
-    "cached_extend_batch": ("0010", _SCHEDULER, "run_cached_extend"),
+    "kv_tail": ("0008", "sglang.srt.mem_cache.kv_compaction", "release_kv_tails"),
+    "cached_extend_batch": ("0008", _SCHEDULER, "run_cached_extend"),
     "engine_shutdown": (
-        "0011",
+        "0009",
         "sglang.srt.managers.tokenizer_manager.TokenizerManager",
         "release_event_loop",
     ),
-    "admission": ("0012", _ADDER, "reserved_new_tokens"),
+    "admission": ("0010", _ADDER, "reserved_new_tokens"),
 }
 # Methods sgl_kara overrides on the classes an extension point adds or extends, each pinned as
 # the series defines it (patches/upstream): overridden, and checked at start-up (``pins``), only
@@ -186,7 +183,7 @@ EXTENSION_OVERRIDES: dict[str, dict[str, str]] = {
         f"{_STREAMER}.build_additional_customized_info": "(self, reqs)",
         f"{_STREAMER}.is_final_value_customized_info_key": "(self, key)",
     },
-    # KaraPrefillAdder's reservation (scheduler/admission.py, 0012)
+    # KaraPrefillAdder's reservation (scheduler/admission.py, 0010)
     "admission": {f"{_ADDER}.reserved_new_tokens": "(self, req, running)"},
     # ForwardContext's KaraObserver (scheduler/forward.py, 0006)
     "attention": {
@@ -206,7 +203,7 @@ HOOK_PATH = {
     "shrink_lengths": "kv_tail",
     "kv_writes_to": "cached_extend",
     "run_eager": "cached_extend",
-    # the recompute pass's batch, built and run by sgl_kara (until 0010 exists)
+    # the recompute pass's batch, built and run by sgl_kara (until 0008 exists)
     "recompute_batch": "cached_extend_batch",
     "batch_kind": "positions",  # the init_new hook (kept until 0006, 0007 and 0008 exist)
     "batch_rows": "positions",
@@ -219,7 +216,7 @@ HOOK_PATH = {
     "max_new_tokens_as": "admission",
 }
 EXTENSION_PATH = {
-    "release_kv_tail": "kv_tail",
+    "release_kv_tails": "kv_tail",
     "run_cached_extend": "cached_extend_batch",
     "forward_view": "attention",
     "position_offsets": "positions",
@@ -460,7 +457,6 @@ ATTRIBUTES = {
         "extend_logprob_start_lens",
         "return_logprob",
         "sampling_info",
-        "release_kv_tail",  # patches/upstream 0009
     ],
     "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo": [
         "from_schedule_batch",
@@ -497,7 +493,7 @@ ATTRIBUTES = {
         "enable_overlap",
         "forward_stream",
         "metrics_reporter",
-        "run_cached_extend",  # patches/upstream 0010
+        "run_cached_extend",  # patches/upstream 0008
         # runtime.py: the tensor-parallel group's CPU side (tp_lockstep.py, the eviction
         # record, startup.check_runtime_supported)
         "tp_cpu_group",
@@ -1013,7 +1009,7 @@ class SchedulerParts:
         return len(self.scheduler.waiting_queue)
 
     def run_cached_extend(self, extend: ExtendRows) -> None:
-        """SGLang's own forward over the rows' cached K/V (patches/upstream 0010): it builds
+        """SGLang's own forward over the rows' cached K/V (patches/upstream 0008): it builds
         the EXTEND batch and runs it as the cached extend of 0007 does."""
         self.scheduler.run_cached_extend(
             extend.reqs,
@@ -1053,11 +1049,18 @@ class SchedulerParts:
         return self.scheduler.req_to_token_pool.enable_position_offsets()
 
 
-def release_kv_tail(batch, index: int, start: int, slots, stop: int | None) -> int:
-    """SGLang's tail release (patches/upstream 0009): row positions [start, stop) of the
-    batch's request ``index`` (stop None: the whole tail) become ``slots``, the old ones freed,
-    the rest moved down; the request's and the batch's lengths shrink. Returns the drop."""
-    return batch.release_kv_tail(index, start, slots, stop)
+def release_kv_tails(batch, ranges) -> list[int]:
+    """SGLang's batched tail release (patches/upstream 0008): per (batch index, start, slots,
+    stop), row positions [start, stop) of that request (stop None: the whole tail) become
+    ``slots``, the old ones freed, the rest moved down; the request's and the batch's lengths
+    shrink and the row's position offset grows by the drop. Returns the drops."""
+    from sglang.srt.mem_cache.kv_compaction import KvRelease, release_kv_tails
+
+    releases = [
+        KvRelease(index, start, slots.numel(), stop)
+        for index, start, slots, stop in ranges
+    ]
+    return release_kv_tails(batch, releases, [slots for _, _, slots, _ in ranges])
 
 
 def attention_observer_base():

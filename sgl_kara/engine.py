@@ -69,7 +69,7 @@ def release_loop_tasks(engine) -> None:
 
 def shutdown_cleanly(engine, shutdown=None) -> None:
     """The engine's own shutdown, then ``release_loop_tasks`` where SGLang's shutdown leaves the
-    tasks (0.5.23; patches/upstream 0011 releases them itself): what ``sgl_kara.Engine.shutdown``
+    tasks (0.5.23; patches/upstream 0009 releases them itself): what ``sgl_kara.Engine.shutdown``
     does, for a plain ``sglang.Engine`` too (benchmarks, tests)."""
     from sgl_kara import _sglang as adapter
     from sgl_kara import backends

@@ -117,7 +117,7 @@ def test_the_admission_charge_is_the_growth_of_a_fresh_row_plus_the_spread_slack
 
 
 def test_with_the_series_the_adder_asks_for_each_reservation():
-    """Where SGLang's adder has ``reserved_new_tokens`` (patches/upstream 0012) Kara's adder
+    """Where SGLang's adder has ``reserved_new_tokens`` (patches/upstream 0010) Kara's adder
     answers it with the charge (a running request's, or one being admitted), SGLang's own answer
     where compression is off, and presents nothing as ``max_new_tokens``."""
     from sgl_kara.scheduler.admission import make_prefill_adder

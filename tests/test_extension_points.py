@@ -63,7 +63,7 @@ def test_the_serving_hooks_are_exactly_the_missing_extension_points():
 
 
 # One engine for the engine tests: small windows so 48 tokens compress, queries recomputed so the
-# recompute pass runs (by SGLang where it has 0010)
+# recompute pass runs (by SGLang where it has 0008)
 KARA = dict(kara_window=32, kara_buffer=4, kara_period=8, kara_query_source="recompute")
 
 
@@ -80,7 +80,7 @@ def test_the_engine_reports_its_touch_points_and_hooks(tiny_llama, engines):
     assert set(points) == set(adapter.EXTENSION_POINTS)
     want = "extension point" if PATCHED else "hook"
     assert all(v.startswith(want) for v in points.values()), points
-    # the recompute pass: SGLang builds and runs it where it can (0010), else sgl_kara
+    # the recompute pass: SGLang builds and runs it where it can (0008), else sgl_kara
     forwards = stats["recompute_forwards"]
     by, other = ("sglang", "sgl_kara") if PATCHED else ("sgl_kara", "sglang")
     assert forwards[by] >= 1 and forwards[other] == 0, forwards

@@ -64,22 +64,14 @@ MARKERS = {
         'hasattr(ForwardBatch, "kv_already_cached")',
     ),
     8: (
-        "from sglang.srt.mem_cache.memory_pool import ReqToTokenPool",
-        'hasattr(ReqToTokenPool, "enable_position_offsets")',
+        "import importlib.util",
+        'importlib.util.find_spec("sglang.srt.mem_cache.kv_compaction") is not None',
     ),
     9: (
-        "from sglang.srt.managers.schedule_batch import ScheduleBatch",
-        'hasattr(ScheduleBatch, "release_kv_tail")',
-    ),
-    10: (
-        "from sglang.srt.managers.scheduler import Scheduler",
-        'hasattr(Scheduler, "run_cached_extend")',
-    ),
-    11: (
         "from sglang.srt.managers.tokenizer_manager import TokenizerManager",
         'hasattr(TokenizerManager, "release_event_loop")',
     ),
-    12: (
+    10: (
         "from sglang.srt.managers.schedule_policy import PrefillAdder",
         'hasattr(PrefillAdder, "reserved_new_tokens")',
     ),

@@ -11,14 +11,14 @@ What differs between the two, and nothing else of Kara does:
 | member | patched (extension points) | hooked (plain 0.5.23) |
 |---|---|---|
 | ``hooked`` | False: no serving hook; the overrides of the series' subclass points (``kara`` a final value, 0002) | True: the plugin's hooks stand in (``kara`` a list the meta hook unwraps) |
-| ``runs_recompute`` | SGLang builds and runs the recompute forward over cached K/V, writing none (0007, 0010) | sgl_kara builds it, ends it early; K/V writes land in the padding slot |
-| ``asks_admission`` | SGLang's adder asks each request's reservation (0012) | the charge presented as max_new_tokens |
+| ``runs_recompute`` | SGLang builds and runs the recompute forward over cached K/V, writing none (0007, 0008) | sgl_kara builds it, ends it early; K/V writes land in the padding slot |
+| ``asks_admission`` | SGLang's adder asks each request's reservation (0010) | the charge presented as max_new_tokens |
 | ``touch_points()`` | every point served by its patch | every point served by a hook |
 | ``configure(server_args)`` | Kara's retraction order over the user's (0005) | nothing: the order hook |
 | ``position_offsets(parts)`` | SGLang's per-row offsets (0008) | None: the ``init_new`` hook adds them |
 | ``observe_attention(forward)`` | SGLang's attention observers (0006) | None: the attention hook calls the forward |
-| ``release_tail(batch, jobs, prepared, parts, staging)`` | ``ScheduleBatch.release_kv_tail`` (0009) | rows, slots and lengths rewritten here |
-| ``release_loop_tasks(engine)`` | nothing: SGLang's shutdown does it (0011) | the tasks SGLang's shutdown leaves |
+| ``release_tail(batch, jobs, prepared, step)`` | ``kv_compaction.release_kv_tails`` for every request at once, offsets included (0008) | rows, slots, lengths and offsets (``step.forward``) rewritten here |
+| ``release_loop_tasks(engine)`` | nothing: SGLang's shutdown does it (0009) | the tasks SGLang's shutdown leaves |
 
 ``choose`` is called by the start-up checks (server_setup.check_sglang: the launcher,
 ``sgl_kara.Engine``, Kara's scheduler process) and ``current`` returns it from then on; a module
@@ -66,7 +66,10 @@ class Backend(abc.ABC):
     def observe_attention(self, forward): ...
 
     @abc.abstractmethod
-    def release_tail(self, batch, jobs, prepared, parts, staging) -> int: ...
+    def release_tail(self, batch, jobs, prepared, step) -> int:
+        """Apply ``prepared`` (its fresh slots filled) to ``jobs``' rows of ``batch``; ``step``:
+        the event's ``parts``, ``staging``, ``forward`` and device ``rows``. Returns the rows
+        dropped from each request."""
 
     @abc.abstractmethod
     def release_loop_tasks(self, engine) -> None: ...

@@ -30,15 +30,16 @@ class Hooks(Backend):
     def observe_attention(self, forward):
         return None  # the attention hook calls the forward context itself
 
-    def release_tail(self, batch, jobs, prepared, parts, staging) -> int:
+    def release_tail(self, batch, jobs, prepared, step) -> int:
         """Rows rewritten and the old slots freed by id, then the requests' and the batch's
-        lengths shrunk by what was dropped."""
-        dropped = prepared.commit(parts.req_to_token, parts.free_page_ids)
+        lengths shrunk and their rows' position offsets raised by what was dropped."""
+        dropped = prepared.commit(step.parts.req_to_token, step.parts.free_page_ids)
         if dropped:
             for job in jobs:
                 adapter.drop_rows(job.req, dropped)
             index = [job.index for job in jobs]
-            adapter.shrink_lengths(batch, index, dropped, staging.to_device(index))
+            adapter.shrink_lengths(batch, index, dropped, step.staging.to_device(index))
+            step.forward.add_offset(step.rows, dropped)
         return dropped
 
     def release_loop_tasks(self, engine) -> None:

@@ -10,8 +10,8 @@ from sgl_kara.backends import Backend, retraction_policy_name
 class ExtensionPoints(Backend):
     name = "extension points"
     hooked = False
-    runs_recompute = True  # 0010, its queries seen by the attention observers (0006)
-    asks_admission = True  # PrefillAdder.reserved_new_tokens (0012)
+    runs_recompute = True  # 0008's cached extend, seen by the observers (0006)
+    asks_admission = True  # PrefillAdder.reserved_new_tokens (0010)
 
     def touch_points(self) -> dict[str, str]:
         return {
@@ -33,12 +33,17 @@ class ExtensionPoints(Backend):
         """``forward``'s attention observer registered with SGLang (0006); its removal."""
         return adapter.register_attention_observer(forward.observer())
 
-    def release_tail(self, batch, jobs, prepared, parts, staging) -> int:
-        """Each request's rows, old slots and lengths through one SGLang call (0009)."""
-        for job, (start, slots, stop) in zip(jobs, prepared.ranges):
-            adapter.release_kv_tail(batch, job.index, start, slots, stop)
+    def release_tail(self, batch, jobs, prepared, step) -> int:
+        """Every request's rows, old slots, lengths and position offset through one SGLang
+        call (0008)."""
+        ranges = [
+            (job.index, start, slots, stop)
+            for job, (start, slots, stop) in zip(jobs, prepared.ranges)
+        ]
+        drops = adapter.release_kv_tails(batch, ranges)
         prepared.released()
+        assert all(d == prepared.dropped for d in drops), (drops, prepared.dropped)
         return prepared.dropped
 
     def release_loop_tasks(self, engine) -> None:
-        pass  # SGLang's shutdown releases them (0011)
+        pass  # SGLang's shutdown releases them (0009)

@@ -100,7 +100,7 @@ class PreparedCompaction:
     # per request (start, fresh slots, stop or None): rows [start, stop) (None: the whole tail)
     # replaced by the fresh slots, the rows after stop moved down -- the same change as
     # ``writes`` and ``old``, for an owner of the rows that applies it (SGLang's
-    # ``release_kv_tail``)
+    # ``kv_compaction.release_kv_tails``)
     ranges: list = None
     done: bool = False
 

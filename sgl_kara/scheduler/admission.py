@@ -17,7 +17,7 @@ admit more requests and compression would buy no throughput.
 ``charge(req, running)`` (the runtime's) is the ``max_new_tokens`` admission counts for a request:
 its output so far plus what its KV may still grow by (None: compression off for it, SGLang's own
 count applies). With the upstream series SGLang asks for it (``PrefillAdder.reserved_new_tokens``,
-patches/upstream 0012); on plain SGLang it is presented as the request's ``max_new_tokens`` for
+patches/upstream 0010); on plain SGLang it is presented as the request's ``max_new_tokens`` for
 the duration of SGLang's own accounting only.
 """
 
@@ -30,7 +30,7 @@ from sgl_kara import _sglang as adapter
 
 def make_prefill_adder(base, charge, asks: bool = False):
     """SGLang's prefill adder ``base`` charging each request ``charge(req, running)``: through
-    its ``reserved_new_tokens`` where SGLang asks for it (``asks``: the series' 0012), else by
+    its ``reserved_new_tokens`` where SGLang asks for it (``asks``: the series' 0010), else by
     presenting the charge as ``max_new_tokens`` around its two accounting calls."""
     if asks:
 

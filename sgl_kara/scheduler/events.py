@@ -45,6 +45,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -58,6 +59,16 @@ from sgl_kara.memory_plan import event_chunk
 from sgl_kara.scheduler.spread import ScoringJob
 
 logger = logging.getLogger(__name__)
+
+
+class ReleaseStep(NamedTuple):
+    """What the backend's tail release may need of the event: the pools, the staging, the
+    forward context (position offsets) and the requests' rows on the device."""
+
+    parts: object
+    staging: object
+    forward: object
+    rows: torch.Tensor
 
 
 class EventRunner:
@@ -315,9 +326,8 @@ class EventRunner:
     def _commit(self, batch, jobs, rows, prepared, relaid, records) -> int:
         """Index writes and host bookkeeping only: SGLang's rows, slots and lengths (the
         backend's tail release), then Kara's state. Returns the rows dropped from each."""
-        dropped = self.backend.release_tail(
-            batch, jobs, prepared, self.parts, self.staging
-        )
+        step = ReleaseStep(self.parts, self.staging, self.forward, rows)
+        dropped = self.backend.release_tail(batch, jobs, prepared, step)
         keep = jobs[0].region.keep
         for b, j in enumerate(jobs):
             if relaid[b] is not None:
@@ -328,8 +338,6 @@ class EventRunner:
             j.state.pos_offset += dropped
             j.state.frontier = j.region.start + keep
             j.state.compressions += 1
-        if dropped:
-            self.forward.add_offset(rows, dropped)
         self.stats.requests_compressed += len(jobs)
         self.stats.tokens_dropped += dropped * len(jobs)
         return dropped

@@ -13,7 +13,7 @@ carry over, extra attributes would not, so the per-forward side data lives here:
 
 Where SGLang has the extension points (patches/upstream) the same work runs through them and no
 hook is registered (plugin.serving_hooks): SGLang adds each row's offset to positions itself
-(0008: ``offsets`` is then SGLang's tensor, which Kara keeps at every row's ``pos_offset``);
+(0008: ``offsets`` is then SGLang's tensor, which its tail release raises by each drop);
 ``KaraObserver`` (0006) is called before each eager attention layer (recompute: the layer's
 queries scored) and after it (decode: queries to the ring, the policy's observer), reading the
 forward's rows, positions and requests from the forward batch; the recompute forward is SGLang's
@@ -104,7 +104,7 @@ class ForwardContext:
     # -- the recompute pass ---------------------------------------------------------------
     @contextlib.contextmanager
     def scoring_pass(self, scoring, batch):
-        """A recompute forward of ``batch`` (None: one SGLang builds, patches/upstream 0010)
+        """A recompute forward of ``batch`` (None: one SGLang builds, patches/upstream 0008)
         feeds ``scoring`` for the duration."""
         self.scoring, self.scoring_batch = scoring, batch
         try:

@@ -84,7 +84,7 @@ def replica_stats(runtime) -> dict:
         "backend": runtime.backend.name,
         "touch_points": runtime.backend.touch_points(),
         "hooks": list(STATE.hooks),
-        # recompute forwards: built and run by SGLang (patches/upstream 0010) or by sgl_kara
+        # recompute forwards: built and run by SGLang (patches/upstream 0008) or by sgl_kara
         "recompute_forwards": dict(runtime.scorer.forwards),
     }
 

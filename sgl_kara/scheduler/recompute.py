@@ -51,7 +51,7 @@ def extend_rows(
 ):
     """(``ExtendRows`` of ``n`` query tokens of each job from physical row ``q_lo[b]``, the
     window's pool slots [B * n]) -- from host data, staged to the device. ``kv_cached``: SGLang
-    runs the extend over cached K/V and writes none (the series' 0007 / 0010)."""
+    runs the extend over cached K/V and writes none (the series' 0007 / 0008)."""
     ids, positions, seq = [], [], []
     for j, lo_row in zip(jobs, q_lo):
         lo = lo_row + j.state.pos_offset

@@ -105,7 +105,7 @@ class Scorer:
         self.staging, self.check = shared.staging, shared.check
         self.heads = heads
         self.forward = forward
-        # SGLang builds and runs the recompute forward itself (patches/upstream 0010) where
+        # SGLang builds and runs the recompute forward itself (patches/upstream 0008) where
         # its observers see the queries and the extend writes no K/V (0006, 0007)
         self.sglang_runs_recompute = shared.backend.runs_recompute
         # recompute forwards run, by who built them (/server_info)
