@@ -1,5 +1,6 @@
 """The long-answer workload: requests of several problems, split and graded per problem. Pure."""
 
+import os
 from fractions import Fraction
 from types import SimpleNamespace
 
@@ -13,6 +14,8 @@ from bench.reasoning.long_answers import (
     kara_replay,
     summarize,
 )
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _problems(n):
@@ -616,6 +619,66 @@ def test_a_sweep_runs_every_ratio_of_a_configuration_in_one_engine(
     engines.clear()
     long_answers.main([*argv[:-1], "--ratios", "0.3", "0.5"])
     assert [ln.name for ln in engines[0][1]] == ["kara_r0.5"]
+
+
+def test_together_answers_kara_and_its_variants_in_one_engine(tmp_path, monkeypatch):
+    """--together: one engine serving kara_together, a lane per configuration whose requests name
+    their variant by a retention tag; each finalized under its own name and options; anything
+    that cannot share Kara's engine is refused before the model is read."""
+    from support import policy_registry_restored
+
+    from bench.reasoning import configs, gsm8k
+
+    monkeypatch.setenv(configs.POLICY_FILES, "")
+    monkeypatch.setattr(gsm8k, "model_path", lambda model: "unused")
+    monkeypatch.setattr(long_answers, "build_requests", lambda args: [_problems(2)])
+    monkeypatch.setattr(long_answers, "chat_prompts", lambda reqs, path: [[1, 2, 3]])
+    monkeypatch.setattr(long_answers, "report", lambda args: [])
+    engines, finalized = [], []
+    monkeypatch.setattr(
+        long_answers,
+        "run_lanes",
+        lambda lanes, opts, *a, **k: engines.append((opts, lanes)),
+    )
+    monkeypatch.setattr(
+        long_answers,
+        "finalize",
+        lambda config, requests, args, opts: finalized.append((config, opts)),
+    )
+    files = [
+        x
+        for f in ("kara_redundancy.py", "kara_global.py", "kara_structure.py")
+        for x in ("--policy-file", os.path.join(ROOT, "bench", "policies", f))
+    ]
+    argv = ["--out", str(tmp_path), "--model", "tiny", "--together", *files]
+    with policy_registry_restored():
+        long_answers.main(
+            [*argv, "--configs", "kara", "kara_redundancy", "kara_global"]
+        )
+        ((opts, lanes),) = engines
+        assert opts["kara_policy"] == "kara_together"
+        assert opts["kara_together_variants"] == "kara_redundancy,kara_global"
+        assert opts["kara_together_retention"] == 0.2
+        assert [ln.name for ln in lanes] == [
+            "kara_r0.2",
+            "kara_redundancy_r0.2",
+            "kara_global_r0.2",
+        ]
+        tags = [ln.per_request[0]["retention"] for ln in lanes]
+        assert tags == [0.2, 0.2001, 0.2002]
+        assert [(c, o["kara_policy"]) for c, o in finalized] == [
+            ("kara", "kara"),
+            ("kara_redundancy", "kara_redundancy"),
+            ("kara_global", "kara_global"),
+        ]
+        assert all(o["together"] == opts for _, o in finalized)
+        engines.clear()
+        for bad in (["full", "kara_global"], ["kara"], ["kara_structure"]):
+            with pytest.raises(SystemExit):
+                long_answers.main([*argv, "--configs", *bad])
+        with pytest.raises(SystemExit):
+            long_answers.main([*argv, "--ratios", "0.3", "--configs", "kara_global"])
+        assert not engines
 
 
 def test_a_sweep_refuses_what_has_no_per_request_ratio(tmp_path):

@@ -1152,7 +1152,9 @@ def together_options(args) -> tuple[dict, list[str]]:
         raise SystemExit(
             f"--together: {', '.join(bad) or 'kara alone'}: give kara and Kara variants"
         )
-    opts, _ = engine_options("kara_together", args, None)
+    opts = _common(
+        configs.engine_options("kara_together", kara_schedule(args))[0], args
+    )
     opts["kara_together_variants"] = ",".join(variants)
     cls = configs.registry().policy_class("kara_together")
     try:
@@ -1215,6 +1217,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return report(args)
     args.model_path = gsm8k.model_path(args.model)
     args.configs = args.configs or default_configs()
+    if args.together:
+        together_options(args)  # refused here, before the model is read
 
     from bench.reasoning import data
     from bench.record import RunRecord
