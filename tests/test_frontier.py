@@ -85,6 +85,7 @@ def test_points_pair_with_full_kv_per_workload_and_pooled(tmp_path):
     assert "vs_kara" not in k2 and "vs_kara" not in table["kara_r0.5"]
     vs = table["rkv_r0.2"]["vs_kara"]
     assert (vs["won"], vs["lost"], vs["diff"]) == (11, 0, pytest.approx(11 / 20))
+    assert table["rkv_r0.2"]["vs_kara_on"] == "pooled"
     # r 0.5 loses 5 points [-14.6, +4.6]: not within a 5-point lower bound; r 0.2 neither
     kara = [r for r in table.values() if r["point"].policy == "kara"]
     best, closest = frontier.preset(kara, 0.02, 0.05)
@@ -111,7 +112,10 @@ def test_a_point_on_one_workload_is_no_candidate_and_the_command_writes_both_fil
     out = tmp_path / "out"
     table = frontier.main(["--independent", ind, "--out", str(out)])
     assert all("pooled" not in r for r in table)
+    rkv = next(r for r in table if r["point"].name == "rkv_r0.3")
+    assert rkv["vs_kara_on"] == "independent" and rkv["vs_kara"]["diff"] == 0
     text = (out / "frontier.md").read_text()
+    assert "(independent only)" in text
     assert "No point is measured on both workloads yet" in text
     assert "| kara W 512 r 0.3 | 5/10 | +0.0" in text
     assert (out / "frontier.png").read_bytes()[:4] == b"\x89PNG"

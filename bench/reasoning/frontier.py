@@ -123,7 +123,8 @@ def cell(full: dict, results: list[tuple[str, dict]]) -> dict:
 
 def rows(full: dict, points: dict[str, Point]) -> list[dict]:
     """One row per point: its cells per workload and pooled (where both were measured), and the
-    pooled paired difference against Kara at the same r (``vs_kara``, where Kara ran both)."""
+    paired difference against Kara at the same r (``vs_kara``) over the workloads both measured
+    (``vs_kara_on``: pooled when both, else the one)."""
     out = []
     for point in points.values():
         row = {"point": point}
@@ -131,15 +132,13 @@ def rows(full: dict, points: dict[str, Point]) -> list[dict]:
             if w in point.results and w in full:
                 row[w] = cell(full, [(w, point.results[w])])
         if all(w in row for w in WORKLOADS):
-            both = [(w, point.results[w]) for w in WORKLOADS]
-            row["pooled"] = cell(full, both)
-            kara = points.get(f"kara_r{point.ratio:g}")
-            if (
-                kara is not None
-                and kara is not point
-                and set(kara.results) >= set(WORKLOADS)
-            ):
-                row["vs_kara"] = cell(kara.results, both)
+            row["pooled"] = cell(full, [(w, point.results[w]) for w in WORKLOADS])
+        kara = points.get(f"kara_r{point.ratio:g}") if point.ratio else None
+        shared = [] if kara in (None, point) else [w for w in WORKLOADS if w in row]
+        shared = [w for w in shared if w in kara.results]
+        if shared:
+            row["vs_kara"] = cell(kara.results, [(w, point.results[w]) for w in shared])
+            row["vs_kara_on"] = "pooled" if len(shared) == len(WORKLOADS) else shared[0]
         out.append(row)
     out.sort(key=lambda r: (r["point"].line, r["point"].ratio or 0))
     return out
@@ -177,6 +176,11 @@ def _versus(c: dict | None) -> str:
     )
 
 
+def _on(row: dict) -> str:
+    on = row.get("vs_kara_on")
+    return "" if on in (None, "pooled") else f" ({on} only)"
+
+
 def markdown(full: dict, table: list[dict], max_loss: float, max_low: float) -> str:
     cols = [w for w in (*WORKLOADS, "pooled") if any(w in r for r in table)]
     head = "| configuration | " + " | ".join(
@@ -184,7 +188,7 @@ def markdown(full: dict, table: list[dict], max_loss: float, max_low: float) -> 
         f"{w}: generated KV mean / final"
         for w in cols
     )
-    head += " | pooled: vs Kara at the same r, points [95%] (won / lost, p)"
+    head += " | vs Kara at the same r, points [95%] (won / lost, p): pooled, else the workload"
     lines = [head + " |", "|---|" + "---|---|---|" * len(cols) + "---|"]
     full_cells = []
     for w in cols:
@@ -203,7 +207,7 @@ def markdown(full: dict, table: list[dict], max_loss: float, max_low: float) -> 
         lines.append(
             f"| {r['point'].label} | "
             + " | ".join(_cell_text(r.get(w)) for w in cols)
-            + f" | {_versus(r.get('vs_kara'))} |"
+            + f" | {_versus(r.get('vs_kara'))}{_on(r)} |"
         )
     best, closest = preset(table, max_loss / 100, max_low / 100)
     lines.append("")
