@@ -12,7 +12,7 @@ def _result(
     config, ratio, workload, correct, kv_mean, kv_final, tokens=1001, window=256
 ):
     """One request per problem (ids 0..n-1), each ``tokens`` long."""
-    name = "full" if config == "full" else f"{config}_r{ratio:g}"
+    name = "full" if config == "full" else f"{config}_r{ratio:g}"  # the harness's name
     reqs = [
         {
             "request": i,
@@ -109,13 +109,22 @@ def test_a_point_on_one_workload_is_no_candidate_and_the_command_writes_both_fil
         _result("rkv", 0.3, "independent", full_i, 200, 300),
         _result("kara", 0.3, "independent", full_i, 200, 300, window=512),
     )
+    _write(  # the W 512 runs in a directory of their own: the same names
+        tmp_path,
+        "w512",
+        _result("rkv", 0.3, "independent", [True] * 10, 200, 300, window=512),
+    )
     out = tmp_path / "out"
-    table = frontier.main(["--independent", ind, "--out", str(out)])
+    w512 = str(tmp_path / "w512")
+    table = frontier.main(["--independent", ind, w512, "--out", str(out)])
     assert all("pooled" not in r for r in table)
     rkv = next(r for r in table if r["point"].name == "rkv_r0.3")
-    assert rkv["vs_kara_on"] == "independent" and rkv["vs_kara"]["diff"] == 0
+    assert "vs_kara" not in rkv  # Kara ran at W 512 only
+    rkv = next(r for r in table if r["point"].name == "rkv_w512_r0.3")
+    assert rkv["vs_kara_on"] == "independent" and rkv["vs_kara"]["won"] == 5
     text = (out / "frontier.md").read_text()
-    assert "(independent only)" in text
+    assert "| rkv r 0.3 | 5/10 | +0.0" in text
+    assert "(5 / 0, p 0.062) (independent only) |" in text
     assert "No point is measured on both workloads yet" in text
     assert "| kara W 512 r 0.3 | 5/10 | +0.0" in text
     assert (out / "frontier.png").read_bytes()[:4] == b"\x89PNG"

@@ -47,13 +47,25 @@ class Point:
     def label(self) -> str:
         if self.policy == "full":
             return "full KV"
-        w = "" if self.window in (None, 256) else f" W {self.window}"
+        w = "" if self.window in (None, WINDOW) else f" W {self.window}"
         return f"{self.policy}{w} r {self.ratio:g}"
 
     @property
     def line(self) -> str:
         """The plot's line: a policy at one window."""
         return self.label.rsplit(" r ", 1)[0]
+
+
+WINDOW = 256  # Kara's W named in no point's key or label
+
+
+def point_key(config: str, ratio: float | None, window: int | None) -> str:
+    """A point's name: its configuration, Kara's W where it is not 256, its r (``kara_r0.3``,
+    ``kara_w512_r0.2``; full KV: ``full``)."""
+    if config == "full":
+        return "full"
+    w = "" if window in (None, WINDOW) else f"_w{window}"
+    return f"{config}{w}_r{ratio:g}"
 
 
 def load(dirs: dict[str, list[str]]) -> tuple[dict[str, dict], dict[str, Point]]:
@@ -74,10 +86,11 @@ def load(dirs: dict[str, list[str]]) -> tuple[dict[str, dict], dict[str, Point]]
                 opts = res.get("engine_options") or {}
                 window = (res.get("kara_schedule") or {}).get("window")
                 window = window or opts.get("kara_window")
-                point = Point(name, res["config"], res.get("ratio"), window)
-                point = points.setdefault(name, point)
+                key = point_key(res["config"], res.get("ratio"), window)
+                point = Point(key, res["config"], res.get("ratio"), window)
+                point = points.setdefault(key, point)
                 if workload in point.results:
-                    raise ValueError(f"{workload}: {name} found twice ({path})")
+                    raise ValueError(f"{workload}: {key} found twice ({path})")
                 point.results[workload] = res
     return full, points
 
@@ -123,7 +136,7 @@ def cell(full: dict, results: list[tuple[str, dict]]) -> dict:
 
 def rows(full: dict, points: dict[str, Point]) -> list[dict]:
     """One row per point: its cells per workload and pooled (where both were measured), and the
-    paired difference against Kara at the same r (``vs_kara``) over the workloads both measured
+    paired difference against Kara at the same W and r (``vs_kara``) over the workloads both measured
     (``vs_kara_on``: pooled when both, else the one)."""
     out = []
     for point in points.values():
@@ -133,7 +146,7 @@ def rows(full: dict, points: dict[str, Point]) -> list[dict]:
                 row[w] = cell(full, [(w, point.results[w])])
         if all(w in row for w in WORKLOADS):
             row["pooled"] = cell(full, [(w, point.results[w]) for w in WORKLOADS])
-        kara = points.get(f"kara_r{point.ratio:g}") if point.ratio else None
+        kara = points.get(point_key("kara", point.ratio, point.window))
         shared = [] if kara in (None, point) else [w for w in WORKLOADS if w in row]
         shared = [w for w in shared if w in kara.results]
         if shared:
