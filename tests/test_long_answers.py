@@ -573,22 +573,18 @@ def test_a_resumed_run_with_every_configuration_done_runs_nothing_and_records_no
     assert json.loads((tmp_path / "run.json").read_text())["notes"]["requests"] == 1
 
 
-def test_a_sweep_runs_every_ratio_of_a_configuration_in_one_engine(
-    tmp_path, monkeypatch
-):
-    """--ratios: one engine per configuration, one lane per r (its requests pinned at that r per
-    request), each finalized under its own name; an r already done is not run again."""
+def _no_engine(monkeypatch):
+    """The harness's main with no model and no engine: ([(engine options, lanes)], [(config,
+    r, options finalized)]) as it would run them."""
     from bench.reasoning import gsm8k
 
     monkeypatch.setattr(gsm8k, "model_path", lambda model: "unused")
     monkeypatch.setattr(long_answers, "build_requests", lambda args: [_problems(2)])
     monkeypatch.setattr(long_answers, "chat_prompts", lambda reqs, path: [[1, 2, 3]])
-    engines, finalized = [], []
     monkeypatch.setattr(long_answers, "report", lambda args: [])
+    engines, finalized = [], []
     monkeypatch.setattr(
-        long_answers,
-        "run_lanes",
-        lambda lanes, opts, *a, **k: engines.append((opts, lanes)),
+        long_answers, "run_lanes", lambda ln, opts, *a, **k: engines.append((opts, ln))
     )
     monkeypatch.setattr(
         long_answers,
@@ -597,6 +593,15 @@ def test_a_sweep_runs_every_ratio_of_a_configuration_in_one_engine(
             (config, args.ratio, opts)
         ),
     )
+    return engines, finalized
+
+
+def test_a_sweep_runs_every_ratio_of_a_configuration_in_one_engine(
+    tmp_path, monkeypatch
+):
+    """--ratios: one engine per configuration, one lane per r (its requests pinned at that r per
+    request), each finalized under its own name; an r already done is not run again."""
+    engines, finalized = _no_engine(monkeypatch)
     argv = ["--out", str(tmp_path), "--model", "tiny", "--configs", "kara", "snapkv"]
     long_answers.main([*argv, "--ratios", "0.3", "0.5"])
     assert len(engines) == 2  # one engine per configuration
@@ -627,24 +632,10 @@ def test_together_answers_kara_and_its_variants_in_one_engine(tmp_path, monkeypa
     that cannot share Kara's engine is refused before the model is read."""
     from support import policy_registry_restored
 
-    from bench.reasoning import configs, gsm8k
+    from bench.reasoning import configs
 
     monkeypatch.setenv(configs.POLICY_FILES, "")
-    monkeypatch.setattr(gsm8k, "model_path", lambda model: "unused")
-    monkeypatch.setattr(long_answers, "build_requests", lambda args: [_problems(2)])
-    monkeypatch.setattr(long_answers, "chat_prompts", lambda reqs, path: [[1, 2, 3]])
-    monkeypatch.setattr(long_answers, "report", lambda args: [])
-    engines, finalized = [], []
-    monkeypatch.setattr(
-        long_answers,
-        "run_lanes",
-        lambda lanes, opts, *a, **k: engines.append((opts, lanes)),
-    )
-    monkeypatch.setattr(
-        long_answers,
-        "finalize",
-        lambda config, requests, args, opts: finalized.append((config, opts)),
-    )
+    engines, finalized = _no_engine(monkeypatch)
     files = [
         x
         for f in ("kara_redundancy.py", "kara_global.py", "kara_structure.py")
@@ -666,12 +657,12 @@ def test_together_answers_kara_and_its_variants_in_one_engine(tmp_path, monkeypa
         ]
         tags = [ln.per_request[0]["retention"] for ln in lanes]
         assert tags == [0.2, 0.2001, 0.2002]
-        assert [(c, o["kara_policy"]) for c, o in finalized] == [
+        assert [(c, o["kara_policy"]) for c, _, o in finalized] == [
             ("kara", "kara"),
             ("kara_redundancy", "kara_redundancy"),
             ("kara_global", "kara_global"),
         ]
-        assert all(o["together"] == opts for _, o in finalized)
+        assert all(o["together"] == opts for *_, o in finalized)
         engines.clear()
         for bad in (["full", "kara_global"], ["kara"], ["kara_structure"]):
             with pytest.raises(SystemExit):
