@@ -234,10 +234,13 @@ def test_together_refuses_what_cannot_share_karas_engine(variants):
         with pytest.raises(OptionError) as e:
             cls(tg.TogetherOptions(**opts, variants=names))
         assert e.value.field == "variants", names
-    # 11.999 / 56 keeps 12 of 56 rows; its tag 1 would keep 13
+    # 0.25 keeps 14 of 56 rows; its tag 1 (0.2501) would keep 15
     with pytest.raises(OptionError) as e:
-        tg.TogetherOptions(**dict(opts, retention=11.999 / 56), variants="kara_global")
+        tg.TogetherOptions(**dict(opts, retention=0.25), variants="kara_global")
     assert "changes K" in str(e.value)
+    # a retention with a fourth decimal cannot carry tags
+    with pytest.raises(OptionError, match="multiple of 0.001"):
+        tg.TogetherOptions(**dict(opts, retention=0.2004), variants="kara_global")
     st = _State()
     st.request["retention"] = 0.2005  # tag 5 of one variant
     pol = cls(tg.TogetherOptions(**opts, variants="kara_global"))
@@ -245,3 +248,97 @@ def test_together_refuses_what_cannot_share_karas_engine(variants):
 
     with pytest.raises(ValueError, match="names no variant"):
         pol.region(RowView(40, 40, 40 + 64, 0, st))
+
+
+def _matched_rows(tags, p=40):
+    """RowViews of threshold requests matched to Kara (W 64, U 8, r 0.2, delta 8), request i
+    naming baseline ``tags[i]`` by its match_kara retention, each past Kara's target."""
+    from bench.policies.kara_together import retention_of
+    from sgl_kara.policies.base import RowView
+
+    rows = []
+    for i, tag in enumerate(tags):
+        st = _State()
+        spec = dict(window=64, buffer=8, retention=retention_of(0.2, tag), period=8)
+        st.request["match_kara"] = dict(spec, recent=0)
+        length = p + 120 + 7 * (i % 2)
+        rows.append(RowView(p, p + 20, length, 0, st))
+    return rows
+
+
+def test_threshold_together_serves_each_request_as_its_baseline_alone(variants):
+    """R-KV and SnapKV requests matched to Kara in one batch: each one's region and score are
+    those of an engine of its own baseline (its window min(its default, the engine's)), and its
+    kept rows are Kara's target whatever its tag."""
+    from sgl_kara.policies.base import ScoreInput
+    from sgl_kara.policies.threshold import target
+
+    *_, tg = variants
+    pol = base.policy_class("threshold_together")(
+        tg.ThresholdTogetherOptions(
+            window=8, budget=16, threshold=72, variants="rkv,snapkv"
+        )
+    )
+    rkv, snap = base.policy_class("rkv"), base.policy_class("snapkv")
+    alone = [
+        rkv(rkv.Options(window=8, budget=16, threshold=72)),
+        snap(snap.Options(window=8, budget=16, threshold=72)),
+    ]
+    tags = [0, 1, 1, 0, 1, 0]
+    rows = _matched_rows(tags)
+    regions = [pol.region(r) for r in rows]
+    assert all(reg is not None for reg in regions)
+    for r, t, reg in zip(rows, tags, regions):
+        assert reg == alone[t].region(r)
+        assert reg.start + reg.keep + 8 == r.protected + target(r)
+    assert target(rows[0]) == target(_matched_rows([0])[0]) == target(rows[4])
+    g = torch.Generator().manual_seed(1)
+    s, h_kv, h_q, d = 400, 2, 4, 16
+    k_buffer = torch.randn(s, h_kv, d, generator=g)
+    shapes = {}
+    for b, reg in enumerate(regions):
+        shapes.setdefault(reg.shape, []).append(b)
+    assert any(len({tags[b] for b in idx}) > 1 for idx in shapes.values())
+    for idx in shapes.values():
+        m, _, q = regions[idx[0]].shape
+        slots = torch.stack([torch.randperm(s, generator=g)[:m] for _ in idx])
+        queries = torch.randn(len(idx), q, h_q, d, generator=g)
+        rows_b = [rows[b] for b in idx]
+        regs = [regions[b] for b in idx]
+        got = pol.score(ScoreInput(0, queries, k_buffer, slots, rows_b, regs))
+        for n, b in enumerate(idx):
+            one = ScoreInput(
+                0,
+                queries[n : n + 1],
+                k_buffer,
+                slots[n : n + 1],
+                [rows[b]],
+                [regions[b]],
+            )
+            want = alone[tags[b]].score(one)
+            assert torch.allclose(got[n : n + 1], want, rtol=1e-6, atol=1e-7)
+    # R-KV's default window is 8: with the engine's window 32 it keeps its own 8
+    wide = base.policy_class("threshold_together")(
+        tg.ThresholdTogetherOptions(
+            window=32, budget=40, threshold=96, variants="rkv,snapkv"
+        )
+    )
+    assert [v.options.window for v in wide.variants] == [8, 32]
+
+
+def test_threshold_together_refuses_what_cannot_share_its_engine(variants):
+    *_, tg = variants
+    cls = base.policy_class("threshold_together")
+    opts = dict(window=8, budget=16, threshold=72)
+    for names in ("kara", "h2o", "nothing", "threshold_together", "", "rkv," * 6):
+        with pytest.raises(OptionError) as e:
+            cls(tg.ThresholdTogetherOptions(**opts, variants=names))
+        assert e.value.field == "variants", names
+    pol = cls(tg.ThresholdTogetherOptions(**opts, variants="rkv"))
+    from sgl_kara.policies.base import RowView
+
+    (row,) = _matched_rows([1])  # tag 1 of one baseline
+    with pytest.raises(ValueError, match="names no variant"):
+        pol.region(row)
+    with pytest.raises(ValueError, match="match_kara"):
+        pol.region(RowView(40, 40, 200, 0, _State()))

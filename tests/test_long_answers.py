@@ -1,6 +1,7 @@
 """The long-answer workload: requests of several problems, split and graded per problem. Pure."""
 
 import os
+import sys
 from fractions import Fraction
 from types import SimpleNamespace
 
@@ -669,6 +670,86 @@ def test_together_answers_kara_and_its_variants_in_one_engine(tmp_path, monkeypa
                 long_answers.main([*argv, "--configs", *bad])
         with pytest.raises(SystemExit):
             long_answers.main([*argv, "--ratios", "0.3", "--configs", "kara_global"])
+        assert not engines
+
+
+def test_together_answers_threshold_baselines_in_one_engine(tmp_path, monkeypatch):
+    """--together with threshold baselines: one threshold_together engine, each baseline's
+    requests matched to Kara at r with a retention tag naming it; --check-ratio checks the first
+    baseline at another r against an engine of its own."""
+    import gzip
+    import json
+
+    from support import policy_registry_restored
+
+    from bench.reasoning import configs
+
+    monkeypatch.setenv(configs.POLICY_FILES, "")
+    # imported afresh, so that it registers in the registry restored below
+    monkeypatch.delitem(sys.modules, "kara_bench_policy_kara_together", raising=False)
+    engines, finalized = _no_engine(monkeypatch)
+    ref = tmp_path / "alone"
+    ref.mkdir()
+    long_answers.write_result(
+        str(ref / "rkv_r0.2.json.gz"), {"requests": [{"problems": [0, 1]}]}
+    )
+    with gzip.open(ref / "rkv_r0.2.answers.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"request": 0, "text": "x"}) + "\n")
+    argv = ["--out", str(tmp_path / "out"), "--model", "tiny", "--together"]
+    with policy_registry_restored():
+        long_answers.main(
+            [*argv, "--ratio", "0.4", "--configs", "rkv", "snapkv"]
+            + [
+                "--check-from",
+                str(ref),
+                "--check-ratio",
+                "0.2",
+                "--check-requests",
+                "1",
+            ]
+        )
+        ((opts, lanes),) = engines
+        assert opts["kara_policy"] == "threshold_together"
+        assert opts["kara_threshold_together_variants"] == "rkv,snapkv"
+        assert opts["kara_threshold_together_window"] == 32  # min(default, U)
+        assert [ln.name for ln in lanes] == [
+            "rkv_r0.4",
+            "snapkv_r0.4",
+            "check-rkv_r0.2",
+        ]
+        specs = [ln.per_request[0]["match_kara"] for ln in lanes]
+        assert [s["retention"] for s in specs] == [0.4, 0.4001, 0.2]
+        assert all(
+            s
+            == dict(
+                window=256, buffer=32, period=32, recent=0, retention=s["retention"]
+            )
+            for s in specs
+        )
+        assert [(c, r, o["kara_policy"]) for c, r, o in finalized] == [
+            ("rkv", 0.4, "rkv"),
+            ("snapkv", 0.4, "snapkv"),
+        ]
+        assert all(o["together"] == opts for *_, o in finalized)
+        engines.clear()
+        # a baseline beside kara, a tag that changes K, a check ratio without a check
+        for bad in (
+            ["--configs", "kara", "rkv"],
+            [
+                "--ratio",
+                "0.25",
+                "--window",
+                "64",
+                "--buffer",
+                "8",
+                "--configs",
+                "rkv",
+                "snapkv",
+            ],
+            ["--check-ratio", "0.2", "--configs", "rkv", "snapkv"],
+        ):
+            with pytest.raises(SystemExit):
+                long_answers.main([*argv, *bad])
         assert not engines
 
 

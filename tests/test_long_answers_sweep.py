@@ -110,3 +110,34 @@ def _answers(out, name: str) -> dict:
     from bench.reasoning.long_answers import answer_texts
 
     return answer_texts(str(out), name)
+
+
+@pytest.mark.slow
+@pytest.mark.harness
+def test_threshold_baselines_answer_alike_together(tiny_llama, tmp_path):
+    """R-KV and SnapKV matched to Kara, answered in one engine (``--together``): each gives the
+    answers and the KV of its own engine; the first asked at another r beside them (the batching
+    check) answers as its own engine at that r."""
+    alone, together = tmp_path / "alone", tmp_path / "together"
+    base = ["rkv", "snapkv"]
+    _harness(alone, *("--model", tiny_llama, "--ratio", "0.3"), configs=base)
+    _harness(alone, *("--model", tiny_llama, "--ratio", "0.6"), configs=["rkv"])
+    _harness(
+        together,
+        *("--model", tiny_llama, "--ratio", "0.3", "--together"),
+        *("--check-from", str(alone), "--check-ratio", "0.6", "--check-requests", "1"),
+        configs=base,
+    )
+    t = trajectory(Schedule(32, 8, 0.3, 4), 120)
+    for tag, name in enumerate(base):
+        res = gsm8k.load_result(str(together), f"{name}_r0.3")
+        assert res["engine_options"]["together"]["kara_policy"] == "threshold_together"
+        spec = [q["custom"]["match_kara"]["retention"] for q in res["requests"]]
+        assert spec == [round(0.3 + tag * 1e-4, 6)] * 2
+        assert _answers(together, f"{name}_r0.3") == _answers(alone, f"{name}_r0.3")
+        assert any(q["compressions"] > 0 for q in res["requests"])
+        for q in res["requests"]:
+            g = q["completion_tokens"]
+            assert (q["kv_final"], q["kv_peak"]) == (t.final(g), t.peak_kv(g))
+    check = json.loads((together / "batching-check.json").read_text())["rkv_r0.6"]
+    assert check["same_text"] == [0], check

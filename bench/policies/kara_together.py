@@ -1,25 +1,31 @@
-"""Kara and variants of it in one engine, each request served by the one it names (a benchmark
-device for the long-answer harness's ``--together``, not a policy to serve).
+"""Policies that differ only in region and score, in one engine, each request served by the one it
+names (a benchmark device for the long-answer harness's ``--together``, not a policy to serve).
 
 Why
     Decode on this CPU is bound by reading the weights: answering two policies' requests in one
-    engine costs far less than two engines, but an engine serves one policy. This one is Kara
-    (schedule, admission footprint, selection) whose region and score are those of the variant
-    each request names.
+    engine costs far less than two engines, but an engine serves one policy. ``kara_together`` is
+    Kara (schedule, admission footprint, selection) with the region and score of the variant each
+    request names; ``threshold_together`` is the threshold baselines' schedule matched to Kara
+    (policies/threshold.py) with the region and score of the baseline each request names.
 
 How a request names its variant
-    By its retention: a request of variant i (1-based in ``variants``) asks r + i * TAG, a request
-    asking r itself (or nothing) is Kara's. K = ceil(r (W - U)) is the same at every tag (checked
-    when the options are built, for every variant), and nothing else reads r, so each request
-    keeps exactly the entries it keeps in an engine of its own variant.
+    By the digit its Kara retention carries below 0.001: r + i * TAG names variant i, for r a
+    multiple of 0.001 (``retention`` for kara_together: 0 is Kara itself, 1... its ``variants``;
+    ``match_kara.retention`` for threshold_together: 0... its ``variants``). K = ceil(r (W - U)) is
+    the same at every tag (``check_tags``), and nothing else reads r, so each request keeps
+    exactly the entries it keeps in an engine of its own variant.
 
 Which policies mix
-    Registered subclasses of Kara that keep its schedule and its selection and read no tokens:
-    they change the region (kara_global) or the score (kara_redundancy). Any other is refused,
-    naming the field. Run with whole events (the harness's ``--kara-spread off``).
+    kara_together: registered subclasses of Kara that keep its schedule and selection and read no
+    tokens (kara_global changes the region, kara_redundancy the score). threshold_together:
+    registered threshold baselines that keep its schedule and top-K selection and observe no
+    decode (rkv, snapkv, streaming), each with the window the harness gives it alone
+    (min(its default, the engine's ``window``)). Any other is refused, naming the field. Run with
+    whole events (the harness's ``--kara-spread off``).
 
-Parameters: Kara's (flags --kara-together-<name>), and
-    variants   comma-separated registered policies, in tag order (none: Kara alone)
+Parameters: Kara's or the threshold's (flags --kara-together-<name>, --kara-threshold_together-
+<name>), and
+    variants   comma-separated registered policies, in tag order
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch
 
 from sgl_kara.policies.base import (
     OptionError,
+    Policy,
     Region,
     RowView,
     ScoreInput,
@@ -40,13 +47,127 @@ from sgl_kara.policies.base import (
     request_option,
 )
 from sgl_kara.policies.kara import KaraOptions, KaraPolicy, KaraSchedule, kept_count
+from sgl_kara.policies.threshold import (
+    ThresholdOptions,
+    ThresholdPolicy,
+    ThresholdSchedule,
+)
 
 TAG = 1e-4  # retention step between variants: far below 1 / (W - U) for any W <= 1,000
+TAGS = 5  # tags 0..4 below each 0.001
 
 
 def retention_of(retention: float, tag: int) -> float:
-    """The per-request retention by which a request names variant ``tag`` (0: Kara)."""
+    """The retention by which a request names variant ``tag`` (``retention``: a multiple of
+    0.001)."""
     return round(retention + tag * TAG, 6)
+
+
+def tag_of(retention: float) -> int:
+    """The variant a request's retention names; ValueError when it names none."""
+    base = round(retention, 3)
+    tag = round((retention - base) / TAG)
+    if not 0 <= tag < TAGS or retention_of(base, tag) != round(retention, 6):
+        raise ValueError(
+            f"retention {retention} names no variant (r + i * {TAG}, r a multiple of 0.001, "
+            f"i in [0, {TAGS - 1}])"
+        )
+    return tag
+
+
+def check_tags(compressible: int, retention: float, tags: int, value) -> None:
+    """OptionError naming ``variants`` unless r is a multiple of 0.001 and every tag below
+    ``tags`` keeps Kara's K = ceil(r (W - U))."""
+    need(
+        round(retention, 3) == retention and tags <= TAGS,
+        "variants",
+        f"tags need r a multiple of 0.001 (r {retention}) and at most {TAGS} tags",
+        value,
+    )
+    k = kept_count(compressible, retention)
+    for tag in range(tags):
+        r = retention_of(retention, tag)
+        need(
+            r <= 1.0 and kept_count(compressible, r) == k,
+            "variants",
+            f"too many for retention {retention}: tag {tag} (r {r}) changes K = {k}",
+            value,
+        )
+
+
+def names_of(variants: str) -> list[str]:
+    return [n.strip() for n in variants.split(",") if n.strip()]
+
+
+def mixing(name: str, value: str, base: type, schedule: type, select) -> type:
+    """The registered policy ``name`` if it derives from ``base`` and keeps its schedule and
+    selection, reads no tokens and observes no decode; else OptionError naming ``variants``."""
+    try:
+        cls = policy_class(name)
+    except ValueError as e:
+        raise OptionError("variants", str(e)) from None
+    mixes = (
+        issubclass(cls, base)
+        and cls.Schedule is schedule
+        and cls.select is select
+        and not cls.needs_tokens
+        and not cls.observes_decode
+        and not issubclass(cls, ByTag)
+    )
+    need(
+        mixes,
+        "variants",
+        f"{name} must derive from {base.__name__} and keep its schedule and selection (no "
+        "tokens, no decode observation)",
+        value,
+    )
+    return cls
+
+
+class ByTag:
+    """Region and score of ``variants[tag(row)]`` (None: the next class's own)."""
+
+    variants: list
+
+    def tag(self, row: RowView) -> int:
+        raise NotImplementedError
+
+    def chosen(self, row: RowView):
+        tag = self.tag(row)
+        if tag >= len(self.variants):
+            raise ValueError(
+                f"{self.name}: tag {tag} names no variant (of {len(self.variants)})"
+            )
+        return self.variants[tag]
+
+    def region(self, row: RowView) -> Region | None:
+        v = self.chosen(row)
+        return super().region(row) if v is None else v.region(row)
+
+    def score(self, inp: ScoreInput) -> torch.Tensor:
+        tags = [self.tag(row) for row in inp.rows]
+        if len(set(tags)) == 1:
+            return self._score(tags[0], inp)
+        out = None
+        for tag in sorted(set(tags)):
+            idx = [b for b, t in enumerate(tags) if t == tag]
+            ix = torch.tensor(idx, device=inp.slots.device)
+            part = dataclasses.replace(
+                inp,
+                queries=None if inp.queries is None else inp.queries[ix],
+                slots=inp.slots[ix],
+                rows=[inp.rows[b] for b in idx],
+                regions=[inp.regions[b] for b in idx],
+            )
+            s = self._score(tag, part)
+            if out is None:
+                out = s.new_empty((len(tags), *s.shape[1:]))
+            out[ix] = s
+        return out
+
+    def _score(self, tag: int, inp: ScoreInput) -> torch.Tensor:
+        v = self.variants[tag]
+        return super().score(inp) if v is None else v.score(inp)
 
 
 @dataclass(frozen=True)
@@ -58,49 +179,17 @@ class TogetherOptions(KaraOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        for tag in range(1, len(self.names) + 1):
-            r = retention_of(self.retention, tag)
-            need(
-                r <= 1.0 and kept_count(self.compressible, r) == self.kept_per_window,
-                "variants",
-                f"too many for retention {self.retention}: tag {tag} (r {r}) changes "
-                f"K = {self.kept_per_window}",
-                self.variants,
-            )
+        check_tags(
+            self.compressible, self.retention, len(self.names) + 1, self.variants
+        )
 
     @property
     def names(self) -> list[str]:
-        return [n.strip() for n in self.variants.split(",") if n.strip()]
-
-
-def variant(name: str, options: TogetherOptions) -> KaraPolicy:
-    """The registered policy ``name``, built on ``options``' Kara settings; OptionError naming
-    ``variants`` when it cannot share an engine with Kara."""
-    try:
-        cls = policy_class(name)
-    except ValueError as e:
-        raise OptionError("variants", str(e)) from None
-    mixes = (
-        issubclass(cls, KaraPolicy)
-        and cls.Schedule is KaraSchedule
-        and cls.select is KaraPolicy.select
-        and not cls.needs_tokens
-        and not cls.observes_decode
-        and cls is not KaraTogetherPolicy
-    )
-    need(
-        mixes,
-        "variants",
-        f"{name} must derive from kara and keep its schedule and selection "
-        "(no tokens, no decode observation)",
-        options.variants,
-    )
-    kara = {f.name: getattr(options, f.name) for f in dataclasses.fields(KaraOptions)}
-    return cls(cls.Options(**kara))
+        return names_of(self.variants)
 
 
 @register
-class KaraTogetherPolicy(KaraPolicy):
+class KaraTogetherPolicy(ByTag, KaraPolicy):
     """Kara's schedule and selection; each request's region and score are its variant's."""
 
     name = "kara_together"
@@ -111,54 +200,72 @@ class KaraTogetherPolicy(KaraPolicy):
 
     def __init__(self, options):
         super().__init__(options)
-        self.variants = [None] + [variant(n, options) for n in options.names]
+        kara = {
+            f.name: getattr(options, f.name) for f in dataclasses.fields(KaraOptions)
+        }
+        self.variants = [None]
+        for n in options.names:
+            cls = mixing(
+                n, options.variants, KaraPolicy, KaraSchedule, KaraPolicy.select
+            )
+            self.variants.append(cls(cls.Options(**kara)))
 
     def tag(self, row: RowView) -> int:
-        """The variant ``row``'s request names (0: Kara); ValueError for a retention naming none."""
         r = request_option(row.state, "retention")
-        if r is None:
-            return 0
-        tag = round((r - self.options.retention) / TAG)
-        if not 0 <= tag < len(self.variants) or r != retention_of(
-            self.options.retention, tag
-        ):
-            raise ValueError(
-                f"kara_together: retention {r} names no variant (r + i * {TAG}, i in "
-                f"[0, {len(self.variants) - 1}], r {self.options.retention})"
-            )
-        return tag
+        return 0 if r is None else tag_of(r)
 
     def window_region(self, row: RowView) -> Region:
-        tag = self.tag(row)
-        if tag == 0:
-            return super().window_region(row)
-        return self.variants[tag].window_region(row)
+        v = self.chosen(row)
+        return super().window_region(row) if v is None else v.window_region(row)
 
-    def score(self, inp: ScoreInput) -> torch.Tensor:
-        tags = [self.tag(row) for row in inp.rows]
-        if len(set(tags)) == 1:
-            return self._score(tags[0], inp)
-        out = None
-        for tag in sorted(set(tags)):
-            idx = [b for b, t in enumerate(tags) if t == tag]
-            ix = torch.tensor(idx, device=inp.slots.device)
-            part = ScoreInput(
-                inp.layer,
-                None if inp.queries is None else inp.queries[ix],
-                inp.k_buffer,
-                inp.slots[ix],
-                [inp.rows[b] for b in idx],
-                [inp.regions[b] for b in idx],
-                inp.head_offset,
-                inp.model_heads,
+
+@dataclass(frozen=True)
+class ThresholdTogetherOptions(ThresholdOptions):
+    variants: str = field(
+        default="",
+        metadata={
+            "help": "comma-separated registered threshold baselines, in tag order"
+        },
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        need(
+            len(names_of(self.variants)) <= TAGS,
+            "variants",
+            f"must name at most {TAGS} policies",
+            self.variants,
+        )
+
+
+@register
+class ThresholdTogetherPolicy(ByTag, ThresholdPolicy):
+    """The threshold schedule matched to Kara; each request's region and score are those of the
+    baseline its ``match_kara.retention`` names."""
+
+    name = "threshold_together"
+    prefix = "threshold_together_"
+    Options = ThresholdTogetherOptions
+
+    def __init__(self, options):
+        super().__init__(options)
+        need(bool(names_of(options.variants)), "variants", "names no policy", "")
+        self.variants = []
+        for n in names_of(options.variants):
+            cls = mixing(
+                n, options.variants, ThresholdPolicy, ThresholdSchedule, Policy.select
             )
-            s = self._score(tag, part)
-            if out is None:
-                out = s.new_empty((len(tags), *s.shape[1:]))
-            out[ix] = s
-        return out
+            fields = {f.name: f.default for f in dataclasses.fields(cls.Options)}
+            w = max(1, min(fields.get("window", options.window), options.window))
+            gap = options.threshold - options.budget
+            self.variants.append(
+                cls(cls.Options(window=w, budget=w + 8, threshold=w + 8 + gap))
+            )
 
-    def _score(self, tag: int, inp: ScoreInput) -> torch.Tensor:
-        if tag == 0:
-            return super().score(inp)
-        return self.variants[tag].score(inp)
+    def tag(self, row: RowView) -> int:
+        spec = request_option(row.state, "match_kara")
+        if spec is None:
+            raise ValueError(
+                f"{self.name}: a request names its baseline by custom_params.kara.match_kara"
+            )
+        return tag_of(spec["retention"])

@@ -293,8 +293,8 @@ def write_result(path: str, result: dict, rows: str = "problems") -> None:
     head = json.dumps({k: v for k, v in result.items() if k != rows}, indent=1)
     line = json.JSONEncoder(separators=(",", ":")).encode
     text = (
-        head[:-2]
-        + f',\n "{rows}": [\n'
+        (head[:-2] + "," if len(result) > 1 else "{")
+        + f'\n "{rows}": [\n'
         + ",\n".join(map(line, result[rows]))
         + "\n ]\n}\n"
     )

@@ -990,10 +990,13 @@ def parser() -> argparse.ArgumentParser:
     )
     arg("--check-from", metavar="DIR", default=None, help=h)
     arg("--check-requests", type=int, default=2)
+    h = "with --together: the r of the checked requests (default: --ratio)"
+    arg("--check-ratio", type=float, default=None, help=h)
     h = (
         "answer every configuration (kara and Kara variants that change only the region or the "
-        "score) in one engine: bench/policies/kara_together.py; with --check-from, kara's first "
-        "--check-requests requests are checked against DIR's"
+        "score, or threshold baselines) in one engine: bench/policies/kara_together.py; with "
+        "--check-from, kara's (else the first configuration's) first --check-requests requests "
+        "are checked against DIR's"
     )
     arg("--together", action="store_true", help=h)
     arg("--per-request", type=int, default=10, help="independent: problems per request")
@@ -1143,44 +1146,61 @@ TOGETHER = os.path.join(
 )
 
 
-def together_options(args) -> tuple[dict, list[str]]:
-    """(the engine keywords of ``--together``, its variants in tag order); refuses a
-    configuration that cannot share Kara's engine, before any engine starts."""
-    variants = [c for c in args.configs if c != "kara"]
-    bad = [c for c in variants if c in ("full", "kara-band") or legacy_match(c)]
-    if bad or not variants:
-        raise SystemExit(
-            f"--together: {', '.join(bad) or 'kara alone'}: give kara and Kara variants"
+def together_options(args) -> tuple[dict, dict[str, dict]]:
+    """(the engine keywords of ``--together``, each configuration's per-request options naming
+    its variant by a retention tag): Kara and Kara variants in kara_together, threshold baselines
+    matched to Kara in threshold_together (bench/policies/kara_together.py); a configuration that
+    cannot share the engine is refused before any engine starts."""
+    kt = sys.modules[configs.load_policy_files([TOGETHER])[0]]
+    budget = configs.budget_policies()
+    if args.configs and all(c in budget for c in args.configs):
+        policy, variants, first = "threshold_together", list(args.configs), 0
+    else:
+        policy, variants, first = (
+            "kara_together",
+            [c for c in args.configs if c != "kara"],
+            1,
         )
-    opts = _common(
-        configs.engine_options("kara_together", kara_schedule(args))[0], args
-    )
-    opts["kara_together_variants"] = ",".join(variants)
-    cls = configs.registry().policy_class("kara_together")
+        bad = [c for c in variants if c in ("full", "kara-band") or legacy_match(c)]
+        if bad or not variants:
+            raise SystemExit(
+                f"--together: {', '.join(bad) or 'kara alone'}: give kara and Kara variants, "
+                "or threshold baselines"
+            )
+    opts = _common(configs.engine_options(policy, kara_schedule(args))[0], args)
+    cls = configs.registry().policy_class(policy)
+    prefix = f"kara_{cls.prefix}"
+    opts[prefix + "variants"] = ",".join(variants)
     try:
-        cls(cls.Options(**kara_schedule(args), variants=opts["kara_together_variants"]))
+        cls(
+            cls.Options(
+                **{k[len(prefix) :]: v for k, v in opts.items() if k.startswith(prefix)}
+            )
+        )
+        kt.check_tags(args.window - args.buffer, args.ratio, first + len(variants), "")
     except ValueError as e:
         raise SystemExit(f"--together: {e}") from None
-    return opts, variants
+    per = {}
+    for c in args.configs:
+        r = kt.retention_of(args.ratio, 0 if c == "kara" else first + variants.index(c))
+        per[c] = {"retention": r} if first else {"match_kara": kara_schedule(args, r)}
+    return opts, per
 
 
 def together(args, requests, prompts, record) -> None:
     """``--together``: every configuration in one engine, a lane each, its requests naming their
     variant by retention (bench/policies/kara_together.py); each finalized as if alone, its
-    ``engine_options`` its own with the shared engine's under ``together``."""
-    opts, variants = together_options(args)
-    kt = sys.modules[configs.load_policy_files([TOGETHER])[0]]
-    tags = {c: 0 if c == "kara" else 1 + variants.index(c) for c in args.configs}
+    ``engine_options`` its own with the shared engine's under ``together``. ``--check-from``:
+    kara's (else the first configuration's) first requests at ``--check-ratio``."""
+    opts, per = together_options(args)
+    checked = "kara" if opts["kara_policy"] == "kara_together" else args.configs[0]
     todo = [c for c in args.configs if not done_earlier(c, args)]
     for c in args.configs:
         if c not in todo:
             print(f"{result_name(c, args)}: done earlier", flush=True)
-    lanes = [
-        lane(c, args, None, [{"retention": kt.retention_of(args.ratio, tags[c])}] * n)
-        for c in todo
-        for n in [args.n_requests]
-    ]
-    check = check_lane("kara", args)
+    lanes = [lane(c, args, None, [per[c]] * args.n_requests) for c in todo]
+    at = args_at(args, args.check_ratio or args.ratio)
+    check = check_lane(checked, at)
     if check is not None:
         lanes.append(check)
     run_lanes(lanes, opts, requests, prompts, args, record)
@@ -1188,7 +1208,7 @@ def together(args, requests, prompts, record) -> None:
         own = engine_options(c, args, None)[0]
         finalize(c, requests, args, dict(own, together=opts))
     if check is not None:
-        batching_check(args.out, args.check_from, result_name("kara", args))
+        batching_check(args.out, args.check_from, result_name(checked, at))
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -1203,9 +1223,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return report(args)
     if args.out is None:
         ap.error("--out is required (or --regrade DIR)")
-    for r in [args.ratio, *(args.ratios or [])]:
+    for r in [args.ratio, *(args.ratios or []), args.check_ratio or args.ratio]:
         if not 0.0 < r <= 1.0:
-            ap.error(f"--ratio / --ratios: {r:g} is not in (0, 1]")
+            ap.error(f"--ratio / --ratios / --check-ratio: {r:g} is not in (0, 1]")
+    if args.check_ratio is not None and not (args.together and args.check_from):
+        ap.error("--check-ratio goes with --together and --check-from")
     if args.check_from and not (args.ratios or args.together):
         ap.error("--check-from goes with --ratios or --together")
     if args.ratios and args.together:
