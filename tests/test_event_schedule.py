@@ -20,6 +20,7 @@ from sgl_kara.policies.base import RowView
 from sgl_kara.policies.kara import KaraOptions, KaraPolicy
 from sgl_kara.policies.snapkv import SnapKVOptions, SnapKVPolicy
 from sgl_kara.scheduler.plan import (
+    MAX_CATCH_UP_PASSES,
     StepPlan,
     apply,
     choose,
@@ -322,3 +323,59 @@ def test_engine_identical_requests_answer_alike_whenever_they_arrive(tiny_llama,
         assert metas[0] == metas[1], metas
     else:
         assert metas[0] != metas[1], metas
+
+
+def test_the_plan_holds_the_catch_up_passes():
+    """A request re-prefilled with three complete windows behind it (after a retraction) beside
+    one with a single window due: one plan holds three passes, each on the rows the previous
+    pass leaves (the frontier K further, M - K rows fewer, the offset M - K higher); a job of a
+    later pass runs only once its request's rows are those it was planned on (the previous pass
+    committed it)."""
+    import types
+
+    import torch
+
+    from sgl_kara.scheduler.plan import Planner
+
+    policy = KaraPolicy(KaraOptions(window=16, buffer=4, period=4, retention=0.25))
+    cfg = types.SimpleNamespace(
+        phase="request", spread="off", spread_max=0, max_seqs=30, trigger="schedule"
+    )
+    parts = types.SimpleNamespace(
+        page_size=1, req_to_token=torch.zeros(1, 1), overlap=False
+    )
+    backlog = FakeReq(0, prompt=8, generated=51, max_new=1000, kara=KaraReqState())
+    one = FakeReq(1, prompt=8, generated=19, max_new=1000, kara=KaraReqState())
+    plan = Planner(policy, cfg, parts).plan([backlog, one], lambda r: r.kara, 1)
+    apply(plan)
+    assert [[j.req for j in p] for p in plan.passes] == [
+        [backlog, one],
+        [backlog],
+        [backlog],
+    ]
+    k, m = 3, 12  # K = ceil(0.25 * 12)
+    for n, p in enumerate(plan.passes):
+        job = p[0]
+        assert (job.region.start, job.region.length, job.region.keep) == (
+            8 + n * k,
+            m,
+            k,
+        )
+        row = job.planned
+        assert (row.frontier, row.length, row.pos_offset) == (
+            8 + n * k,
+            59 - n * (m - k),
+            n * (m - k),
+        )
+        assert job.as_planned() == (n == 0)
+    # the first pass commits the backlog's window: the second pass's job is as planned
+    backlog.kv.kv_committed_len -= m - k
+    backlog.kara.frontier += k
+    backlog.kara.pos_offset += m - k
+    assert plan.passes[1][0].as_planned() and not plan.passes[2][0].as_planned()
+    # at most MAX_CATCH_UP_PASSES passes
+    long = FakeReq(
+        2, prompt=8, generated=16 * 20 + 3, max_new=1000, kara=KaraReqState()
+    )
+    plan = Planner(policy, cfg, parts).plan([long], lambda r: r.kara, 1)
+    assert len(plan.passes) == MAX_CATCH_UP_PASSES

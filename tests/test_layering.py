@@ -774,3 +774,33 @@ def test_the_runtimes_wiring_is_short():
 
     lines, _ = inspect.getsourcelines(KaraRuntime.__init__)
     assert len(lines) <= 40, len(lines)
+
+
+def test_only_the_state_module_writes_a_requests_state():
+    """KaraReqState changes only through its own transitions (fix_protected, open_scoring,
+    committed, disable, ...): no other module assigns one of its fields, on any object but its
+    own ``self`` (a ForwardContext's ``self.scoring`` is its own)."""
+    from sgl_kara.scheduler.state import KaraReqState
+
+    fields = {f.name for f in dataclasses.fields(KaraReqState)}
+    writes = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        if rel == "scheduler/state.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+                else []
+            )
+            for t in targets:
+                if (
+                    isinstance(t, ast.Attribute)
+                    and t.attr in fields
+                    and not (isinstance(t.value, ast.Name) and t.value.id == "self")
+                ):
+                    writes.append(f"{rel}:{node.lineno} .{t.attr}")
+    assert not writes, writes

@@ -86,7 +86,7 @@ def test_the_step_fences_before_any_event_rewrite():
 
     def plan(reqs, state_of, step):
         order.append("plan")
-        return StepPlan(chunks=[("job", 1)], jobs=[job])
+        return StepPlan(chunks=[("job", 1)], passes=[[job]])
 
     runner = EventRunner.__new__(EventRunner)
     runner.observers = rt.observers
@@ -95,9 +95,7 @@ def test_the_step_fences_before_any_event_rewrite():
     runner._settle = lambda pending: order.append("settle") or []
     runner.stats, runner.metrics = rt.stats, None
     rt.events = runner
-    rt.planner = types.SimpleNamespace(
-        plan=plan, again=lambda reqs, state_of, step, done: []
-    )
+    rt.planner = types.SimpleNamespace(plan=plan)
     rt.table = types.SimpleNamespace(state_of=lambda req: None)
     runner.parts.req_to_token = torch.zeros(1, 1)
     runner.parts.recompute_tokens = 8

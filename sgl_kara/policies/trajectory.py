@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from .kara import WindowOptions, kept_count
 
-CATCH_UP = 8  # step.MAX_CATCH_UP_PASSES: events one request gets in one step at most
+CATCH_UP = 8  # plan.MAX_CATCH_UP_PASSES: events one request gets in one step at most
 FIELDS = ("window", "buffer", "retention", "period", "recent")
 
 

@@ -42,7 +42,6 @@ rank, so no rank rewrites a row the others leave as it was.
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from typing import NamedTuple
@@ -196,7 +195,7 @@ class EventRunner:
         for job in early:
             s = job.state.scoring
             if s is None or not s.covers(job.region):
-                s = job.state.scoring = ScoringJob(job.region)
+                s = job.state.open_scoring(ScoringJob(job.region))
             r = job.region
             end = r.query_start + r.query_len
             end = min(
@@ -232,8 +231,7 @@ class EventRunner:
         logger.debug(
             "Kara compression failure of %s", adapter.rid(job.req), exc_info=error
         )
-        job.state.enabled = False
-        job.state.scoring = None
+        job.state.disable()
         self.stats.failed_requests += 1
         adapter.abort(job.req, f"KV compression failed: {error}", 500)
 
@@ -330,14 +328,9 @@ class EventRunner:
         dropped = self.backend.release_tail(batch, jobs, prepared, step)
         keep = jobs[0].region.keep
         for b, j in enumerate(jobs):
-            if relaid[b] is not None:
-                j.state.policy_state = relaid[b]
             if records is not None:
                 self.recorder.commit(j.state, records[b])
-            j.state.scoring = None
-            j.state.pos_offset += dropped
-            j.state.frontier = j.region.start + keep
-            j.state.compressions += 1
+            j.state.committed(j.region.start + keep, dropped, relaid[b])
         self.stats.requests_compressed += len(jobs)
         self.stats.tokens_dropped += dropped * len(jobs)
         return dropped
@@ -347,8 +340,7 @@ class EventRunner:
         to re-lay)."""
         if not self.policy.observes_decode:
             return None
-        shadow = copy.copy(job.state)
-        shadow.policy_state = _copy_dicts(job.state.policy_state)
+        shadow = job.state.relaid(_copy_dicts(job.state.policy_state))
         self.policy.on_compacted(shadow, job.region.start, M, kept, length)
         return shadow.policy_state
 
@@ -424,7 +416,7 @@ class EventRunner:
                     e,
                 )
                 for j in group:
-                    j.state.scoring = None
+                    j.state.drop_scoring()
                 continue
             for b, j in enumerate(group):
                 j.state.scoring.add(got[b], n)

@@ -85,7 +85,7 @@ class ForwardContext:
         """Make ``offsets[row]`` the request's offset (once per request and row)."""
         if state.offset_row != row:
             self.offsets[row] = state.pos_offset
-            state.offset_row = row
+            state.mirrored_at(row)
 
     def add_offset(self, rows: torch.Tensor, d: int) -> None:
         self.offsets[rows] += d

@@ -25,6 +25,14 @@ at W = 512, U = 32).
 With spread scoring (spread.py) a due window whose scoring is still under way waits for a later
 due step, unless its tail would outgrow its charge (``ready``); a window with no spread job (a
 backlog after a retraction, a job dropped) is scored whole at its event.
+
+Catch-up: a request still due on the rows its compression leaves (re-prefilled after a retraction,
+left out by max_seqs, a backlog deferred under trigger=pressure / headroom) is compressed again
+in the same step. The plan holds every pass at once (``StepPlan.passes``): each pass's rows are
+those the previous pass's commit leaves (``compressed``: frontier start + K, M - K rows fewer,
+the offset raised by as many), at most ``MAX_CATCH_UP_PASSES`` (``MAX_PRESSURE_PASSES`` under
+pressure) in all; a job of a later pass runs only if its rows are still the ones it was planned
+on (``Job.as_planned``: the previous pass committed it).
 """
 
 from __future__ import annotations
@@ -36,7 +44,13 @@ from sgl_kara import _sglang as adapter
 from sgl_kara.mem_cache.compaction import fresh_slots_needed
 from sgl_kara.policies.base import Region, RowView
 from sgl_kara.scheduler import spread
+from sgl_kara.scheduler.pressure import DEFERRING
 from sgl_kara.scheduler.state import KaraReqState
+
+MAX_CATCH_UP_PASSES = 8
+# trigger=pressure / headroom: a deferred backlog (several windows per request) is compressed
+# while memory binds, at most this many windows per request in one event.
+MAX_PRESSURE_PASSES = 64
 
 
 @dataclass
@@ -47,6 +61,7 @@ class Job:
     req: object
     state: KaraReqState
     region: Region
+    planned: RowView | None = None  # the rows it was planned on
 
     @property
     def length(self) -> int:
@@ -59,6 +74,27 @@ class Job:
     def view(self) -> RowView:
         s = self.state
         return RowView(s.protected, s.frontier, self.length, s.pos_offset, s)
+
+    def as_planned(self) -> bool:
+        """Are its rows (P, frontier, length, offset) still those it was planned on?"""
+        p, now = self.planned, self.view()
+        return p is None or (p.protected, p.frontier, p.length, p.pos_offset) == (
+            now.protected,
+            now.frontier,
+            now.length,
+            now.pos_offset,
+        )
+
+    def compressed(self) -> RowView:
+        """The rows its commit leaves: the region kept to K, the rows after it moved down."""
+        row, r = self.planned, self.region
+        dropped = r.length - r.keep
+        return dataclasses.replace(
+            row,
+            frontier=r.start + r.keep,
+            length=row.length - dropped,
+            pos_offset=row.pos_offset + dropped,
+        )
 
     def fresh_slots(self, page_size: int) -> int:
         """Slots compacting this job allocates before it frees the old ones."""
@@ -97,7 +133,7 @@ class Seen:
     fixes: bool
 
     def job(self, region: Region) -> Job:
-        return Job(self.index, self.req, self.state, region)
+        return Job(self.index, self.req, self.state, region, self.row)
 
 
 def snapshot(reqs, state_of, page_size: int) -> list[Seen]:
@@ -235,23 +271,23 @@ def plan_chunks(
 class StepPlan:
     """A decode step's compression work, decided at once from the step's snapshot: the
     protected prefixes it fixes and the spread jobs it opens (written first, ``apply``), the
-    spread parts it scores, then the event's jobs."""
+    spread parts it scores, then the event's passes (the due jobs, then the catch-up's)."""
 
     fixed: list[Seen] = field(default_factory=list)
     opened: list = field(default_factory=list)  # [(KaraReqState, ScoringJob)]
     chunks: list = field(default_factory=list)  # [(Job, n)]
-    jobs: list = field(default_factory=list)  # [Job]
+    passes: list = field(default_factory=list)  # [[Job]]
 
 
 def apply(plan: StepPlan, on_protected=None) -> None:
     """The plan's openings, written before any of its work runs: each P fixed now (the frontier
     at it; ``on_protected(req, state)`` told, the step observers'), each spread job opened."""
     for s in plan.fixed:
-        s.state.protected = s.state.frontier = s.row.protected
+        s.state.fix_protected(s.row.protected)
         if on_protected is not None:
             on_protected(s.req, s.state)
     for state, job in plan.opened:
-        state.scoring = job
+        state.open_scoring(job)
 
 
 class Planner:
@@ -263,7 +299,8 @@ class Planner:
     protected prefix is fixed (the step observers'). Derived: ``spreading`` (spread scoring on
     for this policy), ``slack`` (rows admission charges for a capped spread), ``part`` (the
     spread part size), ``in_flight`` (a running request's newest rows a forward in flight
-    writes while the step is planned: 1 under SGLang's overlap scheduler)."""
+    writes while the step is planned: 1 under SGLang's overlap scheduler), ``passes`` (the
+    event's passes at most, catch-up included)."""
 
     def __init__(self, policy, cfg, parts, on_protected=None):
         self.policy = policy
@@ -274,6 +311,8 @@ class Planner:
         self.part = spread.part_size(parts.req_to_token.device.type)
         self.in_flight = 1 if parts.overlap else 0
         self.on_protected = on_protected
+        deferring = cfg.trigger in DEFERRING
+        self.passes = MAX_PRESSURE_PASSES if deferring else MAX_CATCH_UP_PASSES
 
     def now(self, step: int):
         def now_of(req, state) -> int:
@@ -289,7 +328,8 @@ class Planner:
             plan.chunks, plan.opened = plan_chunks(
                 self.policy, seen, self.cap, self.now(step), self.part, self.in_flight
             )
-        plan.jobs = self._ready(self._due(seen, step), plan, seen)
+        jobs = self._ready(self._due(seen, step), plan, seen)
+        plan.passes = self._catch_up(jobs, seen, step) if jobs else []
         return plan
 
     def _due(self, seen: list[Seen], step: int) -> list[Job]:
@@ -329,8 +369,22 @@ class Planner:
             out.append(j)
         return out
 
-    def again(self, reqs, state_of, step: int, compressed: set[int]) -> list[Job]:
-        """Catch-up: the requests of ``compressed`` (ids) still due after their compression
-        (re-planned on their committed rows)."""
-        seen = snapshot(reqs, state_of, self.page_size)
-        return [j for j in self._due(seen, step) if id(j.req) in compressed]
+    def _catch_up(
+        self, jobs: list[Job], seen: list[Seen], step: int
+    ) -> list[list[Job]]:
+        """``jobs``, then pass by pass those of its requests still due on the rows the previous
+        pass leaves them (the others' rows as the snapshot has them)."""
+        passes = [jobs]
+        while len(passes) < self.passes:
+            after = {id(j.req): j.compressed() for j in passes[-1]}
+            seen = [
+                dataclasses.replace(s, row=after[id(s.req)], fixes=False)
+                if id(s.req) in after
+                else s
+                for s in seen
+            ]
+            again = [j for j in self._due(seen, step) if id(j.req) in after]
+            if not again:
+                break
+            passes.append(again)
+        return passes

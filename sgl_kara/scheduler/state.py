@@ -13,14 +13,19 @@ Row layout of one request in ``req_to_token`` (docs/ARCHITECTURE.md):
 Two kinds of fields: the request's own options and lifetime statistics (kept for its whole
 life), and its row state (P, f, offset, compressions, capture ring position, the policy's
 per-request state, the spread scoring of its upcoming window), which ``reset_row`` clears when
-SGLang retracts the request and re-prefills it from its tokens (its KV is exact again). The
-table holds a request's state while SGLang holds the request (weak keys): a finished, aborted
+SGLang retracts the request and re-prefills it from its tokens (its KV is exact again).
+
+Every change of a state is one of its methods below, named for the step that makes it (P fixed
+by the plan, a spread job opened or dropped, an event's commit, a failure, a decode step seen, a
+retraction): no other module assigns a field (tests/test_layering.py), so what a field can hold
+is read here. The table holds a request's state while SGLang holds the request (weak keys): a finished, aborted
 or dropped request leaves it with nothing to clean up. What a diagnostic keeps per
 request lives in the diagnostic's own ``SideTable``, not here.
 """
 
 from __future__ import annotations
 
+import copy
 import weakref
 from dataclasses import dataclass, field
 
@@ -58,6 +63,53 @@ class KaraReqState:
         "policy_state",
         "scoring",
     )
+
+    # -- the transitions ---------------------------------------------------------------------
+    def fix_protected(self, p: int) -> None:
+        """The plan fixed P (the tree-owned prefix and the prompt): the frontier starts there."""
+        assert self.protected < 0, "P fixed twice"
+        self.protected = self.frontier = p
+
+    def open_scoring(self, job):
+        """The spread scoring of the upcoming window (spread.ScoringJob) starts; returns it."""
+        self.scoring = job
+        return job
+
+    def drop_scoring(self) -> None:
+        """Its scores are dropped (a failed part: the event scores the window whole)."""
+        self.scoring = None
+
+    def committed(self, frontier: int, dropped: int, policy_state=None) -> None:
+        """An event's commit: the region became its kept rows, ending at ``frontier``; the
+        ``dropped`` rows after it raised the offset; the policy's re-laid state (None: as it
+        was)."""
+        assert frontier >= self.frontier and dropped >= 0, (frontier, dropped)
+        if policy_state is not None:
+            self.policy_state = policy_state
+        self.scoring = None
+        self.pos_offset += dropped
+        self.frontier = frontier
+        self.compressions += 1
+
+    def relaid(self, policy_state) -> KaraReqState:
+        """A copy holding ``policy_state`` (a policy re-lays its state into it before the
+        commit; the request's own is untouched)."""
+        shadow = copy.copy(self)
+        shadow.policy_state = policy_state
+        return shadow
+
+    def disable(self) -> None:
+        """Never compressed again (a refused option, a failed compression)."""
+        self.enabled = False
+        self.scoring = None
+
+    def captured_from(self, position: int | None) -> None:
+        """The first logical position whose query the capture ring holds (None: none)."""
+        self.capture_from = position
+
+    def mirrored_at(self, row: int) -> None:
+        """The device offset of ``row`` now mirrors ``pos_offset``."""
+        self.offset_row = row
 
     def reset_row(self) -> None:
         """The request was retracted: it will be re-prefilled from its tokens, uncompressed."""
@@ -123,7 +175,7 @@ class RequestTable:
                 takers = [
                     p.name for p in policy_base.policies() if name in p.request_options
                 ]
-                state.enabled = False
+                state.disable()
                 adapter.abort(
                     req,
                     f"custom_params.kara.{name} applies to --kara-policy "
@@ -133,7 +185,7 @@ class RequestTable:
         try:
             check_supported(adapter.sampling_params(req), served)
         except ValueError as e:
-            state.enabled = False
+            state.disable()
             adapter.abort(req, str(e), 400)
         return state
 

@@ -3,17 +3,16 @@ decode memory check (``KaraRuntime.on_decode_step``).
 
     observe   each running request's state, device offset and capture-ring row
     plan      Planner.plan (plan.py): one snapshot of the rows, the spread parts to score and
-              the event's jobs; writes nothing
+              the event's passes (its jobs, then the catch-up's); writes nothing
     apply     the plan's openings: protected prefixes fixed, spread jobs opened
     spread    the parts scored on settled rows (events.EventRunner.advance)
     event     EventRunner.run (events.py): settle (the jobs fitted to the pool, the radix tree
               evicted for them, their settled queries scored) -> fence -> per chunk: score ->
               select -> prepare -> commit (the commit: SGLang's rows and lengths through the
               backend, then Kara's state)
-    catch-up  a request still due after its compression (re-prefilled after a retraction, left
-              out by max_seqs, a backlog deferred under pressure / headroom) is compressed
-              again, up to a limit; under trigger=pressure / headroom an event runs only while
-              memory binds (pressure.py)
+    catch-up  the plan's later passes: a request still due on the rows its compression left
+              (plan.py) is compressed again if the previous pass committed it; under
+              trigger=pressure / headroom a pass runs only while memory binds (pressure.py)
     reopen    SGLang's admission reopened where the event freed slots
 
 Under ``KARA_CHECK_TP_PLAN`` (tensor parallelism) the ranks agree on the plan before any work
@@ -28,11 +27,6 @@ import time
 from sgl_kara import _sglang as adapter
 from sgl_kara.scheduler.plan import apply, decoded_tokens
 from sgl_kara.scheduler.pressure import DEFERRING, growth_within, horizon, memory_binds
-
-MAX_CATCH_UP_PASSES = 8
-# trigger=pressure / headroom: a deferred backlog (several windows per request) is compressed
-# while memory binds, at most this many windows per request in one event.
-MAX_PRESSURE_PASSES = 64
 
 
 def decode_step(rt, batch) -> None:
@@ -72,13 +66,13 @@ def observe(rt, reqs) -> None:
         ):
             # This step's forward writes the query of logical position length + offset.
             held = ring.assign(req, row)
-            state.capture_from = length + state.pos_offset if held else None
+            state.captured_from(length + state.pos_offset if held else None)
         state.record_step(length)
 
 
 def compress(rt, batch, reqs) -> int:
-    """This step's plan carried out: its spread parts, then its event and the catch-up.
-    Returns the KV slots freed."""
+    """This step's plan carried out: its spread parts, then its event's passes. Returns the KV
+    slots freed."""
     plan = rt.planner.plan(reqs, rt.table.state_of, rt.decode_steps)
     apply(plan, rt.observers.protected)
     if rt.plan_check is not None:
@@ -86,26 +80,21 @@ def compress(rt, batch, reqs) -> int:
     if plan.chunks:
         lockstep(rt)
         rt.events.advance(plan.chunks)  # settled rows only (plan.plan_chunks)
-    jobs = plan.jobs
     deferring = rt.cfg.trigger in DEFERRING
-    if jobs and deferring and not binds(rt, reqs, jobs):
+    if plan.passes and deferring and not binds(rt, reqs, plan.passes[0]):
         rt.stats.deferred_events += 1
         if rt.metrics is not None:
             rt.metrics.deferred.inc()
         return 0
-    passes = freed = 0
-    limit = MAX_PRESSURE_PASSES if deferring else MAX_CATCH_UP_PASSES
-    while jobs:
+    freed = 0
+    for n, jobs in enumerate(plan.passes):
+        if n:  # catch-up: the requests the previous pass committed
+            jobs = [j for j in jobs if j.as_planned()]
+            if not jobs or (deferring and not binds(rt, reqs, jobs)):
+                break
         jobs = lockstep(rt, jobs)
         freed += rt.events.run(batch, jobs)
         rt.observers.after_event(reqs)
-        passes += 1
-        if passes >= limit:
-            break
-        compressed = {id(j.req) for j in jobs}
-        jobs = rt.planner.again(reqs, rt.table.state_of, rt.decode_steps, compressed)
-        if jobs and deferring and not binds(rt, reqs, jobs):
-            break
     return freed
 
 
