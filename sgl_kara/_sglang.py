@@ -20,7 +20,6 @@ stands in for.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from dataclasses import dataclass
 
@@ -31,7 +30,7 @@ from sglang.srt.entrypoints.http_server import (  # noqa: F401
     launch_server as sglang_launch_server,
 )
 from sglang.srt.layers.radix_attention import RadixAttention
-from sglang.srt.managers.schedule_batch import FINISH_ABORT, ScheduleBatch
+from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.managers.scheduler import Scheduler, run_scheduler_process  # noqa: F401
 from sglang.srt.managers.scheduler_components.output_streamer import (  # noqa: F401
     SchedulerOutputStreamer,
@@ -44,13 +43,10 @@ from sglang.srt.mem_cache.registry import (  # noqa: F401
     registered_radix_cache_backends,
 )
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: F401
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.plugins import load_plugins  # noqa: F401
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: F401
 from sglang.srt.runtime_context import get_parallel
-from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.server_args import ServerArgs, prepare_server_args  # noqa: F401
-from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.utils import kill_process_tree  # noqa: F401
 from sglang.srt.utils.common import get_device_memory_capacity  # noqa: F401
 
@@ -194,27 +190,10 @@ EXTENSION_OVERRIDES: dict[str, dict[str, str]] = {
 _FOUND: dict[str, bool] = {}
 
 
-# Adapter functions that serve one side of a touch point only: a hook's (not used where SGLang
-# has the extension point) and an extension point's (used only where SGLang has it). The rest
-# serve both (a partial series is refused: backends.choose). tests/test_adapter_surface.py counts
-# the names each side touches.
-HOOK_PATH = {
-    "drop_rows": "kv_tail",
-    "shrink_lengths": "kv_tail",
-    "kv_writes_to": "cached_extend",
-    "run_eager": "cached_extend",
-    # the recompute pass's batch, built and run by sgl_kara (until 0008 exists)
-    "recompute_batch": "cached_extend_batch",
-    "batch_kind": "positions",  # the init_new hook (kept until 0006, 0007 and 0008 exist)
-    "batch_rows": "positions",
-    "host_lengths": "positions",
-    "positions": "positions",
-    "set_positions": "positions",
-    "add_internal_state": "decode_step",
-    "vocab_size": "input_ids",
-    "release_loop_tasks": "engine_shutdown",
-    "max_new_tokens_as": "admission",
-}
+# Adapter functions that serve the extension points' side of a touch point only (used only where
+# SGLang has them); the hooked side's are backends/hooked.py's. The rest serve both (a partial
+# series is refused: backends.choose). tests/test_adapter_surface.py counts the names each side
+# touches.
 EXTENSION_PATH = {
     "release_kv_tails": "kv_tail",
     "run_cached_extend": "cached_extend_batch",
@@ -684,29 +663,6 @@ def abort(req, message: str, status_code: int) -> None:
     req.to_finish = FINISH_ABORT(message, status_code=status_code)
 
 
-def drop_rows(req, dropped: int) -> None:
-    """The request's row is ``dropped`` rows shorter (a compaction moved its tail down)."""
-    req.kv.kv_committed_len -= dropped
-    req.kv.kv_allocated_len -= dropped
-
-
-@contextlib.contextmanager
-def max_new_tokens_as(req, value: int):
-    """Present ``value`` as the request's ``max_new_tokens`` for the duration (admission
-    charges the compressed footprint through SGLang's own accounting)."""
-    params = req.sampling_params
-    saved = params.max_new_tokens
-    params.max_new_tokens = value
-    try:
-        yield
-    finally:
-        params.max_new_tokens = saved
-
-
-def vocab_size(tokenizer_manager) -> int:
-    return int(tokenizer_manager.model_config.vocab_size)
-
-
 # ------------------------------------------------------------------------------- batches
 def running_requests(batch) -> list:
     return [] if batch is None or not batch.reqs else list(batch.reqs)
@@ -715,24 +671,6 @@ def running_requests(batch) -> list:
 def batch_requests(batch) -> list | None:
     """A ScheduleBatch's requests (None: not a batch of requests)."""
     return getattr(batch, "reqs", None)
-
-
-def host_lengths(batch) -> torch.Tensor | None:
-    """[B] the batch's row lengths on the host (None: SGLang keeps none)."""
-    return batch.seq_lens_cpu
-
-
-def shrink_lengths(batch, index: list[int], dropped: int, device_index) -> None:
-    """The batch's requests at ``index`` hold ``dropped`` rows fewer: SGLang's device and host
-    lengths follow (``device_index``: ``index`` on the batch's device)."""
-    batch.seq_lens = batch.seq_lens.clone()
-    batch.seq_lens[device_index] -= dropped
-    batch.orig_seq_lens = batch.orig_seq_lens.clone()
-    batch.orig_seq_lens[device_index] -= dropped
-    if batch.seq_lens_cpu is not None:
-        batch.seq_lens_cpu = batch.seq_lens_cpu.clone()
-        batch.seq_lens_cpu[torch.tensor(index, dtype=torch.int64)] -= dropped
-    batch.seq_lens_sum = None
 
 
 def batch_device_tensors(batch) -> list:
@@ -770,78 +708,7 @@ class ExtendRows:
         return self.input_ids.numel() // max(1, len(self.reqs))
 
 
-def recompute_batch(scheduler, extend: ExtendRows):
-    """A ScheduleBatch for Kara's recompute pass: built by SGLang's own constructor
-    (``ScheduleBatch.init_new``, every field at its default), given the fields
-    ``prepare_for_extend`` would set for an extend of these rows (nothing allocated)."""
-    batch = ScheduleBatch.init_new(
-        extend.reqs,
-        scheduler.req_to_token_pool,
-        scheduler.token_to_kv_pool_allocator,
-        scheduler.tree_cache,
-        scheduler.model_config,
-        False,  # enable_overlap: the pass runs synchronously on the schedule stream
-        SpeculativeAlgorithm.NONE,  # refused with compression (startup._UNSUPPORTED)
-    )
-    n = extend.per_request
-    batch.forward_mode = ForwardMode.EXTEND
-    batch.input_ids = extend.input_ids
-    batch.req_pool_indices = extend.rows
-    batch.seq_lens = extend.device_seq_lens
-    batch.seq_lens_cpu = torch.tensor(extend.seq_lens, dtype=torch.int64)
-    batch.orig_seq_lens = batch.seq_lens.to(torch.int32)
-    batch.seq_lens_sum = int(sum(extend.seq_lens))
-    batch.out_cache_loc = extend.out_cache_loc
-    batch.prefix_lens = list(extend.prefix)
-    batch.extend_lens = [n] * len(extend.reqs)
-    batch.extend_num_tokens = n * len(extend.reqs)
-    batch.extend_logprob_start_lens = [n] * len(extend.reqs)
-    # no logits are wanted (a cached extend runs to its end: patches/upstream 0007), whatever
-    # the requests asked of their own forwards
-    batch.return_logprob = False
-    # Nothing is sampled (the pass stops at the last layer's queries), but SGLang reads the
-    # batch's sampling info while it prepares a forward: its own, with no watermark state.
-    batch.sampling_info = SamplingBatchInfo.from_schedule_batch(
-        batch, scheduler.model_config.vocab_size
-    )
-    batch.sampling_info.has_watermark_candidates = False
-    return batch
-
-
 # ------------------------------------------------------------------------------- forwards
-def batch_kind(batch) -> str:
-    """ "decode", "extend" or "idle": the kind of forward a ScheduleBatch runs (its ForwardBatch
-    aliases the batch's mode, rows and host lengths: ``ForwardBatch.init_new``)."""
-    mode = batch.forward_mode
-    if mode.is_idle():
-        return "idle"
-    return "decode" if mode.is_decode() else "extend"
-
-
-def batch_rows(batch) -> torch.Tensor:
-    """[B] the batch's req_to_token rows (device)."""
-    return batch.req_pool_indices
-
-
-def positions(forward_batch) -> torch.Tensor:
-    return forward_batch.positions
-
-
-def set_positions(forward_batch, value: torch.Tensor) -> None:
-    forward_batch.positions = value
-
-
-@contextlib.contextmanager
-def kv_writes_to(forward_batch, slots: torch.Tensor):
-    """The forward's ``out_cache_loc`` is ``slots`` for the duration (the recompute pass's
-    attention call sees the window's real slots)."""
-    saved, forward_batch.out_cache_loc = forward_batch.out_cache_loc, slots
-    try:
-        yield
-    finally:
-        forward_batch.out_cache_loc = saved
-
-
 def attention_layer(layer) -> int:
     """The layer_id of a RadixAttention layer (its heads and head dim: SchedulerParts)."""
     return layer.layer_id
@@ -1021,28 +888,6 @@ class SchedulerParts:
             extend.device_seq_lens,
         )
 
-    def run_eager(self, batch, stop) -> None:
-        """One forward of ``batch``, an extend over rows whose K/V are cached, outside any CUDA
-        graph (SGLang without the series: with it, ``run_cached_extend``): the prefill graph
-        runner held back (a replayed graph would never call the attention
-        hook, and was recorded with K/V writes on); the forward ended early by ``stop`` (an
-        exception the attention hook raises once the pass has what it needs)."""
-        runner = self.model_runner
-        graphs, runner.prefill_cuda_graph_runner = (
-            runner.prefill_cuda_graph_runner,
-            None,
-        )
-        try:
-            forward_batch = ForwardBatch.init_new(
-                batch, runner, return_hidden_states_before_norm=False
-            )
-            with torch.inference_mode():
-                runner.forward(forward_batch)
-        except stop:
-            pass
-        finally:
-            runner.prefill_cuda_graph_runner = graphs
-
     def position_offsets(self) -> torch.Tensor:
         """[rows] int64: SGLang's per-row position offsets, which ForwardBatch.init_new adds to
         every forward's positions (patches/upstream 0008)."""
@@ -1096,30 +941,9 @@ def shutdown_engine(engine) -> None:
     engine.shutdown()
 
 
-def release_loop_tasks(engine) -> None:
-    """Cancel a shut-down Engine's TokenizerManager tasks left on the process's event loop."""
-    manager = getattr(engine, "tokenizer_manager", None)
-    tasks = [t for t in getattr(manager, "asyncio_tasks", ()) if not t.done()]
-    for task in tasks:
-        task.cancel()
-    loop = getattr(engine, "loop", None)
-    if tasks and loop is not None and not loop.is_running() and not loop.is_closed():
-        import asyncio
-
-        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-    if manager is not None:
-        manager.asyncio_tasks.clear()
-        manager.event_loop = None
-
-
 def dp_rank() -> int | None:
     """This scheduler's data-parallel rank (None: one replica)."""
     return get_parallel().dp_rank
-
-
-def add_internal_state(result, key: str, value) -> None:
-    """An entry of this scheduler's /server_info internal state."""
-    result.internal_state[key] = value
 
 
 def scheduler_trace(scheduler, batch) -> dict:

@@ -62,9 +62,9 @@ def release_loop_tasks(engine) -> None:
     the same process runs them; one that raised would reach ``print_exception_wrapper``, which
     kills the whole process tree.
     """
-    from sgl_kara import _sglang as adapter
+    from sgl_kara import backends
 
-    adapter.release_loop_tasks(engine)
+    backends.current().release_loop_tasks(engine)
 
 
 def shutdown_cleanly(engine, shutdown=None) -> None:

@@ -217,10 +217,10 @@ def _kara_state_hook(result, scheduler, recv_req):
     (one entry per --dp-size replica)."""
     rt = _active()
     if rt is not None:
-        from sgl_kara import _sglang as adapter
+        from sgl_kara import backends
         from sgl_kara.scheduler.kara_scheduler import replica_stats
 
-        adapter.add_internal_state(result, "kara", replica_stats(rt))
+        backends.current().add_internal_state(result, "kara", replica_stats(rt))
     return result
 
 
@@ -334,9 +334,9 @@ def _verify_hook(result, sampling_params, *args, **kwargs):
 def _validate_input_ids_hook(result, manager, obj, input_ids, *args, **kwargs):
     """TokenizerManager._validate_one_request: out-of-vocabulary ids would crash the scheduler
     (embedding IndexError, whole server down); reject them with a 400 instead."""
-    from sgl_kara import _sglang as adapter
+    from sgl_kara import backends
 
-    vocab = adapter.vocab_size(manager)
+    vocab = backends.current().vocab_size(manager)
     if input_ids and not all(isinstance(t, int) and 0 <= t < vocab for t in input_ids):
         bad = next(t for t in input_ids if not (isinstance(t, int) and 0 <= t < vocab))
         raise ValueError(

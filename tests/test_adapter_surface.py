@@ -1,7 +1,8 @@
 """The SGLang surface the package touches, derived from its code (AST) and held to what the
 adapters declare (sgl_kara/_sglang.py for the core, sgl_kara/cpu/_sglang.py for the CPU kit).
 
-The core is derived by object: in its adapter every attribute read or written on an SGLang object
+The core's adapter is ``_sglang.py`` with the hooked backend (``backends/hooked.py``: what only
+plain SGLang needs). The core is derived by object: in its adapter every attribute read or written on an SGLang object
 counts -- a variable named for one (``req``, ``batch``, ``scheduler``, ...; every adapter
 function names its parameters so), an attribute whose value is one (``req.kv``,
 ``scheduler.tree_cache``, SchedulerParts' ``self.allocator``), a class imported from SGLang
@@ -38,6 +39,7 @@ import sgl_kara
 
 ROOT = Path(sgl_kara.__file__).parent
 CORE_ADAPTER = ROOT / "_sglang.py"
+HOOKED = ROOT / "backends" / "hooked.py"  # the hooked side's part of the core's adapter
 KIT_ADAPTER = ROOT / "cpu" / "_sglang.py"
 # Private attributes written on SGLang objects (by the CPU kit only), each with its note.
 PRIVATE_WRITES = {
@@ -117,7 +119,7 @@ def _core_modules():
     return [
         p
         for p in _modules()
-        if p != CORE_ADAPTER and "cpu" not in p.relative_to(ROOT).parts
+        if p not in (CORE_ADAPTER, HOOKED) and "cpu" not in p.relative_to(ROOT).parts
     ]
 
 
@@ -174,9 +176,9 @@ def _reflective(node) -> tuple[ast.AST, str] | None:
     return None
 
 
-def core_touches() -> dict[str, set[int]]:
-    """Every SGLang attribute name the core's adapter touches -> its lines."""
-    tree = ast.parse(CORE_ADAPTER.read_text())
+def core_touches(path: Path = CORE_ADAPTER) -> dict[str, set[int]]:
+    """Every SGLang attribute name a file of the core's adapter touches -> its lines."""
+    tree = ast.parse(path.read_text())
     objects, functions = _sglang_imports(tree)
     out: dict[str, set[int]] = {}
     for node in ast.walk(tree):
@@ -205,6 +207,8 @@ def test_the_core_adapter_declares_exactly_what_it_touches(adapters):
     in SERVER_ARGS), and every declared runtime name is touched."""
     core, _ = adapters
     touched = core_touches()
+    for name, lines in core_touches(HOOKED).items():
+        touched.setdefault(name, set()).update(lines)
     assert {"kv_committed_len", "reqs", "seq_lens", "positions"} <= set(touched)
     declared = set().union(*_declared(core).values())
     missing = sorted(set(touched) - declared - set(core.SERVER_ARGS))
@@ -479,10 +483,11 @@ def test_no_private_sglang_attribute_is_written_outside_the_kit_or_without_its_n
 
 
 # ------------------------------------------------------------------ the size
-def _touches_by_function() -> dict[str, set[str]]:
-    """The SGLang names each function of the core's adapter touches ("" : module level)."""
-    tree = ast.parse(CORE_ADAPTER.read_text())
-    lines = core_touches()
+def _touches_by_function(path: Path = CORE_ADAPTER) -> dict[str, set[str]]:
+    """The SGLang names each function of a file of the core's adapter touches ("" : module
+    level)."""
+    tree = ast.parse(path.read_text())
+    lines = core_touches(path)
     by_line: dict[int, set[str]] = {}
     for name, lns in lines.items():
         for ln in lns:
@@ -499,42 +504,51 @@ def _touches_by_function() -> dict[str, set[str]]:
     return out
 
 
+def sides(core) -> dict[str, set[str]]:
+    """The names each side touches: on plain SGLang 0.5.23 every function of the adapter but an
+    extension point's, and the hooked backend; with the series applied the adapter alone."""
+    shared = _touches_by_function()
+    hooked = set().union(*_touches_by_function(HOOKED).values())
+    return {
+        "plain": set().union(
+            *(v for f, v in shared.items() if f not in core.EXTENSION_PATH), hooked
+        ),
+        "patched": set().union(*shared.values()),
+    }
+
+
 def surface(core) -> dict[str, int]:
     """The core's SGLang runtime-object names, counted per owner that declares them: all
-    declared; on plain SGLang 0.5.23 (what every function but an extension point's touches); with
-    the series applied (what every function but a hook's touches)."""
-    by_function = _touches_by_function()
+    declared, and each side's (``sides``)."""
     owners: dict[str, int] = {}
     for names in core.ATTRIBUTES.values():
         for n in names:
             owners[n] = owners.get(n, 0) + 1
-
-    def count(skip) -> int:
-        names = set().union(
-            *(v for f, v in by_function.items() if f not in skip), set()
-        )
-        return sum(owners.get(n, 0) for n in names)
-
-    return {
-        "declared": sum(owners.values()),
-        "plain": count(core.EXTENSION_PATH),
-        "patched": count(core.HOOK_PATH),
+    counts = {
+        side: sum(owners.get(n, 0) for n in names)
+        for side, names in sides(core).items()
     }
+    return {"declared": sum(owners.values()), **counts}
 
 
 def test_the_sides_of_the_touch_points_are_adapter_functions(adapters):
-    """HOOK_PATH / EXTENSION_PATH name functions of the adapter, each of a known touch point,
-    and every name an extension point's function touches is one its patch adds or one the
-    hook side touches too (nothing else of SGLang's is reached only through a patch)."""
+    """EXTENSION_PATH names functions of the adapter, each of a known touch point; the hooked
+    side's are the hooked backend's, which defines none of the adapter's names."""
     core, _ = adapters
-    defined = {
-        n.name
-        for n in ast.walk(ast.parse(CORE_ADAPTER.read_text()))
-        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-    }
-    for side in (core.HOOK_PATH, core.EXTENSION_PATH):
-        assert set(side) <= defined, set(side) - defined
-        assert set(side.values()) <= set(core.EXTENSION_POINTS), side
+
+    def defined(path):
+        return {
+            n.name
+            for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+        }
+
+    side = core.EXTENSION_PATH
+    assert set(side) <= defined(CORE_ADAPTER), set(side) - defined(CORE_ADAPTER)
+    assert set(side.values()) <= set(core.EXTENSION_POINTS), side
+    assert "recompute_batch" in defined(HOOKED) and "recompute_batch" not in defined(
+        CORE_ADAPTER
+    )
     sizes = surface(core)
     assert sizes["plain"] <= sizes["declared"] and sizes["patched"] <= sizes["declared"]
     by_function = _touches_by_function()
@@ -575,11 +589,7 @@ def test_the_core_surface_is_counted_and_every_name_declared(adapters, capsys):
             f"{sizes['plain']} on plain SGLang 0.5.23, {sizes['patched']} with the series"
         )
     declared = set().union(*_declared(core).values()) | set(core.SERVER_ARGS)
-    by_function = _touches_by_function()
-    for side, skip in (("plain", core.EXTENSION_PATH), ("patched", core.HOOK_PATH)):
-        touched = set().union(
-            *(names for f, names in by_function.items() if f not in skip)
-        )
+    for side, touched in sides(core).items():
         assert touched, side
         assert touched <= declared, (side, sorted(touched - declared))
     assert all(sizes.values()), sizes

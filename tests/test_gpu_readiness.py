@@ -137,6 +137,18 @@ def _real_request(row: int, length: int, prompt: int = 8):
     return req
 
 
+def _FakeRunnerHooks():
+    """The hooked backend with the recompute forward handed to the fake model runner."""
+    from sgl_kara.backends.hooked import Hooks
+
+    class FakeRunnerHooks(Hooks):
+        @staticmethod
+        def run_eager(model_runner, batch, stop):
+            model_runner.run_eager(batch, stop)
+
+    return FakeRunnerHooks()
+
+
 def test_recompute_pass_writes_no_kv_with_fused_rope_write(sglang_context):
     """SGLang's ScheduleBatch (init_new) and ForwardBatch over real requests: each layer's fused
     write lands in the padding slot; the window's K/V bytes (and every other real slot's) are
@@ -166,7 +178,7 @@ def test_recompute_pass_writes_no_kv_with_fused_rope_write(sglang_context):
     )
     parts = types.SimpleNamespace(
         scheduler=scheduler,
-        run_eager=mr.run_eager,
+        model_runner=mr,
         req_to_token=req_to_token,
         keys=pool.get_key_buffer,
         layer_ids=list(range(LAYERS)),
@@ -180,7 +192,11 @@ def test_recompute_pass_writes_no_kv_with_fused_rope_write(sglang_context):
     rows = torch.tensor([1, 2])
     region = req_to_token[rows[:, None], 8 + torch.arange(12)].to(torch.int64)
     before = [t.clone() for t in pool.k + pool.v]
-    scorer = Scorer(StepShared(policy, parts, DeviceStaging("cpu")), ctx, None)
+    scorer = Scorer(
+        StepShared(policy, parts, DeviceStaging("cpu"), backend=_FakeRunnerHooks()),
+        ctx,
+        None,
+    )
     scores = scorer._recompute_scores(jobs, rows, region, [8, 8], 16)
     (batch,) = mr.batches
     assert isinstance(batch, ScheduleBatch) and batch.forward_mode.is_extend()

@@ -1,9 +1,9 @@
 """The package's structure: imports only point down the layers; the core never imports the CPU
-serving kit; only sgl_kara/_sglang.py (the core) and sgl_kara/cpu/_sglang.py (the kit) import
-SGLang; every SGLang touch point named there still exists in the installed SGLang, and every
-SGLang callable sgl_kara hooks or overrides has the signature recorded there, which its hook or
-override follows (a version bump fails here first, fast, instead of deep inside a scheduler
-process).
+serving kit; only sgl_kara/_sglang.py and sgl_kara/backends/hooked.py (the core's adapter and its
+backend for SGLang without the series) and sgl_kara/cpu/_sglang.py (the kit) import SGLang; every
+SGLang touch point named there still exists in the installed SGLang, and every SGLang callable
+sgl_kara hooks or overrides has the signature recorded there, which its hook or override follows
+(a version bump fails here first, fast, instead of deep inside a scheduler process).
 
     wiring      launch_server, engine, plugin, server_setup           may import anything below
     cpu         the CPU serving kit                                    the core but its scheduler; no wiring
@@ -33,7 +33,7 @@ import sgl_kara
 from sgl_kara._sglang import signature_text  # the form the adapters record
 
 ROOT = Path(sgl_kara.__file__).parent
-ADAPTERS = ("_sglang.py", "cpu/_sglang.py")
+ADAPTERS = ("_sglang.py", "backends/hooked.py", "cpu/_sglang.py")
 CORE = (
     "kernels",
     "policies",

@@ -23,7 +23,9 @@ What differs between the two, and nothing else of Kara does:
 ``choose`` is called by the start-up checks (server_setup.check_sglang: the launcher,
 ``sgl_kara.Engine``, Kara's scheduler process) and ``current`` returns it from then on; a module
 imported without those (a test, a plugin in a tokenizer process) chooses on first use. The hooked
-implementation is imported only where SGLang has none of the series.
+implementation is imported only where SGLang has none of the series; it is also the one module
+besides the adapter that reads SGLang's internals (what its hooks read and write of a forward, the
+recompute batch it builds and runs itself), so nothing of plain 0.5.23's path sits in the adapter.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 
-from sgl_kara import _sglang as adapter
+from sgl_kara import backends
 
 
 def make_prefill_adder(base, charge, asks: bool = False):
@@ -65,5 +65,5 @@ def presented(req, charge, running: bool):
     if value is None:
         yield
         return
-    with adapter.max_new_tokens_as(req, value):
+    with backends.current().max_new_tokens_as(req, value):
         yield

@@ -39,6 +39,7 @@ import contextlib
 import torch
 
 from sgl_kara import _sglang as adapter
+from sgl_kara import backends
 from sgl_kara.policies.base import ObserveInput
 from sgl_kara.scheduler.recompute import ScoringComplete
 
@@ -114,32 +115,34 @@ class ForwardContext:
 
     # -- hooks ----------------------------------------------------------------------------
     def on_forward_batch(self, batch, forward_batch) -> None:
+        """The init_new hook's: what the hooked backend reads and writes of the forward."""
+        hooks = backends.current()
         self.capture = self.observed = self.kind = None
         if self.scoring is not None and batch is self.scoring_batch:
             self.kind = "recompute"
-            pos = adapter.positions(forward_batch)
-            adapter.set_positions(forward_batch, self.scoring.positions.to(pos.dtype))
+            pos = hooks.positions(forward_batch)
+            hooks.set_positions(forward_batch, self.scoring.positions.to(pos.dtype))
             return
         reqs = adapter.batch_requests(batch)
         if not reqs:
             return
-        kind = self.kind = adapter.batch_kind(batch)
+        kind = self.kind = hooks.batch_kind(batch)
         if kind == "idle":
             return
         states = [self.table.get(r) for r in reqs]
         if kind == "decode":
-            rows = adapter.batch_rows(batch).to(torch.int64)
+            rows = hooks.batch_rows(batch).to(torch.int64)
             if len(reqs) != rows.shape[0]:
                 # Extra decode rows (beam search: refused per request, a 400).
                 assert not any(s is not None and s.pos_offset for s in states), (
                     "Kara offsets with extra decode rows"
                 )
                 return
-            pos = adapter.positions(forward_batch)
+            pos = hooks.positions(forward_batch)
             if not self.sglang_offsets:
                 pos = pos + self.offsets[rows].to(pos.dtype)
-                adapter.set_positions(forward_batch, pos)
-            self._decode_side_data(rows, pos, adapter.host_lengths(batch), states)
+                hooks.set_positions(forward_batch, pos)
+            self._decode_side_data(rows, pos, hooks.host_lengths(batch), states)
         else:
             # Only requests never compressed (or reset by retraction) are ever extended.
             assert not any(s is not None and s.pos_offset for s in states), (
@@ -237,7 +240,7 @@ class ForwardContext:
             # The attention itself sees the window's real slots (a backend that reads the
             # extend tokens' K/V back from the pool finds them there); the rest of the layer,
             # a fused RoPE + KV write included, sees the scratch slot (recompute.py).
-            with adapter.kv_writes_to(forward_batch, scoring.window_slots):
+            with backends.current().kv_writes_to(forward_batch, scoring.window_slots):
                 return original(layer, q, k, v, forward_batch, False)
         out = original(layer, q, k, v, forward_batch, save_kv_cache)
         if self.kind == "decode":

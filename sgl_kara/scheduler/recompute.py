@@ -3,8 +3,8 @@
 An EXTEND forward over the requests' real rows: prefix = rows [0, q_lo), extend = the ``n`` query
 tokens whose K/V are already cached at rows [q_lo, q_lo + n), positions logical (row + the
 request's pos_offset). The batch is built by SGLang's own ``ScheduleBatch.init_new``
-(_sglang.recompute_batch). The attention hook (forward.py) hands each layer's queries to the
-scoring pass, forces ``save_kv_cache=False`` and, once the last layer's queries are scored,
+(backends/hooked.py, Hooks.recompute_batch). The attention hook (forward.py) hands each layer's
+queries to the scoring pass, forces ``save_kv_cache=False`` and, once the last layer's queries are scored,
 raises ``ScoringComplete``: the forward stops there (that layer's attention and MLP, the final
 norm and the logits feed no score).
 

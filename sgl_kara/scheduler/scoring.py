@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from sgl_kara import _sglang as adapter
 from sgl_kara.policies.base import ScoreInput
 from sgl_kara.scheduler.recompute import ScoringComplete, extend_rows
 
@@ -107,6 +106,7 @@ class Scorer:
         self.forward = forward
         # SGLang builds and runs the recompute forward itself (patches/upstream 0008) where
         # its observers see the queries and the extend writes no K/V (0006, 0007)
+        self.backend = shared.backend
         self.sglang_runs_recompute = shared.backend.runs_recompute
         # recompute forwards run, by who built them (/server_info)
         self.forwards = {"sglang": 0, "sgl_kara": 0}
@@ -234,6 +234,6 @@ class Scorer:
                 self.parts.run_cached_extend(extend)
             return
         self.forwards["sgl_kara"] += 1
-        batch = adapter.recompute_batch(self.parts.scheduler, extend)
+        batch = self.backend.recompute_batch(self.parts.scheduler, extend)
         with self.forward.scoring_pass(scoring, batch):
-            self.parts.run_eager(batch, ScoringComplete)
+            self.backend.run_eager(self.parts.model_runner, batch, ScoringComplete)
