@@ -168,31 +168,14 @@ def _rows(policy, tags, p=40, extra=(0, 70)):
     return rows
 
 
-def test_together_serves_each_request_as_its_variant_alone(variants):
-    """Kara, kara_redundancy and kara_global requests in one batch: each one's region and score
-    are those of an engine of its own variant, and its K is Kara's at r."""
+def _scores_as_alone(pol, alone, rows, regions, tags, g):
+    """Score the requests one batch per region shape, as the runtime batches them (some batch
+    mixing tags), and check each request's scores against ``alone[its tag]`` scoring it by
+    itself. Returns the batches (lists of request indices)."""
     from sgl_kara.policies.base import ScoreInput
-    from sgl_kara.policies.kara import KaraOptions, KaraPolicy
 
-    *_, tg = variants
-    opts = dict(window=64, buffer=8, retention=0.2, period=8)
-    pol = base.policy_class("kara_together")(
-        tg.TogetherOptions(**opts, variants="kara_redundancy,kara_global")
-    )
-    alone = [KaraPolicy(KaraOptions(**opts))] + [
-        base.policy_class(n)(base.policy_class(n).Options(**opts))
-        for n in ("kara_redundancy", "kara_global")
-    ]
-    g = torch.Generator().manual_seed(0)
     s, h_kv, h_q, d = 400, 2, 4, 16
     k_buffer = torch.randn(s, h_kv, d, generator=g)
-    tags = [0, 1, 2, 1, 0, 2]
-    rows = _rows(pol, tags)
-    regions = [pol.region(r) for r in rows]
-    for r, t, reg in zip(rows, tags, regions):
-        assert reg == alone[t].region(r)
-        assert reg.length - reg.keep == 56 - alone[0].options.kept_per_window
-    # one batch per region shape, as the runtime batches them
     shapes = {}
     for b, reg in enumerate(regions):
         shapes.setdefault(reg.shape, []).append(b)
@@ -201,15 +184,8 @@ def test_together_serves_each_request_as_its_variant_alone(variants):
         m, _, q = regions[idx[0]].shape
         slots = torch.stack([torch.randperm(s, generator=g)[:m] for _ in idx])
         queries = torch.randn(len(idx), q, h_q, d, generator=g)
-        inp = ScoreInput(
-            0,
-            queries,
-            k_buffer,
-            slots,
-            [rows[b] for b in idx],
-            [regions[b] for b in idx],
-        )
-        got = pol.score(inp)
+        rows_b, regs = [rows[b] for b in idx], [regions[b] for b in idx]
+        got = pol.score(ScoreInput(0, queries, k_buffer, slots, rows_b, regs))
         for n, b in enumerate(idx):
             one = ScoreInput(
                 0,
@@ -221,8 +197,33 @@ def test_together_serves_each_request_as_its_variant_alone(variants):
             )
             want = alone[tags[b]].score(one)
             assert torch.allclose(got[n : n + 1], want, rtol=1e-6, atol=1e-7)
-        keep = regions[idx[0]].keep
-        sel = torch.rand(len(idx), 2, h_kv, m, generator=g)
+    return list(shapes.values())
+
+
+def test_together_serves_each_request_as_its_variant_alone(variants):
+    """Kara, kara_redundancy and kara_global requests in one batch: each one's region and score
+    are those of an engine of its own variant, and its K is Kara's at r."""
+    from sgl_kara.policies.kara import KaraOptions, KaraPolicy
+
+    *_, tg = variants
+    opts = dict(window=64, buffer=8, retention=0.2, period=8)
+    pol = base.policy_class("kara_together")(
+        tg.TogetherOptions(**opts, variants="kara_redundancy,kara_global")
+    )
+    alone = [KaraPolicy(KaraOptions(**opts))] + [
+        base.policy_class(n)(base.policy_class(n).Options(**opts))
+        for n in ("kara_redundancy", "kara_global")
+    ]
+    tags = [0, 1, 2, 1, 0, 2]
+    rows = _rows(pol, tags)
+    regions = [pol.region(r) for r in rows]
+    for r, t, reg in zip(rows, tags, regions):
+        assert reg == alone[t].region(r)
+        assert reg.length - reg.keep == 56 - alone[0].options.kept_per_window
+    g = torch.Generator().manual_seed(0)
+    for idx in _scores_as_alone(pol, alone, rows, regions, tags, g):
+        m, keep = regions[idx[0]].shape[0], regions[idx[0]].keep
+        sel = torch.rand(len(idx), 2, 2, m, generator=g)
         assert torch.equal(pol.select(sel, keep), alone[0].select(sel, keep))
 
 
@@ -270,7 +271,6 @@ def test_threshold_together_serves_each_request_as_its_baseline_alone(variants):
     """R-KV and SnapKV requests matched to Kara in one batch: each one's region and score are
     those of an engine of its own baseline (its window min(its default, the engine's)), and its
     kept rows are Kara's target whatever its tag."""
-    from sgl_kara.policies.base import ScoreInput
     from sgl_kara.policies.threshold import target
 
     *_, tg = variants
@@ -292,31 +292,7 @@ def test_threshold_together_serves_each_request_as_its_baseline_alone(variants):
         assert reg == alone[t].region(r)
         assert reg.start + reg.keep + 8 == r.protected + target(r)
     assert target(rows[0]) == target(_matched_rows([0])[0]) == target(rows[4])
-    g = torch.Generator().manual_seed(1)
-    s, h_kv, h_q, d = 400, 2, 4, 16
-    k_buffer = torch.randn(s, h_kv, d, generator=g)
-    shapes = {}
-    for b, reg in enumerate(regions):
-        shapes.setdefault(reg.shape, []).append(b)
-    assert any(len({tags[b] for b in idx}) > 1 for idx in shapes.values())
-    for idx in shapes.values():
-        m, _, q = regions[idx[0]].shape
-        slots = torch.stack([torch.randperm(s, generator=g)[:m] for _ in idx])
-        queries = torch.randn(len(idx), q, h_q, d, generator=g)
-        rows_b = [rows[b] for b in idx]
-        regs = [regions[b] for b in idx]
-        got = pol.score(ScoreInput(0, queries, k_buffer, slots, rows_b, regs))
-        for n, b in enumerate(idx):
-            one = ScoreInput(
-                0,
-                queries[n : n + 1],
-                k_buffer,
-                slots[n : n + 1],
-                [rows[b]],
-                [regions[b]],
-            )
-            want = alone[tags[b]].score(one)
-            assert torch.allclose(got[n : n + 1], want, rtol=1e-6, atol=1e-7)
+    _scores_as_alone(pol, alone, rows, regions, tags, torch.Generator().manual_seed(1))
     # R-KV's default window is 8: with the engine's window 32 it keeps its own 8
     wide = base.policy_class("threshold_together")(
         tg.ThresholdTogetherOptions(
