@@ -186,6 +186,16 @@ def test_regrade_reads_the_questions_from_the_workload_file(tmp_path):
     with gzip.open(tmp_path / "workload-independent.json.gz", "wt") as f:
         json.dump(reqs, f)
     assert long_answers.asked_requests(str(tmp_path)) == {(0, 1): questions}
+    # a run checked against this one shares its workload by a pointer, a changed one keeps a copy
+    later, other = tmp_path / "later", tmp_path / "other"
+    later.mkdir(), other.mkdir()
+    long_answers.write_workload(str(later), "independent", reqs, str(tmp_path))
+    assert sorted(os.listdir(later)) == ["workload-independent.same-as"]
+    assert long_answers.asked_requests(str(later)) == {(0, 1): questions}
+    changed = [reqs[0][::-1]]
+    long_answers.write_workload(str(other), "independent", changed, str(later))
+    assert sorted(os.listdir(other)) == ["workload-independent.json.gz"]
+    assert long_answers.asked_requests(str(other)) == {(1, 0): questions[::-1]}
     text = (
         f"Problem 1:\n{questions[1]} Half: \\boxed{{6}}\n"
         f"Problem 2:\n{questions[0]} Sum: \\boxed{{7}}\n"

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import gzip
 import hashlib
@@ -654,15 +655,54 @@ def _items_of(r: dict) -> list[dict]:
     return items
 
 
+def workload_file(out: str, name: str) -> str | None:
+    """OUT's workload as asked (``workload-NAME.json.gz``), or, where OUT shares an earlier run's,
+    the file its ``workload-NAME.same-as`` names (that run's directory, relative to OUT); None
+    where OUT has neither."""
+    path = os.path.join(out, f"workload-{name}.json.gz")
+    if os.path.exists(path):
+        return path
+    pointer = os.path.join(out, f"workload-{name}.same-as")
+    if not os.path.exists(pointer):
+        return None
+    with open(pointer) as fh:
+        return workload_file(
+            os.path.normpath(os.path.join(out, fh.read().strip())), name
+        )
+
+
+def write_workload(out: str, name: str, requests: list, shared: str | None) -> None:
+    """Store the problems as asked (golds included) in OUT; where ``shared`` (a run this one is
+    checked against) stored the same problems, a pointer to its file instead of a copy."""
+    source = workload_file(shared, name) if shared else None
+    if source is not None:
+        with gzip.open(source, "rt") as fh:
+            same = json.load(fh) == json.loads(json.dumps(requests))
+        if same:
+            with open(os.path.join(out, f"workload-{name}.same-as"), "w") as fh:
+                fh.write(os.path.relpath(os.path.dirname(source), out) + "\n")
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(out, f"workload-{name}.json.gz"))
+            return
+    with gzip.open(os.path.join(out, f"workload-{name}.json.gz"), "wt") as fh:
+        json.dump(requests, fh)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(out, f"workload-{name}.same-as"))
+
+
 def asked_requests(out: str) -> dict[tuple, list[str]]:
-    """The questions as asked, by the problem ids of their request (OUT/workload-*.json.gz);
-    empty where OUT holds no workload file."""
+    """The questions as asked, by the problem ids of their request (OUT's workload files, or
+    those their pointers name: workload_file); empty where OUT holds none."""
     asked = {}
-    for fname in sorted(os.listdir(out)):
-        if fname.startswith("workload-") and fname.endswith(".json.gz"):
-            with gzip.open(os.path.join(out, fname), "rt") as fh:
-                for req in json.load(fh):
-                    asked[tuple(p["id"] for p in req)] = [p["question"] for p in req]
+    names = {
+        f.removeprefix("workload-").split(".")[0]
+        for f in os.listdir(out)
+        if f.startswith("workload-") and f.endswith((".json.gz", ".same-as"))
+    }
+    for name in sorted(names):
+        with gzip.open(workload_file(out, name), "rt") as fh:
+            for req in json.load(fh):
+                asked[tuple(p["id"] for p in req)] = [p["question"] for p in req]
     return asked
 
 
@@ -1257,10 +1297,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.max_total_tokens = (
             args.max_running * (max(map(len, prompts)) + args.max_new_tokens) + 256
         )
-    with gzip.open(
-        os.path.join(args.out, f"workload-{args.workload}.json.gz"), "wt"
-    ) as fh:
-        json.dump(requests, fh)  # the problems as asked, golds included
+    write_workload(args.out, args.workload, requests, args.check_from)
     ratios = args.ratios or [args.ratio]
     pending = [
         c for c in args.configs for r in ratios if not done_earlier(c, args_at(args, r))
