@@ -26,6 +26,24 @@ from sgl_kara.scheduler.state import KaraReqState
 POLICIES = base.names()
 
 
+def test_the_contract_is_as_small_as_a_press():
+    """A policy implements at most six methods of the base (``region``, ``score``, ``select`` and
+    three optional ones), and the smallest shipped policy, StreamingLLM, is one file of at most 60
+    lines."""
+    import inspect
+    from pathlib import Path
+
+    methods = [
+        name
+        for name, member in vars(base.Policy).items()
+        if inspect.isfunction(member) and not name.startswith("__")
+    ]
+    assert {"region", "score", "select"} <= set(methods) and len(methods) <= 6, methods
+    streaming = Path(inspect.getfile(base.policy_class("streaming")))
+    assert streaming.name == "streaming.py"
+    assert len(streaming.read_text().splitlines()) <= 60
+
+
 def test_registry_names_every_policy_and_refuses_unknown_ones():
     assert {"kara", "snapkv", "streaming"} <= set(POLICIES)
     with pytest.raises(ValueError, match="known: " + ", ".join(POLICIES)):
