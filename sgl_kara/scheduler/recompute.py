@@ -4,9 +4,9 @@ An EXTEND forward over the requests' real rows: prefix = rows [0, q_lo), extend 
 tokens whose K/V are already cached at rows [q_lo, q_lo + n), positions logical (row + the
 request's pos_offset). The batch is built by SGLang's own ``ScheduleBatch.init_new``
 (backends/hooked.py, Hooks.recompute_batch). The attention hook (forward.py) hands each layer's
-queries to the scoring pass, forces ``save_kv_cache=False`` and, once the last layer's queries are scored,
-raises ``ScoringComplete``: the forward stops there (that layer's attention and MLP, the final
-norm and the logits feed no score).
+queries to the scoring pass, forces ``save_kv_cache=False`` and, once the last layer's queries
+are scored, raises ``ScoringComplete``: the forward stops there (that layer's attention and MLP,
+the final norm and the logits feed no score).
 
 Models that write K/V inside RoPE (SGLang's ``enable_fused_set_kv_buffer``: CUDA with a bf16
 pool) ignore ``save_kv_cache``, so the batch's ``out_cache_loc`` is SGLang's padding slot 0
