@@ -156,13 +156,14 @@ def test_global_region_widens_kara_window_to_every_generated_row(variants):
 def _rows(policy, tags, p=40, extra=(0, 70)):
     """RowViews of requests due now, request i naming variant ``tags[i]`` by its retention;
     window-aligned frontiers with 0 or 3 windows compressed before."""
+    from bench.policies.kara_together import retention_of
     from sgl_kara.policies.base import RowView
 
     o = policy.options
     rows = []
     for i, tag in enumerate(tags):
         st = _State()
-        st.request["retention"] = policy.retention_of(o.retention, tag)
+        st.request["retention"] = retention_of(o.retention, tag, o.compressible)
         f = p + (3 * o.kept_per_window if i % 2 else 0)
         rows.append(RowView(p, f, f + o.window + extra[i % 2], 0, st))
     return rows
@@ -235,9 +236,13 @@ def test_together_refuses_what_cannot_share_karas_engine(variants):
         with pytest.raises(OptionError) as e:
             cls(tg.TogetherOptions(**opts, variants=names))
         assert e.value.field == "variants", names
-    # 0.25 keeps 14 of 56 rows; its tag 1 (0.2501) would keep 15
+    # W 2000, U 32, r 0.2: K = ceil(393.6) = 394; four tags above reach 393.68 + 0.79 > 394
+    # and four below 393.6 - 0.79 < 393, so no direction keeps K
     with pytest.raises(OptionError) as e:
-        tg.TogetherOptions(**dict(opts, retention=0.25), variants="kara_global")
+        tg.TogetherOptions(
+            **dict(opts, window=2000, buffer=32, period=32, retention=0.2),
+            variants="kara_global,kara_redundancy,kara_global,kara_redundancy",
+        )
     assert "changes K" in str(e.value)
     # a retention with a fourth decimal cannot carry tags
     with pytest.raises(OptionError, match="multiple of 0.001"):
@@ -251,6 +256,30 @@ def test_together_refuses_what_cannot_share_karas_engine(variants):
         pol.region(RowView(40, 40, 40 + 64, 0, st))
 
 
+def test_tags_step_below_r_where_a_tag_above_would_change_k(variants):
+    """r (W - U) a whole number (0.25 of 56 keeps 14, 0.4 of 480 keeps 192): a tag above r would
+    keep one more, so the tags name r - i * TAG; otherwise they name r + i * TAG."""
+    from sgl_kara.policies.kara import kept_count
+
+    *_, tg = variants
+    for compressible, r, down in ((56, 0.25, True), (480, 0.4, True), (56, 0.2, False)):
+        tg.check_tags(compressible, r, 3, "")
+        for tag in range(3):
+            named = tg.retention_of(r, tag, compressible)
+            assert named == round(r + (-tag if down else tag) * tg.TAG, 6)
+            assert tg.tag_of(named) == tag
+            assert kept_count(compressible, named) == kept_count(compressible, r)
+    opts = dict(window=64, buffer=8, retention=0.25, period=8)
+    pol = base.policy_class("kara_together")(
+        tg.TogetherOptions(**opts, variants="kara_global")
+    )
+    from sgl_kara.policies.base import RowView
+
+    st = _State()
+    st.request["retention"] = 0.2499
+    assert pol.chosen(RowView(40, 40, 40 + 64, 0, st)) is pol.variants[1]
+
+
 def _matched_rows(tags, p=40):
     """RowViews of threshold requests matched to Kara (W 64, U 8, r 0.2, delta 8), request i
     naming baseline ``tags[i]`` by its match_kara retention, each past Kara's target."""
@@ -260,7 +289,7 @@ def _matched_rows(tags, p=40):
     rows = []
     for i, tag in enumerate(tags):
         st = _State()
-        spec = dict(window=64, buffer=8, retention=retention_of(0.2, tag), period=8)
+        spec = dict(window=64, buffer=8, retention=retention_of(0.2, tag, 56), period=8)
         st.request["match_kara"] = dict(spec, recent=0)
         length = p + 120 + 7 * (i % 2)
         rows.append(RowView(p, p + 20, length, 0, st))

@@ -747,11 +747,7 @@ def test_together_answers_threshold_baselines_in_one_engine(tmp_path, monkeypatc
             ["--configs", "kara", "rkv"],
             [
                 "--ratio",
-                "0.25",
-                "--window",
-                "64",
-                "--buffer",
-                "8",
+                "0.2005",  # no room for tags below 0.001
                 "--configs",
                 "rkv",
                 "snapkv",

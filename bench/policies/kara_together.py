@@ -9,7 +9,8 @@ Why
     (policies/threshold.py) with the region and score of the baseline each request names.
 
 How a request names its variant
-    By the digit its Kara retention carries below 0.001: r + i * TAG names variant i, for r a
+    By the digit its Kara retention carries below 0.001: r + i * TAG names variant i (r - i * TAG
+    where a tag above r would change K, as when r (W - U) is a whole number), for r a
     multiple of 0.001 (``retention`` for kara_together: 0 is Kara itself, 1... its ``variants``;
     ``match_kara.retention`` for threshold_together: 0... its ``variants``). K = ceil(r (W - U)) is
     the same at every tag (``check_tags``), and nothing else reads r, so each request keeps
@@ -57,22 +58,34 @@ TAG = 1e-4  # retention step between variants: far below 1 / (W - U) for any W <
 TAGS = 5  # tags 0..4 below each 0.001
 
 
-def retention_of(retention: float, tag: int) -> float:
+def step(compressible: int, retention: float) -> float:
+    """TAG, or -TAG where a tag above ``retention`` would change K = ceil(r (W - U)) (r (W - U)
+    a whole number or just below one)."""
+    k = kept_count(compressible, retention)
+    up = all(
+        retention + t * TAG <= 1.0
+        and kept_count(compressible, round(retention + t * TAG, 6)) == k
+        for t in range(TAGS)
+    )
+    return TAG if up else -TAG
+
+
+def retention_of(retention: float, tag: int, compressible: int) -> float:
     """The retention by which a request names variant ``tag`` (``retention``: a multiple of
-    0.001)."""
-    return round(retention + tag * TAG, 6)
+    0.001; ``compressible``: W - U)."""
+    return round(retention + tag * step(compressible, retention), 6)
 
 
 def tag_of(retention: float) -> int:
     """The variant a request's retention names; ValueError when it names none."""
     base = round(retention, 3)
-    tag = round((retention - base) / TAG)
-    if not 0 <= tag < TAGS or retention_of(base, tag) != round(retention, 6):
+    offset = round((retention - base) / TAG)
+    if abs(offset) >= TAGS or round(base + offset * TAG, 6) != round(retention, 6):
         raise ValueError(
-            f"retention {retention} names no variant (r + i * {TAG}, r a multiple of 0.001, "
+            f"retention {retention} names no variant (r +- i * {TAG}, r a multiple of 0.001, "
             f"i in [0, {TAGS - 1}])"
         )
-    return tag
+    return abs(offset)
 
 
 def check_tags(compressible: int, retention: float, tags: int, value) -> None:
@@ -86,9 +99,9 @@ def check_tags(compressible: int, retention: float, tags: int, value) -> None:
     )
     k = kept_count(compressible, retention)
     for tag in range(tags):
-        r = retention_of(retention, tag)
+        r = retention_of(retention, tag, compressible)
         need(
-            r <= 1.0 and kept_count(compressible, r) == k,
+            0.0 < r <= 1.0 and kept_count(compressible, r) == k,
             "variants",
             f"too many for retention {retention}: tag {tag} (r {r}) changes K = {k}",
             value,
@@ -196,7 +209,6 @@ class KaraTogetherPolicy(ByTag, KaraPolicy):
     prefix = "together_"
     Options = TogetherOptions
     additive = False  # a variant's score need not be
-    retention_of = staticmethod(retention_of)
 
     def __init__(self, options):
         super().__init__(options)

@@ -1222,7 +1222,8 @@ def together_options(args) -> tuple[dict, dict[str, dict]]:
         raise SystemExit(f"--together: {e}") from None
     per = {}
     for c in args.configs:
-        r = kt.retention_of(args.ratio, 0 if c == "kara" else first + variants.index(c))
+        tag = 0 if c == "kara" else first + variants.index(c)
+        r = kt.retention_of(args.ratio, tag, args.window - args.buffer)
         per[c] = {"retention": r} if first else {"match_kara": kara_schedule(args, r)}
     return opts, per
 
