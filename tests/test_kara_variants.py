@@ -259,6 +259,7 @@ def test_together_refuses_what_cannot_share_karas_engine(variants):
 def test_tags_step_below_r_where_a_tag_above_would_change_k(variants):
     """r (W - U) a whole number (0.25 of 56 keeps 14, 0.4 of 480 keeps 192): a tag above r would
     keep one more, so the tags name r - i * TAG; otherwise they name r + i * TAG."""
+    from sgl_kara.policies.base import RowView
     from sgl_kara.policies.kara import kept_count
 
     *_, tg = variants
@@ -273,8 +274,6 @@ def test_tags_step_below_r_where_a_tag_above_would_change_k(variants):
     pol = base.policy_class("kara_together")(
         tg.TogetherOptions(**opts, variants="kara_global")
     )
-    from sgl_kara.policies.base import RowView
-
     st = _State()
     st.request["retention"] = 0.2499
     assert pol.chosen(RowView(40, 40, 40 + 64, 0, st)) is pol.variants[1]

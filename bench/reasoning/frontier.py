@@ -25,6 +25,7 @@ OUT/frontier.png (accuracy against mean generated KV, a line per policy and wind
 from __future__ import annotations
 
 import argparse
+import io
 import os
 from dataclasses import dataclass, field
 
@@ -287,13 +288,14 @@ def plot(full: dict, table: list[dict], path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
     from PIL import Image  # matplotlib's own dependency
 
-    with Image.open(path) as im:  # 256 colours: half the bytes, the same plot
-        small = im.convert("RGB").quantize(colors=256)
-    small.save(path, optimize=True)
+    png.seek(0)
+    with Image.open(png) as im:  # a 256-colour palette: the same plot in fewer bytes
+        im.convert("RGB").quantize(colors=256).save(path, optimize=True)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
